@@ -1,0 +1,353 @@
+// Kernels for TfSync>DelayCompensate and TfSync>DelayCompensateAdaptive: the
+// first-order delay compensation of DC-ASGD (Zheng et al., ICML 2017), which the
+// DC-S3GD paper applies to the gradient computed while the previous allreduce ran:
+//   g~ = g + lambda * g (.) g (.) (w_now - w_stale)              (DC-ASGD-c)
+//   v  = m * v + (1 - m) * g (.) g;  lambda = lambda0 / sqrt(v + eps)  (DC-ASGD-a)
+// The op definitions are in ops/cc/ops/tfsync_ops.cc.
+//
+// Each is one fused pass over contiguous memory (3 reads + 1 write, or 4 reads + 2
+// writes with the state): the op is memory-bound, so the only things that matter
+// are touching each byte once, writing into the gradient's buffer when TensorFlow
+// lets us (forward_input), vectorized loops (__restrict__, no errno on sqrt), and
+// one large block per thread.
+#define EIGEN_USE_THREADS
+#if GOOGLE_CUDA
+#define EIGEN_USE_GPU
+#endif
+
+#include <cmath>
+#include <cstring>
+
+#include "kernels/cpu_parallel.h"
+#include "kernels/tfsync_kernels.h"
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/resource_mgr.h"
+#include "tensorflow/core/framework/resource_var.h"
+#include "tensorflow/core/framework/tensor.h"
+#include "tensorflow/core/framework/tensor_shape.h"
+#include "tensorflow/core/framework/types.h"
+
+namespace tfsync {
+namespace {
+
+using ::tensorflow::DataTypeString;
+using ::tensorflow::DataTypeToEnum;
+using ::tensorflow::OpKernel;
+using ::tensorflow::OpKernelConstruction;
+using ::tensorflow::OpKernelContext;
+using ::tensorflow::Tensor;
+using ::tensorflow::TensorShapeUtils;
+using ::tensorflow::Var;
+namespace errors = ::tensorflow::errors;
+using CPUDevice = Eigen::ThreadPoolDevice;
+#if GOOGLE_CUDA
+using GPUDevice = Eigen::GpuDevice;
+#endif
+
+// The sqrt in the adaptive loop cannot see a negative argument (v >= 0, eps > 0),
+// and without errno handling GCC vectorizes it to sqrtps.
+#if defined(__GNUC__) && !defined(__clang__)
+#define TFSYNC_VECTOR_MATH __attribute__((optimize("no-math-errno")))
+#else
+#define TFSYNC_VECTOR_MATH
+#endif
+
+// ---- CPU loops. Two variants each: out-of-place, and in place in the gradient's
+// buffer (when forwarded), so that __restrict__ is always truthful. ----
+
+template <typename T>
+void DelayCompensateLoop(const T* __restrict__ g, const T* __restrict__ w_now,
+                         const T* __restrict__ w_stale, typename Accumulator<T>::type lambda,
+                         T* __restrict__ out, int64_t n) {
+  using A = typename Accumulator<T>::type;
+  for (int64_t i = 0; i < n; ++i) {
+    const A gi = static_cast<A>(g[i]);
+    const A delta = static_cast<A>(w_now[i]) - static_cast<A>(w_stale[i]);
+    out[i] = static_cast<T>(gi + lambda * gi * gi * delta);
+  }
+}
+
+template <typename T>
+void DelayCompensateLoopInPlace(T* __restrict__ g, const T* __restrict__ w_now,
+                                const T* __restrict__ w_stale,
+                                typename Accumulator<T>::type lambda, int64_t n) {
+  using A = typename Accumulator<T>::type;
+  for (int64_t i = 0; i < n; ++i) {
+    const A gi = static_cast<A>(g[i]);
+    const A delta = static_cast<A>(w_now[i]) - static_cast<A>(w_stale[i]);
+    g[i] = static_cast<T>(gi + lambda * gi * gi * delta);
+  }
+}
+
+template <typename T>
+struct AdaptiveParams {
+  using A = typename Accumulator<T>::type;
+  A lambda0, momentum, one_minus_momentum, epsilon;
+};
+
+template <typename T>
+TFSYNC_VECTOR_MATH void AdaptiveLoop(const T* __restrict__ g, const T* __restrict__ w_now,
+                                     const T* __restrict__ w_stale,
+                                     typename Accumulator<T>::type* __restrict__ v,
+                                     AdaptiveParams<T> p, T* __restrict__ out, int64_t n) {
+  using A = typename Accumulator<T>::type;
+  for (int64_t i = 0; i < n; ++i) {
+    const A gi = static_cast<A>(g[i]);
+    const A gg = gi * gi;
+    const A vi = p.momentum * v[i] + p.one_minus_momentum * gg;
+    v[i] = vi;
+    const A delta = static_cast<A>(w_now[i]) - static_cast<A>(w_stale[i]);
+    out[i] = static_cast<T>(gi + p.lambda0 / std::sqrt(vi + p.epsilon) * gg * delta);
+  }
+}
+
+template <typename T>
+TFSYNC_VECTOR_MATH void AdaptiveLoopInPlace(T* __restrict__ g, const T* __restrict__ w_now,
+                                            const T* __restrict__ w_stale,
+                                            typename Accumulator<T>::type* __restrict__ v,
+                                            AdaptiveParams<T> p, int64_t n) {
+  using A = typename Accumulator<T>::type;
+  for (int64_t i = 0; i < n; ++i) {
+    const A gi = static_cast<A>(g[i]);
+    const A gg = gi * gi;
+    const A vi = p.momentum * v[i] + p.one_minus_momentum * gg;
+    v[i] = vi;
+    const A delta = static_cast<A>(w_now[i]) - static_cast<A>(w_stale[i]);
+    g[i] = static_cast<T>(gi + p.lambda0 / std::sqrt(vi + p.epsilon) * gg * delta);
+  }
+}
+
+// ---- Validation shared by both ops. ----
+
+bool ScalarFloat(OpKernelContext* ctx, int index, const char* name, float* value) {
+  const Tensor& t = ctx->input(index);
+  if (!TensorShapeUtils::IsScalar(t.shape())) {
+    ctx->CtxFailure(errors::InvalidArgument(name, " must be a scalar, got shape ",
+                                            t.shape().DebugString()));
+    return false;
+  }
+  *value = t.scalar<float>()();
+  if (!std::isfinite(*value)) {
+    ctx->CtxFailure(errors::InvalidArgument(name, " must be finite, got ", *value,
+                                            "; check the schedule or config that produced it"));
+    return false;
+  }
+  return true;
+}
+
+bool SameShapes(OpKernelContext* ctx, const Tensor& g, const Tensor& w_now,
+                const Tensor& w_stale) {
+  if (!w_now.shape().IsSameSize(g.shape())) {
+    ctx->CtxFailure(errors::InvalidArgument(
+        "w_now must have the same shape as gradient: gradient has shape ",
+        g.shape().DebugString(), ", w_now has shape ", w_now.shape().DebugString()));
+    return false;
+  }
+  if (!w_stale.shape().IsSameSize(g.shape())) {
+    ctx->CtxFailure(errors::InvalidArgument(
+        "w_stale must have the same shape as gradient: gradient has shape ",
+        g.shape().DebugString(), ", w_stale has shape ", w_stale.shape().DebugString()));
+    return false;
+  }
+  return true;
+}
+
+template <typename Device, typename T>
+struct DelayCompensateImpl;
+template <typename Device, typename T>
+struct DelayCompensateAdaptiveImpl;
+
+template <typename Device, typename T>
+class DelayCompensateOp : public OpKernel {
+ public:
+  explicit DelayCompensateOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& g = ctx->input(0);
+    const Tensor& w_now = ctx->input(1);
+    const Tensor& w_stale = ctx->input(2);
+    if (!SameShapes(ctx, g, w_now, w_stale)) return;
+    float lambda;
+    if (!ScalarFloat(ctx, 3, "lambda_", &lambda)) return;
+    Tensor* out = nullptr;
+    // Write into the gradient's buffer when nothing else holds it (typical inside a
+    // tf.function): saves allocating and first-touching a fresh output.
+    OP_REQUIRES_OK(ctx, ctx->forward_input_or_allocate_output({0}, 0, g.shape(), &out));
+    DelayCompensateImpl<Device, T>::Run(ctx, g, w_now, w_stale, lambda, out);
+  }
+};
+
+template <typename T>
+struct DelayCompensateImpl<CPUDevice, T> {
+  static void Run(OpKernelContext* ctx, const Tensor& g, const Tensor& w_now,
+                  const Tensor& w_stale, float lambda, Tensor* out) {
+    using A = typename Accumulator<T>::type;
+    const T* gp = g.flat<T>().data();
+    const T* wn = w_now.flat<T>().data();
+    const T* ws = w_stale.flat<T>().data();
+    T* op = out->flat<T>().data();
+    const A lam = static_cast<A>(lambda);
+    const bool in_place = op == gp;
+    ParallelElementwise(ctx, g.NumElements(), 4 * sizeof(T), [&](int64_t b, int64_t e) {
+      if (in_place) {
+        DelayCompensateLoopInPlace<T>(op + b, wn + b, ws + b, lam, e - b);
+      } else {
+        DelayCompensateLoop<T>(gp + b, wn + b, ws + b, lam, op + b, e - b);
+      }
+    });
+  }
+};
+
+template <typename Device, typename T>
+class DelayCompensateAdaptiveOp : public OpKernel {
+ public:
+  explicit DelayCompensateAdaptiveOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
+
+  void Compute(OpKernelContext* ctx) override {
+    using A = typename Accumulator<T>::type;
+    const Tensor& g = ctx->input(1);
+    const Tensor& w_now = ctx->input(2);
+    const Tensor& w_stale = ctx->input(3);
+    if (!SameShapes(ctx, g, w_now, w_stale)) return;
+    float lambda0, momentum, epsilon;
+    if (!ScalarFloat(ctx, 4, "lambda0", &lambda0)) return;
+    if (!ScalarFloat(ctx, 5, "momentum", &momentum)) return;
+    if (!ScalarFloat(ctx, 6, "epsilon", &epsilon)) return;
+    OP_REQUIRES(ctx, momentum >= 0.0f && momentum <= 1.0f,
+                errors::InvalidArgument("momentum must be in [0, 1], got ", momentum,
+                                        " (DC-ASGD-a uses 0.95)"));
+    OP_REQUIRES(ctx, epsilon > 0.0f,
+                errors::InvalidArgument("epsilon must be > 0 so that lambda0 / sqrt(v + "
+                                        "epsilon) stays finite, got ",
+                                        epsilon));
+
+    tensorflow::core::RefCountPtr<Var> var;
+    OP_REQUIRES_OK(ctx, tensorflow::LookupResource(ctx, tensorflow::HandleFromInput(ctx, 0), &var));
+    tensorflow::mutex_lock lock(*var->mu());
+    Tensor* v = var->tensor();
+    OP_REQUIRES(ctx, v->IsInitialized(),
+                errors::InvalidArgument("mean_square is not initialized; create it with "
+                                        "tf.Variable(tf.zeros_like(gradient, dtype=",
+                                        DataTypeString(DataTypeToEnum<A>::value), "))"));
+    OP_REQUIRES(ctx, v->dtype() == DataTypeToEnum<A>::value,
+                errors::InvalidArgument(
+                    "mean_square must have dtype ", DataTypeString(DataTypeToEnum<A>::value),
+                    " for ", DataTypeString(DataTypeToEnum<T>::value),
+                    " gradients (the state is kept in the accumulation type), got ",
+                    DataTypeString(v->dtype())));
+    OP_REQUIRES(ctx, v->shape().IsSameSize(g.shape()),
+                errors::InvalidArgument(
+                    "mean_square must have the same shape as gradient: gradient has shape ",
+                    g.shape().DebugString(), ", mean_square has shape ",
+                    v->shape().DebugString()));
+    // Copy-on-write, as TensorFlow's own dense variable updates do: a pending read
+    // may share the buffer, and it must keep seeing the old value.
+    if (var->copy_on_read_mode.load() || !v->RefCountIsOne()) {
+      Tensor copy;
+      tensorflow::AllocatorAttributes attr;
+      attr.set_gpu_compatible(true);
+      OP_REQUIRES_OK(ctx, ctx->allocate_temp(v->dtype(), v->shape(), &copy, attr));
+      DelayCompensateAdaptiveImpl<Device, T>::Copy(ctx, *v, &copy);
+      *v = copy;
+    }
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->forward_input_or_allocate_output({1}, 0, g.shape(), &out));
+    AdaptiveParams<T> p{static_cast<A>(lambda0), static_cast<A>(momentum),
+                        static_cast<A>(1) - static_cast<A>(momentum), static_cast<A>(epsilon)};
+    DelayCompensateAdaptiveImpl<Device, T>::Run(ctx, g, w_now, w_stale, p, v, out);
+  }
+};
+
+template <typename T>
+struct DelayCompensateAdaptiveImpl<CPUDevice, T> {
+  using A = typename Accumulator<T>::type;
+  static void Copy(OpKernelContext*, const Tensor& from, Tensor* to) {
+    std::memcpy(to->flat<A>().data(), from.flat<A>().data(), from.NumElements() * sizeof(A));
+  }
+  static void Run(OpKernelContext* ctx, const Tensor& g, const Tensor& w_now,
+                  const Tensor& w_stale, AdaptiveParams<T> p, Tensor* v, Tensor* out) {
+    const T* gp = g.flat<T>().data();
+    const T* wn = w_now.flat<T>().data();
+    const T* ws = w_stale.flat<T>().data();
+    A* vp = v->flat<A>().data();
+    T* op = out->flat<T>().data();
+    const bool in_place = op == gp;
+    ParallelElementwise(ctx, g.NumElements(), 4 * sizeof(T) + 2 * sizeof(A),
+                        [&](int64_t b, int64_t e) {
+                          if (in_place) {
+                            AdaptiveLoopInPlace<T>(op + b, wn + b, ws + b, vp + b, p, e - b);
+                          } else {
+                            AdaptiveLoop<T>(gp + b, wn + b, ws + b, vp + b, p, op + b, e - b);
+                          }
+                        });
+  }
+};
+
+#if GOOGLE_CUDA
+template <typename T>
+struct DelayCompensateImpl<GPUDevice, T> {
+  static void Run(OpKernelContext* ctx, const Tensor& g, const Tensor& w_now,
+                  const Tensor& w_stale, float lambda, Tensor* out) {
+    GpuLaunch<T>::DelayCompensate(ctx->eigen_device<GPUDevice>(), g.flat<T>().data(),
+                                  w_now.flat<T>().data(), w_stale.flat<T>().data(), lambda,
+                                  out->flat<T>().data(), g.NumElements());
+  }
+};
+
+template <typename T>
+struct DelayCompensateAdaptiveImpl<GPUDevice, T> {
+  using A = typename Accumulator<T>::type;
+  static void Copy(OpKernelContext* ctx, const Tensor& from, Tensor* to) {
+    ctx->eigen_device<GPUDevice>().memcpy(to->flat<A>().data(), from.flat<A>().data(),
+                                          from.NumElements() * sizeof(A));
+  }
+  static void Run(OpKernelContext* ctx, const Tensor& g, const Tensor& w_now,
+                  const Tensor& w_stale, AdaptiveParams<T> p, Tensor* v, Tensor* out) {
+    GpuLaunch<T>::DelayCompensateAdaptive(
+        ctx->eigen_device<GPUDevice>(), v->flat<A>().data(), g.flat<T>().data(),
+        w_now.flat<T>().data(), w_stale.flat<T>().data(), static_cast<float>(p.lambda0),
+        static_cast<float>(p.momentum), static_cast<float>(p.epsilon), out->flat<T>().data(),
+        g.NumElements());
+  }
+};
+#endif  // GOOGLE_CUDA
+
+#define TFSYNC_REGISTER_CPU(T)                                                               \
+  REGISTER_KERNEL_BUILDER(                                                                   \
+      Name("TfSync>DelayCompensate").Device(tensorflow::DEVICE_CPU).TypeConstraint<T>("T"),  \
+      DelayCompensateOp<CPUDevice, T>);                                                      \
+  REGISTER_KERNEL_BUILDER(Name("TfSync>DelayCompensateAdaptive")                             \
+                              .Device(tensorflow::DEVICE_CPU)                                \
+                              .TypeConstraint<T>("T"),                                       \
+                          DelayCompensateAdaptiveOp<CPUDevice, T>);
+TFSYNC_REGISTER_CPU(Eigen::half)
+TFSYNC_REGISTER_CPU(Eigen::bfloat16)
+TFSYNC_REGISTER_CPU(float)
+TFSYNC_REGISTER_CPU(double)
+#undef TFSYNC_REGISTER_CPU
+
+#if GOOGLE_CUDA
+// The scalar hyperparameters are read on the host to validate them.
+#define TFSYNC_REGISTER_GPU(T)                                                              \
+  REGISTER_KERNEL_BUILDER(Name("TfSync>DelayCompensate")                                    \
+                              .Device(tensorflow::DEVICE_GPU)                               \
+                              .TypeConstraint<T>("T")                                       \
+                              .HostMemory("lambda_"),                                       \
+                          DelayCompensateOp<GPUDevice, T>);                                 \
+  REGISTER_KERNEL_BUILDER(Name("TfSync>DelayCompensateAdaptive")                            \
+                              .Device(tensorflow::DEVICE_GPU)                               \
+                              .TypeConstraint<T>("T")                                       \
+                              .HostMemory("mean_square")                                    \
+                              .HostMemory("lambda0")                                        \
+                              .HostMemory("momentum")                                       \
+                              .HostMemory("epsilon"),                                       \
+                          DelayCompensateAdaptiveOp<GPUDevice, T>);
+TFSYNC_REGISTER_GPU(Eigen::half)
+TFSYNC_REGISTER_GPU(Eigen::bfloat16)
+TFSYNC_REGISTER_GPU(float)
+TFSYNC_REGISTER_GPU(double)
+#undef TFSYNC_REGISTER_GPU
+#endif  // GOOGLE_CUDA
+
+}  // namespace
+}  // namespace tfsync

@@ -1,0 +1,214 @@
+"""TensorFlow ops for relaxed synchronization: partial aggregation, staleness masking,
+delay compensation.
+
+* :func:`partial_aggregate`: PSP partial pushing (Algorithm 1, server lines 5-13) and
+  Sync-SGD with backup workers (Algorithm 4): aggregate the contributions stamped
+  within ``max_staleness`` steps of the current one, drop the rest, report how many
+  were aggregated (``d``, for the linear learning-rate scaling ``lr * d / k``) and
+  whether at least ``min_contributions`` were.
+* :func:`mask_stale`: the same test on one worker's own contribution before a
+  Horovod allreduce, which then does the sum.
+* :func:`delay_compensate`, :func:`delay_compensate_adaptive`: DC-ASGD's first-order
+  correction of a stale gradient (Zheng et al., 2017), as used by DC-S3GD.
+
+Each op has a compiled kernel (``ops/cc``, loaded lazily by
+:mod:`tfsync.ops._loader`) and a pure-TensorFlow twin (:mod:`tfsync.ops._reference`);
+``TFSYNC_OPS_IMPL=compiled|reference`` or :func:`set_implementation` chooses. All
+ops accept float16, bfloat16, float32 and float64 (half and bfloat16 are computed in
+float32) and have no gradient. See ``docs/ops.md``.
+"""
+import collections
+
+import tensorflow as tf
+
+from tfsync.ops._loader import OpLibraryError
+from tfsync.ops._select import get_implementation, set_implementation, backend as _backend
+
+__all__ = [
+    "MaskStaleResult",
+    "OpLibraryError",
+    "PartialAggregateResult",
+    "delay_compensate",
+    "delay_compensate_adaptive",
+    "get_implementation",
+    "mask_stale",
+    "partial_aggregate",
+    "set_implementation",
+]
+
+PartialAggregateResult = collections.namedtuple(
+    "PartialAggregateResult", ["aggregate", "num_accepted", "dropped", "min_contributions_met"])
+PartialAggregateResult.__doc__ = """What :func:`partial_aggregate` returns.
+
+Attributes:
+  aggregate: sum or mean of the accepted contributions, shape ``contributions.shape[1:]``,
+    dtype of ``contributions``.
+  num_accepted: int64 scalar ``d``, the number of accepted contributions.
+  dropped: bool ``[k]``, true for each dropped (stale) contribution.
+  min_contributions_met: bool scalar, ``d >= min_contributions``.
+"""
+
+MaskStaleResult = collections.namedtuple("MaskStaleResult", ["masked", "weight"])
+MaskStaleResult.__doc__ = """What :func:`mask_stale` returns.
+
+Attributes:
+  masked: the tensor itself when fresh, zeros of its shape and dtype when stale.
+  weight: float32 scalar, 1.0 when fresh, 0.0 when stale.
+"""
+
+_FLOAT_DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
+_REDUCTIONS = ("mean", "sum")
+
+
+def _float_tensor(value, arg, dtype=None):
+    tensor = tf.convert_to_tensor(value, dtype=dtype)
+    if tensor.dtype not in _FLOAT_DTYPES:
+        raise TypeError(
+            f"{arg} must be float16, bfloat16, float32 or float64, got {tensor.dtype.name}; "
+            "cast it first (integer gradients are not supported)")
+    if dtype is not None and tensor.dtype != dtype:
+        raise TypeError(f"{arg} must have the dtype of gradient ({dtype.name}), got "
+                        f"{tensor.dtype.name}")
+    return tensor
+
+
+def _int64(value):
+    return tf.cast(value, tf.int64)
+
+
+def partial_aggregate(contributions, timestamps, step, min_contributions, max_staleness=0,
+                      reduction="mean", name=None):
+    """Aggregates the fresh contributions of one tensor and drops the stale ones.
+
+    Contribution ``i`` is accepted when ``step - max_staleness <= timestamps[i] <= step``
+    (with ``max_staleness=0``, only those stamped with the current step, as in PSP
+    Algorithm 1 and the backup-workers Algorithm 4). Fewer than ``min_contributions``
+    accepted is not an error: it is reported in ``min_contributions_met``.
+
+    Args:
+      contributions: float tensor ``[k, ...]``, one row per contribution.
+      timestamps: integer ``[k]``, the step each contribution was computed at.
+      step: integer scalar, the current step ``t``.
+      min_contributions: integer scalar ``c`` in ``[0, k]``.
+      max_staleness: integer scalar ``>= 0`` (default 0).
+      reduction: ``"mean"`` (default; zeros when nothing is accepted) or ``"sum"``.
+      name: optional name scope.
+
+    Returns:
+      A :class:`PartialAggregateResult` ``(aggregate, num_accepted, dropped,
+      min_contributions_met)``.
+
+    Raises:
+      tf.errors.InvalidArgumentError: a timestamp after ``step``, ``c`` outside
+        ``[0, k]``, negative ``max_staleness``, mismatched shapes (``ValueError``
+        instead when the shapes are known while building a graph).
+
+    Example:
+      >>> r = partial_aggregate([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]], [7, 7, 6], step=7,
+      ...                       min_contributions=2)
+      >>> r.aggregate.numpy(), int(r.num_accepted), r.dropped.numpy().tolist()
+      (array([2., 3.], dtype=float32), 2, [False, False, True])
+    """
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+    result = _backend().partial_aggregate(
+        _float_tensor(contributions, "contributions"), _int64(timestamps), _int64(step),
+        _int64(min_contributions), _int64(max_staleness), reduction, name=name)
+    return PartialAggregateResult(*result)
+
+
+def mask_stale(tensor, timestamp, step, max_staleness=0, name=None):
+    """One worker's contribution before an allreduce: itself if fresh, zeros if stale.
+
+    Fresh means ``step - max_staleness <= timestamp <= step``. Summing both outputs
+    over workers (``hvd.allreduce(..., op=hvd.Sum)``), ``sum(masked) / sum(weight)``
+    is the mean of the accepted contributions and ``sum(weight)`` is their count ``d``.
+    A fresh tensor is returned without copying.
+
+    Args:
+      tensor: float tensor, any shape.
+      timestamp: integer scalar, the step the tensor was computed at.
+      step: integer scalar, the current step.
+      max_staleness: integer scalar ``>= 0`` (default 0).
+      name: optional name scope.
+
+    Returns:
+      A :class:`MaskStaleResult` ``(masked, weight)``; ``weight`` is a float32 scalar.
+
+    Raises:
+      tf.errors.InvalidArgumentError: ``timestamp > step`` or ``max_staleness < 0``.
+    """
+    result = _backend().mask_stale(
+        _float_tensor(tensor, "tensor"), _int64(timestamp), _int64(step),
+        _int64(max_staleness), name=name)
+    return MaskStaleResult(*result)
+
+
+def delay_compensate(gradient, w_now, w_stale, lambda_, name=None):
+    """DC-ASGD-c: ``gradient + lambda_ * gradient * gradient * (w_now - w_stale)``.
+
+    One fused element-wise pass. ``gradient`` was computed at the weights ``w_stale``
+    and is about to be applied at ``w_now``.
+
+    Args:
+      gradient: float tensor.
+      w_now: tensor of the same shape and dtype, the current weights.
+      w_stale: tensor of the same shape and dtype, the weights ``gradient`` was
+        computed at.
+      lambda_: finite float scalar, the compensation strength (cast to float32).
+      name: optional name scope.
+
+    Returns:
+      The compensated gradient, same shape and dtype as ``gradient``.
+
+    Raises:
+      tf.errors.InvalidArgumentError: mismatched shapes or non-finite ``lambda_``.
+      TypeError: a non-float dtype or ``w_now``/``w_stale`` of another dtype.
+    """
+    gradient = _float_tensor(gradient, "gradient")
+    return _backend().delay_compensate(
+        gradient, _float_tensor(w_now, "w_now", gradient.dtype),
+        _float_tensor(w_stale, "w_stale", gradient.dtype),
+        tf.cast(lambda_, tf.float32), name=name)
+
+
+def delay_compensate_adaptive(gradient, w_now, w_stale, mean_square, lambda0, momentum=0.95,
+                              epsilon=1e-7, name=None):
+    """DC-ASGD-a: delay compensation with ``lambda_t = lambda0 / sqrt(v_t + epsilon)``.
+
+    Updates ``mean_square`` in place to ``v_t = momentum * v_{t-1} + (1 - momentum) *
+    gradient**2`` and returns ``gradient + lambda_t * gradient * gradient * (w_now -
+    w_stale)``, all in one fused pass.
+
+    Args:
+      gradient, w_now, w_stale: as for :func:`delay_compensate`.
+      mean_square: ``tf.Variable`` holding ``v``, same shape as ``gradient``, dtype
+        float32 (float64 when ``gradient`` is float64), e.g.
+        ``tf.Variable(tf.zeros(shape, tf.float32))``.
+      lambda0: finite float scalar.
+      momentum: float scalar in ``[0, 1]`` (default 0.95, as in DC-ASGD-a).
+      epsilon: float scalar ``> 0`` (default 1e-7).
+      name: optional name scope.
+
+    Returns:
+      The compensated gradient, same shape and dtype as ``gradient``.
+
+    Raises:
+      tf.errors.InvalidArgumentError: mismatched shapes, non-finite scalars,
+        ``momentum`` outside ``[0, 1]``, ``epsilon <= 0``.
+      TypeError: ``mean_square`` is not a variable of the accumulation dtype.
+    """
+    gradient = _float_tensor(gradient, "gradient")
+    if not isinstance(mean_square, tf.Variable):
+        raise TypeError(f"mean_square must be a tf.Variable (the DC-ASGD-a state, updated in "
+                        f"place), got {type(mean_square).__name__}")
+    state_dtype = tf.float64 if gradient.dtype == tf.float64 else tf.float32
+    if mean_square.dtype != state_dtype:
+        raise TypeError(f"mean_square must have dtype {state_dtype.name} for "
+                        f"{gradient.dtype.name} gradients (the state is kept in the "
+                        f"accumulation type), got {mean_square.dtype.name}")
+    return _backend().delay_compensate_adaptive(
+        gradient, _float_tensor(w_now, "w_now", gradient.dtype),
+        _float_tensor(w_stale, "w_stale", gradient.dtype), mean_square,
+        tf.cast(lambda0, tf.float32), tf.cast(momentum, tf.float32),
+        tf.cast(epsilon, tf.float32), name=name)
