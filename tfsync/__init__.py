@@ -1,3 +1,31 @@
-"""tfsync: relaxed synchronization for Keras 3 / TensorFlow data-parallel training on Horovod."""
+"""tfsync: relaxed synchronization for Keras 3 / TensorFlow data-parallel training on Horovod.
+
+Public API::
+
+    tfsync.BSP(), tfsync.SSP(staleness=3)       # modes (or the strings "bsp", "ssp")
+    tfsync.Stragglers(...)                       # simulated device time and stragglers
+    tfsync.keras.SyncCallback(mode=...)          # model.fit(..., callbacks=[...])
+    tfsync.distribute.SyncStrategy(mode=...)     # with strategy.scope(): ...
+    tfsync.shard(x, y)                           # this rank's equal share of arrays
+"""
+import importlib
+
+from tfsync.policies import BSP, SSP, Policy
+from tfsync.stragglers import Stragglers
 
 __version__ = "0.1.0"
+
+_LAZY = {"keras", "distribute", "engine", "ops", "scheduler", "timeline"}
+
+
+def __getattr__(name):
+    # Submodules that import TensorFlow load on first use, so `import tfsync` stays light.
+    if name in _LAZY:
+        return importlib.import_module(f"tfsync.{name}")
+    if name == "shard":
+        from tfsync._data import shard
+        return shard
+    raise AttributeError(f"module 'tfsync' has no attribute {name!r}")
+
+
+__all__ = ["BSP", "SSP", "Policy", "Stragglers", "shard", "keras", "distribute", "__version__"]

@@ -1,0 +1,119 @@
+"""Digits classifier (scikit-learn's offline ``load_digits``) trained with tfsync.
+
+One process per worker, as Horovod's examples do::
+
+    horovodrun -np 4 -H localhost:4 --gloo python keras_examples/digits.py --mode ssp --staleness 3 \
+        --stragglers "base=0.02,slow=3:0.04"
+
+Each worker pins one GPU by local rank when GPUs are present, trains on its
+equal shard of the training set and, on rank 0, prints a JSON summary line
+(``TFSYNC_RESULT {...}``) with samples/s, wait fraction, time to the target
+test accuracy and the final test accuracy.
+"""
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--mode", default="bsp", choices=["bsp", "ssp"])
+    p.add_argument("--staleness", type=int, default=3, help="SSP bound s (with --mode ssp)")
+    p.add_argument("--epochs", type=int, default=12)
+    p.add_argument("--batch-size", type=int, default=16, help="per worker")
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--target-accuracy", type=float, default=0.95)
+    p.add_argument("--stragglers", default=None,
+                   help="straggler spec, e.g. 'base=0.02,slow=3:0.04' (default: $TFSYNC_STRAGGLERS)")
+    p.add_argument("--trace-dir", default=None, help="write a JSON-lines trace per worker here")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--verbose", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    import horovod.tensorflow as hvd
+    import tensorflow as tf
+
+    hvd.init()
+    gpus = tf.config.list_physical_devices("GPU")
+    if gpus:  # one GPU per process, as in Horovod's examples
+        tf.config.set_visible_devices(gpus[hvd.local_rank()], "GPU")
+        tf.config.experimental.set_memory_growth(gpus[hvd.local_rank()], True)
+    import keras
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    import tfsync
+
+    keras.utils.set_random_seed(args.seed)
+    x, y = load_digits(return_X_y=True)
+    x = (x / 16.0).astype("float32")
+    x_train, x_test, y_train, y_test = train_test_split(x, y, test_size=0.2, random_state=0, stratify=y)
+    x_local, y_local = tfsync.shard(x_train, y_train, batch_size=args.batch_size)
+
+    model = keras.Sequential([
+        keras.Input((64,)),
+        keras.layers.Dense(64, activation="relu"),
+        keras.layers.Dense(10, activation="softmax"),
+    ])
+    model.compile(optimizer=keras.optimizers.SGD(args.lr, momentum=0.9),
+                  loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+
+    mode = tfsync.SSP(staleness=args.staleness) if args.mode == "ssp" else tfsync.BSP()
+    stragglers = tfsync.Stragglers.parse(args.stragglers) if args.stragglers is not None else None
+    sync = tfsync.keras.SyncCallback(mode=mode, stragglers=stragglers, trace_dir=args.trace_dir)
+    progress = TargetAccuracy(x_test, y_test, args.target_accuracy)
+    start = time.time()
+    history = model.fit(x_local, y_local, batch_size=args.batch_size, epochs=args.epochs,
+                        shuffle=True, verbose=args.verbose if hvd.rank() == 0 else 0,
+                        callbacks=[sync, progress])
+    wall_s = time.time() - start
+    final_acc = float(model.evaluate(x_test, y_test, verbose=0)[1])
+    samples = len(x_local) * args.epochs * hvd.size()
+    wait = float(np.mean(history.history["tfsync_wait_fraction"]))
+    result = {"mode": args.mode if args.mode == "bsp" else f"ssp(s={args.staleness})",
+              "workers": hvd.size(), "samples_per_s": samples / wall_s, "wall_s": wall_s,
+              "wait_fraction": wait, "time_to_target_s": progress.reached_s,
+              "target_accuracy": args.target_accuracy, "final_accuracy": final_acc}
+    # every replica must hold the same weights: compare a checksum across ranks
+    checksum = float(sum(np.sum(w.astype(np.float64)) for w in model.get_weights()))
+    checksums = hvd.allgather_object(checksum)
+    result["replicas_identical"] = len(set(checksums)) == 1
+    if hvd.rank() == 0:
+        print("TFSYNC_RESULT " + json.dumps(result), flush=True)
+    return 0
+
+
+class TargetAccuracy:
+    """Records the wall time at which the test accuracy first reaches the target."""
+
+    def __new__(cls, *args, **kwargs):
+        import keras
+
+        class _Target(keras.callbacks.Callback):
+            def __init__(self, x_test, y_test, target):
+                super().__init__()
+                self.x_test, self.y_test, self.target = x_test, y_test, target
+                self.reached_s = None
+
+            def on_train_begin(self, logs=None):
+                self.start = time.time()
+                self.reached_s = None
+
+            def on_epoch_end(self, epoch, logs=None):
+                if self.reached_s is None:
+                    pred = np.argmax(self.model.predict_on_batch(self.x_test), axis=1)
+                    if np.mean(pred == self.y_test) >= self.target:
+                        self.reached_s = time.time() - self.start
+
+        return _Target(*args, **kwargs)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,35 @@
+"""The one place tfsync imports Horovod and checks how the process was launched."""
+import os
+
+LAUNCHER_ENV = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
+SINGLE_PROCESS_ENV = "TFSYNC_SINGLE_PROCESS"
+
+
+def horovod():
+    """Return ``horovod.tensorflow`` after checking it is initialized and launched.
+
+    Raises ``RuntimeError`` saying how to fix it otherwise.
+    """
+    try:
+        import horovod.tensorflow as hvd
+    except ImportError as exc:
+        raise RuntimeError(
+            f"tfsync needs Horovod with TensorFlow support ({exc}); install it with "
+            "`make install` (builds horovod==0.28.1 against the installed TensorFlow)") from exc
+    try:
+        initialized = hvd.is_initialized()
+    except ValueError:
+        initialized = False
+    if not initialized:
+        raise RuntimeError(
+            "tfsync: Horovod is not initialized in this process; call "
+            "`import horovod.tensorflow as hvd; hvd.init()` before training, and launch one "
+            "process per worker with e.g. `horovodrun -np 4 -H localhost:4 --gloo python train.py`")
+    launched = any(k in os.environ for k in LAUNCHER_ENV) or hvd.size() > 1
+    if not launched and os.environ.get(SINGLE_PROCESS_ENV) != "1":
+        raise RuntimeError(
+            "tfsync: this process was not started by horovodrun (or mpirun), so it would train "
+            "alone with nothing to synchronize; launch it with e.g. "
+            "`horovodrun -np 4 -H localhost:4 --gloo python train.py`, or set "
+            f"{SINGLE_PROCESS_ENV}=1 to train a single worker on purpose")
+    return hvd

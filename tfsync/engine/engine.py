@@ -1,0 +1,285 @@
+"""The sync engine: one per worker process; clocks, rounds, waits, metrics.
+
+The engine knows nothing about modes: it asks its :class:`~tfsync.policies.Policy`
+which payload to exchange and which round must be complete before a worker
+may pass its synchronization point, and runs that on the
+:class:`~tfsync.engine.exchange.RoundExchange` (a communication thread over
+``hvd.allreduce``) and the control path (:mod:`tfsync.engine.control`).
+
+Two step protocols, one per payload kind, each called once per training step
+from inside the compiled train step (see :mod:`tfsync.engine.tf_bridge`):
+
+* ``step_gradients(flat_grad) -> flat_mean_grad`` (``payload="gradients"``):
+  push this step's gradient, wait for the policy's round, return the mean of
+  the contributions.
+* ``step_updates(own_share) -> local_weights`` (``payload="updates"``): push
+  this step's update share ``Δ/N``, wait for the policy's round for the next
+  step, and return the weights to compute the next step on:
+  ``w̄ + Σ own pending shares``, where ``w̄`` is the sum of every completed
+  round (identical on every worker) and the pending shares are this worker's
+  own updates whose rounds are still in flight (read-my-writes).
+
+Every applied contribution is counted (``applied``); contributions a policy
+rejects are counted as ``dropped``; both appear in the metrics and the trace.
+"""
+import json
+import os
+import socket
+import time
+
+import numpy as np
+
+from tfsync import _horovod
+from tfsync.engine.control import ControlClient, ControlServer
+from tfsync.engine.exchange import RoundExchange, WorkerLostError
+from tfsync.policies import resolve
+from tfsync.stragglers import Stragglers
+
+WAIT_TIMEOUT_ENV = "TFSYNC_WAIT_TIMEOUT_S"
+DEFAULT_WAIT_TIMEOUT_S = 120.0
+
+
+class SyncTimeoutError(RuntimeError):
+    """A wait exceeded its bound; the message names the ranks that are behind."""
+
+
+class SyncEngine:
+    """Synchronization engine of one worker.
+
+    Args:
+        mode: ``"bsp"``, ``"ssp"`` or a policy object (``tfsync.SSP(staleness=3)``).
+        stragglers: a :class:`tfsync.Stragglers`; default: from ``TFSYNC_STRAGGLERS``
+            (off when unset).
+        trace_dir: directory for the JSON-lines trace, one ``rank<R>.jsonl`` per
+            worker; ``None`` (default) writes no trace.
+        wait_timeout_s: bound on any single wait for peers (default 120 s, or
+            ``TFSYNC_WAIT_TIMEOUT_S``); past it the engine raises
+            :class:`SyncTimeoutError` naming the ranks that are behind.
+    """
+
+    def __init__(self, mode="bsp", *, stragglers=None, trace_dir=None, wait_timeout_s=None):
+        self.policy = resolve(mode)
+        if stragglers is None:
+            stragglers = Stragglers.from_env()
+        if not isinstance(stragglers, Stragglers):
+            raise TypeError(f"stragglers must be a tfsync.Stragglers, got {type(stragglers).__name__}")
+        self.stragglers = stragglers
+        self.trace_dir = trace_dir
+        if wait_timeout_s is None:
+            wait_timeout_s = float(os.environ.get(WAIT_TIMEOUT_ENV, DEFAULT_WAIT_TIMEOUT_S))
+        if not wait_timeout_s > 0:
+            raise ValueError(f"wait_timeout_s={wait_timeout_s!r} must be a positive number of seconds")
+        self.wait_timeout_s = float(wait_timeout_s)
+        self.started = False
+
+    # ----------------------------------------------------------------- lifecycle
+    def start(self, num_params: int, initial_weights=None, extra_config=None):
+        """Check the job, agree on t0, start the control path and the exchange.
+
+        ``initial_weights`` (flat float32, already identical on every rank) is
+        required for ``payload="updates"``: it is where ``w̄`` starts.
+        """
+        hvd = _horovod.horovod()
+        import tensorflow as tf
+
+        self.rank, self.size = hvd.rank(), hvd.size()
+        config = {"policy": self.policy.config(), "num_params": int(num_params),
+                  "stragglers": self.stragglers.spec(), **(extra_config or {})}
+        configs = hvd.allgather_object(config, name="tfsync.config")
+        mismatched = [r for r, c in enumerate(configs) if c != configs[0]]
+        if mismatched:
+            diffs = {k: [c.get(k) for c in configs] for k in config if any(c.get(k) != configs[0].get(k) for c in configs)}
+            raise ValueError(
+                f"tfsync: ranks {mismatched} are configured differently from rank 0: "
+                + "; ".join(f"{k} per rank = {v}" for k, v in diffs.items())
+                + ". Every worker must run the same mode, model and straggler settings: "
+                  "launch the same script with the same arguments on every rank")
+        self.t0 = hvd.broadcast_object(time.time(), root_rank=0, name="tfsync.t0")
+        self._server = None
+        if self.rank == 0:
+            self._server = ControlServer(self.size, self.t0)
+            host = os.environ.get("TFSYNC_CONTROL_HOST") or socket.gethostname()
+            address = f"{host}:{self._server.port}"
+        else:
+            address = None
+        address = hvd.broadcast_object(address, root_rank=0, name="tfsync.control_address")
+        self.control = ControlClient(address, self.rank)
+
+        def allreduce_sum(buf):
+            return hvd.allreduce(tf.constant(buf), op=hvd.Sum, name="tfsync.round").numpy()
+
+        self.exchange = RoundExchange(allreduce_sum, self.rank, self.size, self.t0)
+        self.num_params = int(num_params)
+        if self.policy.payload == "updates":
+            if initial_weights is None:
+                raise ValueError(f"mode {self.policy.name!r} exchanges updates and needs the initial weights")
+            self._w_bar = np.array(initial_weights, dtype=np.float32).reshape(-1).copy()
+            self._pending = {}
+            self._pending_sum = np.zeros_like(self._w_bar)
+        self._delays = self.stragglers.for_rank(self.rank)
+        self.step = 0
+        self._applied_through = -1
+        self._trace = None
+        if self.trace_dir:
+            os.makedirs(self.trace_dir, exist_ok=True)
+            self._trace = open(os.path.join(self.trace_dir, f"rank{self.rank}.jsonl"), "w")
+            self._write({"event": "start", "rank": self.rank, "size": self.size, "t0": self.t0,
+                         **config})
+        self.reset_totals()
+        self.last = {}
+        self.started = True
+        self._t_step_start = self._now()
+
+    def reset_totals(self):
+        self.totals = {"steps": 0, "compute_s": 0.0, "wait_s": 0.0, "applied": 0, "dropped": 0}
+
+    def finish(self):
+        """Wait for every pushed round, apply it; return the final weights (updates) or None."""
+        if self.policy.payload != "updates":
+            return None
+        t = self._now()
+        applied = self._wait_and_apply(self.step - 1)
+        self._record_extra_wait(t, applied)
+        return self._w_bar.copy()
+
+    def close(self):
+        """Leave the control path and stop the threads (collective: call on every rank)."""
+        if not self.started:
+            return
+        self.started = False
+        hvd = _horovod.horovod()
+        self.exchange.close()
+        self.control.close()
+        import tensorflow as tf
+
+        # Nobody stops the control server before every rank has left it.
+        hvd.allreduce(tf.constant(0.0), op=hvd.Sum, name="tfsync.close")
+        if self._server is not None:
+            self._server.stop()
+        if self._trace is not None:
+            self._trace.close()
+            self._trace = None
+
+    # ------------------------------------------------------------ step protocols
+    def step_gradients(self, flat_grad: np.ndarray) -> np.ndarray:
+        """``payload="gradients"``: push, wait for the policy's round, return the mean."""
+        step, t_start, t_push = self._push(flat_grad)
+        applied = self._wait_and_apply(self.policy.required_round(step))
+        result = self._mean_gradient
+        self._end_step(step, t_start, t_push, applied)
+        return result
+
+    def step_updates(self, own_share: np.ndarray) -> np.ndarray:
+        """``payload="updates"``: push ``Δ/N``, gate the next step, return its weights."""
+        step, t_start, t_push = self._push(own_share)
+        self._pending[step] = own_share
+        self._pending_sum += own_share
+        applied = self._wait_and_apply(self.policy.required_round(step + 1))
+        self._end_step(step, t_start, t_push, applied)
+        return self._w_bar + self._pending_sum
+
+    # ------------------------------------------------------------------ internals
+    def _now(self):
+        return time.time() - self.t0
+
+    def _push(self, payload):
+        if not self.started:
+            raise RuntimeError("tfsync: the engine is not started (SyncCallback.on_train_begin starts it)")
+        if payload.size != self.num_params:
+            raise ValueError(f"tfsync: a step pushed {payload.size} values, expected {self.num_params} "
+                             "(the model's trainable weights changed after training started)")
+        self._delays.sleep()
+        t_start, step = self._t_step_start, self.step
+        t_push = self._now()
+        self.exchange.submit(step, np.asarray(payload, dtype=np.float32), t_push, t_push - t_start)
+        self.control.report(step)
+        return step, t_start, t_push
+
+    def _wait_and_apply(self, required_round):
+        """Wait (bounded) until ``required_round`` is complete, then apply every complete round."""
+        if required_round > self.exchange.completed:
+            self._wait_round(required_round)
+        applied = []
+        for r in range(self._applied_through + 1, self.exchange.completed + 1):
+            res = self.exchange.pop(r)
+            n = res.contributors
+            if self.policy.payload == "updates":
+                self._w_bar += res.total
+                self._pending_sum -= self._pending.pop(r)
+            else:
+                self._mean_gradient = res.total / np.float32(n)
+            applied.append((r, n))
+            self._applied_through = r
+        return applied
+
+    def _wait_round(self, round_):
+        deadline = time.monotonic() + self.wait_timeout_s
+        while True:
+            try:
+                done = self.exchange.wait(round_, min(1.0, max(deadline - time.monotonic(), 0.0)))
+            except Exception as exc:  # the collective failed: find out who is gone
+                raise self._lost_error(round_, exc) from exc
+            if done:
+                return
+            lost = self.control.table(timeout_s=1.0).get("lost", [])
+            if lost:
+                raise self._lost_error(round_, None, lost)
+            if time.monotonic() >= deadline:
+                table = self.control.table(timeout_s=1.0)
+                clocks = table.get("clocks") or []
+                behind = [r for r, c in enumerate(clocks) if c < round_]
+                raise SyncTimeoutError(
+                    f"tfsync: rank {self.rank} waited {self.wait_timeout_s:.0f} s for round {round_} "
+                    f"(mode {self.policy.name}); ranks {behind or 'unknown'} have not pushed it "
+                    f"(last pushed steps per rank: {clocks}). A worker is hung or far slower than "
+                    f"the others; raise wait_timeout_s (or {WAIT_TIMEOUT_ENV}) if that is expected")
+
+    def _lost_error(self, round_, exc, lost=None):
+        deadline = time.monotonic() + 5.0
+        while not lost and time.monotonic() < deadline:
+            lost = self.control.table(timeout_s=1.0).get("lost", [])
+            if not lost:
+                time.sleep(0.2)
+        if lost:
+            names = ", ".join(f"rank {d['rank']} ({d['reason']}"
+                              + (f", last pushed step {int(d['clock'])}" if d.get("clock") is not None else "")
+                              + ")" for d in lost)
+            return WorkerLostError(
+                f"tfsync: lost {names} while rank {self.rank} waited for round {round_}; "
+                f"stopping this worker too. Restart the job (from a checkpoint, if you keep one)")
+        return WorkerLostError(
+            f"tfsync: the collective for round {round_} failed on rank {self.rank} ({exc}); "
+            "no peer was reported lost by the control path")
+
+    def _end_step(self, step, t_start, t_push, applied):
+        t_end = self._now()
+        compute_s, wait_s = t_push - t_start, t_end - t_push
+        # staleness of a contribution: steps between its round and the step that next uses it
+        staleness = [step - r for r, _ in applied]
+        n_applied = sum(n for _, n in applied)
+        self.last = {"wait_s": wait_s, "compute_s": compute_s,
+                     "staleness": max(staleness) if staleness else 0, "applied": n_applied, "dropped": 0}
+        tot = self.totals
+        tot["steps"] += 1
+        tot["compute_s"] += compute_s
+        tot["wait_s"] += wait_s
+        tot["applied"] += n_applied
+        if self._trace is not None:
+            self._write({"rank": self.rank, "step": step, "t_start": t_start, "t_push": t_push,
+                         "t_end": t_end, "compute_s": compute_s, "wait_s": wait_s,
+                         "applied": [[r, step - r, n] for r, n in applied],
+                         "applied_through": self._applied_through, "dropped": 0})
+        self.step = step + 1
+        self._t_step_start = t_end
+
+    def _record_extra_wait(self, t, applied):
+        wait_s = self._now() - t
+        self.totals["wait_s"] += wait_s
+        self.totals["applied"] += sum(n for _, n in applied)
+        if self._trace is not None:
+            self._write({"event": "finish", "rank": self.rank, "t": t, "wait_s": wait_s,
+                         "applied": [[r, self.step - 1 - r, n] for r, n in applied],
+                         "applied_through": self._applied_through})
+
+    def _write(self, record):
+        self._trace.write(json.dumps(record) + "\n")

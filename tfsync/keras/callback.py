@@ -1,0 +1,164 @@
+"""``SyncCallback``: tfsync's synchronization for an ordinary compiled Keras 3 model.
+
+Horovod's own Keras layer does not work on Keras 3 (upstream issue 4290), so
+this is written against Keras 3's public hooks: the callback wraps the model
+optimizer's ``apply_gradients`` for the duration of ``fit`` and retraces the
+train function, so the exchange runs inside the compiled step for any Keras
+optimizer.
+"""
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfsync import _horovod
+from tfsync.engine import SyncEngine
+from tfsync.engine.tf_bridge import FlatVariables, apply_and_exchange_updates, exchange_gradients
+from tfsync.policies import resolve
+
+
+class SyncCallback(keras.callbacks.Callback):
+    """Synchronize data-parallel training across Horovod workers.
+
+    Put it first in ``callbacks`` so the tfsync metrics it adds to the logs
+    reach later callbacks (``TensorBoard``, ``EarlyStopping``, the progress bar).
+
+    On ``on_train_begin`` it broadcasts rank 0's weights, checks that every
+    rank runs the same configuration and number of steps, and starts the
+    engine; on ``on_train_end`` it waits for every in-flight round, so all
+    replicas end with identical weights.  State is reset at every ``fit``.
+
+    Args:
+        mode: ``"bsp"`` (default), ``"ssp"`` or a policy object such as
+            ``tfsync.SSP(staleness=3)``.
+        stragglers: ``tfsync.Stragglers`` to inject simulated delays; default:
+            from the ``TFSYNC_STRAGGLERS`` environment variable (off if unset).
+        trace_dir: write a JSON-lines trace per worker there (default: none).
+        wait_timeout_s: bound on one wait for peers (default 120 s).
+        average_epoch_logs: average the epoch logs over workers, as Horovod's
+            ``MetricAverageCallback`` does (default True).  This waits for every
+            worker to finish the epoch.
+
+    Logs added: per batch ``tfsync_wait_s``, ``tfsync_staleness``; per epoch
+    ``tfsync_wait_fraction``, ``tfsync_applied``, ``tfsync_dropped``.
+
+    Example::
+
+        hvd.init()
+        model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+        model.fit(x[hvd.rank()::hvd.size()], y[hvd.rank()::hvd.size()],
+                  callbacks=[tfsync.keras.SyncCallback(mode=tfsync.SSP(staleness=3))])
+    """
+
+    def __init__(self, mode="bsp", *, stragglers=None, trace_dir=None, wait_timeout_s=None,
+                 average_epoch_logs=True):
+        super().__init__()
+        self.policy = resolve(mode)
+        self._engine_args = dict(stragglers=stragglers, trace_dir=trace_dir,
+                                 wait_timeout_s=wait_timeout_s)
+        SyncEngine(self.policy, **self._engine_args)  # validates the arguments now
+        self.average_epoch_logs = average_epoch_logs
+        self.engine = None
+
+    # -------------------------------------------------------------------- train
+    def on_train_begin(self, logs=None):
+        hvd = _horovod.horovod()
+        model = self.model
+        if model.optimizer is None:
+            raise ValueError("tfsync.keras.SyncCallback: the model has no optimizer; call "
+                             "model.compile(optimizer=..., loss=...) before model.fit")
+        steps = self.params.get("steps")
+        all_steps = hvd.allgather_object(steps, name="tfsync.steps")
+        if len(set(all_steps)) != 1 or steps is None:
+            raise ValueError(
+                f"tfsync: the ranks run different or unknown numbers of steps per epoch "
+                f"({all_steps}); every worker must take the same number of steps: shard the data "
+                f"into equal parts (e.g. x[rank::size] with len(x) divisible by size) or pass "
+                f"steps_per_epoch to model.fit")
+        self._broadcast_weights(hvd, model)
+        self.flat_vars = FlatVariables(model.trainable_variables)
+        self.engine = SyncEngine(self.policy, **self._engine_args)
+        self.engine.start(
+            self.flat_vars.size, initial_weights=self.flat_vars.read_numpy(),
+            extra_config={"weights": [list(s) for s in self.flat_vars.shapes], "steps": steps,
+                          "optimizer": type(model.optimizer).__name__})
+        self._wrap_optimizer(model.optimizer, hvd.size())
+        model.make_train_function(force=True)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if self.engine is not None:
+            self.engine.reset_totals()
+
+    def on_train_batch_end(self, batch, logs=None):
+        if logs is not None and self.engine is not None:
+            last = self.engine.last
+            logs["tfsync_wait_s"] = last.get("wait_s", 0.0)
+            logs["tfsync_staleness"] = last.get("staleness", 0)
+
+    def on_epoch_end(self, epoch, logs=None):
+        if logs is None or self.engine is None:
+            return
+        tot = self.engine.totals
+        busy = tot["wait_s"] + tot["compute_s"]
+        logs["tfsync_wait_fraction"] = tot["wait_s"] / busy if busy else 0.0
+        logs["tfsync_applied"] = float(tot["applied"])
+        logs["tfsync_dropped"] = float(tot["dropped"])
+        if self.average_epoch_logs:
+            hvd = _horovod.horovod()
+            keys = sorted(k for k, v in logs.items() if np.ndim(v) == 0)
+            values = np.array([float(logs[k]) for k in keys], np.float64)
+            mean = self.engine.exchange.call(
+                lambda: hvd.allreduce(tf.constant(values), op=hvd.Average,
+                                      name="tfsync.epoch_logs").numpy(),
+                timeout_s=self.engine.wait_timeout_s)
+            logs.update({k: float(v) for k, v in zip(keys, mean)})
+
+    def on_train_end(self, logs=None):
+        if self.engine is None:
+            return
+        try:
+            final = self.engine.finish()
+            if final is not None:
+                self.flat_vars.assign_numpy(final)
+        finally:
+            self._unwrap_optimizer()
+            self.engine.close()
+            self.model.make_train_function(force=True)
+
+    # ---------------------------------------------------------------- internals
+    @staticmethod
+    def _broadcast_weights(hvd, model):
+        """One fused broadcast of every model variable (trainable or not) from rank 0."""
+        variables = list(model.variables)
+        flat = np.concatenate([np.asarray(v.value, np.float64).reshape(-1) for v in variables])
+        flat = hvd.broadcast(tf.constant(flat), root_rank=0, name="tfsync.initial_weights").numpy()
+        offset = 0
+        for v in variables:
+            n = int(np.prod(v.shape))
+            v.assign(flat[offset:offset + n].reshape(v.shape).astype(v.dtype))
+            offset += n
+
+    def _wrap_optimizer(self, optimizer, size):
+        engine, flat_vars, policy = self.engine, self.flat_vars, self.policy
+        original = type(optimizer).apply_gradients.__get__(optimizer)
+
+        def apply_gradients(grads_and_vars):
+            grads_and_vars = list(grads_and_vars)
+            grads = [g for g, _ in grads_and_vars]
+            variables = [v for _, v in grads_and_vars]
+            if [id(v) for v in variables] != [id(v) for v in flat_vars.variables]:
+                raise ValueError("tfsync: the optimizer was asked to update other variables than the "
+                                 "model's trainable weights at the start of fit; do not change "
+                                 "trainability during fit")
+            if policy.payload == "gradients":
+                return original(zip(exchange_gradients(engine, flat_vars, grads), variables))
+            return apply_and_exchange_updates(
+                engine, flat_vars, lambda: original(zip(grads, variables)), size)
+
+        optimizer.apply_gradients = apply_gradients
+        self._wrapped_optimizer = optimizer
+
+    def _unwrap_optimizer(self):
+        opt = getattr(self, "_wrapped_optimizer", None)
+        if opt is not None and "apply_gradients" in vars(opt):
+            del opt.apply_gradients
+        self._wrapped_optimizer = None

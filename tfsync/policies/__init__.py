@@ -1,0 +1,129 @@
+"""Synchronization policies: what a worker waits for, as a pure function of clocks.
+
+A policy knows nothing of sockets, threads or TensorFlow.  The engine
+(:mod:`tfsync.engine`) runs numbered *rounds*: in round ``r`` every worker
+contributes the payload of its step ``r`` and receives the sum of all
+contributions.  A policy answers two questions:
+
+* ``payload``: what a worker contributes.  ``"gradients"``: the raw gradient,
+  exchanged *before* the optimizer runs and applied as the workers' average
+  (exactly what ``hvd.allreduce`` + optimizer does).  ``"updates"``: the change
+  the local optimizer made, ``Δ = U(g)``, exchanged *after* it was applied locally
+  (additive updates, as in SSP's parameter-server model, Ho et al. 2013).
+* ``required_round(step)``: the newest round that must be complete before the
+  worker passes the synchronization point of ``step``.  For ``"gradients"``
+  that point is before applying step ``step``'s gradient; for ``"updates"``
+  it is before computing step ``step``.
+
+Because every worker evaluates the same pure function on the same inputs, the
+workers agree on every decision without a coordinator.
+"""
+import abc
+import dataclasses
+
+PAYLOADS = ("gradients", "updates")
+
+
+class Policy(abc.ABC):
+    """Interface of a synchronization mode.
+
+    Subclasses are small frozen dataclasses validated on construction, so that
+    a bad configuration fails before any worker starts training.
+    """
+
+    name: str = ""
+    payload: str = ""
+
+    @abc.abstractmethod
+    def required_round(self, step: int) -> int:
+        """Newest round that must be complete at the sync point of ``step`` (-1: none)."""
+
+    def config(self) -> dict:
+        """Plain-data description, compared across ranks and written to traces."""
+        return {"mode": self.name, **dataclasses.asdict(self)}
+
+
+@dataclasses.dataclass(frozen=True)
+class BSP(Policy):
+    """Bulk-synchronous parallel: every step applies the average of all workers'
+    gradients of that step, as ``hvd.allreduce(grad, op=hvd.Average)`` would.
+
+    Example::
+
+        tfsync.keras.SyncCallback(mode=tfsync.BSP())   # or mode="bsp"
+    """
+
+    name = "bsp"
+    payload = "gradients"
+
+    def required_round(self, step: int) -> int:
+        return step
+
+
+@dataclasses.dataclass(frozen=True)
+class SSP(Policy):
+    """Stale synchronous parallel (Ho et al. 2013) on allreduce.
+
+    Each worker applies its own update at once (read-my-writes) and hands it to
+    the communication thread, which sums the workers' updates of step ``r`` in
+    round ``r`` while the worker computes on.  Before computing step ``c`` a
+    worker waits until round ``c - staleness - 1`` is complete and applies every
+    complete round.  Guarantees (tested from recorded traces):
+
+    * the fastest and slowest workers' clocks never differ by more than
+      ``staleness``;
+    * at clock ``c`` a worker has applied every worker's updates from clocks
+      ``<= c - staleness - 1`` and all of its own;
+    * ``SSP(0)`` waits exactly where BSP waits;
+    * when training ends every replica holds bit-identical weights.
+
+    Args:
+        staleness: the bound ``s`` (int, ``>= 0``). Default 3.
+
+    Example::
+
+        tfsync.keras.SyncCallback(mode=tfsync.SSP(staleness=3))   # or mode="ssp"
+    """
+
+    staleness: int = 3
+    name = "ssp"
+    payload = "updates"
+
+    def __post_init__(self):
+        if isinstance(self.staleness, bool) or not isinstance(self.staleness, int):
+            raise TypeError(
+                f"SSP(staleness={self.staleness!r}): staleness must be an int >= 0 "
+                f"(the number of steps the fastest worker may run ahead), "
+                f"got {type(self.staleness).__name__}; e.g. tfsync.SSP(staleness=3)")
+        if self.staleness < 0:
+            raise ValueError(
+                f"SSP(staleness={self.staleness}): staleness must be >= 0 "
+                f"(0 behaves as BSP); e.g. tfsync.SSP(staleness=3)")
+
+    def required_round(self, step: int) -> int:
+        return step - self.staleness - 1
+
+
+_BY_NAME = {"bsp": BSP, "ssp": SSP}
+
+
+def resolve(mode) -> Policy:
+    """Turn ``"bsp"``, ``"ssp"`` or a :class:`Policy` instance into a policy.
+
+    Raises a ``ValueError`` naming the accepted values for anything else.
+    """
+    if isinstance(mode, Policy):
+        return mode
+    if isinstance(mode, type) and issubclass(mode, Policy):
+        raise TypeError(f"mode={mode.__name__}: pass an instance, e.g. mode=tfsync.{mode.__name__}()")
+    if isinstance(mode, str):
+        key = mode.strip().lower()
+        if key in _BY_NAME:
+            return _BY_NAME[key]()
+    raise ValueError(
+        f"unknown synchronization mode {mode!r}; expected one of "
+        f"{', '.join(repr(k) for k in _BY_NAME)} or a policy object such as "
+        f"tfsync.SSP(staleness=3)")
+
+
+__all__ = ["Policy", "BSP", "SSP", "resolve", "PAYLOADS"]
