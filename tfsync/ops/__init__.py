@@ -61,7 +61,8 @@ _REDUCTIONS = ("mean", "sum")
 
 
 def _float_tensor(value, arg, dtype=None):
-    tensor = tf.convert_to_tensor(value, dtype=dtype)
+    # Python numbers and lists take the gradient's dtype; tensors must already have it.
+    tensor = value if tf.is_tensor(value) else tf.convert_to_tensor(value, dtype=dtype)
     if tensor.dtype not in _FLOAT_DTYPES:
         raise TypeError(
             f"{arg} must be float16, bfloat16, float32 or float64, got {tensor.dtype.name}; "

@@ -8,7 +8,7 @@
 // Each is one fused pass over contiguous memory (3 reads + 1 write, or 4 reads + 2
 // writes with the state): the op is memory-bound, so the only things that matter
 // are touching each byte once, writing into the gradient's buffer when TensorFlow
-// lets us (forward_input), vectorized loops (__restrict__, no errno on sqrt), and
+// lets us (forward_input), vectorized loops (__restrict__; SSE2 intrinsics where a sqrt blocks GCC), and
 // one large block per thread.
 #define EIGEN_USE_THREADS
 #if GOOGLE_CUDA
@@ -17,6 +17,10 @@
 
 #include <cmath>
 #include <cstring>
+#include <type_traits>
+#if defined(__SSE2__)
+#include <immintrin.h>
+#endif
 
 #include "kernels/cpu_parallel.h"
 #include "kernels/tfsync_kernels.h"
@@ -42,14 +46,6 @@ namespace errors = ::tensorflow::errors;
 using CPUDevice = Eigen::ThreadPoolDevice;
 #if GOOGLE_CUDA
 using GPUDevice = Eigen::GpuDevice;
-#endif
-
-// The sqrt in the adaptive loop cannot see a negative argument (v >= 0, eps > 0),
-// and without errno handling GCC vectorizes it to sqrtps.
-#if defined(__GNUC__) && !defined(__clang__)
-#define TFSYNC_VECTOR_MATH __attribute__((optimize("no-math-errno")))
-#else
-#define TFSYNC_VECTOR_MATH
 #endif
 
 // ---- CPU loops. Two variants each: out-of-place, and in place in the gradient's
@@ -86,9 +82,8 @@ struct AdaptiveParams {
 };
 
 template <typename T>
-TFSYNC_VECTOR_MATH void AdaptiveLoop(const T* __restrict__ g, const T* __restrict__ w_now,
-                                     const T* __restrict__ w_stale,
-                                     typename Accumulator<T>::type* __restrict__ v,
+void AdaptiveLoop(const T* __restrict__ g, const T* __restrict__ w_now,
+                        const T* __restrict__ w_stale, typename Accumulator<T>::type* __restrict__ v,
                                      AdaptiveParams<T> p, T* __restrict__ out, int64_t n) {
   using A = typename Accumulator<T>::type;
   for (int64_t i = 0; i < n; ++i) {
@@ -102,7 +97,7 @@ TFSYNC_VECTOR_MATH void AdaptiveLoop(const T* __restrict__ g, const T* __restric
 }
 
 template <typename T>
-TFSYNC_VECTOR_MATH void AdaptiveLoopInPlace(T* __restrict__ g, const T* __restrict__ w_now,
+void AdaptiveLoopInPlace(T* __restrict__ g, const T* __restrict__ w_now,
                                             const T* __restrict__ w_stale,
                                             typename Accumulator<T>::type* __restrict__ v,
                                             AdaptiveParams<T> p, int64_t n) {
@@ -116,6 +111,92 @@ TFSYNC_VECTOR_MATH void AdaptiveLoopInPlace(T* __restrict__ g, const T* __restri
     g[i] = static_cast<T>(gi + p.lambda0 / std::sqrt(vi + p.epsilon) * gg * delta);
   }
 }
+
+#if defined(__SSE2__)
+// float and double: GCC will not vectorize std::sqrt while it must set errno for a
+// negative argument (impossible here: v >= 0, epsilon > 0), and the compile flags
+// come from TensorFlow, so the vector loop is written with SSE2 intrinsics (the
+// x86-64 baseline). Each lane computes exactly the scalar expression, in the same
+// order, so results match the scalar tail and the reference bit for bit. Loads
+// precede stores at every index, so out may alias g (in place) safely.
+template <typename T>
+struct Sse;
+template <>
+struct Sse<float> {
+  using V = __m128;
+  static constexpr int kLanes = 4;
+  static V Set(float x) { return _mm_set1_ps(x); }
+  static V Load(const float* p) { return _mm_loadu_ps(p); }
+  static void Store(float* p, V x) { _mm_storeu_ps(p, x); }
+  static V Add(V a, V b) { return _mm_add_ps(a, b); }
+  static V Sub(V a, V b) { return _mm_sub_ps(a, b); }
+  static V Mul(V a, V b) { return _mm_mul_ps(a, b); }
+  static V Div(V a, V b) { return _mm_div_ps(a, b); }
+  static V Sqrt(V a) { return _mm_sqrt_ps(a); }
+};
+template <>
+struct Sse<double> {
+  using V = __m128d;
+  static constexpr int kLanes = 2;
+  static V Set(double x) { return _mm_set1_pd(x); }
+  static V Load(const double* p) { return _mm_loadu_pd(p); }
+  static void Store(double* p, V x) { _mm_storeu_pd(p, x); }
+  static V Add(V a, V b) { return _mm_add_pd(a, b); }
+  static V Sub(V a, V b) { return _mm_sub_pd(a, b); }
+  static V Mul(V a, V b) { return _mm_mul_pd(a, b); }
+  static V Div(V a, V b) { return _mm_div_pd(a, b); }
+  static V Sqrt(V a) { return _mm_sqrt_pd(a); }
+};
+
+template <typename T>
+void AdaptiveLoopSse(const T* g, const T* w_now, const T* w_stale, T* v, AdaptiveParams<T> p,
+                     T* out, int64_t n) {
+  using S = Sse<T>;
+  const typename S::V m = S::Set(p.momentum), om = S::Set(p.one_minus_momentum),
+                      l0 = S::Set(p.lambda0), eps = S::Set(p.epsilon);
+  int64_t i = 0;
+  for (; i + S::kLanes <= n; i += S::kLanes) {
+    const typename S::V gi = S::Load(g + i);
+    const typename S::V gg = S::Mul(gi, gi);
+    const typename S::V vi = S::Add(S::Mul(m, S::Load(v + i)), S::Mul(om, gg));
+    S::Store(v + i, vi);
+    const typename S::V delta = S::Sub(S::Load(w_now + i), S::Load(w_stale + i));
+    const typename S::V lam = S::Div(l0, S::Sqrt(S::Add(vi, eps)));
+    S::Store(out + i, S::Add(gi, S::Mul(S::Mul(lam, gg), delta)));
+  }
+  for (; i < n; ++i) {
+    const T gi = g[i];
+    const T gg = gi * gi;
+    const T vi = p.momentum * v[i] + p.one_minus_momentum * gg;
+    v[i] = vi;
+    out[i] = gi + p.lambda0 / std::sqrt(vi + p.epsilon) * gg * (w_now[i] - w_stale[i]);
+  }
+}
+
+// Dispatch: the SSE loop for float/double, the scalar loops for half/bfloat16
+// (whose conversions dominate and do not vectorize without F16C anyway).
+template <typename T>
+void AdaptiveChunk(const T* g, const T* w_now, const T* w_stale,
+                   typename Accumulator<T>::type* v, AdaptiveParams<T> p, T* out, int64_t n) {
+  if constexpr (std::is_same<T, float>::value || std::is_same<T, double>::value) {
+    AdaptiveLoopSse<T>(g, w_now, w_stale, v, p, out, n);
+  } else if (out == g) {
+    AdaptiveLoopInPlace<T>(out, w_now, w_stale, v, p, n);
+  } else {
+    AdaptiveLoop<T>(g, w_now, w_stale, v, p, out, n);
+  }
+}
+#else
+template <typename T>
+void AdaptiveChunk(const T* g, const T* w_now, const T* w_stale,
+                   typename Accumulator<T>::type* v, AdaptiveParams<T> p, T* out, int64_t n) {
+  if (out == g) {
+    AdaptiveLoopInPlace<T>(out, w_now, w_stale, v, p, n);
+  } else {
+    AdaptiveLoop<T>(g, w_now, w_stale, v, p, out, n);
+  }
+}
+#endif  // __SSE2__
 
 // ---- Validation shared by both ops. ----
 
@@ -271,14 +352,9 @@ struct DelayCompensateAdaptiveImpl<CPUDevice, T> {
     const T* ws = w_stale.flat<T>().data();
     A* vp = v->flat<A>().data();
     T* op = out->flat<T>().data();
-    const bool in_place = op == gp;
     ParallelElementwise(ctx, g.NumElements(), 4 * sizeof(T) + 2 * sizeof(A),
                         [&](int64_t b, int64_t e) {
-                          if (in_place) {
-                            AdaptiveLoopInPlace<T>(op + b, wn + b, ws + b, vp + b, p, e - b);
-                          } else {
-                            AdaptiveLoop<T>(gp + b, wn + b, ws + b, vp + b, p, op + b, e - b);
-                          }
+                          AdaptiveChunk<T>(gp + b, wn + b, ws + b, vp + b, p, op + b, e - b);
                         });
   }
 };

@@ -1,0 +1,437 @@
+"""Tests of tfsync.ops (PSP partial aggregation, staleness masking, DC-ASGD delay
+compensation) against NumPy, run for BOTH implementations: the compiled kernels and
+the pure-TensorFlow reference. The compiled library must be built first
+(``pip install --no-build-isolation -e .``); a missing library fails these tests, it
+is never skipped.
+"""
+import json
+import os
+import shutil
+import tempfile
+from unittest import mock
+
+import numpy as np
+import tensorflow as tf
+from absl.testing import parameterized
+
+import tfsync.ops as ops
+from tfsync.ops import _loader, _select
+
+IMPLS = ("compiled", "reference")
+DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
+# rtol/atol per dtype: inputs are already rounded to the dtype, so only the final
+# rounding (half: 2^-11, bfloat16: 2^-8) and float32 intermediates remain.
+TOLERANCE = {tf.float16: (2e-3, 2e-3), tf.bfloat16: (1.6e-2, 1.6e-2),
+             tf.float32: (2e-6, 1e-6), tf.float64: (1e-13, 1e-13)}
+SHAPES = ((), (0,), (7,), (3, 5, 7), (2, 0, 3))
+LARGE = 1_000_001  # > 2 blocks of the kernels' thread split: exercises threading
+
+
+def _values(rng, shape, dtype, scale=1.0):
+    """A tensor of `dtype` and the same values as float64 NumPy (after rounding)."""
+    t = tf.cast(tf.constant(rng.standard_normal(shape) * scale), dtype)
+    return t, tf.cast(t, tf.float64).numpy()
+
+
+def np_partial_aggregate(contributions, timestamps, step, c, max_staleness, reduction):
+    fresh = (step - timestamps) <= max_staleness
+    total = contributions[fresh].sum(axis=0)
+    d = int(fresh.sum())
+    if reduction == "mean":
+        total = total / max(d, 1)
+    return total, d, ~fresh, d >= c
+
+
+def np_delay_compensate(g, w_now, w_stale, lam):
+    return g + lam * g * g * (w_now - w_stale)
+
+
+class OpsTestCase(tf.test.TestCase, parameterized.TestCase):
+    # tf.test.TestCase's deprecated test_session() is not a test; keep pytest off it.
+    test_session = None
+
+    def use(self, impl):
+        previous = ops.get_implementation()
+        ops.set_implementation(impl)
+        self.addCleanup(ops.set_implementation, previous)
+
+    def assertClose(self, actual, expected, dtype):
+        rtol, atol = TOLERANCE[dtype]
+        self.assertAllClose(tf.cast(actual, tf.float64).numpy(), expected, rtol=rtol, atol=atol)
+
+
+class PartialAggregateTest(OpsTestCase):
+    @parameterized.product(impl=IMPLS, dtype=DTYPES, shape=SHAPES, reduction=("mean", "sum"))
+    def test_matches_numpy(self, impl, dtype, shape, reduction):
+        self.use(impl)
+        rng = np.random.default_rng(0)
+        contributions, expected_in = _values(rng, (5,) + shape, dtype)
+        timestamps = np.array([10, 9, 10, 8, 10])
+        r = ops.partial_aggregate(contributions, timestamps, 10, 2, max_staleness=1,
+                                  reduction=reduction)
+        total, d, dropped, met = np_partial_aggregate(expected_in, timestamps, 10, 2, 1, reduction)
+        self.assertEqual(r.aggregate.dtype, dtype)
+        self.assertEqual(r.aggregate.shape, shape)
+        self.assertClose(r.aggregate, total, dtype)
+        self.assertEqual(int(r.num_accepted), d)
+        self.assertAllEqual(r.dropped, dropped)
+        self.assertEqual(bool(r.min_contributions_met), met)
+
+    @parameterized.product(impl=IMPLS)
+    def test_large_uses_threads_and_matches_numpy(self, impl):
+        self.use(impl)
+        contributions, expected_in = _values(np.random.default_rng(1), (4, LARGE), tf.float32)
+        timestamps = np.array([3, 3, 2, 3])
+        r = ops.partial_aggregate(contributions, timestamps, 3, 3)
+        total, _, _, _ = np_partial_aggregate(expected_in, timestamps, 3, 3, 0, "mean")
+        self.assertClose(r.aggregate, total, tf.float32)
+
+    @parameterized.product(impl=IMPLS, reduction=("mean", "sum"))
+    def test_all_stale_gives_zeros_and_reports_it(self, impl, reduction):
+        self.use(impl)
+        r = ops.partial_aggregate(tf.ones([3, 4]), [1, 2, 3], 5, 1, reduction=reduction)
+        self.assertAllEqual(r.aggregate, np.zeros(4))
+        self.assertEqual(int(r.num_accepted), 0)
+        self.assertAllEqual(r.dropped, [True, True, True])
+        self.assertFalse(bool(r.min_contributions_met))
+
+    @parameterized.product(impl=IMPLS)
+    def test_all_fresh(self, impl):
+        self.use(impl)
+        x = np.arange(12, dtype=np.float32).reshape(3, 4)
+        r = ops.partial_aggregate(x, [5, 5, 5], 5, 3)
+        self.assertAllClose(r.aggregate, x.mean(axis=0))
+        self.assertEqual(int(r.num_accepted), 3)
+        self.assertAllEqual(r.dropped, [False] * 3)
+        self.assertTrue(bool(r.min_contributions_met))
+
+    @parameterized.product(impl=IMPLS)
+    def test_stale_rows_holding_nan_do_not_leak(self, impl):
+        self.use(impl)
+        x = np.array([[1.0, 2.0], [np.nan, np.inf]], np.float32)
+        r = ops.partial_aggregate(x, [4, 3], 4, 1)
+        self.assertAllEqual(r.aggregate, [1.0, 2.0])
+
+    @parameterized.product(impl=IMPLS)
+    def test_staleness_window(self, impl):
+        self.use(impl)
+        r = ops.partial_aggregate(tf.ones([5, 2]), [10, 9, 8, 7, 6], 10, 0, max_staleness=2,
+                                  reduction="sum")
+        self.assertAllEqual(r.dropped, [False, False, False, True, True])
+        self.assertAllEqual(r.aggregate, [3.0, 3.0])
+
+    # d = 2 accepted out of k = 4: c = 0, c = d, c = d + 1, c = k.
+    @parameterized.product(impl=IMPLS, c_and_met=((0, True), (2, True), (3, False), (4, False)))
+    def test_min_contributions_boundaries(self, impl, c_and_met):
+        self.use(impl)
+        c, met = c_and_met
+        r = ops.partial_aggregate(tf.ones([4, 3]), [7, 6, 7, 5], 7, c)
+        self.assertEqual(int(r.num_accepted), 2)
+        self.assertEqual(bool(r.min_contributions_met), met)
+
+    @parameterized.product(impl=IMPLS)
+    def test_zero_contributions(self, impl):
+        self.use(impl)
+        r = ops.partial_aggregate(tf.zeros([0, 3]), tf.zeros([0], tf.int64), 1, 0)
+        self.assertAllEqual(r.aggregate, np.zeros(3))
+        self.assertEqual(int(r.num_accepted), 0)
+        self.assertTrue(bool(r.min_contributions_met))
+
+    @parameterized.product(impl=IMPLS)
+    def test_inside_tf_function(self, impl):
+        self.use(impl)
+        fn = tf.function(lambda x, ts, step: ops.partial_aggregate(x, ts, step, 1))
+        x = np.arange(6, dtype=np.float32).reshape(3, 2)
+        r = fn(tf.constant(x), tf.constant([2, 1, 2], tf.int64), tf.constant(2, tf.int64))
+        self.assertAllClose(r.aggregate, (x[0] + x[2]) / 2)
+        self.assertEqual(int(r.num_accepted), 2)
+
+    @parameterized.product(impl=IMPLS, case=(
+        ("future", dict(timestamps=[3, 6]), r"timestamps\[1\] = 6 is after the current step 5"),
+        ("c<0", dict(c=-1), r"min_contributions must be >= 0, got -1"),
+        ("c>k", dict(c=3), r"min_contributions must be <= k = 2 .*got 3"),
+        ("staleness<0", dict(max_staleness=-1), r"max_staleness must be >= 0"),
+        ("k mismatch", dict(timestamps=[5, 5, 5]), r"timestamps must have one entry per contribution"),
+        ("rank 0", dict(contributions=1.0), r"contributions must have rank >= 1"),
+        ("timestamps rank", dict(timestamps=[[5, 5]]), r"timestamps must be a vector"),
+        ("step rank", dict(step=[5]), r"step must be a scalar"),
+    ))
+    def test_bad_input_raises(self, impl, case):
+        self.use(impl)
+        _, overrides, message = case
+        args = dict(contributions=tf.ones([2, 3]), timestamps=[5, 5], step=5, c=1, max_staleness=0)
+        args.update(overrides)
+        with self.assertRaisesRegex(tf.errors.InvalidArgumentError, message):
+            ops.partial_aggregate(args["contributions"], args["timestamps"], args["step"],
+                                  args["c"], max_staleness=args["max_staleness"])
+
+    @parameterized.product(impl=IMPLS)
+    def test_graph_construction_checks_shapes_and_constants(self, impl):
+        self.use(impl)
+        with self.assertRaisesRegex(ValueError, "timestamps must have one entry per contribution"):
+            tf.function(lambda: ops.partial_aggregate(tf.ones([2, 3]), [1, 1, 1], 1, 1))()
+        if impl == "compiled":  # the shape function also checks constant inputs
+            with self.assertRaisesRegex(ValueError, "min_contributions must be <= k = 2"):
+                tf.function(lambda: ops.partial_aggregate(tf.ones([2, 3]), [1, 1], 1, 3))()
+        fn = tf.function(lambda ts: ops.partial_aggregate(tf.ones([2, 3]), ts, 1, 1))
+        with self.assertRaisesRegex(tf.errors.InvalidArgumentError, "is after the current step"):
+            fn(tf.constant([1, 2], tf.int64))
+
+    def test_unknown_reduction(self):
+        with self.assertRaisesRegex(ValueError, "reduction must be 'mean' or 'sum'"):
+            ops.partial_aggregate(tf.ones([2]), [1, 1], 1, 1, reduction="max")
+
+
+class MaskStaleTest(OpsTestCase):
+    @parameterized.product(impl=IMPLS, dtype=DTYPES, shape=SHAPES)
+    def test_fresh_passes_through_and_stale_is_zero(self, impl, dtype, shape):
+        self.use(impl)
+        x, expected = _values(np.random.default_rng(2), shape, dtype)
+        fresh = ops.mask_stale(x, 9, 10, max_staleness=1)
+        self.assertEqual(fresh.masked.dtype, dtype)
+        self.assertClose(fresh.masked, expected, dtype)
+        self.assertEqual(float(fresh.weight), 1.0)
+        self.assertEqual(fresh.weight.dtype, tf.float32)
+        stale = ops.mask_stale(x, 8, 10, max_staleness=1)
+        self.assertAllEqual(tf.cast(stale.masked, tf.float64), np.zeros(shape))
+        self.assertEqual(float(stale.weight), 0.0)
+
+    @parameterized.product(impl=IMPLS)
+    def test_sum_over_workers_gives_mean_of_accepted(self, impl):
+        # Emulates an allreduce sum over 4 workers, one of them a step behind.
+        self.use(impl)
+        rng = np.random.default_rng(3)
+        grads = [rng.standard_normal(LARGE).astype(np.float32) for _ in range(4)]
+        timestamps = [4, 4, 3, 4]
+        outs = [ops.mask_stale(g, ts, 4) for g, ts in zip(grads, timestamps)]
+        total = tf.add_n([o.masked for o in outs])
+        weight = tf.add_n([o.weight for o in outs])
+        self.assertEqual(float(weight), 3.0)
+        self.assertAllClose(total / weight, (grads[0] + grads[1] + grads[3]) / 3, rtol=1e-5,
+                            atol=1e-6)
+
+    @parameterized.product(impl=IMPLS)
+    def test_stale_inside_tf_function(self, impl):
+        self.use(impl)
+        fn = tf.function(lambda x, ts: ops.mask_stale(x * 2.0, ts, 5))
+        r = fn(tf.ones([LARGE]), tf.constant(4, tf.int64))
+        self.assertEqual(float(tf.reduce_max(tf.abs(r.masked))), 0.0)
+        r = fn(tf.ones([LARGE]), tf.constant(5, tf.int64))
+        self.assertEqual(float(tf.reduce_min(r.masked)), 2.0)
+
+    @parameterized.product(impl=IMPLS, case=(
+        ((6, 5, 0), r"timestamp = 6 is after the current step 5"),
+        ((4, 5, -2), r"max_staleness must be >= 0 .*-2"),
+        (([4], 5, 0), r"timestamp must be a scalar"),
+    ))
+    def test_bad_input_raises(self, impl, case):
+        self.use(impl)
+        (timestamp, step, max_staleness), message = case
+        with self.assertRaisesRegex(tf.errors.InvalidArgumentError, message):
+            ops.mask_stale(tf.ones([3]), timestamp, step, max_staleness)
+
+
+class DelayCompensateTest(OpsTestCase):
+    @parameterized.product(impl=IMPLS, dtype=DTYPES, shape=SHAPES + ((LARGE,),))
+    def test_matches_numpy(self, impl, dtype, shape):
+        self.use(impl)
+        rng = np.random.default_rng(4)
+        g, g64 = _values(rng, shape, dtype)
+        w_now, w_now64 = _values(rng, shape, dtype)
+        w_stale, w_stale64 = _values(rng, shape, dtype)
+        out = ops.delay_compensate(g, w_now, w_stale, 0.5)
+        self.assertEqual(out.dtype, dtype)
+        self.assertEqual(out.shape, shape)
+        self.assertClose(out, np_delay_compensate(g64, w_now64, w_stale64, 0.5), dtype)
+
+    @parameterized.product(impl=IMPLS, dtype=(tf.float32, tf.float64))
+    def test_in_place_inside_tf_function(self, impl, dtype):
+        # Inside a graph the gradient is a temporary, so the kernel writes into it.
+        self.use(impl)
+        rng = np.random.default_rng(5)
+        g, g64 = _values(rng, (LARGE,), dtype)
+        w_now, w_now64 = _values(rng, (LARGE,), dtype)
+        fn = tf.function(lambda g, w_now: ops.delay_compensate(g * 2.0, w_now, w_now * 0.5, 0.25))
+        self.assertClose(fn(g, w_now), np_delay_compensate(2 * g64, w_now64, 0.5 * w_now64, 0.25),
+                         dtype)
+        self.assertClose(g, g64, dtype)  # the caller's tensor is untouched
+
+    @parameterized.product(impl=IMPLS)
+    def test_zero_lambda_is_identity(self, impl):
+        self.use(impl)
+        g = tf.constant([1.5, -2.0, 3.25])
+        self.assertAllEqual(ops.delay_compensate(g, [1.0, 2.0, 3.0], [0.0, 0.0, 0.0], 0.0), g)
+
+    @parameterized.product(impl=IMPLS, case=(
+        (dict(w_now=tf.ones([4])), r"w_now must have the same shape as gradient"),
+        (dict(w_stale=tf.ones([3, 1])), r"w_stale must have the same shape as gradient"),
+        (dict(lambda_=float("inf")), r"lambda_ must be finite, got inf"),
+        (dict(lambda_=float("nan")), r"lambda_ must be finite, got nan"),
+        (dict(lambda_=[0.1]), r"lambda_ must be a scalar"),
+    ))
+    def test_bad_input_raises(self, impl, case):
+        self.use(impl)
+        overrides, message = case
+        args = dict(gradient=tf.ones([3]), w_now=tf.ones([3]), w_stale=tf.ones([3]), lambda_=0.1)
+        args.update(overrides)
+        with self.assertRaisesRegex(tf.errors.InvalidArgumentError, message):
+            ops.delay_compensate(**args)
+
+    @parameterized.product(impl=IMPLS)
+    def test_graph_construction_checks_shapes(self, impl):
+        self.use(impl)
+        with self.assertRaisesRegex(ValueError, "w_now must have the same shape as gradient"):
+            tf.function(lambda: ops.delay_compensate(tf.ones([3]), tf.ones([4]), tf.ones([3]), 1.0))()
+
+    def test_dtypes_are_checked(self):
+        with self.assertRaisesRegex(TypeError, "gradient must be float16, bfloat16, float32 or float64"):
+            ops.delay_compensate(tf.ones([2], tf.int32), tf.ones([2], tf.int32), tf.ones([2], tf.int32), 1.0)
+        with self.assertRaisesRegex(TypeError, r"w_now must have the dtype of gradient \(float32\)"):
+            ops.delay_compensate(tf.ones([2]), tf.ones([2], tf.float64), tf.ones([2]), 1.0)
+
+    @parameterized.product(impl=IMPLS)
+    def test_has_no_gradient(self, impl):
+        self.use(impl)
+        g = tf.Variable([1.0, 2.0])
+        with tf.GradientTape() as tape:
+            out = ops.delay_compensate(g * 1.0, [1.0, 1.0], [0.0, 0.0], 0.1)
+            loss = tf.reduce_sum(out)
+        self.assertIsNone(tape.gradient(loss, g))
+
+
+class DelayCompensateAdaptiveTest(OpsTestCase):
+    @parameterized.product(impl=IMPLS, dtype=DTYPES, shape=((), (0,), (7,), (3, 5, 7), (LARGE,)))
+    def test_state_and_output_over_two_calls(self, impl, dtype, shape):
+        self.use(impl)
+        rng = np.random.default_rng(6)
+        state_dtype = tf.float64 if dtype == tf.float64 else tf.float32
+        v = tf.Variable(tf.zeros(shape, state_dtype))
+        v64 = np.zeros(shape)
+        # The hyperparameters are float32 scalars, also for float64 gradients.
+        lambda0, momentum, epsilon = (float(np.float32(x)) for x in (0.5, 0.9, 1e-3))
+        for _ in range(2):
+            g, g64 = _values(rng, shape, dtype)
+            w_now, w_now64 = _values(rng, shape, dtype)
+            w_stale, w_stale64 = _values(rng, shape, dtype)
+            out = ops.delay_compensate_adaptive(g, w_now, w_stale, v, lambda0, momentum, epsilon)
+            v64 = momentum * v64 + (1 - momentum) * g64 * g64
+            lam = lambda0 / np.sqrt(v64 + epsilon)
+            self.assertEqual(out.dtype, dtype)
+            self.assertClose(out, np_delay_compensate(g64, w_now64, w_stale64, lam), dtype)
+            rtol = 1e-13 if dtype == tf.float64 else 1e-6
+            self.assertAllClose(v.numpy(), v64, rtol=rtol, atol=rtol)
+
+    @parameterized.product(impl=IMPLS)
+    def test_pending_read_keeps_old_value(self, impl):
+        # Copy-on-write: a tensor read before the update must not change under it.
+        self.use(impl)
+        v = tf.Variable(tf.fill([LARGE], 4.0))
+        before = v.read_value()
+        ops.delay_compensate_adaptive(tf.ones([LARGE]), tf.ones([LARGE]), tf.zeros([LARGE]), v,
+                                      1.0, 0.5, 1e-7)
+        self.assertAllEqual(before[:3], [4.0, 4.0, 4.0])
+        self.assertAllClose(v[:3], [2.5, 2.5, 2.5])
+
+    @parameterized.product(impl=IMPLS)
+    def test_inside_tf_function_updates_state(self, impl):
+        self.use(impl)
+        v = tf.Variable(tf.zeros([LARGE]))
+
+        @tf.function
+        def step(g):
+            return ops.delay_compensate_adaptive(g * 1.5, tf.ones([LARGE]), tf.zeros([LARGE]), v,
+                                                 1.0, 0.5, 1e-7)
+
+        out = step(tf.ones([LARGE]))
+        # v = 0.5 * 2.25 = 1.125; out = 1.5 + 1 / sqrt(1.125 + 1e-7) * 2.25 * 1
+        self.assertAllClose(v[:2], [1.125, 1.125])
+        self.assertAllClose(out[-2:], [1.5 + 2.25 / np.sqrt(1.125 + 1e-7)] * 2)
+        step(tf.ones([LARGE]))
+        self.assertAllClose(v[:2], [0.5 * 1.125 + 0.5 * 2.25] * 2)
+
+    @parameterized.product(impl=IMPLS, case=(
+        (dict(lambda0=float("nan")), r"lambda0 must be finite"),
+        (dict(momentum=1.5), r"momentum must be in \[0, 1\], got 1.5"),
+        (dict(momentum=float("inf")), r"momentum must be finite"),
+        (dict(epsilon=0.0), r"epsilon must be > 0"),
+        (dict(w_stale=tf.ones([2])), r"w_stale must have the same shape as gradient"),
+        (dict(mean_square=tf.Variable(tf.zeros([4]))), r"mean_square must have the same shape as gradient"),
+    ))
+    def test_bad_input_raises(self, impl, case):
+        self.use(impl)
+        overrides, message = case
+        args = dict(gradient=tf.ones([3]), w_now=tf.ones([3]), w_stale=tf.ones([3]),
+                    mean_square=tf.Variable(tf.zeros([3])), lambda0=1.0, momentum=0.9, epsilon=1e-7)
+        args.update(overrides)
+        with self.assertRaisesRegex(tf.errors.InvalidArgumentError, message):
+            ops.delay_compensate_adaptive(**args)
+
+    def test_state_must_be_a_variable_of_the_accumulation_dtype(self):
+        with self.assertRaisesRegex(TypeError, "mean_square must have dtype float32 for float16"):
+            ops.delay_compensate_adaptive(tf.ones([2], tf.float16), tf.ones([2], tf.float16),
+                                          tf.ones([2], tf.float16), tf.Variable(tf.zeros([2], tf.float16)), 1.0)
+        with self.assertRaisesRegex(TypeError, "mean_square must be a tf.Variable"):
+            ops.delay_compensate_adaptive(tf.ones([2]), tf.ones([2]), tf.ones([2]), tf.zeros([2]), 1.0)
+
+
+class ImplementationSwitchTest(tf.test.TestCase):
+    test_session = None
+
+    def create_tempdir(self):
+        path = tempfile.mkdtemp(prefix="tfsync_ops_test_")
+        self.addCleanup(shutil.rmtree, path)
+        return path
+
+    def test_env_values(self):
+        self.assertEqual(_select.implementation_from_env({}), "compiled")
+        self.assertEqual(_select.implementation_from_env({"TFSYNC_OPS_IMPL": "reference"}), "reference")
+        self.assertEqual(_select.implementation_from_env({"TFSYNC_OPS_IMPL": "compiled"}), "compiled")
+        with self.assertRaisesRegex(ValueError, "TFSYNC_OPS_IMPL='fast' is not an implementation"):
+            _select.implementation_from_env({"TFSYNC_OPS_IMPL": "fast"})
+
+    def test_set_implementation(self):
+        previous = ops.get_implementation()
+        self.addCleanup(ops.set_implementation, previous)
+        ops.set_implementation("reference")
+        self.assertEqual(ops.get_implementation(), "reference")
+        with self.assertRaisesRegex(ValueError, "unknown tfsync.ops implementation 'numpy'"):
+            ops.set_implementation("numpy")
+        self.assertEqual(ops.get_implementation(), "reference")
+
+    def test_missing_library_is_an_error_not_a_fallback(self):
+        previous = ops.get_implementation()
+        self.addCleanup(ops.set_implementation, previous)
+        ops.set_implementation("compiled")
+        empty = self.create_tempdir()
+        with mock.patch.object(_loader, "_library", None), \
+                mock.patch.object(_loader, "library_dir", lambda: empty):
+            with self.assertRaisesRegex(ops.OpLibraryError,
+                                        r"_tfsync_ops.so does not exist.*pip install --no-build-isolation -e \."):
+                ops.delay_compensate([1.0], [1.0], [1.0], 0.1)
+
+    def test_version_mismatch_says_rebuild(self):
+        directory = self.create_tempdir()
+        shutil.copy(os.path.join(_loader.library_dir(), _loader.LIBRARY_FILE), directory)
+        with open(os.path.join(directory, _loader.BUILD_INFO_FILE), "w") as f:
+            json.dump({"tensorflow_version": "1.0.0"}, f)
+        with self.assertRaisesRegex(_loader.OpLibraryError,
+                                    r"built against TensorFlow 1.0.0, but TensorFlow .* is running.*Rebuild"):
+            _loader._load(directory)
+
+    def test_missing_build_info_says_rebuild(self):
+        directory = self.create_tempdir()
+        shutil.copy(os.path.join(_loader.library_dir(), _loader.LIBRARY_FILE), directory)
+        with self.assertRaisesRegex(_loader.OpLibraryError, r"_build_info.json is missing.*rebuild"):
+            _loader._load(directory)
+
+    def test_compiled_library_loads_and_registers_all_ops(self):
+        library = _loader.load_library()
+        self.assertIs(_loader.load_library(), library)  # loaded once
+        for op_name in _loader.OP_NAMES:
+            # "TfSync>DelayCompensateAdaptive" -> tf_sync_delay_compensate_adaptive
+            snake = "".join("_" + c.lower() if c.isupper() else c for c in op_name.split(">")[1])
+            self.assertTrue(callable(getattr(library, "tf_sync" + snake)), op_name)
+
+
+if __name__ == "__main__":
+    tf.test.main()

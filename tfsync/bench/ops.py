@@ -1,0 +1,193 @@
+"""Benchmark of the fused ops in :mod:`tfsync.ops` against the same math composed
+from stock TensorFlow ops, eagerly and under XLA (``tf.function(jit_compile=True)``).
+
+``python -m tfsync.bench ops [--json PATH] [--repeats N] [--sizes N ...]``
+
+The ops are memory-bound streams, so each record carries the bytes the op must move
+(reads + writes of the fused version) and the bandwidth that implies, next to the
+machine's copy bandwidth measured in the same run (``np.copyto`` of the same number
+of float32 elements into a preallocated buffer: one read and one write per element).
+Timings are the median of ``--repeats`` calls after warm-up, with TensorFlow's
+default thread settings. Ops: DC-ASGD-c / DC-ASGD-a delay compensation, PSP partial
+aggregation (k contributions, one of them stale), and masking one stale contribution.
+"""
+import argparse
+import json
+import statistics
+import time
+
+import numpy as np
+
+FLOAT32_BYTES = 4
+DC_LAMBDA = 0.04
+DCA_LAMBDA0, DCA_MOMENTUM, DCA_EPSILON = 2.0, 0.95, 1e-7
+
+
+def _parse_size(text):
+    """Element counts like 1048576, 1M or 16M (M = 2**20, K = 2**10)."""
+    units = {"K": 1 << 10, "M": 1 << 20}
+    text = text.strip().upper()
+    try:
+        if text and text[-1] in units:
+            return int(text[:-1]) * units[text[-1]]
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"size {text!r}: expected an element count like 1048576, 1M or 16M")
+
+
+def _median_seconds(fn, repeats, warmup):
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _cases(tf, ops, n, contributions):
+    """(op, bytes moved, {impl: callable}) for every benchmarked op at n elements."""
+    rng = np.random.default_rng(0)
+    g = tf.constant(rng.standard_normal(n, dtype=np.float32))
+    w_now = tf.constant(rng.standard_normal(n, dtype=np.float32))
+    w_stale = tf.constant(rng.standard_normal(n, dtype=np.float32))
+    lam = tf.constant(DC_LAMBDA, tf.float32)
+    cases = []
+
+    def dc_composed(g, w_now, w_stale, lam):
+        return g + lam * g * g * (w_now - w_stale)
+
+    dc_xla = tf.function(dc_composed, jit_compile=True)
+    cases.append(("delay_compensate", 4 * n * FLOAT32_BYTES, {
+        "fused": lambda: ops.delay_compensate(g, w_now, w_stale, lam),
+        "composed_eager": lambda: dc_composed(g, w_now, w_stale, lam),
+        "composed_xla": lambda: dc_xla(g, w_now, w_stale, lam),
+    }))
+
+    v_fused = tf.Variable(tf.zeros(n, tf.float32))
+    v_eager = tf.Variable(tf.zeros(n, tf.float32))
+    v_xla = tf.Variable(tf.zeros(n, tf.float32))
+    lambda0 = tf.constant(DCA_LAMBDA0)
+    momentum = tf.constant(DCA_MOMENTUM)
+    epsilon = tf.constant(DCA_EPSILON)
+
+    def dca_composed(g, w_now, w_stale, v):
+        gg = g * g
+        v_new = momentum * v + (1.0 - momentum) * gg
+        v.assign(v_new)
+        return g + lambda0 / tf.sqrt(v_new + epsilon) * gg * (w_now - w_stale)
+
+    dca_xla = tf.function(dca_composed, jit_compile=True)
+    # Reads g, w_now, w_stale, v; writes v and the result.
+    cases.append(("delay_compensate_adaptive", 6 * n * FLOAT32_BYTES, {
+        "fused": lambda: ops.delay_compensate_adaptive(
+            g, w_now, w_stale, v_fused, lambda0, momentum, epsilon),
+        "composed_eager": lambda: dca_composed(g, w_now, w_stale, v_eager),
+        "composed_xla": lambda: dca_xla(g, w_now, w_stale, v_xla),
+    }))
+
+    k = contributions
+    stacked = tf.constant(rng.standard_normal((k, n), dtype=np.float32))
+    step = tf.constant(10, tf.int64)
+    # One straggler: the last contribution is one step old and is dropped.
+    timestamps = tf.constant([10] * (k - 1) + [9], tf.int64)
+    min_contributions = tf.constant(k - 1, tf.int64)
+    max_staleness = tf.constant(0, tf.int64)
+
+    def pa_composed(stacked, timestamps, step):
+        fresh = step - timestamps <= max_staleness
+        d = tf.reduce_sum(tf.cast(fresh, tf.int64))
+        # A select, not a multiply by the mask: a stale row may hold inf/NaN.
+        total = tf.reduce_sum(tf.where(fresh[:, None], stacked, 0.0), axis=0)
+        return (total / tf.cast(tf.maximum(d, 1), tf.float32), d, tf.logical_not(fresh),
+                d >= min_contributions)
+
+    pa_xla = tf.function(pa_composed, jit_compile=True)
+    # Reads the k - 1 accepted rows, writes one.
+    cases.append(("partial_aggregate", k * n * FLOAT32_BYTES, {
+        "fused": lambda: ops.partial_aggregate(stacked, timestamps, step, min_contributions,
+                                               max_staleness),
+        "composed_eager": lambda: pa_composed(stacked, timestamps, step),
+        "composed_xla": lambda: pa_xla(stacked, timestamps, step),
+    }))
+
+    stale_timestamp = tf.constant(9, tf.int64)
+
+    def mask_composed(x, timestamp, step):
+        fresh = step - timestamp <= max_staleness
+        return tf.where(fresh, x, tf.zeros_like(x)), tf.cast(fresh, tf.float32)
+
+    mask_xla = tf.function(mask_composed, jit_compile=True)
+    # A stale contribution: the fused op only writes zeros (a fresh one is returned
+    # as is, without touching memory, so it is not worth timing).
+    cases.append(("mask_stale(stale)", n * FLOAT32_BYTES, {
+        "fused": lambda: ops.mask_stale(g, stale_timestamp, step, max_staleness),
+        "composed_eager": lambda: mask_composed(g, stale_timestamp, step),
+        "composed_xla": lambda: mask_xla(g, stale_timestamp, step),
+    }))
+    return cases
+
+
+def run(sizes, repeats, warmup, contributions):
+    """Runs the benchmark and returns its records (dicts, JSON-ready)."""
+    import tensorflow as tf
+
+    from tfsync import ops
+
+    ops.set_implementation("compiled")
+    records = []
+
+    def record(op, n, impl, seconds, nbytes):
+        records.append({"op": op, "elements": n, "impl": impl, "seconds": seconds,
+                        "bytes": nbytes, "gbytes_per_s": nbytes / seconds / 1e9})
+
+    for n in sizes:
+        src = np.random.default_rng(1).standard_normal(n, dtype=np.float32)
+        dst = np.empty_like(src)
+        record("copy", n, "numpy_copyto", _median_seconds(lambda: np.copyto(dst, src), repeats,
+                                                          warmup), 2 * n * FLOAT32_BYTES)
+        for op, nbytes, impls in _cases(tf, ops, n, contributions):
+            for impl, fn in impls.items():
+                record(op, n, impl, _median_seconds(fn, repeats, warmup), nbytes)
+    return records
+
+
+def format_table(records):
+    """A Markdown table: one row per record, with each op's speed relative to fused."""
+    fused = {(r["op"], r["elements"]): r["seconds"] for r in records if r["impl"] == "fused"}
+    copy = {r["elements"]: r["gbytes_per_s"] for r in records if r["op"] == "copy"}
+    lines = ["| op | elements | impl | ms | GB/s | of copy GB/s | fused speedup |",
+             "|---|---:|---|---:|---:|---:|---:|"]
+    for r in records:
+        base = fused.get((r["op"], r["elements"]))
+        speedup = f"{r['seconds'] / base:.2f}x" if base and r["impl"] != "fused" else ""
+        lines.append(f"| {r['op']} | {r['elements']:,} | {r['impl']} | {r['seconds'] * 1e3:.2f} | "
+                     f"{r['gbytes_per_s']:.1f} | {r['gbytes_per_s'] / copy[r['elements']]:.2f} | "
+                     f"{speedup} |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(
+        prog="python -m tfsync.bench ops",
+        description="Time tfsync's fused ops against composed stock TensorFlow ops (eager and "
+                    "XLA) and the machine's copy bandwidth.")
+    parser.add_argument("--json", metavar="PATH", help="write the records as a JSON list here")
+    parser.add_argument("--repeats", type=int, default=15,
+                        help="timed calls per case; the median is reported (default 15)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed calls first (default 3)")
+    parser.add_argument("--sizes", type=_parse_size, nargs="+", default=[1 << 20, 16 << 20],
+                        help="float32 elements per tensor, e.g. 1M 16M (default)")
+    parser.add_argument("--contributions", type=int, default=4,
+                        help="k for partial_aggregate; one of them is stale (default 4)")
+    args = parser.parse_args(argv)
+    if args.repeats < 1 or args.warmup < 0 or args.contributions < 2:
+        parser.error("expected --repeats >= 1, --warmup >= 0 and --contributions >= 2")
+    records = run(args.sizes, args.repeats, args.warmup, args.contributions)
+    print(format_table(records))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(records, f, indent=1)
+        print(f"wrote {len(records)} records to {args.json}")
+    return 0
