@@ -372,3 +372,27 @@ def test_predictor_rejects_bad_smoothing(smoothing):
 def test_predictor_rejects_non_numeric_histories():
     with pytest.raises(TypeError, match="worker 1 has dtype"):
         predict_end_times([[0, 1], ["a", "b"]], R=3)
+
+
+# ---- the benchmark ---------------------------------------------------------------------------
+
+def test_quick_benchmark_runs_and_writes_records(tmp_path, capsys):
+    import json
+
+    from tfsync.bench import scheduler as bench
+
+    path = tmp_path / "bench.json"
+    assert bench.main(["--quick", "--json", str(path), "--limit-s", "0.2"]) == 0
+    records = json.loads(path.read_text())["records"]
+    assert {"algorithm", "n", "R", "microseconds", "wait"} <= set(records[0])
+    measured = [r for r in records if r["microseconds"] is not None]
+    assert {r["algorithm"] for r in measured} == set(ALGORITHMS) | {"numpy_sort"}
+    for r in records:
+        assert (r["microseconds"] is None) == (r["skipped"] is not None)
+    # The exact algorithms agree on the decision in every cell.
+    for n in {r["n"] for r in records}:
+        for R in {r["R"] for r in records}:
+            exact = {(r["wait"], r["t_sync"]) for r in measured
+                     if r["n"] == n and r["R"] == R and r["algorithm"] in EXACT_ALGORITHMS}
+            assert len(exact) == 1
+    assert "microseconds per decision" in capsys.readouterr().out
