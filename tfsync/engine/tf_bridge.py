@@ -9,16 +9,16 @@ import numpy as np
 import tensorflow as tf
 
 
-class FlatVariables:
-    """A fixed list of variables viewed as one flat float32 vector."""
+class FlatLayout:
+    """Shapes and dtypes of a fixed list of tensors, packed into one flat float32 vector."""
 
-    def __init__(self, variables):
-        self.variables = list(variables)
-        if not self.variables:
+    def __init__(self, tensors):
+        tensors = list(tensors)
+        if not tensors:
             raise ValueError("tfsync: the model has no trainable weights to synchronize")
-        self.shapes = [tuple(v.shape) for v in self.variables]
+        self.shapes = [tuple(t.shape) for t in tensors]
         self.sizes = [int(np.prod(s)) for s in self.shapes]
-        self.dtypes = [tf.as_dtype(v.dtype) for v in self.variables]
+        self.dtypes = [tf.as_dtype(t.dtype) for t in tensors]
         self.size = sum(self.sizes)
 
     def flatten(self, tensors):
@@ -33,6 +33,14 @@ class FlatVariables:
     def unflatten(self, flat):
         pieces = tf.split(flat, self.sizes)
         return [tf.cast(tf.reshape(p, s), d) for p, s, d in zip(pieces, self.shapes, self.dtypes)]
+
+
+class FlatVariables(FlatLayout):
+    """A fixed list of variables viewed as one flat float32 vector."""
+
+    def __init__(self, variables):
+        self.variables = list(variables)
+        super().__init__(self.variables)
 
     def read(self):
         return self.flatten([_value(v) for v in self.variables])
@@ -51,26 +59,31 @@ class FlatVariables:
 
 
 def _value(v):
-    return v.value if hasattr(v, "value") and not isinstance(v, tf.Tensor) else tf.convert_to_tensor(v)
+    # Keras 3 variables and tf.Variables both convert to their current value.
+    return tf.convert_to_tensor(v)
 
 
-def exchange_gradients(engine, flat_vars, grads):
+def exchange_gradients(engine, layout, grads):
     """``payload="gradients"``: the gradients every worker applies this step."""
-    flat = flat_vars.flatten(grads)
+    flat = layout.flatten(grads)
     mean = tf.numpy_function(engine.step_gradients, [flat], tf.float32, stateful=True,
                              name="tfsync_step_gradients")
     mean.set_shape(flat.shape)
-    return flat_vars.unflatten(mean)
+    return layout.unflatten(mean)
 
 
 def apply_and_exchange_updates(engine, flat_vars, apply_fn, size):
     """``payload="updates"``: apply locally, push the share Δ/N, load the next step's weights."""
+    # tf.function orders reads and writes of one variable in program order, so
+    # `before` is read before the optimizer writes and `after` once it has.
     before = flat_vars.read()
-    with tf.control_dependencies([before]):
-        applied = apply_fn()
-    deps = [d for d in tf.nest.flatten(applied) if d is not None and not isinstance(d, (int, float))]
-    with tf.control_dependencies([tf.identity(before)] + [tf.identity(_value(d)) if hasattr(d, "value") else d for d in deps]):
-        after = flat_vars.read()
+    apply_fn()
+    after = flat_vars.read()
+    return push_updates(engine, flat_vars, before, after, size)
+
+
+def push_updates(engine, flat_vars, before, after, size):
+    """Push the share ``(after - before) / size`` and assign the weights the engine returns."""
     share = (after - before) / tf.constant(size, tf.float32)
     local = tf.numpy_function(engine.step_updates, [share], tf.float32, stateful=True,
                               name="tfsync_step_updates")

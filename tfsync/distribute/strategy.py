@@ -1,0 +1,186 @@
+"""``SyncStrategy``: a ``tf.distribute.Strategy`` whose cross-process sync is tfsync's.
+
+Locally it is a ``OneDeviceStrategy`` over this process's device (the GPU of
+its local rank when there are GPUs, as Horovod's examples pin them, else the
+CPU), so Keras 3 sees and uses a real strategy.  Across processes:
+
+* variables created in its scope start from rank 0's initial values (one
+  broadcast per variable at creation);
+* the gradient all-reduce Keras issues inside every train step
+  (``ReplicaContext.all_reduce``) becomes the engine's exchange: for
+  ``payload="gradients"`` modes (BSP) it returns the workers' mean gradient;
+  for ``payload="updates"`` modes (SSP) the local gradient is applied as is,
+  the variable updates are observed through ``extended.update`` and their
+  share is pushed, and the next step's weights are loaded;
+* the engine starts when the first train step is traced.
+
+A single-device strategy never calls its ``cross_device_ops`` under Keras 3
+fit, which is why the hooks sit on the replica all-reduce and the update
+path instead.
+
+With an ``"updates"`` mode, in-flight rounds are drained and every replica
+loads the identical final weights at :meth:`SyncStrategy.finish` and,
+automatically, before the first evaluation or prediction step that follows
+training.  Call ``finish()`` after ``fit`` before saving a model.
+"""
+import threading
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.python.distribute import one_device_strategy
+
+from tfsync import _horovod
+from tfsync.engine import SyncEngine
+from tfsync.engine.tf_bridge import FlatLayout, FlatVariables, exchange_gradients, push_updates
+from tfsync.policies import resolve
+
+
+class SyncStrategy(tf.distribute.OneDeviceStrategy):
+    """A tf.distribute strategy that synchronizes Horovod workers with tfsync.
+
+    Args:
+        mode: ``"bsp"`` (default), ``"ssp"`` or a policy such as ``tfsync.SSP(staleness=3)``.
+        stragglers: ``tfsync.Stragglers`` (default: from ``TFSYNC_STRAGGLERS``).
+        trace_dir: JSON-lines trace directory (default: none).
+        wait_timeout_s: bound on one wait for peers (default 120 s).
+        device: local device (default: ``/gpu:<local_rank>`` if GPUs exist, else ``/cpu:0``).
+
+    Example::
+
+        hvd.init()
+        strategy = tfsync.distribute.SyncStrategy(mode="ssp")
+        with strategy.scope():
+            model = make_model()
+            model.compile(optimizer="sgd", loss="mse")
+        model.fit(*tfsync.shard(x, y, batch_size=32), batch_size=32)
+        strategy.finish()
+    """
+
+    def __init__(self, mode="bsp", *, stragglers=None, trace_dir=None, wait_timeout_s=None,
+                 device=None):
+        hvd = _horovod.horovod()
+        if device is None:
+            gpus = tf.config.list_logical_devices("GPU")
+            device = gpus[hvd.local_rank() % len(gpus)].name if gpus else "/cpu:0"
+        super().__init__(device)
+        self.extended.__class__ = _SyncExtended
+        self.extended._tfsync_init(resolve(mode), dict(
+            stragglers=stragglers, trace_dir=trace_dir, wait_timeout_s=wait_timeout_s))
+
+    @property
+    def engine(self):
+        """The running :class:`tfsync.engine.SyncEngine` (None before the first train step)."""
+        return self.extended._engine
+
+    def finish(self):
+        """Drain in-flight rounds, load identical final weights, stop the engine (collective)."""
+        self.extended._finish()
+
+
+class _SyncExtended(one_device_strategy.OneDeviceExtended):
+    def _tfsync_init(self, policy, engine_args):
+        SyncEngine(policy, **engine_args)  # validate the arguments now
+        self._policy, self._engine_args = policy, engine_args
+        self._engine = None
+        self._flat_vars = None
+        self._var_count = 0
+        self._local = threading.local()
+
+    # Variables start identical on every rank.
+    def _create_variable(self, next_creator, **kwargs):
+        hvd = _horovod.horovod()
+        initial = kwargs.get("initial_value")
+        if callable(initial):
+            initial = initial()
+        if initial is not None and tf.executing_eagerly():
+            name = f"tfsync.create.{self._var_count}"
+            self._var_count += 1
+            value = tf.convert_to_tensor(initial)
+            broadcast = lambda: hvd.broadcast(value, root_rank=0, name=name)  # noqa: E731
+            # while training, every collective goes through the exchange thread
+            kwargs["initial_value"] = (broadcast() if self._engine is None else
+                                       self._engine.exchange.call(broadcast, self._engine.wait_timeout_s))
+        return super()._create_variable(next_creator, **kwargs)
+
+    # strategy.run: one traced train, test or predict step (Keras passes its
+    # bound train_step / test_step / predict_step).
+    def _call_for_each_replica(self, fn, args, kwargs):
+        state = self._local
+        state.updates = []
+        state.training = False
+        if not state.__dict__.get("in_step"):
+            state.in_step = True
+            step_kind = getattr(fn, "__name__", "")
+            try:
+                flush = [] if step_kind == "train_step" else self._flush_before_non_training_step()
+                with tf.control_dependencies(flush):
+                    out = super()._call_for_each_replica(fn, args, kwargs)
+                if state.training and self._policy.payload == "updates":
+                    variables = [v for v, _ in state.updates]
+                    self._ensure_flat(variables)
+                    before = self._flat_vars.flatten([b for _, b in state.updates])
+                    after = self._flat_vars.read()
+                    push_updates(self._engine, self._flat_vars, before, after, self._engine.size)
+            finally:
+                state.in_step = False
+            return out
+        return super()._call_for_each_replica(fn, args, kwargs)
+
+    # ReplicaContext.all_reduce -> the optimizer's gradient all-reduce.
+    def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
+        state = self._local
+        values = [v for v, _ in value_destination_pairs]
+        if not state.__dict__.get("in_step") or reduce_op != tf.distribute.ReduceOp.SUM:
+            return super()._batch_reduce_to(reduce_op, value_destination_pairs, options)
+        state.training = True
+        if self._policy.payload == "gradients":
+            layout = FlatLayout(values)
+            if self._engine is None:
+                self._start(layout)
+            return exchange_gradients(self._engine, layout, values)
+        return values
+
+    def _update(self, var, fn, args, kwargs, group):
+        state = self._local
+        if state.__dict__.get("training") and self._policy.payload == "updates":
+            state.updates.append((var, tf.identity(var.read_value())))
+        return super()._update(var, fn, args, kwargs, group)
+
+    # ------------------------------------------------------------------ engine
+    def _start(self, layout):
+        """Start the engine while the first train step is traced (collective)."""
+        with tf.init_scope():
+            initial = layout.read_numpy() if isinstance(layout, FlatVariables) else None
+            self._flat_vars = layout
+            self._engine = SyncEngine(self._policy, **self._engine_args)
+            self._engine.start(layout.size, initial_weights=initial,
+                               extra_config={"weights": [list(s) for s in layout.shapes]})
+
+    def _ensure_flat(self, variables):
+        if self._engine is None:
+            self._start(FlatVariables(variables))
+        elif [id(v) for v in variables] != [id(v) for v in self._flat_vars.variables]:
+            raise ValueError("tfsync.SyncStrategy: a train step updated other variables than the "
+                             "first one did; tfsync needs one fixed set of trainable variables")
+
+    def _flush_before_non_training_step(self):
+        if self._policy.payload != "updates" or self._engine is None:
+            return []
+        engine, flat_vars = self._engine, self._flat_vars
+
+        def flush():
+            final = engine.finish()
+            return final.astype(np.float32)
+
+        final = tf.numpy_function(flush, [], tf.float32, stateful=True, name="tfsync_flush")
+        final.set_shape([flat_vars.size])
+        return [flat_vars.assign(final)]
+
+    def _finish(self):
+        if self._engine is None:
+            return
+        final = self._engine.finish()
+        if final is not None:
+            self._flat_vars.assign_numpy(final)
+        self._engine.close()
+        self._engine = None
