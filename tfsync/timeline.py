@@ -1,0 +1,470 @@
+"""Timeline of a tfsync trace: every worker's steps and waits on one time axis.
+
+The engine (``tfsync/engine/engine.py``) writes one JSON-lines file per worker,
+``rank<R>.jsonl``, when it is given a ``trace_dir``. This module reads such a
+directory, checks it, summarizes it (compute and wait seconds, wait fraction,
+staleness, the largest clock gap between workers) and draws it the way Fig. 4
+of the ElasticBSP paper draws iteration intervals: one horizontal lane per
+worker, time on the x axis, so stragglers and the waits they cause are visible
+at a glance.
+
+Command line::
+
+    python -m tfsync.timeline TRACE_DIR -o timeline.png [--title T]
+                              [--start-step A --end-step B]
+
+Python::
+
+    from tfsync import timeline
+    trace = timeline.load_trace("traces/run1")
+    print(timeline.summarize(trace)["overall"]["max_clock_gap"])
+    timeline.plot_timeline(trace, "timeline.png", start_step=100, end_step=150)
+
+It imports neither TensorFlow nor Horovod, so it runs anywhere the trace is
+copied to.
+"""
+import argparse
+import bisect
+import json
+import math
+import os
+import re
+import sys
+
+__all__ = ["load_trace", "summarize", "plot_timeline", "format_summary", "mode_label", "main"]
+
+_RANK_FILE = re.compile(r"^rank(\d+)\.jsonl$")
+# Times are floats written by the same process; allow rounding slack when
+# checking that t_start <= t_push <= t_end and that steps do not overlap.
+_TIME_SLACK_S = 1e-6
+
+# Colors: two shades of one blue alternate between consecutive steps so step
+# boundaries stay visible; waits are light red with a darker hatch.
+_COMPUTE_COLORS = ("#3a6ea5", "#8db4dd")
+_WAIT_FACE = "#f6c3c3"
+_WAIT_HATCH = "#c0392b"
+_WAIT_DENSE = "#ec8c8c"
+
+
+# ---------------------------------------------------------------------------- loading
+def _is_number(value):
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _is_int(value):
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _bad(path, lineno, what, expected, fix=None):
+    message = f"tfsync.timeline: {path}, line {lineno}: {what}; expected {expected}"
+    if fix:
+        message += f" ({fix})"
+    return ValueError(message)
+
+
+def _require(record, key, check, expected, path, lineno):
+    if key not in record:
+        raise _bad(path, lineno, f"field {key!r} is missing", expected)
+    if not check(record[key]):
+        raise _bad(path, lineno, f"field {key!r} is {record[key]!r}", expected)
+    return record[key]
+
+
+def _check_start(record, path, lineno, file_rank):
+    rank = _require(record, "rank", _is_int, "'rank' to be an integer", path, lineno)
+    if rank != file_rank:
+        raise _bad(path, lineno, f"the start event says rank {rank} but the file is named for rank {file_rank}",
+                   "a file rank<R>.jsonl to hold rank R's trace", "rename the file or regenerate the trace")
+    size = _require(record, "size", lambda v: _is_int(v) and v >= 1, "'size' to be a positive integer",
+                    path, lineno)
+    if rank >= size:
+        raise _bad(path, lineno, f"rank {rank} is not below the job size {size}", "0 <= rank < size")
+    policy = _require(record, "policy", lambda v: isinstance(v, dict) and isinstance(v.get("mode"), str),
+                      "'policy' to be an object with a string 'mode', e.g. {\"mode\": \"ssp\", \"staleness\": 3}",
+                      path, lineno)
+    return {"rank": rank, "size": size, "policy": dict(policy), "t0": record.get("t0"), "record": record}
+
+
+def _check_applied(value):
+    return isinstance(value, list) and all(
+        isinstance(item, list) and len(item) == 3 and all(_is_int(v) for v in item) for item in value)
+
+
+def _check_step(record, path, lineno, file_rank, previous):
+    rank = _require(record, "rank", _is_int, "'rank' to be an integer", path, lineno)
+    if rank != file_rank:
+        raise _bad(path, lineno, f"a step record of rank {rank} is in rank {file_rank}'s file",
+                   f"every record in rank{file_rank}.jsonl to have rank {file_rank}")
+    step = _require(record, "step", lambda v: _is_int(v) and v >= 0, "'step' to be an integer >= 0",
+                    path, lineno)
+    times = {key: _require(record, key, _is_number, f"{key!r} to be a number of seconds since t0", path, lineno)
+             for key in ("t_start", "t_push", "t_end")}
+    if not times["t_start"] - _TIME_SLACK_S <= times["t_push"] <= times["t_end"] + _TIME_SLACK_S:
+        raise _bad(path, lineno,
+                   f"step {step} has t_start={times['t_start']}, t_push={times['t_push']}, t_end={times['t_end']}",
+                   "t_start <= t_push <= t_end (compute, then wait)")
+    applied = _require(record, "applied", _check_applied,
+                       "'applied' to be a list of [round, staleness, contributors] integer triples", path, lineno)
+    for key in ("compute_s", "wait_s"):
+        if key in record and not _is_number(record[key]):
+            raise _bad(path, lineno, f"field {key!r} is {record[key]!r}", f"{key!r} to be a number of seconds")
+    if previous is not None:
+        if step <= previous["step"]:
+            raise _bad(path, lineno, f"step {step} follows step {previous['step']}",
+                       "steps in increasing order", "was the file appended to by two runs? use one directory per run")
+        if times["t_start"] < previous["t_end"] - _TIME_SLACK_S:
+            raise _bad(path, lineno,
+                       f"step {step} starts at t={times['t_start']}, before step {previous['step']} ended "
+                       f"(t={previous['t_end']})", "steps that do not overlap in time")
+    return {"rank": rank, "step": step, **times, "applied": [tuple(item) for item in applied],
+            "applied_through": record.get("applied_through"), "dropped": record.get("dropped", 0)}
+
+
+def _check_finish(record, path, lineno, file_rank, previous):
+    rank = _require(record, "rank", _is_int, "'rank' to be an integer", path, lineno)
+    if rank != file_rank:
+        raise _bad(path, lineno, f"a finish event of rank {rank} is in rank {file_rank}'s file",
+                   f"every record in rank{file_rank}.jsonl to have rank {file_rank}")
+    t = _require(record, "t", _is_number, "'t' to be a number of seconds since t0", path, lineno)
+    wait_s = _require(record, "wait_s", lambda v: _is_number(v) and v >= 0,
+                      "'wait_s' to be a number of seconds >= 0", path, lineno)
+    if previous is not None and t < previous["t_end"] - _TIME_SLACK_S:
+        raise _bad(path, lineno, f"the finish event at t={t} is before the last step ended (t={previous['t_end']})",
+                   "the finish event after the last step")
+    return {"rank": rank, "t": t, "wait_s": wait_s}
+
+
+def _load_rank_file(path, file_rank):
+    start, steps, finish = None, [], None
+    with open(path, encoding="utf-8") as handle:
+        for lineno, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise _bad(path, lineno, f"the line is not valid JSON ({exc.msg})",
+                           "one JSON object per line",
+                           "a worker killed mid-write leaves a cut last line; delete that line") from None
+            if not isinstance(record, dict):
+                raise _bad(path, lineno, f"the line is a JSON {type(record).__name__}", "one JSON object per line")
+            event = record.get("event")
+            if start is None:
+                if event != "start":
+                    raise _bad(path, lineno, f"the first record is {line.strip()[:80]!r}",
+                               "a first line {\"event\": \"start\", \"rank\": R, \"size\": N, \"policy\": {...}}",
+                               "is this a tfsync trace written by the engine's trace_dir option?")
+                start = _check_start(record, path, lineno, file_rank)
+            elif event == "start":
+                raise _bad(path, lineno, "a second start event", "one start event, on the first line",
+                           "two runs wrote to the same file; use one trace directory per run")
+            elif finish is not None and event is None:
+                raise _bad(path, lineno, "a step record after the finish event", "the finish event to be last")
+            elif event == "finish":
+                if finish is not None:
+                    raise _bad(path, lineno, "a second finish event", "at most one finish event")
+                finish = _check_finish(record, path, lineno, file_rank, steps[-1] if steps else None)
+            elif event is None:
+                steps.append(_check_step(record, path, lineno, file_rank, steps[-1] if steps else None))
+            # any other event: a newer engine's record this reader does not know; skipped on purpose
+    if start is None:
+        raise ValueError(f"tfsync.timeline: {path} is empty; expected a first line "
+                         "{\"event\": \"start\", ...} (the worker may have failed before training started)")
+    return {"file": path, "start": start["record"], "size": start["size"], "policy": start["policy"],
+            "t0": start["t0"], "steps": steps, "finish": finish}
+
+
+def load_trace(trace_dir) -> dict:
+    """Read and check a trace directory written by the engine.
+
+    Args:
+        trace_dir: directory holding one ``rank<R>.jsonl`` per worker.
+
+    Returns:
+        ``{"dir", "size", "policy", "t0", "ranks"}`` where ``ranks`` maps each
+        rank to ``{"file", "start", "steps", "finish"}``; ``steps`` is the list
+        of step records (``rank, step, t_start, t_push, t_end, applied,
+        applied_through, dropped``) in step order and ``finish`` is
+        ``{"rank", "t", "wait_s"}`` or None.
+
+    Raises:
+        ValueError: the directory is missing, holds no ``rank*.jsonl``, lacks a
+            rank, or a line is malformed (the message names file and line).
+    """
+    trace_dir = os.fspath(trace_dir)
+    if not os.path.isdir(trace_dir):
+        raise ValueError(f"tfsync.timeline: trace directory {trace_dir!r} does not exist or is not a directory; "
+                         "expected the directory passed as trace_dir to the engine / SyncCallback")
+    files = {}
+    for name in os.listdir(trace_dir):
+        match = _RANK_FILE.match(name)
+        if match:
+            files[int(match.group(1))] = os.path.join(trace_dir, name)
+    if not files:
+        raise ValueError(f"tfsync.timeline: {trace_dir!r} holds no rank<R>.jsonl files; expected one per worker "
+                         "(rank0.jsonl, rank1.jsonl, ...); was training run with trace_dir set to this directory?")
+    ranks = {rank: _load_rank_file(files[rank], rank) for rank in sorted(files)}
+    first = ranks[min(ranks)]
+    for rank, data in ranks.items():
+        for key in ("size", "policy", "t0"):
+            if data[key] != first[key]:
+                raise ValueError(
+                    f"tfsync.timeline: {data['file']} has {key}={data[key]!r} but {first['file']} has "
+                    f"{key}={first[key]!r}; expected the files of one run (use one trace directory per run)")
+    size = first["size"]
+    missing = [r for r in range(size) if r not in ranks]
+    extra = [r for r in ranks if r >= size]
+    if missing or extra:
+        raise ValueError(
+            f"tfsync.timeline: {trace_dir!r} has files for ranks {sorted(ranks)} but the job had {size} workers; "
+            f"expected rank0.jsonl .. rank{size - 1}.jsonl"
+            + (f" (missing: {missing}; copy every worker's file into this directory)" if missing else ""))
+    return {"dir": trace_dir, "size": size, "policy": first["policy"], "t0": first["t0"], "ranks": ranks}
+
+
+# ---------------------------------------------------------------------------- summary
+def _check_range(start_step, end_step):
+    for name, value in (("start_step", start_step), ("end_step", end_step)):
+        if value is not None and (not _is_int(value) or value < 0):
+            raise ValueError(f"tfsync.timeline: {name}={value!r}; expected an integer >= 0 or None")
+    if start_step is not None and end_step is not None and start_step > end_step:
+        raise ValueError(f"tfsync.timeline: start_step={start_step} is after end_step={end_step}; "
+                         "expected start_step <= end_step (both inclusive)")
+
+
+def _in_range(step, start_step, end_step):
+    return (start_step is None or step >= start_step) and (end_step is None or step <= end_step)
+
+
+def _select(trace, start_step, end_step):
+    """Per rank: the step records in [start_step, end_step] and the finish event if the range reaches the end."""
+    _check_range(start_step, end_step)
+    selected = {}
+    for rank, data in trace["ranks"].items():
+        steps = [rec for rec in data["steps"] if _in_range(rec["step"], start_step, end_step)]
+        finish = data["finish"] if end_step is None else None
+        selected[rank] = (steps, finish)
+    if not any(steps for steps, _ in selected.values()):
+        all_steps = [rec["step"] for data in trace["ranks"].values() for rec in data["steps"]]
+        if not all_steps:
+            raise ValueError(f"tfsync.timeline: the trace in {trace['dir']!r} has a start line but no step "
+                             "records for any rank; expected at least one finished step (did training fail "
+                             "before its first step? see the workers' logs)")
+        raise ValueError(f"tfsync.timeline: no step of any rank lies in "
+                         f"{start_step if start_step is not None else 'first'}.."
+                         f"{end_step if end_step is not None else 'last'}; the trace has steps "
+                         f"{min(all_steps)}..{max(all_steps)}; choose --start-step/--end-step inside that range")
+    return selected
+
+
+def mode_label(policy) -> str:
+    """``"SSP (staleness=3)"`` from a policy config ``{"mode": "ssp", "staleness": 3}``."""
+    params = ", ".join(f"{k}={v}" for k, v in policy.items() if k != "mode")
+    return policy["mode"].upper() + (f" ({params})" if params else "")
+
+
+def summarize(trace, start_step=None, end_step=None) -> dict:
+    """Per-rank and overall numbers of a trace from :func:`load_trace`.
+
+    Args:
+        trace: the result of :func:`load_trace`.
+        start_step, end_step: count only steps in this inclusive range (None:
+            from the first / to the last step). The finish event's final wait
+            is counted only when ``end_step`` is None.
+
+    Returns:
+        ``{"mode", "policy", "size", "ranks": {rank: {...}}, "overall": {...}}``.
+        Per rank: ``steps``, ``compute_s`` (sum of t_push - t_start),
+        ``wait_s`` (sum of t_end - t_push, plus the final wait),
+        ``wait_fraction`` (wait / (compute + wait), 0 when both are 0),
+        ``max_staleness`` (largest staleness among applied contributions).
+        Overall: the same sums over all ranks and ``max_clock_gap``: at each
+        step's t_end a worker starts step ``step + 1``; for every other
+        worker, the last step it had pushed by then (t_push <= t_end, -1 if
+        none) gives a gap ``step + 1 - that``; the maximum over all steps and
+        peers (``max_clock_gap_at`` says where; None for a one-worker job).
+    """
+    selected = _select(trace, start_step, end_step)
+    # Push history of every rank over the whole trace, so gaps at the range's edges are right.
+    pushes = {rank: ([rec["t_push"] for rec in data["steps"]], [rec["step"] for rec in data["steps"]])
+              for rank, data in trace["ranks"].items()}
+    per_rank = {}
+    max_gap, max_gap_at = None, None
+    for rank, (steps, finish) in selected.items():
+        compute_s = sum(rec["t_push"] - rec["t_start"] for rec in steps)
+        wait_s = sum(rec["t_end"] - rec["t_push"] for rec in steps) + (finish["wait_s"] if finish else 0.0)
+        total = compute_s + wait_s
+        staleness = [s for rec in steps for _, s, _ in rec["applied"]]
+        per_rank[rank] = {"steps": len(steps), "compute_s": compute_s, "wait_s": wait_s,
+                          "wait_fraction": wait_s / total if total > 0 else 0.0,
+                          "max_staleness": max(staleness) if staleness else 0}
+        for rec in steps:
+            for peer, (push_times, push_steps) in pushes.items():
+                if peer == rank:
+                    continue
+                index = bisect.bisect_right(push_times, rec["t_end"])
+                last_pushed = push_steps[index - 1] if index else -1
+                gap = rec["step"] + 1 - last_pushed
+                if max_gap is None or gap > max_gap:
+                    max_gap = gap
+                    max_gap_at = {"rank": rank, "step": rec["step"] + 1, "peer": peer,
+                                  "peer_last_pushed": last_pushed, "t": rec["t_end"]}
+    compute_s = sum(r["compute_s"] for r in per_rank.values())
+    wait_s = sum(r["wait_s"] for r in per_rank.values())
+    overall = {"steps": sum(r["steps"] for r in per_rank.values()), "compute_s": compute_s, "wait_s": wait_s,
+               "wait_fraction": wait_s / (compute_s + wait_s) if compute_s + wait_s > 0 else 0.0,
+               "max_staleness": max(r["max_staleness"] for r in per_rank.values()),
+               "max_clock_gap": max_gap if max_gap is not None else 0, "max_clock_gap_at": max_gap_at}
+    return {"mode": mode_label(trace["policy"]), "policy": trace["policy"], "size": trace["size"],
+            "ranks": per_rank, "overall": overall}
+
+
+def format_summary(summary) -> str:
+    """The summary as a plain-text table (what the command prints)."""
+    header = f"{'rank':>6} {'steps':>7} {'compute_s':>11} {'wait_s':>11} {'wait %':>7} {'max stale':>9}"
+    lines = [f"mode: {summary['mode']}, {summary['size']} workers", header, "-" * len(header)]
+
+    def row(label, r):
+        return (f"{label:>6} {r['steps']:>7d} {r['compute_s']:>11.3f} {r['wait_s']:>11.3f} "
+                f"{100 * r['wait_fraction']:>6.1f}% {r['max_staleness']:>9d}")
+
+    for rank, r in sorted(summary["ranks"].items()):
+        lines.append(row(str(rank), r))
+    lines.append("-" * len(header))
+    overall = summary["overall"]
+    lines.append(row("all", overall))
+    at = overall["max_clock_gap_at"]
+    where = (f" (rank {at['rank']} starting step {at['step']} at t={at['t']:.3f}s while rank {at['peer']} "
+             f"had pushed through step {at['peer_last_pushed']})" if at else "")
+    lines.append(f"max clock gap between ranks: {overall['max_clock_gap']} steps{where}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------- plot
+def plot_timeline(trace, path, title=None, start_step=None, end_step=None):
+    """Draw the trace as a PNG timeline: one lane per worker, compute and wait spans.
+
+    Args:
+        trace: the result of :func:`load_trace`.
+        path: output file; the format follows the extension (``.png``, also
+            ``.svg``/``.pdf``), PNG when there is none.
+        title: first title line (default ``"tfsync timeline: <dir>"``); the
+            mode and worker count are always added.
+        start_step, end_step: draw only steps in this inclusive range (None:
+            from the first / to the last step, the final wait included).
+
+    Returns:
+        The summary (:func:`summarize`) of the drawn range.
+    """
+    import matplotlib
+    matplotlib.use("Agg", force=True)  # files only, never a display
+    from matplotlib import pyplot as plt
+    from matplotlib.patches import Patch
+
+    path = os.fspath(path)
+    out_dir = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(out_dir):
+        raise ValueError(f"tfsync.timeline: cannot write {path!r}: directory {out_dir!r} does not exist; "
+                         "create it or choose another -o path")
+    summary = summarize(trace, start_step, end_step)
+    selected = _select(trace, start_step, end_step)
+    ranks = sorted(selected)
+    n = len(ranks)
+    fig_height = min(1.6 + 0.55 * n, 40.0)
+    fig, ax = plt.subplots(figsize=(13, fig_height), dpi=110, layout="constrained")
+    lane_height = 0.7
+    t_lo, t_hi = math.inf, -math.inf
+    n_steps_max = max(len(steps) for steps, _ in selected.values())
+    label_steps = 0 < n_steps_max <= 40
+    # Hatching thousands of sub-pixel spans is slow and reads as noise; dense plots use a plain, darker red.
+    dense = n_steps_max > 150
+    wait_face, wait_hatch = (_WAIT_DENSE, None) if dense else (_WAIT_FACE, "////")
+    for lane, rank in enumerate(ranks):
+        steps, finish = selected[rank]
+        y = lane - lane_height / 2
+        for parity in (0, 1):
+            spans = [(rec["t_start"], rec["t_push"] - rec["t_start"]) for rec in steps if rec["step"] % 2 == parity]
+            if spans:
+                ax.broken_barh(spans, (y, lane_height), facecolors=_COMPUTE_COLORS[parity], linewidth=0)
+        waits = [(rec["t_push"], rec["t_end"] - rec["t_push"]) for rec in steps if rec["t_end"] > rec["t_push"]]
+        if finish is not None and finish["wait_s"] > 0:
+            waits.append((finish["t"], finish["wait_s"]))
+        if waits:
+            ax.broken_barh(waits, (y + 0.1 * lane_height, 0.8 * lane_height), facecolors=wait_face,
+                           edgecolors=_WAIT_HATCH, hatch=wait_hatch, linewidth=0)
+        for rec in steps:
+            t_lo, t_hi = min(t_lo, rec["t_start"]), max(t_hi, rec["t_end"])
+        if finish is not None:
+            t_lo, t_hi = min(t_lo, finish["t"]), max(t_hi, finish["t"] + finish["wait_s"])
+        if label_steps:
+            for rec in steps:
+                ax.text((rec["t_start"] + rec["t_push"]) / 2, lane, str(rec["step"]), ha="center", va="center",
+                        fontsize=7, color="white" if rec["step"] % 2 == 0 else "#1b3a5c", clip_on=True)
+    span = max(t_hi - t_lo, 1e-9)
+    ax.set_xlim(t_lo - 0.01 * span, t_hi + 0.01 * span)
+    ax.set_ylim(n - 0.5, -0.5)  # rank 0 on top
+    ax.set_yticks(range(n))
+    ax.set_yticklabels([f"rank {r}" for r in ranks])
+    ax.set_xlabel("time since the job's t0 (s)")
+    ax.grid(axis="x", color="#dddddd", linewidth=0.6)
+    ax.set_axisbelow(True)
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)
+    # Per-rank wait fraction at the right end of each lane.
+    for lane, rank in enumerate(ranks):
+        r = summary["ranks"][rank]
+        ax.annotate(f"wait {100 * r['wait_fraction']:.1f}%", xy=(1.0, lane), xycoords=("axes fraction", "data"),
+                    xytext=(8, 0), textcoords="offset points", va="center", fontsize=9,
+                    color=_WAIT_HATCH if r["wait_fraction"] >= 0.2 else "#333333")
+    head = title if title else f"tfsync timeline: {os.path.basename(os.path.normpath(trace['dir']))}"
+    shown = ("all steps" if start_step is None and end_step is None
+             else f"steps {start_step if start_step is not None else 'first'}.."
+                  f"{end_step if end_step is not None else 'last'}")
+    overall = summary["overall"]
+    ax.set_title(f"{head}\n{summary['mode']}, {trace['size']} workers, {shown}; "
+                 f"wait {100 * overall['wait_fraction']:.1f}% overall, max clock gap {overall['max_clock_gap']}",
+                 fontsize=11, loc="left")
+    handles = [Patch(facecolor=_COMPUTE_COLORS[0], label="compute (even step)"),
+               Patch(facecolor=_COMPUTE_COLORS[1], label="compute (odd step)"),
+               Patch(facecolor=wait_face, edgecolor=_WAIT_HATCH, hatch=wait_hatch, linewidth=0,
+                     label="wait for peers")]
+    fig.legend(handles=handles, loc="outside lower center", ncol=3, frameon=False, fontsize=9)
+    fmt = None if os.path.splitext(path)[1] else "png"
+    fig.savefig(path, format=fmt, bbox_inches="tight")
+    plt.close(fig)
+    return summary
+
+
+# ---------------------------------------------------------------------------- command line
+def _build_parser():
+    parser = argparse.ArgumentParser(
+        prog="python -m tfsync.timeline",
+        description="Draw a tfsync trace (a directory of rank<R>.jsonl files written with trace_dir=...) "
+                    "as a timeline of every worker's compute and wait spans, and print a summary table.")
+    parser.add_argument("trace_dir", help="directory holding rank0.jsonl, rank1.jsonl, ...")
+    parser.add_argument("-o", "--output", default="timeline.png", help="image to write (default: timeline.png)")
+    parser.add_argument("--title", default=None, help="title of the figure (the mode is always added)")
+    parser.add_argument("--start-step", type=int, default=None, metavar="A",
+                        help="first step to draw and count (inclusive; default: the first)")
+    parser.add_argument("--end-step", type=int, default=None, metavar="B",
+                        help="last step to draw and count (inclusive; default: the last, with the final wait)")
+    return parser
+
+
+def main(argv=None) -> int:
+    """Command-line entry point; returns the exit status (0 ok, 2 bad input)."""
+    args = _build_parser().parse_args(argv)
+    try:
+        trace = load_trace(args.trace_dir)
+        summary = plot_timeline(trace, args.output, title=args.title,
+                                start_step=args.start_step, end_step=args.end_step)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(format_summary(summary))
+    print(f"wrote {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
