@@ -86,6 +86,15 @@ class PartialAggregateTest(OpsTestCase):
         total, _, _, _ = np_partial_aggregate(expected_in, timestamps, 3, 3, 0, "mean")
         self.assertClose(r.aggregate, total, tf.float32)
 
+    @parameterized.product(impl=IMPLS)
+    def test_held_results_survive_later_calls(self, impl):
+        self.use(impl)
+        first = ops.partial_aggregate(tf.fill([2, LARGE], 1.0), [1, 1], 1, 1).aggregate
+        second = ops.partial_aggregate(tf.fill([2, LARGE], 3.0), [1, 1], 1, 1).aggregate
+        self.assertEqual(float(tf.reduce_max(first)), 1.0)
+        self.assertEqual(float(tf.reduce_min(first)), 1.0)
+        self.assertEqual(float(tf.reduce_min(second)), 3.0)
+
     @parameterized.product(impl=IMPLS, reduction=("mean", "sum"))
     def test_all_stale_gives_zeros_and_reports_it(self, impl, reduction):
         self.use(impl)
@@ -211,6 +220,14 @@ class MaskStaleTest(OpsTestCase):
                             atol=1e-6)
 
     @parameterized.product(impl=IMPLS)
+    def test_held_stale_result_survives_later_calls(self, impl):
+        self.use(impl)
+        first = ops.mask_stale(tf.ones([LARGE]), 1, 2)
+        second = ops.mask_stale(tf.ones([LARGE]), 1, 2)
+        self.assertEqual(float(tf.reduce_max(first.masked)), 0.0)
+        self.assertEqual(float(tf.reduce_max(second.masked)), 0.0)
+
+    @parameterized.product(impl=IMPLS)
     def test_stale_inside_tf_function(self, impl):
         self.use(impl)
         fn = tf.function(lambda x, ts: ops.mask_stale(x * 2.0, ts, 5))
@@ -255,6 +272,24 @@ class DelayCompensateTest(OpsTestCase):
         self.assertClose(fn(g, w_now), np_delay_compensate(2 * g64, w_now64, 0.5 * w_now64, 0.25),
                          dtype)
         self.assertClose(g, g64, dtype)  # the caller's tensor is untouched
+
+    @parameterized.product(impl=IMPLS)
+    def test_held_results_survive_later_calls(self, impl):
+        # The kernel reuses its previous output buffer only once it is released.
+        self.use(impl)
+        rng = np.random.default_rng(7)
+        w_now, w_now64 = _values(rng, (LARGE,), tf.float32)
+        w_stale, w_stale64 = _values(rng, (LARGE,), tf.float32)
+        held, expected = [], []
+        for i in range(3):
+            g, g64 = _values(rng, (LARGE,), tf.float32)
+            out = ops.delay_compensate(g, w_now, w_stale, 0.1)
+            # Keep a tensor, a NumPy view of one, and drop one.
+            held.append(out if i == 0 else out.numpy())
+            expected.append(np_delay_compensate(g64, w_now64, w_stale64, 0.1))
+            ops.delay_compensate(w_now, g, w_stale, 0.1)
+        for out, exp in zip(held, expected):
+            self.assertClose(out, exp, tf.float32)
 
     @parameterized.product(impl=IMPLS)
     def test_zero_lambda_is_identity(self, impl):

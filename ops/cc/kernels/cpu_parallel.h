@@ -1,5 +1,6 @@
-// How tfsync's CPU kernels split element-wise work over TensorFlow's intra-op
-// thread pool (the worker threads of the OpKernelContext).
+// Helpers of tfsync's CPU kernels: how element-wise work is split over TensorFlow's
+// intra-op thread pool (the worker threads of the OpKernelContext), and the reuse
+// of a kernel's large output buffer across calls.
 #ifndef TFSYNC_OPS_CC_KERNELS_CPU_PARALLEL_H_
 #define TFSYNC_OPS_CC_KERNELS_CPU_PARALLEL_H_
 
@@ -9,6 +10,9 @@
 
 #include "tensorflow/core/framework/device_base.h"
 #include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/tensor.h"
+#include "tensorflow/core/framework/tensor_shape.h"
+#include "tensorflow/core/platform/mutex.h"
 #include "tensorflow/core/platform/threadpool.h"
 
 namespace tfsync {
@@ -39,6 +43,44 @@ inline void ParallelElementwise(tensorflow::OpKernelContext* ctx, int64_t n,
                                               absl::nullopt, block),
                     fn);
 }
+
+// The output buffer of the previous call, handed out again once every consumer has
+// released it (its reference count is back to one: ours).
+//
+// Why: TensorFlow's CPU allocator is malloc, which maps large blocks fresh from the
+// kernel and unmaps them on free, so every call of a streaming op on a large tensor
+// would first page-fault its whole output in; in a VM that costs about as much as
+// the op itself. A consumer that still holds the previous output keeps it (its
+// count is > 1) and this call allocates a new buffer, so no live tensor is ever
+// overwritten. The cost: each kernel instance keeps its last large output alive
+// (one buffer, freed with the kernel). Used only when the gradient's own buffer
+// could not be forwarded.
+class ReusableOutput {
+ public:
+  static constexpr int64_t kMinBytes = int64_t{1} << 20;
+
+  absl::Status Allocate(tensorflow::OpKernelContext* ctx, int index,
+                        const tensorflow::TensorShape& shape, tensorflow::DataType dtype,
+                        tensorflow::Tensor** out) {
+    if (shape.num_elements() * tensorflow::DataTypeSize(dtype) < kMinBytes) {
+      return ctx->allocate_output(index, shape, out);
+    }
+    tensorflow::mutex_lock lock(mu_);
+    if (!cached_.IsInitialized() || cached_.dtype() != dtype || cached_.shape() != shape ||
+        !cached_.RefCountIsOne()) {
+      tensorflow::Tensor fresh;
+      TF_RETURN_IF_ERROR(ctx->allocate_temp(dtype, shape, &fresh));
+      cached_ = fresh;
+    }
+    ctx->set_output(index, cached_);
+    *out = ctx->mutable_output(index);
+    return absl::OkStatus();
+  }
+
+ private:
+  tensorflow::mutex mu_;
+  tensorflow::Tensor cached_;
+};
 
 }  // namespace tfsync
 

@@ -233,6 +233,21 @@ bool SameShapes(OpKernelContext* ctx, const Tensor& g, const Tensor& w_now,
   return true;
 }
 
+// The output: the gradient's own buffer when nothing else holds it (typical inside
+// a tf.function), else on CPU the previous call's buffer when released, else fresh.
+template <typename Device>
+absl::Status AllocateOutput(OpKernelContext* ctx, int gradient_index, ReusableOutput* reusable,
+                            Tensor** out) {
+  const Tensor& g = ctx->input(gradient_index);
+  if (ctx->forward_input_to_output_with_shape(gradient_index, 0, g.shape(), out)) {
+    return absl::OkStatus();
+  }
+  if (std::is_same<Device, CPUDevice>::value) {
+    return reusable->Allocate(ctx, 0, g.shape(), g.dtype(), out);
+  }
+  return ctx->allocate_output(0, g.shape(), out);
+}
+
 template <typename Device, typename T>
 struct DelayCompensateImpl;
 template <typename Device, typename T>
@@ -251,11 +266,12 @@ class DelayCompensateOp : public OpKernel {
     float lambda;
     if (!ScalarFloat(ctx, 3, "lambda_", &lambda)) return;
     Tensor* out = nullptr;
-    // Write into the gradient's buffer when nothing else holds it (typical inside a
-    // tf.function): saves allocating and first-touching a fresh output.
-    OP_REQUIRES_OK(ctx, ctx->forward_input_or_allocate_output({0}, 0, g.shape(), &out));
+    OP_REQUIRES_OK(ctx, AllocateOutput<Device>(ctx, 0, &output_, &out));
     DelayCompensateImpl<Device, T>::Run(ctx, g, w_now, w_stale, lambda, out);
   }
+
+ private:
+  ReusableOutput output_;
 };
 
 template <typename T>
@@ -332,11 +348,14 @@ class DelayCompensateAdaptiveOp : public OpKernel {
       *v = copy;
     }
     Tensor* out = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->forward_input_or_allocate_output({1}, 0, g.shape(), &out));
+    OP_REQUIRES_OK(ctx, AllocateOutput<Device>(ctx, 1, &output_, &out));
     AdaptiveParams<T> p{static_cast<A>(lambda0), static_cast<A>(momentum),
                         static_cast<A>(1) - static_cast<A>(momentum), static_cast<A>(epsilon)};
     DelayCompensateAdaptiveImpl<Device, T>::Run(ctx, g, w_now, w_stale, p, v, out);
   }
+
+ private:
+  ReusableOutput output_;
 };
 
 template <typename T>

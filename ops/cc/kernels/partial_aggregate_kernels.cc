@@ -12,6 +12,7 @@
 
 #include <cstring>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "kernels/cpu_parallel.h"
@@ -137,7 +138,12 @@ class PartialAggregateOp : public OpKernel {
     Tensor* num_accepted = nullptr;
     Tensor* dropped = nullptr;
     Tensor* met = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, aggregate_shape, &aggregate));
+    if (std::is_same<Device, CPUDevice>::value) {
+      OP_REQUIRES_OK(ctx, output_.Allocate(ctx, 0, aggregate_shape, contributions.dtype(),
+                                           &aggregate));
+    } else {
+      OP_REQUIRES_OK(ctx, ctx->allocate_output(0, aggregate_shape, &aggregate));
+    }
     OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({}), &num_accepted));
     OP_REQUIRES_OK(ctx, ctx->allocate_output(2, TensorShape({k}), &dropped));
     OP_REQUIRES_OK(ctx, ctx->allocate_output(3, TensorShape({}), &met));
@@ -170,6 +176,7 @@ class PartialAggregateOp : public OpKernel {
 
  private:
   bool mean_;
+  ReusableOutput output_;
 };
 
 template <typename T>
@@ -240,9 +247,18 @@ class MaskStaleOp : public OpKernel {
       return;
     }
     Tensor* masked = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->forward_input_or_allocate_output({0}, 0, tensor.shape(), &masked));
+    if (!ctx->forward_input_to_output_with_shape(0, 0, tensor.shape(), &masked)) {
+      if (std::is_same<Device, CPUDevice>::value) {
+        OP_REQUIRES_OK(ctx, output_.Allocate(ctx, 0, tensor.shape(), tensor.dtype(), &masked));
+      } else {
+        OP_REQUIRES_OK(ctx, ctx->allocate_output(0, tensor.shape(), &masked));
+      }
+    }
     ZeroFill<Device, T>::Run(ctx, masked);
   }
+
+ private:
+  ReusableOutput output_;
 };
 
 template <typename T>
