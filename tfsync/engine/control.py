@@ -40,9 +40,11 @@ class ControlServer:
     def __init__(self, size: int, t0: float):
         self.size, self.t0 = size, t0
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
         self._clocks = [-1] * size
         self._last_seen = [0.0] * size
         self._lost = {}
+        self._stopped = {}
         self._left = set()
         self._stopping = threading.Event()
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=size + 4))
@@ -53,6 +55,7 @@ class ControlServer:
                 self._attach, request_deserializer=_decode, response_serializer=_encode),
             "Report": unary(self._report),
             "Leave": unary(self._leave),
+            "Stop": unary(self._stop),
             "Table": unary(self._table),
         })])
         self.port = self._server.add_insecure_port("[::]:0")
@@ -68,14 +71,26 @@ class ControlServer:
                     self._lost.setdefault(rank, {
                         "rank": rank, "clock": self._clocks[rank],
                         "at_s": time.time() - self.t0, "reason": "its process or connection ended"})
-            ended.set()
+                ended.set()
+                self._changed.notify_all()
 
         context.add_callback(on_end)
         with self._lock:
             self._last_seen[rank] = time.time() - self.t0
         yield {"attached": rank}
-        while not ended.wait(0.5) and not self._stopping.is_set():
-            pass
+        # Push every loss to every worker at once: if rank 0 goes down right after
+        # (it stops too), the others still know whom they lost first.
+        told = (0, 0)
+        while True:
+            with self._lock:
+                while ((len(self._lost), len(self._stopped)) == told and not ended.is_set()
+                       and not self._stopping.is_set()):
+                    self._changed.wait(0.5)
+                if ended.is_set() or self._stopping.is_set():
+                    return
+                told = (len(self._lost), len(self._stopped))
+                message = {"lost": list(self._lost.values()), "stopped": list(self._stopped.values())}
+            yield message
 
     def _report(self, request, context):
         rank = int(request["rank"])
@@ -89,6 +104,12 @@ class ControlServer:
             self._left.add(int(request["rank"]))
         return {"ok": 1}
 
+    def _stop(self, request, context):
+        with self._lock:
+            self._stopped.setdefault(int(request["rank"]), dict(request))
+            self._changed.notify_all()
+        return {"ok": 1}
+
     def _table(self, request, context):
         with self._lock:
             return {"clocks": list(self._clocks), "last_seen_s": list(self._last_seen),
@@ -96,6 +117,8 @@ class ControlServer:
 
     def stop(self):
         self._stopping.set()
+        with self._lock:
+            self._changed.notify_all()
         self._server.stop(grace=0.5).wait(2.0)
 
 
@@ -108,8 +131,11 @@ class ControlClient:
         method = lambda name: self._channel.unary_unary(  # noqa: E731
             f"/{SERVICE}/{name}", request_serializer=_encode, response_deserializer=_decode)
         self._report, self._leave, self._table = method("Report"), method("Leave"), method("Table")
+        self._stop = method("Stop")
         self._closing = False
         self.host_lost = None
+        self.known_lost = []
+        self.known_stopped = []
         self._inflight = None
         attach = self._channel.unary_stream(
             f"/{SERVICE}/Attach", request_serializer=_encode, response_deserializer=_decode)
@@ -126,7 +152,10 @@ class ControlClient:
 
     def _watch(self, first):
         try:
-            for _ in self._stream:
+            for message in self._stream:
+                if "lost" in message:
+                    self.known_lost = message["lost"]
+                    self.known_stopped = message["stopped"]
                 first.set()
         except grpc.RpcError:
             pass
@@ -140,14 +169,26 @@ class ControlClient:
             return
         self._inflight = self._report.future({"rank": self.rank, "clock": clock}, timeout=5.0)
 
+    def announce_stop(self, kind: str, message: str):
+        """Tell every worker (through rank 0) why this one stops, so they can say so too."""
+        if self.host_lost is None:
+            try:
+                self._stop({"rank": self.rank, "kind": kind, "message": message}, timeout=1.0)
+            except grpc.RpcError:
+                pass
+
     def table(self, timeout_s: float = 2.0) -> dict:
-        """Live clocks and lost ranks; a dead control host reads as rank 0 lost."""
+        """Live clocks and lost ranks.
+
+        When rank 0 (the control host) is unreachable, the losses it pushed
+        before are reported, or else rank 0 itself.
+        """
         if self.host_lost is None:
             try:
                 return self._table({}, timeout=timeout_s)
             except grpc.RpcError:
                 pass
-        return {"clocks": [], "last_seen_s": [], "lost": [
+        return {"clocks": [], "last_seen_s": [], "lost": self.known_lost or [
             {"rank": 0, "clock": None, "reason": "rank 0 (the control host) is unreachable"}]}
 
     def close(self):

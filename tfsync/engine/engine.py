@@ -22,6 +22,7 @@ from inside the compiled train step (see :mod:`tfsync.engine.tf_bridge`):
 Every applied contribution is counted (``applied``); contributions a policy
 rejects are counted as ``dropped``; both appear in the metrics and the trace.
 """
+import contextlib
 import json
 import os
 import socket
@@ -71,6 +72,7 @@ class SyncEngine:
             raise ValueError(f"wait_timeout_s={wait_timeout_s!r} must be a positive number of seconds")
         self.wait_timeout_s = float(wait_timeout_s)
         self.started = False
+        self.error = None
 
     # ----------------------------------------------------------------- lifecycle
     def start(self, num_params: int, initial_weights=None, extra_config=None):
@@ -163,14 +165,32 @@ class SyncEngine:
     # ------------------------------------------------------------ step protocols
     def step_gradients(self, flat_grad: np.ndarray) -> np.ndarray:
         """``payload="gradients"``: push, wait for the policy's round, return the mean."""
+        with self._keep_error():
+            return self._step_gradients(flat_grad)
+
+    def step_updates(self, own_share: np.ndarray) -> np.ndarray:
+        """``payload="updates"``: push ``Δ/N``, gate the next step, return its weights."""
+        with self._keep_error():
+            return self._step_updates(own_share)
+
+    @contextlib.contextmanager
+    def _keep_error(self):
+        # TensorFlow re-wraps exceptions raised inside tf.numpy_function; keep the
+        # original so the frontends can re-raise it with its type.
+        try:
+            yield
+        except Exception as exc:
+            self.error = exc
+            raise
+
+    def _step_gradients(self, flat_grad):
         step, t_start, t_push = self._push(flat_grad)
         applied = self._wait_and_apply(self.policy.required_round(step))
         result = self._mean_gradient
         self._end_step(step, t_start, t_push, applied)
         return result
 
-    def step_updates(self, own_share: np.ndarray) -> np.ndarray:
-        """``payload="updates"``: push ``Δ/N``, gate the next step, return its weights."""
+    def _step_updates(self, own_share):
         step, t_start, t_push = self._push(own_share)
         self._pending[step] = own_share
         self._pending_sum += own_share
@@ -218,30 +238,49 @@ class SyncEngine:
             try:
                 done = self.exchange.wait(round_, min(1.0, max(deadline - time.monotonic(), 0.0)))
             except Exception as exc:  # the collective failed: find out who is gone
-                raise self._lost_error(round_, exc) from exc
+                raise self._stop(self._lost_error(round_, exc)) from exc
             if done:
                 return
-            lost = self.control.table(timeout_s=1.0).get("lost", [])
+            peer_stop = self._peer_stop()
+            if peer_stop is not None:
+                raise peer_stop
+            lost = self.control.known_lost or self.control.table(timeout_s=1.0).get("lost", [])
             if lost:
-                raise self._lost_error(round_, None, lost)
+                raise self._stop(self._lost_error(round_, None, lost))
             if time.monotonic() >= deadline:
-                table = self.control.table(timeout_s=1.0)
-                clocks = table.get("clocks") or []
+                clocks = self.control.table(timeout_s=1.0).get("clocks") or []
                 behind = [r for r, c in enumerate(clocks) if c < round_]
-                raise SyncTimeoutError(
+                raise self._stop(SyncTimeoutError(
                     f"tfsync: rank {self.rank} waited {self.wait_timeout_s:.0f} s for round {round_} "
                     f"(mode {self.policy.name}); ranks {behind or 'unknown'} have not pushed it "
                     f"(last pushed steps per rank: {clocks}). A worker is hung or far slower than "
-                    f"the others; raise wait_timeout_s (or {WAIT_TIMEOUT_ENV}) if that is expected")
+                    f"the others; raise wait_timeout_s (or {WAIT_TIMEOUT_ENV}) if that is expected"))
+
+    def _stop(self, error):
+        self.control.announce_stop(type(error).__name__, str(error))
+        return error
+
+    def _peer_stop(self):
+        """The error another rank stopped with, if one did (pushed by the control path)."""
+        for notice in self.control.known_stopped:
+            if int(notice["rank"]) != self.rank:
+                cls = SyncTimeoutError if notice.get("kind") == "SyncTimeoutError" else WorkerLostError
+                return cls(f"tfsync: rank {int(notice['rank'])} stopped the job: {notice['message']}")
+        return None
 
     def _lost_error(self, round_, exc, lost=None):
         deadline = time.monotonic() + 5.0
         while not lost and time.monotonic() < deadline:
-            lost = self.control.table(timeout_s=1.0).get("lost", [])
+            lost = self.control.known_lost
+            if not lost:
+                peer_stop = self._peer_stop()
+                if peer_stop is not None:
+                    return peer_stop
+                lost = self.control.table(timeout_s=1.0).get("lost", [])
             if not lost:
                 time.sleep(0.2)
         if lost:
-            names = ", ".join(f"rank {d['rank']} ({d['reason']}"
+            names = ", ".join(f"rank {int(d['rank'])} ({d['reason']}"
                               + (f", last pushed step {int(d['clock'])}" if d.get("clock") is not None else "")
                               + ")" for d in lost)
             return WorkerLostError(

@@ -83,6 +83,17 @@ class SyncCallback(keras.callbacks.Callback):
                           "optimizer": type(model.optimizer).__name__})
         self._wrap_optimizer(model.optimizer, hvd.size())
         model.make_train_function(force=True)
+        train_function, engine = model.train_function, self.engine
+
+        def train_function_reraising(iterator):
+            try:
+                return train_function(iterator)
+            except tf.errors.OpError as exc:
+                if engine.error is not None:  # a tfsync error surfaced through the graph
+                    raise engine.error from exc
+                raise
+
+        model.train_function = train_function_reraising
 
     def on_epoch_begin(self, epoch, logs=None):
         if self.engine is not None:

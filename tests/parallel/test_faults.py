@@ -1,0 +1,41 @@
+"""Lost, hung and misconfigured workers stop the job with an error naming the rank.
+
+Bounds (documented in the README): a worker that exits is named within a few
+seconds (its control stream closes); a hung worker within ``wait_timeout_s``
+(5 s here) plus a second of polling.
+"""
+import json
+import os
+
+import pytest
+
+from tests.parallel.launch import read_results, run_workers
+
+pytestmark = pytest.mark.parallel
+SURVIVORS = [0, 1, 3]
+
+
+def _run(tmp_path, scenario):
+    run_workers("faults.py", 4, [tmp_path, scenario], timeout_s=150, expect_success=False)
+    return read_results(tmp_path)
+
+
+@pytest.mark.parametrize("scenario,kind,bound_s", [
+    ("die", "WorkerLostError", 20.0),
+    ("hang", "SyncTimeoutError", 20.0),
+])
+def test_survivors_name_the_lost_rank(tmp_path, scenario, kind, bound_s):
+    results = _run(tmp_path, scenario)
+    fault_at = results[2]["fault_at"]
+    for rank in SURVIVORS:
+        res = results[rank]
+        assert res["error"] is not None and res["error"].startswith(kind), (rank, res)
+        assert "rank 2" in res["error"] or "[2]" in res["error"], res["error"]
+        assert res["error_at"] - fault_at < bound_s, (rank, res["error_at"] - fault_at)
+
+
+def test_mismatched_configuration_is_refused_before_training(tmp_path):
+    results = _run(tmp_path, "mismatch")
+    for rank in range(4):
+        err = results[rank]["error"]
+        assert err.startswith("ValueError") and "ranks [1]" in err and "staleness" in err, err

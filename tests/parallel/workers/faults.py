@@ -1,0 +1,46 @@
+"""A worker dies, hangs, or is configured differently: the others must stop with
+an error naming it, in bounded time (results written per rank)."""
+import os
+import sys
+import time
+
+import numpy as np
+
+from common import init, write_result
+
+hvd = init()
+import keras  # noqa: E402
+
+import tfsync  # noqa: E402
+
+out_dir, scenario = sys.argv[1], sys.argv[2]
+rank = hvd.rank()
+VICTIM, AT_STEP = 2, 8
+x = np.random.default_rng(rank).normal(size=(400, 4)).astype("float32")
+y = x.sum(axis=1, keepdims=True)
+model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+model.compile(optimizer="sgd", loss="mse")
+staleness = 3 if (scenario == "mismatch" and rank == 1) else 2
+sync = tfsync.keras.SyncCallback(mode=tfsync.SSP(staleness=staleness), wait_timeout_s=5,
+                                 stragglers=tfsync.Stragglers(base_s=0.01))
+
+
+class Fault(keras.callbacks.Callback):
+    def on_train_batch_begin(self, batch, logs=None):
+        if rank == VICTIM and batch == AT_STEP:
+            write_result(out_dir, rank, {"fault_at": time.time()})
+            if scenario == "die":
+                os._exit(0)  # gone without a word (exit 0, so horovodrun does not kill the rest)
+            time.sleep(12)  # hung past wait_timeout_s
+            os._exit(0)
+
+
+started = time.time()
+try:
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[sync, Fault()])
+    outcome = {"error": None}
+except Exception as exc:  # the behaviour under test
+    outcome = {"error": f"{type(exc).__name__}: {exc}", "error_at": time.time()}
+outcome["elapsed_s"] = time.time() - started
+write_result(out_dir, rank if not (scenario != "mismatch" and rank == VICTIM) else 99, outcome)
+os._exit(0)  # skip Horovod's shutdown handshake with a peer that is gone
