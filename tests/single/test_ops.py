@@ -220,14 +220,6 @@ class MaskStaleTest(OpsTestCase):
                             atol=1e-6)
 
     @parameterized.product(impl=IMPLS)
-    def test_held_stale_result_survives_later_calls(self, impl):
-        self.use(impl)
-        first = ops.mask_stale(tf.ones([LARGE]), 1, 2)
-        second = ops.mask_stale(tf.ones([LARGE]), 1, 2)
-        self.assertEqual(float(tf.reduce_max(first.masked)), 0.0)
-        self.assertEqual(float(tf.reduce_max(second.masked)), 0.0)
-
-    @parameterized.product(impl=IMPLS)
     def test_stale_inside_tf_function(self, impl):
         self.use(impl)
         fn = tf.function(lambda x, ts: ops.mask_stale(x * 2.0, ts, 5))

@@ -170,8 +170,8 @@ class PartialAggregateOp : public OpKernel {
     using A = typename Accumulator<T>::type;
     // Mean scales by 1/d; with nothing accepted the aggregate is zeros (a sum of
     // nothing), and min_contributions_met says whether that is acceptable.
-    const A scale = (mean_ && d > 0) ? A(1) / static_cast<A>(d) : A(1);
-    AggregateRows<Device, T>::Run(ctx, contributions, accepted, n, scale, aggregate);
+    const int64_t divisor = (mean_ && d > 0) ? d : 1;
+    AggregateRows<Device, T>::Run(ctx, contributions, accepted, n, divisor, aggregate);
   }
 
  private:
@@ -182,9 +182,11 @@ class PartialAggregateOp : public OpKernel {
 template <typename T>
 struct AggregateRows<CPUDevice, T> {
   static void Run(OpKernelContext* ctx, const Tensor& contributions,
-                  const std::vector<int64_t>& accepted, int64_t n,
-                  typename Accumulator<T>::type scale, Tensor* out) {
+                  const std::vector<int64_t>& accepted, int64_t n, int64_t divisor,
+                  Tensor* out) {
+    using A = typename Accumulator<T>::type;
     if (n == 0) return;
+    const A scale = A(1) / static_cast<A>(divisor);
     const T* base = contributions.flat<T>().data();
     std::vector<const T*> rows;
     rows.reserve(accepted.size());
@@ -202,8 +204,8 @@ struct AggregateRows<CPUDevice, T> {
 template <typename T>
 struct AggregateRows<GPUDevice, T> {
   static void Run(OpKernelContext* ctx, const Tensor& contributions,
-                  const std::vector<int64_t>& accepted, int64_t n,
-                  typename Accumulator<T>::type scale, Tensor* out) {
+                  const std::vector<int64_t>& accepted, int64_t n, int64_t divisor,
+                  Tensor* out) {
     OP_REQUIRES(ctx, contributions.dim_size(0) <= kMaxGpuContributions,
                 errors::InvalidArgument("on GPU, TfSync>PartialAggregate takes at most ",
                                         kMaxGpuContributions, " contributions, got ",
@@ -214,7 +216,7 @@ struct AggregateRows<GPUDevice, T> {
     for (int64_t i : accepted) mask.bits[i / 64] |= uint64_t{1} << (i % 64);
     GpuLaunch<T>::PartialAggregate(ctx->eigen_device<GPUDevice>(),
                                    contributions.flat<T>().data(), contributions.dim_size(0), n,
-                                   mask, static_cast<float>(scale), out->flat<T>().data());
+                                   mask, divisor, out->flat<T>().data());
   }
 };
 #endif  // GOOGLE_CUDA

@@ -44,8 +44,9 @@ struct RowMask {
 
 template <typename T>
 struct GpuLaunch {
+  // out = sum of the accepted rows, divided by `divisor` (d for a mean, else 1).
   static void PartialAggregate(const Eigen::GpuDevice& d, const T* contributions, int64_t k,
-                               int64_t n, const RowMask& accepted, float scale, T* out);
+                               int64_t n, const RowMask& accepted, int64_t divisor, T* out);
   static void Zero(const Eigen::GpuDevice& d, T* out, int64_t n);
   static void DelayCompensate(const Eigen::GpuDevice& d, const T* g, const T* w_now,
                               const T* w_stale, float lambda, T* out, int64_t n);
