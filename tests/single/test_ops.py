@@ -7,6 +7,8 @@ is never skipped.
 import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from unittest import mock
 
@@ -24,6 +26,7 @@ DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
 TOLERANCE = {tf.float16: (2e-3, 2e-3), tf.bfloat16: (1.6e-2, 1.6e-2),
              tf.float32: (2e-6, 1e-6), tf.float64: (1e-13, 1e-13)}
 SHAPES = ((), (0,), (7,), (3, 5, 7), (2, 0, 3))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LARGE = 1_000_001  # > 2 blocks of the kernels' thread split: exercises threading
 
 
@@ -185,6 +188,10 @@ class PartialAggregateTest(OpsTestCase):
         fn = tf.function(lambda ts: ops.partial_aggregate(tf.ones([2, 3]), ts, 1, 1))
         with self.assertRaisesRegex(tf.errors.InvalidArgumentError, "is after the current step"):
             fn(tf.constant([1, 2], tf.int64))
+
+    def test_timestamps_must_be_integers(self):
+        with self.assertRaisesRegex(TypeError, "timestamps must be an integer step count, got float32"):
+            ops.partial_aggregate(tf.ones([2]), [1.5, 1.0], 1, 1)
 
     def test_unknown_reduction(self):
         with self.assertRaisesRegex(ValueError, "reduction must be 'mean' or 'sum'"):
@@ -415,6 +422,19 @@ class ImplementationSwitchTest(tf.test.TestCase):
         self.assertEqual(_select.implementation_from_env({"TFSYNC_OPS_IMPL": "compiled"}), "compiled")
         with self.assertRaisesRegex(ValueError, "TFSYNC_OPS_IMPL='fast' is not an implementation"):
             _select.implementation_from_env({"TFSYNC_OPS_IMPL": "fast"})
+
+    def test_env_var_is_read_at_import(self):
+        for value, expected in (("reference", "reference"), ("compiled", "compiled")):
+            out = subprocess.run(
+                [sys.executable, "-c", "import tfsync.ops as o; print(o.get_implementation())"],
+                env=dict(os.environ, TFSYNC_OPS_IMPL=value, TF_CPP_MIN_LOG_LEVEL="3"),
+                capture_output=True, text=True, check=True, timeout=120, cwd=REPO_ROOT)
+            self.assertEqual(out.stdout.strip().splitlines()[-1], expected)
+        bad = subprocess.run([sys.executable, "-c", "import tfsync.ops"],
+                             env=dict(os.environ, TFSYNC_OPS_IMPL="gpu", TF_CPP_MIN_LOG_LEVEL="3"),
+                             capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
+        self.assertNotEqual(bad.returncode, 0)
+        self.assertIn("TFSYNC_OPS_IMPL='gpu' is not an implementation", bad.stderr)
 
     def test_set_implementation(self):
         previous = ops.get_implementation()

@@ -7,8 +7,8 @@ The ops are memory-bound streams, so each record carries the bytes the op must m
 (reads + writes of the fused version) and the bandwidth that implies, next to the
 machine's copy bandwidth measured in the same run (``np.copyto`` of the same number
 of float32 elements into a preallocated buffer: one read and one write per element).
-Timings are the median of ``--repeats`` calls after warm-up, with TensorFlow's
-default thread settings. Ops: DC-ASGD-c / DC-ASGD-a delay compensation, PSP partial
+Timings are the median of ``--repeats`` calls after warm-up, the implementations
+of an op (and the copy) timed round-robin, with TensorFlow's default thread settings. Ops: DC-ASGD-c / DC-ASGD-a delay compensation, PSP partial
 aggregation (k contributions, one of them stale), and masking one stale contribution.
 """
 import argparse
@@ -35,15 +35,22 @@ def _parse_size(text):
         raise argparse.ArgumentTypeError(f"size {text!r}: expected an element count like 1048576, 1M or 16M")
 
 
-def _median_seconds(fn, repeats, warmup):
-    for _ in range(warmup):
-        fn()
-    times = []
+def _interleaved_medians(fns, repeats, warmup):
+    """Median seconds of each callable, timed round-robin.
+
+    Interleaving the implementations of one op (and the copy) spreads any load from
+    other processes over all of them instead of penalizing whichever ran during it.
+    """
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    times = {name: [] for name in fns}
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def _cases(tf, ops, n, contributions):
@@ -145,11 +152,17 @@ def run(sizes, repeats, warmup, contributions):
     for n in sizes:
         src = np.random.default_rng(1).standard_normal(n, dtype=np.float32)
         dst = np.empty_like(src)
-        record("copy", n, "numpy_copyto", _median_seconds(lambda: np.copyto(dst, src), repeats,
-                                                          warmup), 2 * n * FLOAT32_BYTES)
+        copy_seconds = []
+        first_of_size = len(records)
         for op, nbytes, impls in _cases(tf, ops, n, contributions):
-            for impl, fn in impls.items():
-                record(op, n, impl, _median_seconds(fn, repeats, warmup), nbytes)
+            fns = dict(impls, copy=lambda: np.copyto(dst, src))
+            medians = _interleaved_medians(fns, repeats, warmup)
+            copy_seconds.append(medians.pop("copy"))
+            for impl, seconds in medians.items():
+                record(op, n, impl, seconds, nbytes)
+        # The copy ran beside every op; its median over those runs is the reference.
+        record("copy", n, "numpy_copyto", statistics.median(copy_seconds), 2 * n * FLOAT32_BYTES)
+        records.insert(first_of_size, records.pop())
     return records
 
 

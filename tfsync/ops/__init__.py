@@ -73,8 +73,11 @@ def _float_tensor(value, arg, dtype=None):
     return tensor
 
 
-def _int64(value):
-    return tf.cast(value, tf.int64)
+def _int64(value, arg):
+    tensor = tf.convert_to_tensor(value)
+    if not tensor.dtype.is_integer:
+        raise TypeError(f"{arg} must be an integer step count, got {tensor.dtype.name}")
+    return tf.cast(tensor, tf.int64)
 
 
 def partial_aggregate(contributions, timestamps, step, min_contributions, max_staleness=0,
@@ -113,8 +116,9 @@ def partial_aggregate(contributions, timestamps, step, min_contributions, max_st
     if reduction not in _REDUCTIONS:
         raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
     result = _backend().partial_aggregate(
-        _float_tensor(contributions, "contributions"), _int64(timestamps), _int64(step),
-        _int64(min_contributions), _int64(max_staleness), reduction, name=name)
+        _float_tensor(contributions, "contributions"), _int64(timestamps, "timestamps"),
+        _int64(step, "step"), _int64(min_contributions, "min_contributions"),
+        _int64(max_staleness, "max_staleness"), reduction, name=name)
     return PartialAggregateResult(*result)
 
 
@@ -140,8 +144,8 @@ def mask_stale(tensor, timestamp, step, max_staleness=0, name=None):
       tf.errors.InvalidArgumentError: ``timestamp > step`` or ``max_staleness < 0``.
     """
     result = _backend().mask_stale(
-        _float_tensor(tensor, "tensor"), _int64(timestamp), _int64(step),
-        _int64(max_staleness), name=name)
+        _float_tensor(tensor, "tensor"), _int64(timestamp, "timestamp"), _int64(step, "step"),
+        _int64(max_staleness, "max_staleness"), name=name)
     return MaskStaleResult(*result)
 
 
