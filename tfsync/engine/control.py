@@ -119,7 +119,8 @@ class ControlServer:
         self._stopping.set()
         with self._lock:
             self._changed.notify_all()
-        self._server.stop(grace=0.5).wait(2.0)
+        # every rank has left (close() runs a barrier first): no grace period needed
+        self._server.stop(grace=None).wait(2.0)
 
 
 class ControlClient:
@@ -137,6 +138,7 @@ class ControlClient:
         self.known_lost = []
         self.known_stopped = []
         self._inflight = None
+        self._last_report = float("-inf")
         attach = self._channel.unary_stream(
             f"/{SERVICE}/Attach", request_serializer=_encode, response_deserializer=_decode)
         self._stream = attach({"rank": rank}, wait_for_ready=True, timeout=None)
@@ -163,10 +165,17 @@ class ControlClient:
             self.host_lost = time.time()
         first.set()
 
-    def report(self, clock: int):
-        """Fire-and-forget clock report; skipped while the previous one is in flight."""
-        if self._inflight is not None and not self._inflight.done():
+    def report(self, clock: int, min_interval_s: float = 0.25):
+        """Fire-and-forget clock report, at most one per ``min_interval_s`` and one in flight.
+
+        The live clocks only name the ranks behind when a wait times out (after
+        seconds), so reporting every step would only cost CPU on rank 0.
+        """
+        now = time.monotonic()
+        if now - self._last_report < min_interval_s or (
+                self._inflight is not None and not self._inflight.done()):
             return
+        self._last_report = now
         self._inflight = self._report.future({"rank": self.rank, "clock": clock}, timeout=5.0)
 
     def announce_stop(self, kind: str, message: str):

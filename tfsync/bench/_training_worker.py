@@ -1,0 +1,99 @@
+"""One benchmark worker (run under horovodrun by ``tfsync.bench.training``).
+
+A small MLP on synthetic data: per-step CPU work is kept well below the
+simulated device time, so the sleeps (which free the CPU) set the pace, as a
+GPU would, even with four workers on two cores.
+"""
+import argparse
+import time
+
+import numpy as np
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--mode", required=True, choices=["horovod", "bsp", "ssp"])
+    p.add_argument("--staleness", type=int, default=3)
+    p.add_argument("--stragglers", default="none")
+    p.add_argument("--steps", type=int, default=150)
+    p.add_argument("--warmup-steps", type=int, default=10)
+    p.add_argument("--batch-size", type=int, default=32)
+    args = p.parse_args()
+
+    import horovod.tensorflow as hvd
+
+    hvd.init()
+    import keras
+
+    import tfsync
+    from tfsync.bench.baseline import broadcast_model, use_horovod_allreduce
+    from tfsync.launch import print_result
+
+    rank, size = hvd.rank(), hvd.size()
+    keras.utils.set_random_seed(rank)
+    total = args.steps + args.warmup_steps
+    x = np.random.default_rng(rank).normal(size=(total * args.batch_size, 32)).astype("float32")
+    y = np.random.default_rng(rank + 100).integers(0, 10, size=len(x))
+    model = keras.Sequential([keras.Input((32,)), keras.layers.Dense(64, activation="relu"),
+                              keras.layers.Dense(64, activation="relu"), keras.layers.Dense(10)])
+    model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    stragglers = tfsync.Stragglers.parse(args.stragglers)
+    clock = Clock(args.warmup_steps)
+    if args.mode == "horovod":
+        broadcast_model(model, hvd)
+        use_horovod_allreduce(model, hvd)
+        callbacks = [SleepEachStep(stragglers.for_rank(rank)), clock]
+        sync = None
+    else:
+        mode = tfsync.SSP(staleness=args.staleness) if args.mode == "ssp" else tfsync.BSP()
+        sync = tfsync.keras.SyncCallback(mode=mode, stragglers=stragglers, average_epoch_logs=False)
+        callbacks = [sync, clock]
+    model.fit(x, y, batch_size=args.batch_size, epochs=1, shuffle=False, verbose=0,
+              callbacks=callbacks)
+    wall = hvd.allgather_object(clock.elapsed_s())
+    wait = None
+    if sync is not None:
+        totals = sync.engine.totals
+        wait = hvd.allgather_object(totals["wait_s"] / (totals["wait_s"] + totals["compute_s"]))
+    if rank == 0:
+        print_result({"samples_per_s": size * args.steps * args.batch_size / max(wall),
+                      "wall_s": max(wall),
+                      "wait_fraction": float(np.mean(wait)) if wait is not None else None})
+
+
+class SleepEachStep:
+    """The baseline's simulated device time (tfsync's engine sleeps inside the step)."""
+
+    def __new__(cls, delays):
+        import keras
+
+        class _Sleep(keras.callbacks.Callback):
+            def on_train_batch_begin(self, batch, logs=None):
+                delays.sleep()
+
+        return _Sleep()
+
+
+class Clock:
+    """Wall time from the end of the warm-up steps to the end of training."""
+
+    def __new__(cls, warmup_steps):
+        import keras
+
+        class _Clock(keras.callbacks.Callback):
+            def on_train_batch_begin(self, batch, logs=None):
+                if batch == warmup_steps:
+                    self.start = time.perf_counter()
+
+            def on_train_end(self, logs=None):
+                self.end = time.perf_counter()
+
+            def elapsed_s(self):
+                return self.end - self.start
+
+        return _Clock()
+
+
+if __name__ == "__main__":
+    main()

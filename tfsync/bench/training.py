@@ -1,0 +1,89 @@
+"""``python -m tfsync.bench``: plain Horovod BSP vs tfsync BSP vs tfsync SSP, in one run.
+
+Each (mode, scenario) is one ``horovodrun`` launch of
+:mod:`tfsync.bench._training_worker` on local workers.  Scenarios:
+
+* ``none``: every worker spends ``--base-s`` of simulated device time per step;
+* ``straggler``: the last rank spends ``--slow-s`` more on every step;
+* ``jitter``: every worker spends an extra ``uniform(0, --jitter-s)`` per step
+  (transient stragglers: a different worker is slowest at each step).
+
+Prints a table with the ratios the README quotes and writes the records as
+JSON with ``--json PATH``.
+"""
+import argparse
+import json
+import os
+import sys
+
+from tfsync.launch import horovodrun
+
+MODES = ("horovod", "bsp", "ssp")
+SCENARIOS = ("none", "straggler", "jitter")
+MODE_LABELS = {"horovod": "plain Horovod BSP", "bsp": "tfsync BSP", "ssp": "tfsync SSP(s={s})"}
+
+
+def scenario_spec(name, args):
+    if name == "none":
+        return f"base={args.base_s},seed=1"
+    if name == "straggler":
+        return f"base={args.base_s},slow={args.workers - 1}:{args.slow_s},seed=1"
+    if name == "jitter":
+        return f"base={args.base_s},jitter={args.jitter_s},seed=1"
+    raise ValueError(name)
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="python -m tfsync.bench", description=__doc__.splitlines()[0])
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--steps", type=int, default=150, help="timed steps per worker (after 10 warm-up)")
+    p.add_argument("--base-s", type=float, default=0.02, help="simulated device time per step")
+    p.add_argument("--slow-s", type=float, default=0.04, help="extra time per step of the straggler")
+    p.add_argument("--jitter-s", type=float, default=0.04, help="max extra time per step in 'jitter'")
+    p.add_argument("--staleness", type=int, default=3)
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    p.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=SCENARIOS)
+    p.add_argument("--json", metavar="PATH", help="write the records here")
+    p.add_argument("--quick", action="store_true", help="2 workers, 20 steps: a smoke test")
+    p.add_argument("--timeout-s", type=int, default=600, help="bound on each launch")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.workers, args.steps = 2, 20
+    if args.workers < 2:
+        p.error("--workers must be at least 2")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_training_worker.py")
+    records = []
+    for scenario in args.scenarios:
+        spec = scenario_spec(scenario, args)
+        for mode in args.modes:
+            result = horovodrun(worker, ["--mode", mode, "--staleness", args.staleness,
+                                         "--stragglers", spec, "--steps", args.steps],
+                                workers=args.workers, timeout_s=args.timeout_s)
+            record = {"mode": MODE_LABELS[mode].format(s=args.staleness), "scenario": scenario,
+                      "stragglers": spec, "workers": args.workers, "steps": args.steps, **result}
+            records.append(record)
+            print(f"  {scenario:9s} {record['mode']:18s} {result['samples_per_s']:8.0f} samples/s",
+                  file=sys.stderr, flush=True)
+    print(format_table(records))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(records, f, indent=1)
+    return 0
+
+
+def format_table(records):
+    lines = ["| scenario | mode | samples/s | wait fraction | vs plain Horovod | vs tfsync BSP |",
+             "|---|---|---:|---:|---:|---:|"]
+    for r in records:
+        same = {x["mode"].split("(")[0]: x["samples_per_s"] for x in records if x["scenario"] == r["scenario"]}
+        base, bsp = same.get("plain Horovod BSP"), same.get("tfsync BSP")
+        wait = "—" if r["wait_fraction"] is None else f"{r['wait_fraction']:.2f}"
+        ratio = lambda ref: "—" if not ref else f"{r['samples_per_s'] / ref:.2f}×"  # noqa: E731
+        lines.append(f"| {r['scenario']} | {r['mode']} | {r['samples_per_s']:.0f} | {wait} | "
+                     f"{ratio(base)} | {ratio(bsp)} |")
+    return "\n".join(lines)

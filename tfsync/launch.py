@@ -1,0 +1,48 @@
+"""Launch a Python script on N local workers with ``horovodrun --gloo``, bounded in time.
+
+Used by ``python -m tfsync.bench`` and ``python -m tfsync.demo``; workers print
+one ``TFSYNC_RESULT {json}`` line (rank 0) that is parsed back here.
+"""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+RESULT_PREFIX = "TFSYNC_RESULT "
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def horovodrun(script, args=(), workers=4, timeout_s=600, env=None):
+    """Run ``script`` on ``workers`` local processes; return rank 0's result dict.
+
+    Raises ``RuntimeError`` with the tail of the output when the job fails or
+    runs past ``timeout_s`` (the whole process group is killed then).
+    """
+    if shutil.which("horovodrun") is None:
+        raise RuntimeError("horovodrun is not on PATH; install Horovod with `make install`")
+    cmd = ["horovodrun", "-np", str(workers), "-H", f"localhost:{workers}", "--gloo",
+           sys.executable, script, *map(str, args)]
+    full_env = dict(os.environ)
+    full_env.update({"PYTHONPATH": REPO_ROOT + os.pathsep + full_env.get("PYTHONPATH", ""),
+                     "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONUNBUFFERED": "1"})
+    full_env.update(env or {})
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=full_env, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise RuntimeError(f"{' '.join(cmd)} ran past {timeout_s} s; output tail:\n{out[-4000:]}")
+    results = [json.loads(line.split(RESULT_PREFIX, 1)[1]) for line in out.splitlines()
+               if RESULT_PREFIX in line]
+    if proc.returncode != 0 or not results:
+        raise RuntimeError(f"{' '.join(cmd)} failed (exit {proc.returncode}); output tail:\n{out[-4000:]}")
+    return results[-1]
+
+
+def print_result(result):
+    """Called by rank 0 of a launched script."""
+    print(RESULT_PREFIX + json.dumps(result), flush=True)
