@@ -28,6 +28,7 @@ TOLERANCE = {tf.float16: (2e-3, 2e-3), tf.bfloat16: (1.6e-2, 1.6e-2),
 SHAPES = ((), (0,), (7,), (3, 5, 7), (2, 0, 3))
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LARGE = 1_000_001  # > 2 blocks of the kernels' thread split: exercises threading
+STREAMED = 2_100_003  # float32 outputs >= 8 MiB take the non-temporal store path
 
 
 def _values(rng, shape, dtype, scale=1.0):
@@ -97,6 +98,13 @@ class PartialAggregateTest(OpsTestCase):
         self.assertEqual(float(tf.reduce_max(first)), 1.0)
         self.assertEqual(float(tf.reduce_min(first)), 1.0)
         self.assertEqual(float(tf.reduce_min(second)), 3.0)
+
+    @parameterized.product(impl=IMPLS, dtype=(tf.float32, tf.float64))
+    def test_large_outputs_streamed(self, impl, dtype):
+        self.use(impl)
+        contributions, expected_in = _values(np.random.default_rng(8), (3, STREAMED), dtype)
+        r = ops.partial_aggregate(contributions, [5, 4, 5], 5, 2, reduction="sum")
+        self.assertClose(r.aggregate, expected_in[0] + expected_in[2], dtype)
 
     @parameterized.product(impl=IMPLS, reduction=("mean", "sum"))
     def test_all_stale_gives_zeros_and_reports_it(self, impl, reduction):
@@ -271,6 +279,23 @@ class DelayCompensateTest(OpsTestCase):
         self.assertClose(fn(g, w_now), np_delay_compensate(2 * g64, w_now64, 0.5 * w_now64, 0.25),
                          dtype)
         self.assertClose(g, g64, dtype)  # the caller's tensor is untouched
+
+    @parameterized.product(impl=IMPLS, dtype=(tf.float32, tf.float64))
+    def test_large_outputs_streamed(self, impl, dtype):
+        self.use(impl)
+        rng = np.random.default_rng(9)
+        g, g64 = _values(rng, (STREAMED,), dtype)
+        w_now, w_now64 = _values(rng, (STREAMED,), dtype)
+        w_stale, w_stale64 = _values(rng, (STREAMED,), dtype)
+        self.assertClose(ops.delay_compensate(g, w_now, w_stale, 0.375),  # exact in float32
+                         np_delay_compensate(g64, w_now64, w_stale64, 0.375), dtype)
+        state_dtype = tf.float64 if dtype == tf.float64 else tf.float32
+        v = tf.Variable(tf.fill([STREAMED], tf.constant(0.5, state_dtype)))
+        out = ops.delay_compensate_adaptive(g, w_now, w_stale, v, 0.5, 0.5, 0.25)
+        v64 = 0.25 + 0.5 * g64 * g64
+        self.assertClose(out, np_delay_compensate(g64, w_now64, w_stale64, 0.5 / np.sqrt(v64 + 0.25)),
+                         dtype)
+        self.assertAllClose(v.numpy(), v64, rtol=1e-6, atol=1e-6)
 
     @parameterized.product(impl=IMPLS)
     def test_held_results_survive_later_calls(self, impl):

@@ -10,7 +10,12 @@
 #define EIGEN_USE_GPU
 #endif
 
+#include <algorithm>
+#include <cstdint>
 #include <cstring>
+#if defined(__SSE2__)
+#include <immintrin.h>
+#endif
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -58,15 +63,43 @@ bool NonNegativeStaleness(OpKernelContext* ctx, int64_t max_staleness) {
   return true;
 }
 
+// Writes out[j] = acc[j] * scale for one tile. For large float/double outputs the
+// stores are non-temporal: the output is a separate buffer nobody reads during the
+// op, and streaming it skips reading each destination line first (a fifth of the
+// traffic with k = 4).
+template <typename T, typename A>
+void WriteTile(const A* __restrict__ acc, A scale, int64_t len, bool stream, T* __restrict__ out) {
+#if defined(__SSE2__)
+  if constexpr (std::is_same<T, float>::value) {
+    if (stream && reinterpret_cast<uintptr_t>(out) % 16 == 0) {
+      const __m128 s = _mm_set1_ps(scale);
+      int64_t j = 0;
+      for (; j + 4 <= len; j += 4) _mm_stream_ps(out + j, _mm_mul_ps(_mm_loadu_ps(acc + j), s));
+      for (; j < len; ++j) out[j] = acc[j] * scale;
+      return;
+    }
+  } else if constexpr (std::is_same<T, double>::value) {
+    if (stream && reinterpret_cast<uintptr_t>(out) % 16 == 0) {
+      const __m128d s = _mm_set1_pd(scale);
+      int64_t j = 0;
+      for (; j + 2 <= len; j += 2) _mm_stream_pd(out + j, _mm_mul_pd(_mm_loadu_pd(acc + j), s));
+      for (; j < len; ++j) out[j] = acc[j] * scale;
+      return;
+    }
+  }
+#endif
+  for (int64_t j = 0; j < len; ++j) out[j] = static_cast<T>(acc[j] * scale);
+}
+
 // Sums the rows `rows[r]` (each n elements) into out[begin, end), scaled by `scale`.
 // Accumulation is in Accumulator<T> (float for half/bfloat16), in tiles that stay
 // in L1 so each output element is written once.
 template <typename T>
 void SumRows(const std::vector<const T*>& rows, typename Accumulator<T>::type scale,
-             int64_t begin, int64_t end, T* __restrict__ out) {
+             int64_t begin, int64_t end, bool stream, T* __restrict__ out) {
   using A = typename Accumulator<T>::type;
-  constexpr int64_t kTile = 1024;
-  A acc[kTile];
+  constexpr int64_t kTile = 1024;  // 4-8 KiB of accumulators: stays in L1
+  alignas(64) A acc[kTile];
   for (int64_t t = begin; t < end; t += kTile) {
     const int64_t len = std::min(kTile, end - t);
     if (rows.empty()) {
@@ -81,8 +114,11 @@ void SumRows(const std::vector<const T*>& rows, typename Accumulator<T>::type sc
       const T* __restrict__ r = rows[i] + t;
       for (int64_t j = 0; j < len; ++j) acc[j] += static_cast<A>(r[j]);
     }
-    for (int64_t j = 0; j < len; ++j) out[t + j] = static_cast<T>(acc[j] * scale);
+    WriteTile<T, A>(acc, scale, len, stream, out + t);
   }
+#if defined(__SSE2__)
+  if (stream) _mm_sfence();  // order the streaming stores before the op completes
+#endif
 }
 
 // Device-specific halves of the kernels below.
@@ -194,8 +230,10 @@ struct AggregateRows<CPUDevice, T> {
     T* dst = out->flat<T>().data();
     const int64_t bytes_per_element =
         static_cast<int64_t>(sizeof(T)) * (static_cast<int64_t>(rows.size()) + 1);
+    constexpr int64_t kStreamMinBytes = int64_t{8} << 20;
+    const bool stream = out->TotalBytes() >= kStreamMinBytes;
     ParallelElementwise(ctx, n, bytes_per_element, [&](int64_t begin, int64_t end) {
-      SumRows<T>(rows, scale, begin, end, dst);
+      SumRows<T>(rows, scale, begin, end, stream, dst);
     });
   }
 };
