@@ -8,7 +8,9 @@ The ops are memory-bound streams, so each record carries the bytes the op must m
 machine's copy bandwidth measured in the same run (``np.copyto`` of the same number
 of float32 elements into a preallocated buffer: one read and one write per element).
 Timings are the median of ``--repeats`` calls after warm-up, the implementations
-of an op (and the copy) timed round-robin, with TensorFlow's default thread settings. Ops: DC-ASGD-c / DC-ASGD-a delay compensation, PSP partial
+of an op (and the copy) timed round-robin, with TensorFlow's default thread settings. ``fused_result_held`` is the fused op called while the
+caller still holds its previous result, so that its output buffer cannot be reused
+and is freshly allocated on every call. Ops: DC-ASGD-c / DC-ASGD-a delay compensation, PSP partial
 aggregation (k contributions, one of them stale), and masking one stale contribution.
 """
 import argparse
@@ -51,6 +53,21 @@ def _interleaved_medians(fns, repeats, warmup):
             fn()
             times[name].append(time.perf_counter() - start)
     return {name: statistics.median(t) for name, t in times.items()}
+
+
+def _holding_result(fn):
+    """fn, but each call's result stays alive until the next call has returned.
+
+    The kernels reuse their previous output buffer once it is released; a caller
+    that still holds it makes every call allocate (and page-fault in) a fresh one.
+    This variant shows that cost.
+    """
+    held = [None]
+
+    def call():
+        held[0] = fn()
+
+    return call
 
 
 def _cases(tf, ops, n, contributions):
@@ -133,6 +150,8 @@ def _cases(tf, ops, n, contributions):
         "composed_eager": lambda: mask_composed(g, stale_timestamp, step),
         "composed_xla": lambda: mask_xla(g, stale_timestamp, step),
     }))
+    for _, _, impls in cases:
+        impls["fused_result_held"] = _holding_result(impls["fused"])
     return cases
 
 
