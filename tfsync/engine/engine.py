@@ -139,6 +139,8 @@ class SyncEngine:
         """Wait for every pushed round, apply it; return the final weights (updates) or None."""
         if self.policy.payload != "updates":
             return None
+        if self._applied_through >= self.step - 1:  # drained already
+            return self._w_bar.copy()
         t = self._now()
         applied = self._wait_and_apply(self.step - 1)
         self._record_extra_wait(t, applied)

@@ -63,7 +63,7 @@ class SyncCallback(keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         hvd = _horovod.horovod()
         model = self.model
-        if model.optimizer is None:
+        if getattr(model, "optimizer", None) is None:
             raise ValueError("tfsync.keras.SyncCallback: the model has no optimizer; call "
                              "model.compile(optimizer=..., loss=...) before model.fit")
         steps = self.params.get("steps")
@@ -108,6 +108,10 @@ class SyncCallback(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         if logs is None or self.engine is None:
             return
+        if epoch + 1 == self.params.get("epochs"):
+            # drain the rounds still in flight now, so the last epoch's logs count every
+            # contribution (on_train_end drains again if fit stops early)
+            self._drain()
         tot = self.engine.totals
         busy = tot["wait_s"] + tot["compute_s"]
         logs["tfsync_wait_fraction"] = tot["wait_s"] / busy if busy else 0.0
@@ -127,15 +131,19 @@ class SyncCallback(keras.callbacks.Callback):
         if self.engine is None:
             return
         try:
-            final = self.engine.finish()
-            if final is not None:
-                self.flat_vars.assign_numpy(final)
+            self._drain()
         finally:
             self._unwrap_optimizer()
             self.engine.close()
             self.model.make_train_function(force=True)
 
     # ---------------------------------------------------------------- internals
+    def _drain(self):
+        """Wait for every round in flight and load the final weights (identical on all ranks)."""
+        final = self.engine.finish()
+        if final is not None:
+            self.flat_vars.assign_numpy(final)
+
     @staticmethod
     def _broadcast_weights(hvd, model):
         """One fused broadcast of every model variable (trainable or not) from rank 0."""

@@ -1,0 +1,114 @@
+"""The round exchange and the control path, in one process (no Horovod)."""
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from tfsync.engine.control import ControlClient, ControlServer
+from tfsync.engine.exchange import RoundExchange
+
+
+def _exchange(fn=None, rank=1, size=3):
+    return RoundExchange(fn or (lambda buf: buf * 2), rank=rank, size=size, t0=100.0)
+
+
+def test_rounds_complete_in_order_with_metadata():
+    ex = _exchange()
+    for r in range(5):
+        ex.submit(r, np.full(4, r, np.float32), push_time=100.0 + r + 0.123456789, compute_s=0.5)
+    assert ex.wait(4, timeout_s=5)
+    res = ex.pop(3)
+    assert res.round == 3 and ex.completed == 4
+    np.testing.assert_array_equal(res.total, np.full(4, 6.0))  # the fake allreduce doubles
+    assert res.present.tolist() == [0.0, 2.0, 0.0]  # only this rank's row is filled
+    assert res.steps[1] == 6.0
+    # the float32 hi/lo pair keeps a float64 timestamp
+    assert res.push_times[1] / 2 == pytest.approx(103.123456789, abs=1e-6)
+    ex.close()
+
+
+def test_wait_times_out_and_errors_reach_the_waiter():
+    gate = threading.Event()
+    ex = _exchange(lambda buf: (gate.wait(), buf)[1])
+    ex.submit(0, np.zeros(2, np.float32), 0.0, 0.0)
+    assert ex.wait(0, timeout_s=0.2) is False
+    gate.set()
+    assert ex.wait(0, timeout_s=5)
+    ex.close()
+
+    def broken(buf):
+        raise ConnectionResetError("peer gone")
+
+    ex = _exchange(broken)
+    ex.submit(0, np.zeros(2, np.float32), 0.0, 0.0)
+    with pytest.raises(ConnectionResetError, match="peer gone"):
+        ex.wait(0, timeout_s=5)
+
+
+def test_calls_run_after_queued_rounds_on_the_same_thread():
+    seen = []
+    ex = _exchange(lambda buf: (seen.append(("round", threading.current_thread().name)), buf)[1])
+    ex.submit(0, np.zeros(1, np.float32), 0.0, 0.0)
+    name = ex.call(lambda: threading.current_thread().name, timeout_s=5)
+    assert seen == [("round", name)] and name == "tfsync-exchange"
+    ex.close()
+
+
+@pytest.fixture
+def control():
+    server = ControlServer(size=3, t0=time.time())
+    clients = [ControlClient(f"localhost:{server.port}", r) for r in range(3)]
+    yield server, clients
+    for c in clients:
+        if not c._closing:
+            c.close()
+    server.stop()
+
+
+def test_control_path_reports_clocks_quickly(control):
+    server, clients = control
+    clients[2].report(7, min_interval_s=0)
+    deadline = time.time() + 5
+    while clients[0].table()["clocks"][2] != 7 and time.time() < deadline:
+        time.sleep(0.01)
+    start = time.perf_counter()
+    for _ in range(20):
+        table = clients[0].table()
+    per_query_ms = (time.perf_counter() - start) / 20 * 1e3
+    print(f"control path: {per_query_ms:.2f} ms per table query")
+    assert table["clocks"] == [-1, -1, 7] and table["lost"] == []
+
+
+def test_a_worker_that_vanishes_is_named_to_every_other(control):
+    server, clients = control
+    victim = clients[1]
+    victim._closing = True
+    victim._stream.cancel()  # connection gone without a Leave: a crash, as seen by rank 0
+    deadline = time.time() + 5
+    while not clients[2].known_lost and time.time() < deadline:
+        time.sleep(0.01)
+    assert [d["rank"] for d in clients[2].known_lost] == [1]
+    assert [d["rank"] for d in clients[0].table()["lost"]] == [1]
+
+
+def test_a_worker_that_leaves_is_not_lost_and_stop_reasons_are_pushed(control):
+    server, clients = control
+    clients[1].close()
+    clients[2].announce_stop("SyncTimeoutError", "waited too long for rank 0")
+    deadline = time.time() + 5
+    while not clients[0].known_stopped and time.time() < deadline:
+        time.sleep(0.01)
+    assert clients[0].known_stopped[0]["message"] == "waited too long for rank 0"
+    assert clients[0].table()["lost"] == []
+
+
+def test_unreachable_control_host_reads_as_rank_0_lost():
+    server = ControlServer(size=2, t0=0.0)
+    client = ControlClient(f"localhost:{server.port}", 1)
+    server.stop()
+    deadline = time.time() + 5
+    while client.host_lost is None and time.time() < deadline:
+        time.sleep(0.01)
+    assert client.table(timeout_s=0.5)["lost"][0]["rank"] == 0
+    client.close()
