@@ -423,6 +423,7 @@ class DelayCompensateAdaptiveOp : public OpKernel {
       tensorflow::AllocatorAttributes attr;
       attr.set_gpu_compatible(true);
       OP_REQUIRES_OK(ctx, ctx->allocate_temp(v->dtype(), v->shape(), &copy, attr));
+      if (std::is_same<Device, CPUDevice>::value) AdviseHugePages(copy.data(), copy.TotalBytes());
       DelayCompensateAdaptiveImpl<Device, T>::Copy(ctx, *v, &copy);
       *v = copy;
     }
