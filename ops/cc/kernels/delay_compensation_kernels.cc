@@ -6,17 +6,18 @@
 // The op definitions are in ops/cc/ops/tfsync_ops.cc.
 //
 // Each is one fused pass over contiguous memory (3 reads + 1 write, or 4 reads + 2
-// writes with the state): the op is memory-bound, so the only things that matter
-// are touching each byte once, writing into the gradient's buffer when TensorFlow
-// lets us (forward_input), vectorized loops (__restrict__; SSE2 intrinsics where a sqrt blocks GCC), and
-// one large block per thread.
+// writes with the state): the op is memory-bound, so what matters is touching each
+// byte once, writing into the gradient's buffer when TensorFlow lets us
+// (forward_input) or else into the kernel's released previous output, vector loops
+// (__restrict__ scalar loops for half/bfloat16, SSE2 intrinsics for float/double
+// since a sqrt blocks GCC's vectorizer), and one large block per thread.
 #define EIGEN_USE_THREADS
 #if GOOGLE_CUDA
 #define EIGEN_USE_GPU
 #endif
 
-#include <cmath>
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -157,7 +158,7 @@ struct Sse<double> {
 // buffer: that skips reading each destination line before overwriting it, a fifth
 // of the memory traffic. Never for a line the loop has just read (the gradient's
 // buffer when forwarded, the state v): a streaming store to a cached line forces
-// its eviction, and measured 3-5x slower here.
+// its eviction, and was 3-5x slower in a microbenchmark here.
 constexpr int64_t kStreamMinBytes = int64_t{8} << 20;
 
 template <typename S, bool kStream, typename T>
