@@ -497,7 +497,7 @@ class ImplementationSwitchTest(tf.test.TestCase):
             _loader._load(directory)
 
     def test_compiled_library_loads_and_registers_all_ops(self):
-        library = _loader.load_library()
+        library = ops.load_library()  # public: `make install` calls it to check the build
         self.assertIs(_loader.load_library(), library)  # loaded once
         for op_name in _loader.OP_NAMES:
             # "TfSync>DelayCompensateAdaptive" -> tf_sync_delay_compensate_adaptive

@@ -21,7 +21,7 @@ import collections
 
 import tensorflow as tf
 
-from tfsync.ops._loader import OpLibraryError
+from tfsync.ops._loader import OpLibraryError, load_library
 from tfsync.ops._select import get_implementation, set_implementation, backend as _backend
 
 __all__ = [
@@ -31,6 +31,7 @@ __all__ = [
     "delay_compensate",
     "delay_compensate_adaptive",
     "get_implementation",
+    "load_library",
     "mask_stale",
     "partial_aggregate",
     "set_implementation",
