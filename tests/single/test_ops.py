@@ -507,3 +507,31 @@ class ImplementationSwitchTest(tf.test.TestCase):
 
 if __name__ == "__main__":
     tf.test.main()
+
+
+class BenchmarkTest(tf.test.TestCase):
+    """`python -m tfsync.bench ops` at a tiny size, so the benchmark cannot rot."""
+
+    test_session = None
+
+    def test_tiny_run_writes_records(self):
+        from tfsync.bench import ops as bench_ops
+
+        path = os.path.join(tempfile.mkdtemp(prefix="tfsync_bench_"), "ops.json")
+        self.addCleanup(shutil.rmtree, os.path.dirname(path))
+        previous = ops.get_implementation()
+        self.addCleanup(ops.set_implementation, previous)
+        self.assertEqual(bench_ops.main(["--sizes", "1K", "--repeats", "1", "--warmup", "0",
+                                         "--json", path]), 0)
+        with open(path) as f:
+            records = json.load(f)
+        seen = {(r["op"], r["impl"]) for r in records}
+        for op in ("delay_compensate", "delay_compensate_adaptive", "partial_aggregate",
+                   "mask_stale(stale)"):
+            for impl in ("fused", "composed_eager", "composed_xla", "fused_result_held"):
+                self.assertIn((op, impl), seen)
+        self.assertIn(("copy", "numpy_copyto"), seen)
+        for r in records:
+            self.assertEqual(r["elements"], 1024)
+            self.assertGreater(r["seconds"], 0)
+            self.assertAlmostEqual(r["gbytes_per_s"], r["bytes"] / r["seconds"] / 1e9)

@@ -19,10 +19,13 @@ float32) and have no gradient. See ``docs/ops.md``.
 """
 import collections
 
-import tensorflow as tf
+# First, so that a bad TFSYNC_OPS_IMPL fails before TensorFlow is loaded.
+from tfsync.ops._select import backend as _backend
+from tfsync.ops._select import get_implementation, set_implementation
 
-from tfsync.ops._loader import OpLibraryError, load_library
-from tfsync.ops._select import get_implementation, set_implementation, backend as _backend
+import tensorflow as tf  # noqa: E402
+
+from tfsync.ops._loader import OpLibraryError, load_library  # noqa: E402
 
 __all__ = [
     "MaskStaleResult",
