@@ -132,7 +132,7 @@ def mask_stale(tensor, timestamp, step, max_staleness=0, name=None):
     Fresh means ``step - max_staleness <= timestamp <= step``. Summing both outputs
     over workers (``hvd.allreduce(..., op=hvd.Sum)``), ``sum(masked) / sum(weight)``
     is the mean of the accepted contributions and ``sum(weight)`` is their count ``d``.
-    A fresh tensor is returned without copying.
+    The compiled op returns a fresh tensor without copying it.
 
     Args:
       tensor: float tensor, any shape.
