@@ -1,0 +1,70 @@
+"""The digits example with the tf.distribute route: ``tfsync.distribute.SyncStrategy``.
+
+    horovodrun -np 4 -H localhost:4 --gloo python keras_examples/digits_strategy.py --mode ssp
+
+Build and compile the model inside ``strategy.scope()`` (variables then start
+from rank 0's values on every worker); ``fit`` needs no tfsync callback.
+Call ``strategy.finish()`` after ``fit`` so every replica holds the same final
+weights before saving.
+"""
+import argparse
+import sys
+import time
+
+import numpy as np
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--mode", default="bsp", choices=["bsp", "ssp"])
+    p.add_argument("--staleness", type=int, default=3)
+    p.add_argument("--epochs", type=int, default=12)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--stragglers", default=None, help="e.g. 'base=0.02,slow=3:0.04'")
+    # plain SGD: momentum compounds with staleness (asynchrony acts as extra momentum)
+    p.add_argument("--lr", type=float, default=0.2)
+    p.add_argument("--momentum", type=float, default=0.0)
+    args = p.parse_args(argv)
+
+    import horovod.tensorflow as hvd
+    import tensorflow as tf
+
+    hvd.init()
+    gpus = tf.config.list_physical_devices("GPU")
+    if gpus:
+        tf.config.set_visible_devices(gpus[hvd.local_rank()], "GPU")
+    import keras
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    import tfsync
+    from tfsync.launch import print_result
+
+    x, y = load_digits(return_X_y=True)
+    x = (x / 16.0).astype("float32")
+    x_train, x_test, y_train, y_test = train_test_split(x, y, test_size=0.2, random_state=0, stratify=y)
+    x_local, y_local = tfsync.shard(x_train, y_train, batch_size=args.batch_size)
+
+    mode = tfsync.SSP(staleness=args.staleness) if args.mode == "ssp" else tfsync.BSP()
+    stragglers = tfsync.Stragglers.parse(args.stragglers) if args.stragglers else None
+    strategy = tfsync.distribute.SyncStrategy(mode=mode, stragglers=stragglers)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(64, activation="relu"),
+                                  keras.layers.Dense(10, activation="softmax")])
+        model.compile(optimizer=keras.optimizers.SGD(args.lr, momentum=args.momentum),
+                      loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    start = time.time()
+    model.fit(x_local, y_local, batch_size=args.batch_size, epochs=args.epochs, verbose=0)
+    strategy.finish()
+    wall_s = time.time() - start
+    accuracy = float(model.evaluate(x_test, y_test, verbose=0)[1])
+    checksum = float(sum(np.sum(w.astype(np.float64)) for w in model.get_weights()))
+    identical = len(set(hvd.allgather_object(checksum))) == 1
+    if hvd.rank() == 0:
+        print_result({"mode": args.mode, "final_accuracy": accuracy, "replicas_identical": identical,
+                      "samples_per_s": len(x_local) * args.epochs * hvd.size() / wall_s})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

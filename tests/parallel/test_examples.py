@@ -1,0 +1,56 @@
+"""The launch scripts, examples, demo and benchmark run as a user runs them (small sizes)."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.parallel.launch import ROOT
+
+pytestmark = pytest.mark.parallel
+
+
+def run(cmd, timeout_s=300, env=None):
+    full_env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2", PYTHON=sys.executable,
+                    **(env or {}))
+    proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True,
+                          timeout=timeout_s)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"{cmd} failed:\n{out[-6000:]}"
+    return out
+
+
+def result_of(out):
+    lines = [l for l in out.splitlines() if "TFSYNC_RESULT " in l]
+    assert lines, out[-4000:]
+    return json.loads(lines[-1].split("TFSYNC_RESULT ", 1)[1])
+
+
+@pytest.mark.parametrize("script,epochs", [
+    ("bsp.sh", 12), ("ssp.sh", 12), ("strategy_bsp.sh", 12), ("strategy_ssp.sh", 12)])
+def test_digits_reaches_90_percent_on_4_workers(script, epochs):
+    res = result_of(run(["bash", os.path.join(ROOT, "horovodrun_scripts", script), "--epochs", str(epochs)]))
+    assert res["final_accuracy"] >= 0.90, res
+    assert res["replicas_identical"], res
+
+
+def test_demo_prints_the_comparison_table(tmp_path):
+    out = run([sys.executable, "-m", "tfsync.demo", "--workers", "2", "--epochs", "2",
+               "--stragglers", "base=0.005,slow=1:0.01", "--json", str(tmp_path / "demo.json")])
+    assert "| mode | samples/s | wait fraction |" in out and "| bsp |" in out and "| ssp(s=3) |" in out
+    rows = json.loads((tmp_path / "demo.json").read_text())
+    assert [r["mode"] for r in rows] == ["bsp", "ssp(s=3)"]
+    assert all(r["samples_per_s"] > 0 and 0 <= r["wait_fraction"] < 1 for r in rows)
+
+
+def test_training_benchmark_writes_records(tmp_path):
+    path = tmp_path / "bench.json"
+    out = run([sys.executable, "-m", "tfsync.bench", "--quick", "--scenarios", "straggler",
+               "--json", str(path)])
+    records = json.loads(path.read_text())
+    assert [r["mode"] for r in records] == ["plain Horovod BSP", "tfsync BSP", "tfsync SSP(s=3)"]
+    for r in records:
+        assert {"mode", "scenario", "samples_per_s", "wait_fraction"} <= set(r) and r["samples_per_s"] > 0
+    assert records[0]["wait_fraction"] is None and 0 <= records[1]["wait_fraction"] < 1
+    assert "| straggler | tfsync BSP |" in out
