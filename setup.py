@@ -61,7 +61,17 @@ class BuildExt(build_ext):
         # tf.load_op_library takes a path; give the library a plain, stable name.
         if fullname == OPS_EXT_NAME:
             return os.path.join(*fullname.split(".")) + ".so"
+        if fullname == OPS_EXT_NAME.rsplit(".", 1)[1]:  # the in-place / editable copy asks by leaf name
+            return fullname + ".so"
         return super().get_ext_filename(fullname)
+
+    def copy_extensions_to_source(self):
+        super().copy_extensions_to_source()
+        # the build info lives next to the library; editable installs must see it too
+        package_dir = self.get_finalized_command("build_py").get_package_dir("tfsync.ops")
+        built = os.path.join(self.build_lib, "tfsync", "ops", "_build_info.json")
+        if os.path.exists(built):
+            shutil.copyfile(built, os.path.join(package_dir, "_build_info.json"))
 
     def build_extension(self, ext):
         if isinstance(ext, TensorFlowOpExtension):
