@@ -14,11 +14,11 @@ RESULT_PREFIX = "TFSYNC_RESULT "
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def horovodrun(script, args=(), workers=4, timeout_s=600, env=None):
-    """Run ``script`` on ``workers`` local processes; return rank 0's result dict.
+def run_local_job(script, args=(), workers=4, timeout_s=600, env=None):
+    """Run ``script`` on ``workers`` local processes; return ``(exit_code, output)``.
 
-    Raises ``RuntimeError`` with the tail of the output when the job fails or
-    runs past ``timeout_s`` (the whole process group is killed then).
+    Past ``timeout_s`` the whole process group is killed and ``TimeoutError``
+    raised with the tail of the output: no launch can hang its caller.
     """
     if shutil.which("horovodrun") is None:
         raise RuntimeError("horovodrun is not on PATH; install Horovod with `make install`")
@@ -29,17 +29,27 @@ def horovodrun(script, args=(), workers=4, timeout_s=600, env=None):
                      "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONUNBUFFERED": "1"})
     full_env.update(env or {})
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=full_env, start_new_session=True)
+                            env=full_env, cwd=REPO_ROOT, start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
-        raise RuntimeError(f"{' '.join(cmd)} ran past {timeout_s} s; output tail:\n{out[-4000:]}")
+        raise TimeoutError(f"{' '.join(cmd)} ran past {timeout_s} s; output tail:\n{out[-6000:]}")
+    return proc.returncode, out
+
+
+def horovodrun(script, args=(), workers=4, timeout_s=600, env=None):
+    """Run ``script`` on ``workers`` local processes; return rank 0's result dict.
+
+    Raises ``RuntimeError`` with the tail of the output when the job fails.
+    """
+    code, out = run_local_job(script, args, workers, timeout_s, env)
     results = [json.loads(line.split(RESULT_PREFIX, 1)[1]) for line in out.splitlines()
                if RESULT_PREFIX in line]
-    if proc.returncode != 0 or not results:
-        raise RuntimeError(f"{' '.join(cmd)} failed (exit {proc.returncode}); output tail:\n{out[-4000:]}")
+    if code != 0 or not results:
+        raise RuntimeError(f"{script} on {workers} workers failed (exit {code}); "
+                           f"output tail:\n{out[-4000:]}")
     return results[-1]
 
 

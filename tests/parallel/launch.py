@@ -1,38 +1,25 @@
-"""Launch a worker script under ``horovodrun --gloo`` with a hard time limit.
+"""Launch a worker script of ``tests/parallel/workers`` under ``horovodrun --gloo``.
 
-Every parallel test goes through :func:`run_workers`, so no launch can hang
-the suite: past ``timeout_s`` the whole process group is killed and the test
-fails with the output so far.
+Every parallel test goes through :func:`run_workers`, which uses the same
+bounded launcher as the benchmarks (:func:`tfsync.launch.run_local_job`): past
+``timeout_s`` the whole process group is killed and the test fails with the
+output so far, so no launch can hang the suite.
 """
 import json
 import os
-import signal
-import subprocess
-import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tfsync.launch import REPO_ROOT as ROOT
+from tfsync.launch import run_local_job
+
 WORKERS = os.path.join(ROOT, "tests", "parallel", "workers")
 
 
 def run_workers(script, np_, args=(), timeout_s=180, env=None, expect_success=True):
-    cmd = ["horovodrun", "-np", str(np_), "-H", f"localhost:{np_}", "--gloo",
-           sys.executable, os.path.join(WORKERS, script), *map(str, args)]
-    full_env = dict(os.environ)
-    full_env.update({"PYTHONPATH": ROOT + os.pathsep + full_env.get("PYTHONPATH", ""),
-                     "TF_CPP_MIN_LOG_LEVEL": "2", "HOROVOD_GLOO_TIMEOUT_SECONDS": "30",
-                     "PYTHONUNBUFFERED": "1"})
-    full_env.update(env or {})
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=full_env, cwd=ROOT, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        raise AssertionError(f"{script} (np={np_}) did not finish within {timeout_s} s:\n{out[-6000:]}")
-    if expect_success and proc.returncode != 0:
-        raise AssertionError(f"{script} (np={np_}) failed with exit code {proc.returncode}:\n{out[-8000:]}")
-    return proc.returncode, out
+    code, out = run_local_job(os.path.join(WORKERS, script), args, workers=np_, timeout_s=timeout_s,
+                              env={"HOROVOD_GLOO_TIMEOUT_SECONDS": "30", **(env or {})})
+    if expect_success and code != 0:
+        raise AssertionError(f"{script} (np={np_}) failed with exit code {code}:\n{out[-8000:]}")
+    return code, out
 
 
 def read_results(directory):
