@@ -278,11 +278,14 @@ def summarize(trace, start_step=None, end_step=None) -> dict:
         ``wait_s`` (sum of t_end - t_push, plus the final wait),
         ``wait_fraction`` (wait / (compute + wait), 0 when both are 0),
         ``max_staleness`` (largest staleness among applied contributions).
-        Overall: the same sums over all ranks and ``max_clock_gap``: at each
-        step's t_end a worker starts step ``step + 1``; for every other
-        worker, the last step it had pushed by then (t_push <= t_end, -1 if
-        none) gives a gap ``step + 1 - that``; the maximum over all steps and
-        peers (``max_clock_gap_at`` says where; None for a one-worker job).
+        Overall: the same sums over all ranks and ``max_clock_gap``, in SSP's
+        sense (a worker's clock is the number of steps it has pushed, so SSP(s)
+        keeps it <= s and BSP at 0): at each step's t_end a worker moves to
+        clock ``step + 1``; every other worker, having pushed through step
+        ``last`` by then (t_push <= t_end, -1 if none), is at clock
+        ``last + 1``; the gap is the difference, ``step - last``, maximized
+        over all steps and peers (``max_clock_gap_at`` says where; None for a
+        one-worker job).
     """
     selected = _select(trace, start_step, end_step)
     # Push history of every rank over the whole trace, so gaps at the range's edges are right.
@@ -304,7 +307,7 @@ def summarize(trace, start_step=None, end_step=None) -> dict:
                     continue
                 index = bisect.bisect_right(push_times, rec["t_end"])
                 last_pushed = push_steps[index - 1] if index else -1
-                gap = rec["step"] + 1 - last_pushed
+                gap = rec["step"] - last_pushed
                 if max_gap is None or gap > max_gap:
                     max_gap = gap
                     max_gap_at = {"rank": rank, "step": rec["step"] + 1, "peer": peer,
@@ -336,7 +339,8 @@ def format_summary(summary) -> str:
     at = overall["max_clock_gap_at"]
     where = (f" (rank {at['rank']} starting step {at['step']} at t={at['t']:.3f}s while rank {at['peer']} "
              f"had pushed through step {at['peer_last_pushed']})" if at else "")
-    lines.append(f"max clock gap between ranks: {overall['max_clock_gap']} steps{where}")
+    gap = overall["max_clock_gap"]
+    lines.append(f"max clock gap between ranks: {gap} step{'' if gap == 1 else 's'}{where}")
     return "\n".join(lines)
 
 

@@ -48,6 +48,15 @@ def test_gap_bound_is_reached_under_delays(run):
     assert applied_lag == STALENESS
 
 
+def test_timeline_reads_the_engine_trace_and_sees_the_bound(run):
+    from tfsync import timeline
+
+    out, _, _ = run
+    summary = timeline.summarize(timeline.load_trace(os.path.join(out, "trace")))
+    assert summary["overall"]["max_clock_gap"] == STALENESS, summary["overall"]
+    assert summary["overall"]["max_staleness"] <= STALENESS
+
+
 def test_each_step_sees_old_rounds_of_all_and_all_of_its_own(run):
     _, results, _ = run
     for rank, res in results.items():

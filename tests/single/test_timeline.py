@@ -105,9 +105,9 @@ def test_summarize_ssp_with_a_straggler(ssp_dir):
     assert overall["compute_s"] == 40.0 and overall["wait_s"] == 20.0
     assert overall["wait_fraction"] == pytest.approx(1 / 3)
     assert overall["max_staleness"] == 1
-    # A fast rank starts step n + 1 when the straggler has pushed only step n - 1: gap 2 = staleness + 1.
+    # A fast rank starts step n + 1 when the straggler has pushed only step n - 1: gap 1 = staleness.
     # The first time: rank 0 starts step 1 at t = 1, rank 2 has pushed nothing yet (-1).
-    assert overall["max_clock_gap"] == 2
+    assert overall["max_clock_gap"] == 1
     assert overall["max_clock_gap_at"] == {"rank": 0, "step": 1, "peer": 2, "peer_last_pushed": -1, "t": 1.0}
 
 
@@ -118,7 +118,7 @@ def test_summarize_bsp(tmp_path):
     assert summary["mode"] == "BSP"
     assert [summary["ranks"][r]["wait_fraction"] for r in range(3)] == [0.5, 0.5, 0.0]
     assert [summary["ranks"][r]["wait_s"] for r in range(3)] == [6.0, 6.0, 0.0]
-    assert summary["overall"]["max_clock_gap"] == 1
+    assert summary["overall"]["max_clock_gap"] == 0
     assert summary["overall"]["max_staleness"] == 0
 
 
@@ -128,8 +128,8 @@ def test_summarize_balanced_workers_have_no_wait(tmp_path):
     for rank in (0, 1):
         assert summary["ranks"][rank]["wait_s"] == 0.0
         assert summary["ranks"][rank]["wait_fraction"] == 0.0
-    # Both push step n at the same instant they start step n + 1: gap 1.
-    assert summary["overall"]["max_clock_gap"] == 1
+    # Both push step n at the same instant they start step n + 1: equal clocks.
+    assert summary["overall"]["max_clock_gap"] == 0
 
 
 def test_summarize_step_range(ssp_dir):
@@ -140,7 +140,7 @@ def test_summarize_step_range(ssp_dir):
                                    "max_staleness": 1}
     assert summary["ranks"][2]["steps"] == 4 and summary["ranks"][2]["compute_s"] == 8.0
     # Pushes before the range still count, so the gap is not inflated at its edge.
-    assert timeline.summarize(trace, start_step=7)["overall"]["max_clock_gap"] == 2
+    assert timeline.summarize(trace, start_step=7)["overall"]["max_clock_gap"] == 1
     only_first = timeline.summarize(trace, end_step=0)
     assert only_first["overall"]["steps"] == 3
     assert only_first["ranks"][0]["wait_s"] == 0.0
@@ -162,7 +162,7 @@ def test_format_summary_table(ssp_dir):
     text = timeline.format_summary(timeline.summarize(timeline.load_trace(ssp_dir)))
     assert "mode: SSP (staleness=1), 3 workers" in text
     assert " 50.0%" in text and "  0.0%" in text
-    assert "max clock gap between ranks: 2 steps" in text
+    assert "max clock gap between ranks: 1 step " in text
 
 
 # ---------------------------------------------------------------------------- plot
@@ -176,7 +176,7 @@ def _read_png(path):
 def test_plot_timeline_writes_a_png(ssp_dir, tmp_path):
     out = tmp_path / "timeline.png"
     summary = timeline.plot_timeline(timeline.load_trace(ssp_dir), out, title="straggler")
-    assert summary["overall"]["max_clock_gap"] == 2
+    assert summary["overall"]["max_clock_gap"] == 1
     pixels = _read_png(out)
     height, width, channels = pixels.shape
     assert 600 <= width <= 3000 and 150 <= height <= 2000 and channels in (3, 4)
@@ -328,8 +328,8 @@ def test_rank_file_without_steps_is_valid(tmp_path):
     trace = timeline.load_trace(directory)
     summary = timeline.summarize(trace)
     assert summary["ranks"][2]["steps"] == 0 and summary["ranks"][2]["wait_fraction"] == 0.0
-    # Ranks 0 and 1 start step 3 at the end of step 2 while rank 2 never pushed: gap 3 - (-1).
-    assert summary["overall"]["max_clock_gap"] == 4
+    # Ranks 0 and 1 move to clock 3 at the end of step 2 while rank 2 never pushed (clock 0).
+    assert summary["overall"]["max_clock_gap"] == 3
     timeline.plot_timeline(trace, tmp_path / "t.png")
 
 
@@ -345,7 +345,7 @@ def test_cli_writes_png_and_prints_summary(ssp_dir, tmp_path):
     result = _run_cli(ssp_dir, "-o", out, "--title", "three workers, one slow")
     assert result.returncode == 0, result.stderr
     assert "mode: SSP (staleness=1), 3 workers" in result.stdout
-    assert "max clock gap between ranks: 2 steps" in result.stdout
+    assert "max clock gap between ranks: 1 step " in result.stdout
     assert f"wrote {out}" in result.stdout
     _read_png(out)
 

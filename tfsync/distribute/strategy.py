@@ -62,10 +62,9 @@ class SyncStrategy(tf.distribute.OneDeviceStrategy):
         if device is None:
             gpus = tf.config.list_logical_devices("GPU")
             device = gpus[hvd.local_rank() % len(gpus)].name if gpus else "/cpu:0"
-        super().__init__(device)
-        self.extended.__class__ = _SyncExtended
-        self.extended._tfsync_init(resolve(mode), dict(
-            stragglers=stragglers, trace_dir=trace_dir, wait_timeout_s=wait_timeout_s))
+        # OneDeviceStrategy.__init__ would build a plain OneDeviceExtended; build ours.
+        tf.distribute.Strategy.__init__(self, _SyncExtended(self, device, resolve(mode), dict(
+            stragglers=stragglers, trace_dir=trace_dir, wait_timeout_s=wait_timeout_s)))
 
     @property
     def engine(self):
@@ -78,7 +77,8 @@ class SyncStrategy(tf.distribute.OneDeviceStrategy):
 
 
 class _SyncExtended(one_device_strategy.OneDeviceExtended):
-    def _tfsync_init(self, policy, engine_args):
+    def __init__(self, container_strategy, device, policy, engine_args):
+        super().__init__(container_strategy, device)
         SyncEngine(policy, **engine_args)  # validate the arguments now
         self._policy, self._engine_args = policy, engine_args
         self._engine = None

@@ -137,6 +137,7 @@ class ControlClient:
         self.host_lost = None
         self.known_lost = []
         self.known_stopped = []
+        self._last_table = {"clocks": [], "last_seen_s": [], "lost": []}
         self._inflight = None
         self._last_report = float("-inf")
         attach = self._channel.unary_stream(
@@ -190,14 +191,15 @@ class ControlClient:
         """Live clocks and lost ranks.
 
         When rank 0 (the control host) is unreachable, the losses it pushed
-        before are reported, or else rank 0 itself.
+        before are reported, or else rank 0 itself, with the last clocks read.
         """
         if self.host_lost is None:
             try:
-                return self._table({}, timeout=timeout_s)
+                self._last_table = self._table({}, timeout=timeout_s)
+                return self._last_table
             except grpc.RpcError:
                 pass
-        return {"clocks": [], "last_seen_s": [], "lost": self.known_lost or [
+        return {**self._last_table, "lost": self.known_lost or [
             {"rank": 0, "clock": None, "reason": "rank 0 (the control host) is unreachable"}]}
 
     def close(self):

@@ -243,6 +243,9 @@ class SyncEngine:
                 raise self._stop(self._lost_error(round_, exc)) from exc
             if done:
                 return
+            # waiting for over a second: make sure rank 0's clock table shows this
+            # rank's last push, so a timeout names only the ranks really behind
+            self.control.report(self.step, min_interval_s=0.0)
             peer_stop = self._peer_stop()
             if peer_stop is not None:
                 raise peer_stop
@@ -250,13 +253,23 @@ class SyncEngine:
             if lost:
                 raise self._stop(self._lost_error(round_, None, lost))
             if time.monotonic() >= deadline:
-                clocks = self.control.table(timeout_s=1.0).get("clocks") or []
-                behind = [r for r, c in enumerate(clocks) if c < round_]
+                peer_stop = self._peer_stop()
+                if peer_stop is not None:
+                    raise peer_stop
                 raise self._stop(SyncTimeoutError(
                     f"tfsync: rank {self.rank} waited {self.wait_timeout_s:.0f} s for round {round_} "
-                    f"(mode {self.policy.name}); ranks {behind or 'unknown'} have not pushed it "
-                    f"(last pushed steps per rank: {clocks}). A worker is hung or far slower than "
-                    f"the others; raise wait_timeout_s (or {WAIT_TIMEOUT_ENV}) if that is expected"))
+                    f"(mode {self.policy.name}); {self._behind(round_)}. A worker is hung or far "
+                    f"slower than the others; raise wait_timeout_s (or {WAIT_TIMEOUT_ENV}) if that "
+                    f"is expected"))
+
+    def _behind(self, round_):
+        """Which ranks have not pushed ``round_``, from rank 0's (or the last known) clock table."""
+        clocks = [int(c) for c in self.control.table(timeout_s=1.0).get("clocks") or []]
+        behind = [r for r, c in enumerate(clocks) if c < round_]
+        if not clocks:
+            return "no clock table was available to say which rank is behind"
+        return (f"ranks {behind} have not pushed it (last pushed step per rank, as reported at "
+                f"most 1 s ago: {clocks})")
 
     def _stop(self, error):
         self.control.announce_stop(type(error).__name__, str(error))
@@ -287,7 +300,8 @@ class SyncEngine:
                               + ")" for d in lost)
             return WorkerLostError(
                 f"tfsync: lost {names} while rank {self.rank} waited for round {round_}; "
-                f"stopping this worker too. Restart the job (from a checkpoint, if you keep one)")
+                f"{self._behind(round_)}. Stopping this worker too; restart the job (from a "
+                f"checkpoint, if you keep one)")
         return WorkerLostError(
             f"tfsync: the collective for round {round_} failed on rank {self.rank} ({exc}); "
             "no peer was reported lost by the control path")
