@@ -45,6 +45,7 @@ class ControlServer:
         self._last_seen = [0.0] * size
         self._lost = {}
         self._stopped = {}
+        self._stops_sent = {}  # attached rank -> how many stop notices its stream has carried
         self._left = set()
         self._stopping = threading.Event()
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=size + 4))
@@ -71,12 +72,14 @@ class ControlServer:
                     self._lost.setdefault(rank, {
                         "rank": rank, "clock": self._clocks[rank],
                         "at_s": time.time() - self.t0, "reason": "its process or connection ended"})
+                self._stops_sent.pop(rank, None)
                 ended.set()
                 self._changed.notify_all()
 
         context.add_callback(on_end)
         with self._lock:
             self._last_seen[rank] = time.time() - self.t0
+            self._stops_sent[rank] = 0
         yield {"attached": rank}
         # Push every loss to every worker at once: if rank 0 goes down right after
         # (it stops too), the others still know whom they lost first.
@@ -90,7 +93,11 @@ class ControlServer:
                     return
                 told = (len(self._lost), len(self._stopped))
                 message = {"lost": list(self._lost.values()), "stopped": list(self._stopped.values())}
-            yield message
+            yield message  # resumes once gRPC has written it
+            with self._lock:
+                if rank in self._stops_sent:
+                    self._stops_sent[rank] = told[1]
+                self._changed.notify_all()
 
     def _report(self, request, context):
         rank = int(request["rank"])
@@ -105,9 +112,17 @@ class ControlServer:
         return {"ok": 1}
 
     def _stop(self, request, context):
+        # Answer only once every attached worker's stream has carried the notice (or
+        # after 2 s): the stopping rank may exit right after, and if it is rank 0 the
+        # others must already know why, not just that rank 0 vanished.
+        deadline = time.monotonic() + 2.0
         with self._lock:
             self._stopped.setdefault(int(request["rank"]), dict(request))
             self._changed.notify_all()
+            count = len(self._stopped)
+            while (any(n < count for n in self._stops_sent.values())
+                   and time.monotonic() < deadline and not self._stopping.is_set()):
+                self._changed.wait(0.05)
         return {"ok": 1}
 
     def _table(self, request, context):
@@ -183,7 +198,7 @@ class ControlClient:
         """Tell every worker (through rank 0) why this one stops, so they can say so too."""
         if self.host_lost is None:
             try:
-                self._stop({"rank": self.rank, "kind": kind, "message": message}, timeout=1.0)
+                self._stop({"rank": self.rank, "kind": kind, "message": message}, timeout=3.0)
             except grpc.RpcError:
                 pass
 

@@ -19,8 +19,10 @@ from inside the compiled train step (see :mod:`tfsync.engine.tf_bridge`):
   round (identical on every worker) and the pending shares are this worker's
   own updates whose rounds are still in flight (read-my-writes).
 
-Every applied contribution is counted (``applied``); contributions a policy
-rejects are counted as ``dropped``; both appear in the metrics and the trace.
+Every applied contribution is counted (``applied``) in the metrics and the
+trace, next to ``dropped``.  BSP and SSP accept every contribution (SSP bounds
+staleness by waiting, not by dropping), so ``dropped`` is 0 for them; it is
+the count for policies that drop stale contributions.
 """
 import contextlib
 import json
@@ -120,6 +122,7 @@ class SyncEngine:
             self._pending_sum = np.zeros_like(self._w_bar)
         self._delays = self.stragglers.for_rank(self.rank)
         self.step = 0
+        self._last_pushed = -1
         self._applied_through = -1
         self._trace = None
         if self.trace_dir:
@@ -214,6 +217,7 @@ class SyncEngine:
         t_start, step = self._t_step_start, self.step
         t_push = self._now()
         self.exchange.submit(step, np.asarray(payload, dtype=np.float32), t_push, t_push - t_start)
+        self._last_pushed = step
         self.control.report(step)
         return step, t_start, t_push
 
@@ -245,11 +249,13 @@ class SyncEngine:
                 return
             # waiting for over a second: make sure rank 0's clock table shows this
             # rank's last push, so a timeout names only the ranks really behind
-            self.control.report(self.step, min_interval_s=0.0)
-            peer_stop = self._peer_stop()
-            if peer_stop is not None:
-                raise peer_stop
+            self.control.report(self._last_pushed, min_interval_s=0.0)
             lost = self.control.known_lost or self.control.table(timeout_s=1.0).get("lost", [])
+            # checked after the table query: a peer that stopped (rank 0 included)
+            # told everyone why before it went, and that beats "rank 0 is unreachable"
+            peer_stop = self._peer_stop()
+            if peer_stop is not None and not self.control.known_lost:
+                raise peer_stop
             if lost:
                 raise self._stop(self._lost_error(round_, None, lost))
             if time.monotonic() >= deadline:
@@ -285,15 +291,15 @@ class SyncEngine:
 
     def _lost_error(self, round_, exc, lost=None):
         deadline = time.monotonic() + 5.0
-        while not lost and time.monotonic() < deadline:
-            lost = self.control.known_lost
-            if not lost:
-                peer_stop = self._peer_stop()
-                if peer_stop is not None:
-                    return peer_stop
-                lost = self.control.table(timeout_s=1.0).get("lost", [])
-            if not lost:
-                time.sleep(0.2)
+        while not self.control.known_lost and time.monotonic() < deadline:
+            lost = lost or self.control.table(timeout_s=1.0).get("lost", [])
+            peer_stop = self._peer_stop()
+            if peer_stop is not None and not self.control.known_lost:
+                return peer_stop
+            if lost:
+                break
+            time.sleep(0.2)
+        lost = self.control.known_lost or lost
         if lost:
             names = ", ".join(f"rank {int(d['rank'])} ({d['reason']}"
                               + (f", last pushed step {int(d['clock'])}" if d.get("clock") is not None else "")
