@@ -7,6 +7,7 @@ GPU would, even with four workers on two cores.
 import argparse
 import time
 
+import keras
 import numpy as np
 
 
@@ -23,8 +24,6 @@ def main():
     import horovod.tensorflow as hvd
 
     hvd.init()
-    import keras
-
     import tfsync
     from tfsync.bench.baseline import broadcast_model, use_horovod_allreduce
     from tfsync.launch import print_result
@@ -62,37 +61,33 @@ def main():
                       "wait_fraction": float(np.mean(wait)) if wait is not None else None})
 
 
-class SleepEachStep:
+class SleepEachStep(keras.callbacks.Callback):
     """The baseline's simulated device time (tfsync's engine sleeps inside the step)."""
 
-    def __new__(cls, delays):
-        import keras
+    def __init__(self, delays):
+        super().__init__()
+        self.delays = delays
 
-        class _Sleep(keras.callbacks.Callback):
-            def on_train_batch_begin(self, batch, logs=None):
-                delays.sleep()
-
-        return _Sleep()
+    def on_train_batch_begin(self, batch, logs=None):
+        self.delays.sleep()
 
 
-class Clock:
+class Clock(keras.callbacks.Callback):
     """Wall time from the end of the warm-up steps to the end of training."""
 
-    def __new__(cls, warmup_steps):
-        import keras
+    def __init__(self, warmup_steps):
+        super().__init__()
+        self.warmup_steps = warmup_steps
 
-        class _Clock(keras.callbacks.Callback):
-            def on_train_batch_begin(self, batch, logs=None):
-                if batch == warmup_steps:
-                    self.start = time.perf_counter()
+    def on_train_batch_begin(self, batch, logs=None):
+        if batch == self.warmup_steps:
+            self.start = time.perf_counter()
 
-            def on_train_end(self, logs=None):
-                self.end = time.perf_counter()
+    def on_train_end(self, logs=None):
+        self.end = time.perf_counter()
 
-            def elapsed_s(self):
-                return self.end - self.start
-
-        return _Clock()
+    def elapsed_s(self):
+        return self.end - self.start
 
 
 if __name__ == "__main__":

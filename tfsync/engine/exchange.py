@@ -36,7 +36,6 @@ class RoundResult:
     steps: np.ndarray  # [size] step each rank stamped its contribution with
     push_times: np.ndarray  # [size] float64 seconds since the job's t0
     compute_s: np.ndarray  # [size]
-    completed_at: float  # local time.time() - t0 when the sum arrived
 
     @property
     def contributors(self) -> int:
@@ -132,8 +131,7 @@ class RoundExchange:
             meta = summed[p:].reshape(self.size, _K).astype(np.float64)
             result = RoundResult(
                 round=round_, total=summed[:p], present=meta[:, 0], steps=meta[:, 1],
-                push_times=meta[:, 2] + meta[:, 3], compute_s=meta[:, 4],
-                completed_at=time.time() - self.t0)
+                push_times=meta[:, 2] + meta[:, 3], compute_s=meta[:, 4])
             with self._cond:
                 self._results[round_] = result
                 self._completed = round_
