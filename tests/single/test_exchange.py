@@ -8,48 +8,58 @@ import pytest
 from tfsync.engine.control import ControlClient, ControlServer
 from tfsync.engine.exchange import RoundExchange
 
+TOKEN = "t" * 32
+
+
+def _doubling(payload, meta):
+    """A fake two-rank allreduce where both ranks contributed the same."""
+    return [p * 2 for p in payload], meta * 2
+
 
 def _exchange(fn=None, rank=1, size=3):
-    return RoundExchange(fn or (lambda buf: buf * 2), rank=rank, size=size, t0=100.0)
+    return RoundExchange(fn or _doubling, rank=rank, size=size, t0=100.0)
 
 
 def test_rounds_complete_in_order_with_metadata():
     ex = _exchange()
     for r in range(5):
-        ex.submit(r, np.full(4, r, np.float32), push_time=100.0 + r + 0.123456789, compute_s=0.5)
+        ex.submit(r, [np.full(4, r, np.float32), np.full((2, 2), -r, np.float32)],
+                  push_time=100.0 + r + 0.123456789, compute_s=0.5)
     assert ex.wait(4, timeout_s=5)
     res = ex.pop(3)
     assert res.round == 3 and ex.completed == 4
-    np.testing.assert_array_equal(res.total, np.full(4, 6.0))  # the fake allreduce doubles
+    np.testing.assert_array_equal(res.total[0], np.full(4, 6.0))  # the fake allreduce doubles
+    np.testing.assert_array_equal(res.total[1], np.full((2, 2), -6.0))
+    np.testing.assert_array_equal(res.contribution[0], np.full(4, 3.0))  # this rank's own payload
     assert res.present.tolist() == [0.0, 2.0, 0.0]  # only this rank's row is filled
     assert res.steps[1] == 6.0
-    # the float32 hi/lo pair keeps a float64 timestamp
-    assert res.push_times[1] / 2 == pytest.approx(103.123456789, abs=1e-6)
+    assert res.push_times[1] / 2 == pytest.approx(103.123456789, abs=1e-9)  # float64 metadata
     ex.close()
 
 
 def test_wait_times_out_and_errors_reach_the_waiter():
     gate = threading.Event()
-    ex = _exchange(lambda buf: (gate.wait(), buf)[1])
-    ex.submit(0, np.zeros(2, np.float32), 0.0, 0.0)
+    ex = _exchange(lambda payload, meta: (gate.wait(), (payload, meta))[1])
+    ex.submit(0, [np.zeros(2, np.float32)], 0.0, 0.0)
     assert ex.wait(0, timeout_s=0.2) is False
     gate.set()
     assert ex.wait(0, timeout_s=5)
     ex.close()
 
-    def broken(buf):
+    def broken(payload, meta):
         raise ConnectionResetError("peer gone")
 
     ex = _exchange(broken)
-    ex.submit(0, np.zeros(2, np.float32), 0.0, 0.0)
+    ex.submit(0, [np.zeros(2, np.float32)], 0.0, 0.0)
     with pytest.raises(ConnectionResetError, match="peer gone"):
         ex.wait(0, timeout_s=5)
 
 
 def test_calls_run_after_queued_rounds_on_the_same_thread():
     seen = []
-    ex = _exchange(lambda buf: (seen.append(("round", threading.current_thread().name)), buf)[1])
-    ex.submit(0, np.zeros(1, np.float32), 0.0, 0.0)
+    ex = _exchange(lambda payload, meta: (seen.append(("round", threading.current_thread().name)),
+                                          (payload, meta))[1])
+    ex.submit(0, [np.zeros(1, np.float32)], 0.0, 0.0)
     name = ex.call(lambda: threading.current_thread().name, timeout_s=5)
     assert seen == [("round", name)] and name == "tfsync-exchange"
     ex.close()
@@ -57,8 +67,8 @@ def test_calls_run_after_queued_rounds_on_the_same_thread():
 
 @pytest.fixture
 def control():
-    server = ControlServer(size=3, t0=time.time())
-    clients = [ControlClient(f"localhost:{server.port}", r) for r in range(3)]
+    server = ControlServer(size=3, t0=time.time(), token=TOKEN)
+    clients = [ControlClient(f"localhost:{server.port}", r, TOKEN) for r in range(3)]
     yield server, clients
     for c in clients:
         if not c._closing:
@@ -104,8 +114,8 @@ def test_a_worker_that_leaves_is_not_lost_and_stop_reasons_are_pushed(control):
 
 
 def test_unreachable_control_host_reads_as_rank_0_lost():
-    server = ControlServer(size=2, t0=0.0)
-    client = ControlClient(f"localhost:{server.port}", 1)
+    server = ControlServer(size=2, t0=0.0, token=TOKEN)
+    client = ControlClient(f"localhost:{server.port}", 1, TOKEN)
     server.stop()
     deadline = time.time() + 5
     while client.host_lost is None and time.time() < deadline:

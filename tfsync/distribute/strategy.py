@@ -7,31 +7,32 @@ CPU), so Keras 3 sees and uses a real strategy.  Across processes:
 * variables created in its scope start from rank 0's initial values (one
   broadcast per variable at creation);
 * the gradient all-reduce Keras issues inside every train step
-  (``ReplicaContext.all_reduce``) becomes the engine's exchange: for
-  ``payload="gradients"`` modes (BSP) it returns the workers' mean gradient;
-  for ``payload="updates"`` modes (SSP) the local gradient is applied as is,
-  the variable updates are observed through ``extended.update`` and their
-  share is pushed, and the next step's weights are loaded;
+  (``ReplicaContext.all_reduce``) becomes the engine's exchange: with the
+  gradient protocol (BSP) it returns the workers' mean gradient; with the
+  update protocol (SSP) the local gradient is applied as is, the variables
+  the optimizer updates are observed through ``extended.update``, and after
+  the step the engine pushes their share and moves them to the next step's
+  weights;
 * the engine starts when the first train step is traced.
 
 A single-device strategy never calls its ``cross_device_ops`` under Keras 3
 fit, which is why the hooks sit on the replica all-reduce and the update
 path instead.
 
-With an ``"updates"`` mode, in-flight rounds are drained and every replica
+With an update-protocol mode, in-flight rounds are drained and every replica
 loads the identical final weights at :meth:`SyncStrategy.finish` and,
 automatically, before the first evaluation or prediction step that follows
 training.  Call ``finish()`` after ``fit`` before saving a model.
 """
 import threading
 
-import numpy as np
 import tensorflow as tf
 from tensorflow.python.distribute import one_device_strategy
 
 from tfsync import _horovod
 from tfsync.engine import SyncEngine
-from tfsync.engine.tf_bridge import FlatLayout, FlatVariables, exchange_gradients, push_updates
+from tfsync.engine.protocols import for_policy
+from tfsync.engine.tf_bridge import exchange_gradients, exchange_updates, finish_in_graph
 from tfsync.policies import resolve
 
 
@@ -81,8 +82,9 @@ class _SyncExtended(one_device_strategy.OneDeviceExtended):
         super().__init__(container_strategy, device)
         SyncEngine(policy, **engine_args)  # validate the arguments now
         self._policy, self._engine_args = policy, engine_args
+        self._reduces_gradients = for_policy(policy).reduces_gradients
         self._engine = None
-        self._flat_vars = None
+        self._variables = None
         self._var_count = 0
         self._local = threading.local()
 
@@ -115,12 +117,9 @@ class _SyncExtended(one_device_strategy.OneDeviceExtended):
                 flush = [] if step_kind == "train_step" else self._flush_before_non_training_step()
                 with tf.control_dependencies(flush):
                     out = super()._call_for_each_replica(fn, args, kwargs)
-                if state.training and self._policy.payload == "updates":
-                    variables = [v for v, _ in state.updates]
-                    self._ensure_flat(variables)
-                    before = self._flat_vars.flatten([b for _, b in state.updates])
-                    after = self._flat_vars.read()
-                    push_updates(self._engine, self._flat_vars, before, after, self._engine.size)
+                if state.training and not self._reduces_gradients:
+                    self._ensure_started(state.updates)
+                    exchange_updates(self._engine, self._variables)
             finally:
                 state.in_step = False
             return out
@@ -133,54 +132,41 @@ class _SyncExtended(one_device_strategy.OneDeviceExtended):
         if not state.__dict__.get("in_step") or reduce_op != tf.distribute.ReduceOp.SUM:
             return super()._batch_reduce_to(reduce_op, value_destination_pairs, options)
         state.training = True
-        if self._policy.payload == "gradients":
-            layout = FlatLayout(values)
+        if self._reduces_gradients:
             if self._engine is None:
-                self._start(layout)
-            return exchange_gradients(self._engine, layout, values)
+                self._start(values)
+            return exchange_gradients(self._engine, values)
         return values
 
     def _update(self, var, fn, args, kwargs, group):
         state = self._local
-        if state.__dict__.get("training") and self._policy.payload == "updates":
-            state.updates.append((var, tf.identity(var.read_value())))
+        if state.__dict__.get("training") and not self._reduces_gradients:
+            state.updates.append(var)
         return super()._update(var, fn, args, kwargs, group)
 
     # ------------------------------------------------------------------ engine
-    def _start(self, layout):
+    def _start(self, tensors):
         """Start the engine while the first train step is traced (collective)."""
         with tf.init_scope():
-            initial = layout.read_numpy() if isinstance(layout, FlatVariables) else None
-            self._flat_vars = layout
             self._engine = SyncEngine(self._policy, **self._engine_args)
-            self._engine.start(layout.size, initial_weights=initial,
-                               extra_config={"weights": [list(s) for s in layout.shapes]})
+            self._engine.start(tensors)
 
-    def _ensure_flat(self, variables):
+    def _ensure_started(self, variables):
         if self._engine is None:
-            self._start(FlatVariables(variables))
-        elif [id(v) for v in variables] != [id(v) for v in self._flat_vars.variables]:
+            self._variables = list(variables)
+            self._start(self._variables)
+        elif [id(v) for v in variables] != [id(v) for v in self._variables]:
             raise ValueError("tfsync.SyncStrategy: a train step updated other variables than the "
                              "first one did; tfsync needs one fixed set of trainable variables")
 
     def _flush_before_non_training_step(self):
-        if self._policy.payload != "updates" or self._engine is None:
+        if self._reduces_gradients or self._engine is None:
             return []
-        engine, flat_vars = self._engine, self._flat_vars
-
-        def flush():
-            final = engine.finish()
-            return final.astype(np.float32)
-
-        final = tf.numpy_function(flush, [], tf.float32, stateful=True, name="tfsync_flush")
-        final.set_shape([flat_vars.size])
-        return [flat_vars.assign(final)]
+        return [finish_in_graph(self._engine)]
 
     def _finish(self):
         if self._engine is None:
             return
-        final = self._engine.finish()
-        if final is not None:
-            self._flat_vars.assign_numpy(final)
+        self._engine.finish()
         self._engine.close()
         self._engine = None

@@ -4,14 +4,33 @@ gRPC (shipped with TensorFlow) carries it; messages are protobuf ``Struct``s,
 so no wire format is written here.  Each worker holds one long-lived
 ``Attach`` stream: when a worker process dies its stream closes at once and
 rank 0 records the rank as lost; when rank 0 dies, every worker's stream
-breaks.  Workers also report their clock after every push (asynchronously, at
-most one report in flight), so a wait that times out can say which rank is
-behind.  Answers take well under a millisecond on one host (measured by
-``tests/parallel/test_faults.py``' launch, printed in its log).
+breaks.  Workers also report their clock, throttled: ``ControlClient.report``
+sends at most one report per ``REPORT_INTERVAL_S`` (0.25 s) and has at most
+one in flight, and a worker waiting for a round forces one report (of its
+last pushed step) about once a second, so a wait that times out can say which
+rank is behind from clocks at most about a second old.  Answers take well
+under a millisecond on one host (measured by
+``tests/single/test_exchange.py::test_control_path_reports_clocks_quickly``,
+printed with ``pytest -s``).
+
+Only this job's workers may use the service.  Rank 0 draws a random token per
+job and hands it to the workers through the launch's own collective; every
+call carries it as gRPC metadata (``tfsync-token``), and the server compares it
+in constant time and refuses (``PERMISSION_DENIED``) any call without it, so a
+stray process, or a worker of another job on the same host, cannot attach,
+report clocks, stop or read this job's table and so cannot decide this job's
+rounds.  Refusals are counted (``ControlServer.rejected``, ``"rejected"`` in
+the table) and logged (logger ``tfsync.control``).  The token is not
+encryption: the traffic is plaintext gRPC on one host or the cluster network,
+readable by anyone who can capture that network.  The server listens only on
+the address the workers use (``host``; ``TFSYNC_CONTROL_HOST``), not on every
+interface.
 
 Gating itself does not go through here: every worker evaluates the same pure
 policy on the clock table replicated by the rounds (see ``exchange.py``).
 """
+import hmac
+import logging
 import threading
 import time
 from concurrent import futures
@@ -20,6 +39,22 @@ import grpc
 from google.protobuf import json_format, struct_pb2
 
 SERVICE = "tfsync.Control"
+TOKEN_METADATA_KEY = "tfsync-token"
+
+# Timing of the control path (seconds).
+REPORT_INTERVAL_S = 0.25      # at most one clock report per this, and one in flight
+REPORT_TIMEOUT_S = 5.0        # deadline of one (fire-and-forget) clock report
+CONNECT_TIMEOUT_S = 30.0      # how long a worker waits for rank 0's control service
+CALL_TIMEOUT_S = 2.0          # deadline of Leave and Table calls
+STOP_CALL_TIMEOUT_S = 3.0     # deadline of a Stop call (the server holds it up to STOP_NOTICE_GRACE_S)
+STOP_NOTICE_GRACE_S = 2.0     # Stop answers once every stream carried the notice, or after this
+STOP_NOTICE_POLL_S = 0.05     # how often a held Stop call rechecks the streams
+STREAM_WAKE_S = 0.5           # an Attach stream's condition wait: rechecks end/shutdown this often
+SERVER_STOP_WAIT_S = 2.0      # how long ControlServer.stop waits for the gRPC server to end
+REJECTION_LOG_INTERVAL_S = 1.0  # at most one logged warning about refused calls per this
+REJECTIONS_KEPT = 100         # ControlServer.rejected keeps the first this many
+
+log = logging.getLogger("tfsync.control")
 
 
 def _encode(message: dict) -> bytes:
@@ -34,11 +69,28 @@ def _decode(data: bytes) -> dict:
     return json_format.MessageToDict(s)
 
 
+def _check_token(token) -> str:
+    if not isinstance(token, str) or not token or not token.isascii() or not token.isprintable() \
+            or token != token.strip():
+        raise ValueError(
+            f"tfsync: the control token must be a non-empty str of printable ASCII without "
+            f"surrounding whitespace (rank 0 draws it with secrets.token_hex(16)); got {token!r} "
+            f"of type {type(token).__name__}")
+    return token
+
+
+def _host_port(host: str, port) -> str:
+    if ":" in host and not host.startswith("["):  # an IPv6 literal
+        host = f"[{host}]"
+    return f"{host}:{port}"
+
+
 class ControlServer:
     """Runs on rank 0: the live clock table and the set of lost ranks."""
 
-    def __init__(self, size: int, t0: float):
+    def __init__(self, size: int, t0: float, token: str, host: str = "localhost"):
         self.size, self.t0 = size, t0
+        self._token = _check_token(token).encode("ascii")
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._clocks = [-1] * size
@@ -47,22 +99,84 @@ class ControlServer:
         self._stopped = {}
         self._stops_sent = {}  # attached rank -> how many stop notices its stream has carried
         self._left = set()
+        self.rejected = []  # the first REJECTIONS_KEPT refused calls: {"method", "peer", "at_s"}
+        self.rejected_count = 0
+        self._last_rejection_log = float("-inf")
+        self._rejections_unlogged = 0
         self._stopping = threading.Event()
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=size + 4))
-        unary = lambda fn: grpc.unary_unary_rpc_method_handler(  # noqa: E731
-            fn, request_deserializer=_decode, response_serializer=_encode)
+        unary = lambda name, fn: grpc.unary_unary_rpc_method_handler(  # noqa: E731
+            self._guarded(name, fn), request_deserializer=_decode, response_serializer=_encode)
         self._server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(SERVICE, {
             "Attach": grpc.unary_stream_rpc_method_handler(
                 self._attach, request_deserializer=_decode, response_serializer=_encode),
-            "Report": unary(self._report),
-            "Leave": unary(self._leave),
-            "Stop": unary(self._stop),
-            "Table": unary(self._table),
+            "Report": unary("Report", self._report),
+            "Leave": unary("Leave", self._leave),
+            "Stop": unary("Stop", self._stop),
+            "Table": unary("Table", self._table),
         })])
-        self.port = self._server.add_insecure_port("[::]:0")
+        bind = _host_port(host, 0)
+        try:
+            port = self._server.add_insecure_port(bind)
+            failure = None
+        except Exception as exc:  # grpcio raises RuntimeError("Failed to bind ...") in recent versions
+            port, failure = 0, exc
+        if not port:
+            self._server.stop(None)
+            raise RuntimeError(
+                f"tfsync: rank 0 could not open its control service on host {host!r} ({bind}"
+                f"{': ' + str(failure) if failure else ''}); set TFSYNC_CONTROL_HOST to an "
+                f"address of this machine that the workers can reach")
+        self.port = port
+        self.address = _host_port(host, port)
         self._server.start()
 
+    # -- access control -------------------------------------------------------------
+
+    def _authorized(self, method, context) -> bool:
+        """Whether the call carries this job's token; a refusal is recorded and aborts the call."""
+        sent = None
+        for key, value in context.invocation_metadata() or ():
+            if key == TOKEN_METADATA_KEY:
+                sent = value
+                break
+        if isinstance(sent, str):
+            sent = sent.encode("utf-8", "surrogateescape")
+        if sent is not None and hmac.compare_digest(sent, self._token):
+            return True
+        peer = context.peer()
+        now = time.monotonic()
+        with self._lock:
+            self.rejected_count += 1
+            if len(self.rejected) < REJECTIONS_KEPT:
+                self.rejected.append({"method": method, "peer": peer, "at_s": time.time() - self.t0})
+            self._rejections_unlogged += 1
+            say = now - self._last_rejection_log >= REJECTION_LOG_INTERVAL_S
+            if say:
+                self._last_rejection_log = now
+                count, self._rejections_unlogged = self._rejections_unlogged, 0
+        if say:
+            log.warning(
+                "tfsync: refused %s from %s: %s token did not match this job's (%d refused call(s) "
+                "since the last warning, %d in all)", method, peer,
+                "its" if sent is not None else "no", count, self.rejected_count)
+        context.abort(
+            grpc.StatusCode.PERMISSION_DENIED,
+            f"tfsync: the token did not match this job: a process that is not one of this job's "
+            f"workers, or a worker of another job, called the control service of rank 0 at "
+            f"{self.address}")
+        return False  # not reached: abort raises
+
+    def _guarded(self, method, fn):
+        def handler(request, context):
+            self._authorized(method, context)
+            return fn(request, context)
+        return handler
+
+    # -- service ----------------------------------------------------------------------
+
     def _attach(self, request, context):
+        self._authorized("Attach", context)
         rank = int(request["rank"])
         ended = threading.Event()
 
@@ -88,7 +202,7 @@ class ControlServer:
             with self._lock:
                 while ((len(self._lost), len(self._stopped)) == told and not ended.is_set()
                        and not self._stopping.is_set()):
-                    self._changed.wait(0.5)
+                    self._changed.wait(STREAM_WAKE_S)
                 if ended.is_set() or self._stopping.is_set():
                     return
                 told = (len(self._lost), len(self._stopped))
@@ -113,36 +227,38 @@ class ControlServer:
 
     def _stop(self, request, context):
         # Answer only once every attached worker's stream has carried the notice (or
-        # after 2 s): the stopping rank may exit right after, and if it is rank 0 the
-        # others must already know why, not just that rank 0 vanished.
-        deadline = time.monotonic() + 2.0
+        # after STOP_NOTICE_GRACE_S): the stopping rank may exit right after, and if it
+        # is rank 0 the others must already know why, not just that rank 0 vanished.
+        deadline = time.monotonic() + STOP_NOTICE_GRACE_S
         with self._lock:
             self._stopped.setdefault(int(request["rank"]), dict(request))
             self._changed.notify_all()
             count = len(self._stopped)
             while (any(n < count for n in self._stops_sent.values())
                    and time.monotonic() < deadline and not self._stopping.is_set()):
-                self._changed.wait(0.05)
+                self._changed.wait(STOP_NOTICE_POLL_S)
         return {"ok": 1}
 
     def _table(self, request, context):
         with self._lock:
             return {"clocks": list(self._clocks), "last_seen_s": list(self._last_seen),
-                    "lost": list(self._lost.values())}
+                    "lost": list(self._lost.values()), "rejected": self.rejected_count}
 
     def stop(self):
         self._stopping.set()
         with self._lock:
             self._changed.notify_all()
         # every rank has left (close() runs a barrier first): no grace period needed
-        self._server.stop(grace=None).wait(2.0)
+        self._server.stop(grace=None).wait(SERVER_STOP_WAIT_S)
 
 
 class ControlClient:
     """A worker's end of the control path."""
 
-    def __init__(self, address: str, rank: int, connect_timeout_s: float = 30.0):
+    def __init__(self, address: str, rank: int, token: str,
+                 connect_timeout_s: float = CONNECT_TIMEOUT_S):
         self.address, self.rank = address, rank
+        self._metadata = ((TOKEN_METADATA_KEY, _check_token(token)),)
         self._channel = grpc.insecure_channel(address)
         method = lambda name: self._channel.unary_unary(  # noqa: E731
             f"/{SERVICE}/{name}", request_serializer=_encode, response_deserializer=_decode)
@@ -155,9 +271,11 @@ class ControlClient:
         self._last_table = {"clocks": [], "last_seen_s": [], "lost": []}
         self._inflight = None
         self._last_report = float("-inf")
+        self._attach_error = None
         attach = self._channel.unary_stream(
             f"/{SERVICE}/Attach", request_serializer=_encode, response_deserializer=_decode)
-        self._stream = attach({"rank": rank}, wait_for_ready=True, timeout=None)
+        self._stream = attach({"rank": rank}, wait_for_ready=True, timeout=None,
+                              metadata=self._metadata)
         first = threading.Event()
         self._watcher = threading.Thread(target=self._watch, args=(first,), daemon=True,
                                          name="tfsync-control-watch")
@@ -167,6 +285,14 @@ class ControlClient:
                 f"tfsync: rank {rank} could not reach the control service of rank 0 at {address} "
                 f"within {connect_timeout_s:.0f} s; check that rank 0 is running and that this "
                 f"host can reach it (or set TFSYNC_CONTROL_HOST to an address it can reach)")
+        error = self._attach_error
+        if error is not None and error.code() == grpc.StatusCode.PERMISSION_DENIED:
+            self._closing = True
+            self._channel.close()
+            raise PermissionError(
+                f"tfsync: rank {rank}'s token was rejected by the control service at {address} "
+                f"({error.details()}). Every worker must be started by the same launch "
+                f"(horovodrun) so that they share rank 0's token")
 
     def _watch(self, first):
         try:
@@ -175,13 +301,14 @@ class ControlClient:
                     self.known_lost = message["lost"]
                     self.known_stopped = message["stopped"]
                 first.set()
-        except grpc.RpcError:
-            pass
+        except grpc.RpcError as exc:
+            if not first.is_set():
+                self._attach_error = exc
         if not self._closing:
             self.host_lost = time.time()
         first.set()
 
-    def report(self, clock: int, min_interval_s: float = 0.25):
+    def report(self, clock: int, min_interval_s: float = REPORT_INTERVAL_S):
         """Fire-and-forget clock report, at most one per ``min_interval_s`` and one in flight.
 
         The live clocks only name the ranks behind when a wait times out (after
@@ -192,25 +319,27 @@ class ControlClient:
                 self._inflight is not None and not self._inflight.done()):
             return
         self._last_report = now
-        self._inflight = self._report.future({"rank": self.rank, "clock": clock}, timeout=5.0)
+        self._inflight = self._report.future({"rank": self.rank, "clock": clock},
+                                             timeout=REPORT_TIMEOUT_S, metadata=self._metadata)
 
     def announce_stop(self, kind: str, message: str):
         """Tell every worker (through rank 0) why this one stops, so they can say so too."""
         if self.host_lost is None:
             try:
-                self._stop({"rank": self.rank, "kind": kind, "message": message}, timeout=3.0)
+                self._stop({"rank": self.rank, "kind": kind, "message": message},
+                           timeout=STOP_CALL_TIMEOUT_S, metadata=self._metadata)
             except grpc.RpcError:
                 pass
 
-    def table(self, timeout_s: float = 2.0) -> dict:
-        """Live clocks and lost ranks.
+    def table(self, timeout_s: float = CALL_TIMEOUT_S) -> dict:
+        """Live clocks and lost ranks (and how many calls the server refused).
 
         When rank 0 (the control host) is unreachable, the losses it pushed
         before are reported, or else rank 0 itself, with the last clocks read.
         """
         if self.host_lost is None:
             try:
-                self._last_table = self._table({}, timeout=timeout_s)
+                self._last_table = self._table({}, timeout=timeout_s, metadata=self._metadata)
                 return self._last_table
             except grpc.RpcError:
                 pass
@@ -220,7 +349,7 @@ class ControlClient:
     def close(self):
         self._closing = True
         try:
-            self._leave({"rank": self.rank}, timeout=2.0)
+            self._leave({"rank": self.rank}, timeout=CALL_TIMEOUT_S, metadata=self._metadata)
         except grpc.RpcError:
             pass
         self._stream.cancel()

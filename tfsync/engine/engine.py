@@ -1,38 +1,40 @@
 """The sync engine: one per worker process; clocks, rounds, waits, metrics.
 
-The engine knows nothing about modes: it asks its :class:`~tfsync.policies.Policy`
-which payload to exchange and which round must be complete before a worker
-may pass its synchronization point, and runs that on the
-:class:`~tfsync.engine.exchange.RoundExchange` (a communication thread over
-``hvd.allreduce``) and the control path (:mod:`tfsync.engine.control`).
+The engine asks its :class:`~tfsync.policies.Policy` which round must be
+complete before a worker may pass its synchronization point, and runs that on
+the :class:`~tfsync.engine.exchange.RoundExchange` (a communication thread
+over ``hvd.grouped_allreduce``) and the control path
+(:mod:`tfsync.engine.control`).  What a worker contributes and what it does
+with a completed round is the business of the step protocol the policy names
+(:mod:`tfsync.engine.protocols`), built once when the engine starts:
 
-Two step protocols, one per payload kind, each called once per training step
-from inside the compiled train step (see :mod:`tfsync.engine.tf_bridge`):
+* gradient protocol (BSP): push this step's gradients, wait for the policy's
+  round, return the mean of the contributions;
+* update protocol (SSP): after the local optimizer step, push its share
+  ``Δ/N``, wait for the policy's round for the next step, and move the
+  weights to ``w̄ + Σ own pending shares``, where ``w̄`` is the sum of every
+  completed round (identical on every worker) and the pending shares are this
+  worker's own updates whose rounds are still in flight (read-my-writes).
 
-* ``step_gradients(flat_grad) -> flat_mean_grad`` (``payload="gradients"``):
-  push this step's gradient, wait for the policy's round, return the mean of
-  the contributions.
-* ``step_updates(own_share) -> local_weights`` (``payload="updates"``): push
-  this step's update share ``Δ/N``, wait for the policy's round for the next
-  step, and return the weights to compute the next step on:
-  ``w̄ + Σ own pending shares``, where ``w̄`` is the sum of every completed
-  round (identical on every worker) and the pending shares are this worker's
-  own updates whose rounds are still in flight (read-my-writes).
+Both run as one :meth:`SyncEngine.sync_step` per training step, called from inside
+the compiled train step (see :mod:`tfsync.engine.tf_bridge`) with the tensors
+themselves: the payload never crosses NumPy.
 
 Every applied contribution is counted (``applied``) in the metrics and the
 trace, next to ``dropped``.  BSP and SSP accept every contribution (SSP bounds
-staleness by waiting, not by dropping), so ``dropped`` is 0 for them; it is
-the count for policies that drop stale contributions.
+staleness by waiting, not by dropping), so ``dropped`` is 0 for them.
 """
 import contextlib
 import json
 import os
+import secrets
 import socket
 import time
 
 import numpy as np
 
 from tfsync import _horovod
+from tfsync.engine import protocols
 from tfsync.engine.control import ControlClient, ControlServer
 from tfsync.engine.exchange import RoundExchange, WorkerLostError
 from tfsync.policies import resolve
@@ -77,17 +79,24 @@ class SyncEngine:
         self.error = None
 
     # ----------------------------------------------------------------- lifecycle
-    def start(self, num_params: int, initial_weights=None, extra_config=None):
-        """Check the job, agree on t0, start the control path and the exchange.
+    def start(self, tensors, extra_config=None):
+        """Check the job, agree on t0, start the control path, the exchange and the protocol.
 
-        ``initial_weights`` (flat float32, already identical on every rank) is
-        required for ``payload="updates"``: it is where ``w̄`` starts.
+        ``tensors``: the model's trainable variables (in the order the
+        optimizer sees them), already identical on every rank.  A gradient
+        protocol needs only their shapes and dtypes (symbolic gradients do);
+        an update protocol keeps its state beside the variables themselves.
         """
         hvd = _horovod.horovod()
-        import tensorflow as tf
 
+        tensors = list(tensors)
+        if not tensors:
+            raise ValueError("tfsync: the model has no trainable weights to synchronize")
         self.rank, self.size = hvd.rank(), hvd.size()
-        config = {"policy": self.policy.config(), "num_params": int(num_params),
+        protocol_cls = protocols.for_policy(self.policy)
+        shapes = [[int(d) for d in t.shape] for t in tensors]
+        self.num_params = int(sum(np.prod(s, dtype=np.int64) for s in shapes))
+        config = {"policy": self.policy.config(), "num_params": self.num_params, "weights": shapes,
                   "stragglers": self.stragglers.spec(), **(extra_config or {})}
         configs = hvd.allgather_object(config, name="tfsync.config")
         mismatched = [r for r, c in enumerate(configs) if c != configs[0]]
@@ -101,25 +110,19 @@ class SyncEngine:
         self.t0 = hvd.broadcast_object(time.time(), root_rank=0, name="tfsync.t0")
         self._server = None
         if self.rank == 0:
-            self._server = ControlServer(self.size, self.t0)
+            # the job's token reaches the workers over Horovod's own channel, never the control path
+            token = secrets.token_hex(16)
             host = os.environ.get("TFSYNC_CONTROL_HOST") or socket.gethostname()
-            address = f"{host}:{self._server.port}"
+            self._server = ControlServer(self.size, self.t0, token, host=host)
+            contact = (self._server.address, token)
         else:
-            address = None
-        address = hvd.broadcast_object(address, root_rank=0, name="tfsync.control_address")
-        self.control = ControlClient(address, self.rank)
+            contact = None
+        address, token = hvd.broadcast_object(contact, root_rank=0, name="tfsync.control_address")
+        self.control = ControlClient(address, self.rank, token)
 
-        def allreduce_sum(buf):
-            return hvd.allreduce(tf.constant(buf), op=hvd.Sum, name="tfsync.round").numpy()
-
-        self.exchange = RoundExchange(allreduce_sum, self.rank, self.size, self.t0)
-        self.num_params = int(num_params)
-        if self.policy.payload == "updates":
-            if initial_weights is None:
-                raise ValueError(f"mode {self.policy.name!r} exchanges updates and needs the initial weights")
-            self._w_bar = np.array(initial_weights, dtype=np.float32).reshape(-1).copy()
-            self._pending = {}
-            self._pending_sum = np.zeros_like(self._w_bar)
+        self.exchange = RoundExchange(protocols.horovod_collective(protocol_cls.average),
+                                      self.rank, self.size, self.t0)
+        self.protocol = protocol_cls(tensors, self.size)
         self._delays = self.stragglers.for_rank(self.rank)
         self.step = 0
         self._last_pushed = -1
@@ -139,15 +142,12 @@ class SyncEngine:
         self.totals = {"steps": 0, "compute_s": 0.0, "wait_s": 0.0, "applied": 0, "dropped": 0}
 
     def finish(self):
-        """Wait for every pushed round, apply it; return the final weights (updates) or None."""
-        if self.policy.payload != "updates":
-            return None
-        if self._applied_through >= self.step - 1:  # drained already
-            return self._w_bar.copy()
-        t = self._now()
-        applied = self._wait_and_apply(self.step - 1)
-        self._record_extra_wait(t, applied)
-        return self._w_bar.copy()
+        """Wait for every pushed round and apply it (eager; identical weights on every rank)."""
+        if self._applied_through < self.step - 1:
+            t = self._now()
+            applied = self._wait_and_apply(self.step - 1)
+            self._record_extra_wait(t, applied)
+        self.protocol.finish()
 
     def close(self):
         """Leave the control path and stop the threads (collective: call on every rank)."""
@@ -167,20 +167,20 @@ class SyncEngine:
             self._trace.close()
             self._trace = None
 
-    # ------------------------------------------------------------ step protocols
-    def step_gradients(self, flat_grad: np.ndarray) -> np.ndarray:
-        """``payload="gradients"``: push, wait for the policy's round, return the mean."""
-        with self._keep_error():
-            return self._step_gradients(flat_grad)
+    # ------------------------------------------------------------------- the step
+    def sync_step(self, inputs):
+        """One step's synchronization: push, wait for the policy's round, apply what completed.
 
-    def step_updates(self, own_share: np.ndarray) -> np.ndarray:
-        """``payload="updates"``: push ``Δ/N``, gate the next step, return its weights."""
+        ``inputs``: this step's gradients (gradient protocol) or nothing (update
+        protocol: the optimizer already ran).  Returns the protocol's result:
+        the mean gradients, or nothing (the weights were moved in place).
+        """
         with self._keep_error():
-            return self._step_updates(own_share)
+            return self._step(inputs)
 
     @contextlib.contextmanager
     def _keep_error(self):
-        # TensorFlow re-wraps exceptions raised inside tf.numpy_function; keep the
+        # TensorFlow re-wraps exceptions raised inside tf.py_function; keep the
         # original so the frontends can re-raise it with its type.
         try:
             yield
@@ -188,38 +188,23 @@ class SyncEngine:
             self.error = exc
             raise
 
-    def _step_gradients(self, flat_grad):
-        step, t_start, t_push = self._push(flat_grad)
-        applied = self._wait_and_apply(self.policy.required_round(step))
-        result = self._mean_gradient
+    def _step(self, inputs):
+        if not self.started:
+            raise RuntimeError("tfsync: the engine is not started (SyncCallback.on_train_begin starts it)")
+        self._delays.sleep()
+        step, t_start = self.step, self._t_step_start
+        payload = self.protocol.contribution(list(inputs))
+        t_push = self._now()
+        self.exchange.submit(step, payload, t_push, t_push - t_start)
+        self._last_pushed = step
+        self.control.report(step)
+        applied = self._wait_and_apply(self.protocol.sync_round(self.policy, step))
         self._end_step(step, t_start, t_push, applied)
-        return result
-
-    def _step_updates(self, own_share):
-        step, t_start, t_push = self._push(own_share)
-        self._pending[step] = own_share
-        self._pending_sum += own_share
-        applied = self._wait_and_apply(self.policy.required_round(step + 1))
-        self._end_step(step, t_start, t_push, applied)
-        return self._w_bar + self._pending_sum
+        return self.protocol.result()
 
     # ------------------------------------------------------------------ internals
     def _now(self):
         return time.time() - self.t0
-
-    def _push(self, payload):
-        if not self.started:
-            raise RuntimeError("tfsync: the engine is not started (SyncCallback.on_train_begin starts it)")
-        if payload.size != self.num_params:
-            raise ValueError(f"tfsync: a step pushed {payload.size} values, expected {self.num_params} "
-                             "(the model's trainable weights changed after training started)")
-        self._delays.sleep()
-        t_start, step = self._t_step_start, self.step
-        t_push = self._now()
-        self.exchange.submit(step, np.asarray(payload, dtype=np.float32), t_push, t_push - t_start)
-        self._last_pushed = step
-        self.control.report(step)
-        return step, t_start, t_push
 
     def _wait_and_apply(self, required_round):
         """Wait (bounded) until ``required_round`` is complete, then apply every complete round."""
@@ -228,13 +213,8 @@ class SyncEngine:
         applied = []
         for r in range(self._applied_through + 1, self.exchange.completed + 1):
             res = self.exchange.pop(r)
-            n = res.contributors
-            if self.policy.payload == "updates":
-                self._w_bar += res.total
-                self._pending_sum -= self._pending.pop(r)
-            else:
-                self._mean_gradient = res.total / np.float32(n)
-            applied.append((r, n))
+            self.protocol.apply_round(res)
+            applied.append((r, res.contributors))
             self._applied_through = r
         return applied
 

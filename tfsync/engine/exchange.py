@@ -1,11 +1,17 @@
-"""Numbered rounds of one fused allreduce, run in order on a communication thread.
+"""Numbered rounds of one grouped allreduce, run in order on a communication thread.
 
-Round ``r`` sums every worker's contribution for its step ``r``.  The buffer
-carries a small metadata block after the payload: one row per rank, filled
-only by that rank, so that after the sum every worker knows every worker's
-step, push timestamp and compute time for the round (the replicated clock
-table the policies read).  Timestamps ride as a float32 hi/lo pair: a row is
-non-zero on one rank only, so the sum is exact and the float64 time survives.
+Round ``r`` sums every worker's contribution for its step ``r``.  The payload
+is a list of tensors (one per trainable variable) that this module never
+looks into: it hands it to the injected ``collective`` as it is, so in
+production the tensors go straight into ``hvd.grouped_allreduce`` (on a GPU
+they stay on the device and Horovod's NCCL path serves them), and a test can
+pass NumPy arrays and an in-process fake.
+
+One small metadata block rides in the same collective: one float64 row per
+rank, filled only by that rank, so that after the sum every worker holds every
+worker's step, push timestamp and compute time for the round (the replicated
+clock table the policies read).  A row is non-zero on one rank only, so the
+sum reproduces it exactly.
 
 The training thread submits and waits; this thread talks to Horovod.  So a
 worker computes step ``r + 1`` while round ``r`` is in flight.  Every other
@@ -22,7 +28,7 @@ import time
 
 import numpy as np
 
-META_FIELDS = ("present", "step", "push_hi", "push_lo", "compute_s")
+META_FIELDS = ("present", "step", "push_time", "compute_s")
 _K = len(META_FIELDS)
 
 
@@ -31,11 +37,12 @@ class RoundResult:
     """What every worker receives for a completed round."""
 
     round: int
-    total: np.ndarray  # sum of the payloads, float32
+    total: list  # the collective's result, one tensor per payload tensor
     present: np.ndarray  # [size] 1.0 where that rank contributed
     steps: np.ndarray  # [size] step each rank stamped its contribution with
-    push_times: np.ndarray  # [size] float64 seconds since the job's t0
+    push_times: np.ndarray  # [size] seconds since the job's t0
     compute_s: np.ndarray  # [size]
+    contribution: list = None  # this worker's own payload for the round
 
     @property
     def contributors(self) -> int:
@@ -47,10 +54,16 @@ class WorkerLostError(RuntimeError):
 
 
 class RoundExchange:
-    """Ordered rounds over ``allreduce_sum(np.ndarray) -> np.ndarray`` on one thread."""
+    """Ordered rounds over ``collective(payload, meta) -> (total, meta_sum)`` on one thread.
 
-    def __init__(self, allreduce_sum, rank: int, size: int, t0: float):
-        self._allreduce_sum = allreduce_sum
+    ``payload`` is a list of tensors, ``meta`` a ``[size, 4]`` float64 array;
+    the collective returns the element-wise reduction of both over every rank
+    (a sum for the metadata; the payload's reduction is the collective's own,
+    e.g. a mean of gradients).
+    """
+
+    def __init__(self, collective, rank: int, size: int, t0: float):
+        self._collective = collective
         self.rank, self.size, self.t0 = rank, size, t0
         self._queue = queue.Queue()
         self._results = {}
@@ -69,14 +82,10 @@ class RoundExchange:
     def error(self):
         return self._error
 
-    def submit(self, round_: int, payload: np.ndarray, push_time: float, compute_s: float):
-        p = payload.size
-        buf = np.zeros(p + self.size * _K, dtype=np.float32)
-        buf[:p] = payload.reshape(-1)
-        hi = np.float32(push_time)
-        row = buf[p + self.rank * _K: p + (self.rank + 1) * _K]
-        row[:] = (1.0, round_, hi, np.float32(push_time - float(hi)), compute_s)
-        self._queue.put((round_, p, buf))
+    def submit(self, round_: int, payload: list, push_time: float, compute_s: float):
+        meta = np.zeros((self.size, _K), np.float64)
+        meta[self.rank] = (1.0, round_, push_time, compute_s)
+        self._queue.put((round_, list(payload), meta))
 
     def call(self, fn, timeout_s: float):
         """Run ``fn()`` (a collective) on the exchange thread after every queued round."""
@@ -120,18 +129,18 @@ class RoundExchange:
                 except BaseException as exc:
                     future.set_exception(exc)
                 continue
-            round_, p, buf = item
+            round_, payload, meta = item
             try:
-                summed = self._allreduce_sum(buf)
+                total, meta = self._collective(payload, meta)
             except BaseException as exc:  # carried to the training thread by wait()
                 with self._cond:
                     self._error = exc
                     self._cond.notify_all()
                 return
-            meta = summed[p:].reshape(self.size, _K).astype(np.float64)
+            meta = np.asarray(meta, np.float64).reshape(self.size, _K)
             result = RoundResult(
-                round=round_, total=summed[:p], present=meta[:, 0], steps=meta[:, 1],
-                push_times=meta[:, 2] + meta[:, 3], compute_s=meta[:, 4])
+                round=round_, total=list(total), present=meta[:, 0], steps=meta[:, 1],
+                push_times=meta[:, 2], compute_s=meta[:, 3], contribution=payload)
             with self._cond:
                 self._results[round_] = result
                 self._completed = round_

@@ -1,91 +1,47 @@
 """TensorFlow glue shared by the Keras callback and the strategy.
 
 Both call the engine from *inside* the compiled train step with one
-``tf.numpy_function`` per step on one flat float32 buffer (all trainable
-weights fused, as Horovod's tensor fusion does), so the exchange costs one
-collective per step whatever the number of layers.
+``tf.py_function`` per step.  ``tf.py_function`` hands the Python side the
+tensors themselves (eager tensors over the same buffers, on the same device),
+not NumPy copies as ``tf.numpy_function`` would, so the payload goes from the
+gradient to Horovod's allreduce and back to the optimizer without leaving
+TensorFlow.
 """
-import numpy as np
 import tensorflow as tf
 
-
-class FlatLayout:
-    """Shapes and dtypes of a fixed list of tensors, packed into one flat float32 vector."""
-
-    def __init__(self, tensors):
-        tensors = list(tensors)
-        if not tensors:
-            raise ValueError("tfsync: the model has no trainable weights to synchronize")
-        self.shapes = [tuple(t.shape) for t in tensors]
-        self.sizes = [int(np.prod(s)) for s in self.shapes]
-        self.dtypes = [tf.as_dtype(t.dtype) for t in tensors]
-        self.size = sum(self.sizes)
-
-    def flatten(self, tensors):
-        parts = []
-        for t, shape, dtype in zip(tensors, self.shapes, self.dtypes):
-            if t is None:
-                t = tf.zeros(shape, tf.float32)
-            t = tf.convert_to_tensor(t)  # IndexedSlices become dense
-            parts.append(tf.reshape(tf.cast(t, tf.float32), [-1]))
-        return tf.concat(parts, axis=0)
-
-    def unflatten(self, flat):
-        pieces = tf.split(flat, self.sizes)
-        return [tf.cast(tf.reshape(p, s), d) for p, s, d in zip(pieces, self.shapes, self.dtypes)]
+from tfsync.engine.protocols import _tf_variable
 
 
-class FlatVariables(FlatLayout):
-    """A fixed list of variables viewed as one flat float32 vector."""
-
-    def __init__(self, variables):
-        self.variables = list(variables)
-        super().__init__(self.variables)
-
-    def read(self):
-        return self.flatten([_value(v) for v in self.variables])
-
-    def assign(self, flat):
-        return tf.group(*[v.assign(p) for v, p in zip(self.variables, self.unflatten(flat))])
-
-    def read_numpy(self):
-        return np.concatenate([np.asarray(_value(v), np.float32).reshape(-1) for v in self.variables])
-
-    def assign_numpy(self, flat):
-        offset = 0
-        for v, n, s in zip(self.variables, self.sizes, self.shapes):
-            v.assign(np.asarray(flat[offset:offset + n]).reshape(s))
-            offset += n
+def exchange_gradients(engine, grads):
+    """Gradient protocol: the gradients every worker applies this step (the round's mean)."""
+    protocol = engine.protocol
+    grads = [tf.zeros(s, d) if g is None else tf.convert_to_tensor(g)  # IndexedSlices become dense
+             for g, s, d in zip(grads, protocol.shapes, protocol.dtypes)]
+    out = tf.py_function(lambda *g: engine.sync_step(g), grads, Tout=protocol.dtypes, name="tfsync_step")
+    for o, s in zip(out, protocol.shapes):
+        o.set_shape(s)
+    return out
 
 
-def _value(v):
-    # Keras 3 variables and tf.Variables both convert to their current value.
-    return tf.convert_to_tensor(v)
+def exchange_updates(engine, variables):
+    """Update protocol: after the local optimizer step, push its share and move the weights.
+
+    The engine reads and writes the variables in place.  The step's
+    ``py_function`` must run after the optimizer's writes: it takes each
+    variable's shape, read through the variable's handle, as input, and
+    TensorFlow orders every op on a variable's handle in program order.  (It
+    does not take the values: a live read would make the engine's in-place
+    writes copy the buffer first.)
+    """
+    after_update = [tf.raw_ops.VariableShape(input=_tf_variable(v).handle) for v in variables]
+    return tf.py_function(lambda *_: engine.sync_step([]), after_update, Tout=[], name="tfsync_step")
 
 
-def exchange_gradients(engine, layout, grads):
-    """``payload="gradients"``: the gradients every worker applies this step."""
-    flat = layout.flatten(grads)
-    mean = tf.numpy_function(engine.step_gradients, [flat], tf.float32, stateful=True,
-                             name="tfsync_step_gradients")
-    mean.set_shape(flat.shape)
-    return layout.unflatten(mean)
+def finish_in_graph(engine):
+    """Drain every round in flight from inside a compiled step; returns a tensor to depend on."""
 
+    def finish():
+        engine.finish()
+        return tf.constant(0.0)
 
-def apply_and_exchange_updates(engine, flat_vars, apply_fn, size):
-    """``payload="updates"``: apply locally, push the share Δ/N, load the next step's weights."""
-    # tf.function orders reads and writes of one variable in program order, so
-    # `before` is read before the optimizer writes and `after` once it has.
-    before = flat_vars.read()
-    apply_fn()
-    after = flat_vars.read()
-    return push_updates(engine, flat_vars, before, after, size)
-
-
-def push_updates(engine, flat_vars, before, after, size):
-    """Push the share ``(after - before) / size`` and assign the weights the engine returns."""
-    share = (after - before) / tf.constant(size, tf.float32)
-    local = tf.numpy_function(engine.step_updates, [share], tf.float32, stateful=True,
-                              name="tfsync_step_updates")
-    local.set_shape(share.shape)
-    return flat_vars.assign(local)
+    return tf.py_function(finish, [], Tout=tf.float32, name="tfsync_finish")

@@ -12,7 +12,7 @@ import tensorflow as tf
 
 from tfsync import _horovod
 from tfsync.engine import SyncEngine
-from tfsync.engine.tf_bridge import FlatVariables, apply_and_exchange_updates, exchange_gradients
+from tfsync.engine.tf_bridge import exchange_gradients, exchange_updates
 from tfsync.policies import resolve
 
 
@@ -75,13 +75,11 @@ class SyncCallback(keras.callbacks.Callback):
                 f"into equal parts (e.g. x[rank::size] with len(x) divisible by size) or pass "
                 f"steps_per_epoch to model.fit")
         self._broadcast_weights(hvd, model)
-        self.flat_vars = FlatVariables(model.trainable_variables)
+        self.variables = list(model.trainable_variables)
         self.engine = SyncEngine(self.policy, **self._engine_args)
-        self.engine.start(
-            self.flat_vars.size, initial_weights=self.flat_vars.read_numpy(),
-            extra_config={"weights": [list(s) for s in self.flat_vars.shapes], "steps": steps,
-                          "optimizer": type(model.optimizer).__name__})
-        self._wrap_optimizer(model.optimizer, hvd.size())
+        self.engine.start(self.variables, extra_config={
+            "steps": steps, "optimizer": type(model.optimizer).__name__})
+        self._wrap_optimizer(model.optimizer)
         model.make_train_function(force=True)
         train_function, engine = model.train_function, self.engine
 
@@ -140,9 +138,7 @@ class SyncCallback(keras.callbacks.Callback):
     # ---------------------------------------------------------------- internals
     def _drain(self):
         """Wait for every round in flight and load the final weights (identical on all ranks)."""
-        final = self.engine.finish()
-        if final is not None:
-            self.flat_vars.assign_numpy(final)
+        self.engine.finish()
 
     @staticmethod
     def _broadcast_weights(hvd, model):
@@ -156,22 +152,23 @@ class SyncCallback(keras.callbacks.Callback):
             v.assign(flat[offset:offset + n].reshape(v.shape).astype(v.dtype))
             offset += n
 
-    def _wrap_optimizer(self, optimizer, size):
-        engine, flat_vars, policy = self.engine, self.flat_vars, self.policy
+    def _wrap_optimizer(self, optimizer):
+        engine, expected = self.engine, [id(v) for v in self.variables]
         original = type(optimizer).apply_gradients.__get__(optimizer)
 
         def apply_gradients(grads_and_vars):
             grads_and_vars = list(grads_and_vars)
             grads = [g for g, _ in grads_and_vars]
             variables = [v for _, v in grads_and_vars]
-            if [id(v) for v in variables] != [id(v) for v in flat_vars.variables]:
+            if [id(v) for v in variables] != expected:
                 raise ValueError("tfsync: the optimizer was asked to update other variables than the "
                                  "model's trainable weights at the start of fit; do not change "
                                  "trainability during fit")
-            if policy.payload == "gradients":
-                return original(zip(exchange_gradients(engine, flat_vars, grads), variables))
-            return apply_and_exchange_updates(
-                engine, flat_vars, lambda: original(zip(grads, variables)), size)
+            if engine.protocol.reduces_gradients:
+                return original(zip(exchange_gradients(engine, grads), variables))
+            result = original(zip(grads, variables))
+            exchange_updates(engine, variables)
+            return result
 
         optimizer.apply_gradients = apply_gradients
         self._wrapped_optimizer = optimizer

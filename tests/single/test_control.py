@@ -1,0 +1,130 @@
+"""The control path accepts only this job's workers (one process, no Horovod)."""
+import logging
+import time
+
+import grpc
+import pytest
+
+from tfsync.engine import control as control_module
+from tfsync.engine.control import ControlClient, ControlServer, _decode, _encode
+
+TOKEN = "a" * 32
+
+
+@pytest.fixture
+def server():
+    server = ControlServer(size=3, t0=time.time(), token=TOKEN)
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def raw(server):
+    """A plain gRPC channel to the server, carrying whatever metadata a test gives."""
+    channel = grpc.insecure_channel(server.address)
+    grpc.channel_ready_future(channel).result(timeout=5)
+
+    def call(method, request, metadata=None):
+        stub = channel.unary_unary(f"/tfsync.Control/{method}",
+                                   request_serializer=_encode, response_deserializer=_decode)
+        return stub(request, timeout=5, metadata=metadata)
+
+    yield call
+    channel.close()
+
+
+def _wait_until(predicate, timeout_s=5.0):
+    deadline = time.monotonic() + timeout_s
+    while not predicate() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return predicate()
+
+
+def test_a_client_with_the_right_token_works(server):
+    client = ControlClient(server.address, 1, TOKEN, connect_timeout_s=5)
+    try:
+        client.report(4, min_interval_s=0)
+        assert _wait_until(lambda: client.table()["clocks"][1] == 4)
+        table = client.table()
+        assert table["lost"] == [] and table["rejected"] == 0
+        assert server.rejected == [] and server.rejected_count == 0
+    finally:
+        client.close()
+
+
+def test_a_client_with_a_wrong_token_is_refused_quickly(server):
+    start = time.monotonic()
+    with pytest.raises(PermissionError, match="token was rejected by the control service at") as info:
+        ControlClient(server.address, 1, "b" * 32, connect_timeout_s=10)
+    assert time.monotonic() - start < 3
+    assert server.address in str(info.value) and "horovodrun" in str(info.value)
+    assert server.rejected_count == 1 and server.rejected[0]["method"] == "Attach"
+    # nothing of the refused Attach was applied: rank 1 is neither attached nor lost
+    good = ControlClient(server.address, 0, TOKEN, connect_timeout_s=5)
+    try:
+        table = good.table()
+        assert table["lost"] == [] and table["last_seen_s"][1] == 0
+    finally:
+        good.close()
+
+
+def test_a_raw_call_with_a_wrong_token_is_refused_and_not_applied(server, raw, caplog):
+    before = raw("Table", {}, metadata=[("tfsync-token", TOKEN)])
+    with caplog.at_level(logging.WARNING, logger="tfsync.control"):
+        with pytest.raises(grpc.RpcError) as info:
+            raw("Report", {"rank": 2, "clock": 9}, metadata=[("tfsync-token", "wrong")])
+    assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert "did not match this job" in info.value.details()
+    assert server.address in info.value.details()
+    after = raw("Table", {}, metadata=[("tfsync-token", TOKEN)])
+    assert after["clocks"] == before["clocks"] == [-1, -1, -1]
+    assert after["last_seen_s"] == before["last_seen_s"]
+    assert after["rejected"] == 1
+    assert server.rejected_count == 1
+    assert server.rejected[0]["method"] == "Report" and server.rejected[0]["peer"]
+    assert [r.name for r in caplog.records] == ["tfsync.control"]
+
+
+def test_calls_without_a_token_are_refused(server, raw):
+    for method, request in [("Report", {"rank": 1, "clock": 3}), ("Leave", {"rank": 1}),
+                            ("Stop", {"rank": 1, "kind": "x", "message": "stray"}), ("Table", {})]:
+        with pytest.raises(grpc.RpcError) as info:
+            raw(method, request)
+        assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED, method
+    table = raw("Table", {}, metadata=[("tfsync-token", TOKEN)])
+    assert table["clocks"] == [-1, -1, -1] and table["rejected"] == 4
+    assert server._stopped == {} and server._left == set()
+    assert [r["method"] for r in server.rejected] == ["Report", "Leave", "Stop", "Table"]
+
+
+def test_refusals_are_bounded_and_their_warnings_rate_limited(server, raw, caplog, monkeypatch):
+    monkeypatch.setattr(control_module, "REJECTIONS_KEPT", 3)
+    with caplog.at_level(logging.WARNING, logger="tfsync.control"):
+        for _ in range(5):
+            with pytest.raises(grpc.RpcError):
+                raw("Table", {}, metadata=[("tfsync-token", "wrong")])
+    assert server.rejected_count == 5 and len(server.rejected) == 3
+    assert len(caplog.records) == 1  # five refusals well within a second: one line
+
+
+def test_the_server_listens_on_the_given_host():
+    server = ControlServer(size=1, t0=0.0, token=TOKEN, host="127.0.0.1")
+    try:
+        assert server.address == f"127.0.0.1:{server.port}" and server.port > 0
+        client = ControlClient(server.address, 0, TOKEN, connect_timeout_s=5)
+        client.close()
+    finally:
+        server.stop()
+
+
+def test_a_host_that_is_not_this_machine_says_what_to_set():
+    # 192.0.2.1 is TEST-NET-1 (RFC 5737): never an address of this machine
+    with pytest.raises(RuntimeError, match="TFSYNC_CONTROL_HOST") as info:
+        ControlServer(size=1, t0=0.0, token=TOKEN, host="192.0.2.1")
+    assert "192.0.2.1" in str(info.value)
+
+
+@pytest.mark.parametrize("token", ["", None, b"bytes-token", 123, " padded "])
+def test_the_token_must_be_a_non_empty_str(token):
+    with pytest.raises(ValueError, match="non-empty str"):
+        ControlServer(size=1, t0=0.0, token=token)

@@ -1,0 +1,191 @@
+"""The two step protocols a policy can name, and the Horovod collective they use.
+
+A policy names its protocol by ``policy.payload``; the engine builds the
+protocol object once, when it starts, as Horovod's ``DistributedOptimizer``
+factory decides its exchange once.  Nothing else compares payload strings.
+
+* :class:`GradientProtocol` (``"gradients"``): the raw gradients are pushed
+  before the optimizer runs; the round's result is the workers' mean gradient,
+  which every worker's optimizer applies (what ``hvd.allreduce`` + optimizer
+  does).
+* :class:`UpdateProtocol` (``"updates"``): the local optimizer runs first; the
+  change it made, ``Δ``, is pushed as the share ``Δ/N`` and the worker goes on
+  at ``w̄ + Σ own pending shares``, where ``w̄`` (the sum of every completed
+  round, identical on every worker) and the pending sum live in TensorFlow
+  variables on the worker's device.
+
+The payload never leaves TensorFlow: the frontends hand the tensors to the
+engine through ``tf.py_function`` (which passes the tensors themselves, not
+NumPy copies), the exchange thread gives them to ``hvd.grouped_allreduce``,
+and the update bookkeeping runs as two XLA-fused kernels that update the
+variables in place, so no payload-sized buffer crosses NumPy or is allocated
+per step beyond the share itself (the in-flight payload).  One grouped call
+per round, not a flat fused buffer: measured here (2 workers, 17.9M
+parameters in 6 tensors, eager, Gloo), concatenating into one buffer and
+splitting it again added two payload copies per step, while Horovod's own
+tensor fusion packs the group into its fusion buffer anyway
+(``HOROVOD_FUSION_THRESHOLD``, 128 MiB by default).
+"""
+import tensorflow as tf
+
+from tfsync import _horovod
+
+
+def _tf_variable(v):
+    """The ``tf.Variable`` behind a Keras 3 variable (or ``v`` itself)."""
+    if isinstance(v, tf.Variable):
+        return v
+    inner = getattr(v, "value", None)
+    if isinstance(inner, tf.Variable):
+        return inner
+    raise TypeError(f"tfsync: expected a TensorFlow or Keras variable, got {type(v).__name__}")
+
+
+def horovod_collective(average: bool):
+    """``collective(payload, meta)`` over Horovod: one compiled round per call.
+
+    The payload goes through ``hvd.grouped_allreduce`` (one group per dtype:
+    a group must share one), averaged by Horovod itself with ``average`` (a
+    post-scale in its fusion buffer, as ``hvd.Average`` does for plain
+    Horovod users) or summed; the float64 metadata through its own summing
+    allreduce.  Compiled into one ``tf.function``, the ops are launched
+    together, so Horovod negotiates them in the same cycle.
+    """
+    hvd = _horovod.horovod()
+    op = hvd.Average if average else hvd.Sum
+
+    @tf.function
+    def round_(payload, meta):
+        groups = {}
+        for i, t in enumerate(payload):
+            groups.setdefault(t.dtype, []).append(i)
+        total = [None] * len(payload)
+        for k, (dtype, index) in enumerate(groups.items()):
+            outs = hvd.grouped_allreduce([payload[i] for i in index], op=op,
+                                         name=f"tfsync.round.{k}")
+            for i, o in zip(index, outs):
+                total[i] = o
+        return total, hvd.allreduce(meta, op=hvd.Sum, name="tfsync.round.meta")
+
+    def collective(payload, meta):
+        total, meta = round_(list(payload), tf.constant(meta))
+        return total, meta.numpy()
+
+    return collective
+
+
+class GradientProtocol:
+    """Push this step's gradients; return the mean over the round's contributors."""
+
+    payload = "gradients"
+    average = True
+    reduces_gradients = True  # the frontends exchange before the optimizer runs
+
+    @staticmethod
+    def sync_round(policy, step):
+        """The round that must be complete before step ``step``'s gradient is applied."""
+        return policy.required_round(step)
+
+    def __init__(self, tensors, size):
+        self.shapes = [tuple(t.shape) for t in tensors]
+        self.dtypes = [tf.as_dtype(t.dtype) for t in tensors]
+
+    def contribution(self, grads):
+        return grads
+
+    def apply_round(self, result):
+        self.mean = result.total
+
+    def result(self):
+        return self.mean
+
+    def finish(self):
+        pass
+
+
+class UpdateProtocol:
+    """Additive updates with read-my-writes (SSP's model); state in device variables."""
+
+    payload = "updates"
+    average = False
+    reduces_gradients = False  # the frontends exchange after the optimizer ran
+
+    @staticmethod
+    def sync_round(policy, step):
+        """The round that must be complete before step ``step + 1`` is computed."""
+        return policy.required_round(step + 1)
+
+    def __init__(self, variables, size):
+        self.variables = [_tf_variable(v) for v in variables]
+        self.shapes = [tuple(v.shape) for v in self.variables]
+        self.dtypes = [v.dtype for v in self.variables]
+        self.size = size
+        with tf.init_scope():
+            self.w_bar = [tf.Variable(tf.identity(v), trainable=False, synchronization=tf.VariableSynchronization.NONE)
+                          for v in self.variables]
+            self.pending = [tf.Variable(tf.zeros_like(v), trainable=False, synchronization=tf.VariableSynchronization.NONE)
+                            for v in self.variables]
+        self._size_t = tf.constant(size, tf.float32)
+
+    def contribution(self, _inputs):
+        """The share ``Δ/N`` of the update the optimizer just made; moves to ``w̄ + pending``."""
+        return _push_share(self.variables, self.w_bar, self.pending, self._size_t)
+
+    def apply_round(self, result):
+        _apply_round(self.variables, self.w_bar, self.pending, result.total, result.contribution)
+
+    def result(self):
+        return []
+
+    def finish(self):
+        """Every round applied: the weights become ``w̄``, identical on every worker."""
+        for v, w in zip(self.variables, self.w_bar):
+            v.assign(w)
+
+
+@tf.function(jit_compile=True)
+def _push_share(variables, w_bar, pending, size):
+    # The variables hold L + Δ, where L = w̄ + pending is what the step was
+    # computed on (assigned as exactly that sum at the previous step), so the
+    # share is recovered without keeping a copy of L.
+    shares = []
+    for v, w, p in zip(variables, w_bar, pending):
+        share = (v - (w + p)) / tf.cast(size, v.dtype)
+        new_pending = p + share
+        p.assign(new_pending)
+        v.assign(w + new_pending)
+        shares.append(share)
+    return shares
+
+
+@tf.function(jit_compile=True)
+def _apply_round(variables, w_bar, pending, totals, own_shares):
+    for v, w, p, total, own in zip(variables, w_bar, pending, totals, own_shares):
+        new_w = w + total
+        new_p = p - own
+        w.assign(new_w)
+        p.assign(new_p)
+        v.assign(new_w + new_p)
+
+
+PROTOCOLS = {p.payload: p for p in (GradientProtocol, UpdateProtocol)}
+
+
+def for_policy(policy):
+    """The protocol class a policy names (``policy.payload``)."""
+    try:
+        return PROTOCOLS[policy.payload]
+    except KeyError:
+        raise ValueError(f"tfsync: policy {policy.name!r} names the unknown protocol {policy.payload!r}; "
+                         f"expected one of {sorted(PROTOCOLS)}") from None
+
+
+def dense(tensors, shapes, dtypes):
+    """Gradients as dense tensors of the variables' shapes (``None`` becomes zeros)."""
+    out = []
+    for t, shape, dtype in zip(tensors, shapes, dtypes):
+        out.append(tf.zeros(shape, dtype) if t is None else tf.convert_to_tensor(t))
+    return out
+
+
+__all__ = ["GradientProtocol", "UpdateProtocol", "for_policy", "horovod_collective"]
