@@ -4,9 +4,10 @@ import time
 
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from tfsync.engine.control import ControlClient, ControlServer
-from tfsync.engine.exchange import RoundExchange
+from tfsync.engine.exchange import RoundExchange, decode_meta, encode_meta
 
 TOKEN = "t" * 32
 
@@ -122,3 +123,46 @@ def test_unreachable_control_host_reads_as_rank_0_lost():
         time.sleep(0.01)
     assert client.table(timeout_s=0.5)["lost"][0]["rank"] == 0
     client.close()
+
+
+@settings(max_examples=200, deadline=None)
+@given(size=st.integers(1, 64), data=st.data())
+def test_metadata_survives_a_sum_and_a_mean_exactly(size, data):
+    rank = data.draw(st.integers(0, size - 1))
+    step = data.draw(st.integers(0, 2**31 - 1))
+    push_us = data.draw(st.integers(0, 2**47))
+    compute_us = data.draw(st.integers(0, 2**40))
+    meta = np.zeros((size, 4))
+    meta[rank] = (1.0, step, push_us / 1e6, compute_us / 1e6)
+    wire = encode_meta(meta)
+    # the collective: every other rank's wire block is zeros; Horovod's mean multiplies by 1/size in float32
+    mean = (wire.astype(np.float32) * np.float32(1.0 / size)).astype(np.float32)
+    for received, is_mean in ((wire, False), (mean, True)):
+        out = decode_meta(received, size, mean=is_mean)
+        assert out[rank, 0] == 1.0 and out[rank, 1] == step
+        assert round(out[rank, 2] * 1e6) == push_us and round(out[rank, 3] * 1e6) == compute_us
+        assert np.count_nonzero(np.delete(out, rank, axis=0)) == 0
+
+
+def test_inline_rounds_never_overtake_queued_work():
+    order, gate = [], threading.Event()
+
+    def collective(payload, meta):
+        order.append(("round", payload[0][0], threading.current_thread().name))
+        return payload, meta
+
+    ex = _exchange(collective)
+    blocker = threading.Thread(target=lambda: ex.call(lambda: (gate.wait(5), order.append(("call",)))[0], 10))
+    blocker.start()
+    deadline = time.time() + 5
+    while ex._unfinished == 0 and time.time() < deadline:
+        time.sleep(0.001)
+    ex.submit(0, [np.zeros(1, np.float32)], 0.0, 0.0, inline=True)  # queued behind the call
+    gate.set()
+    assert ex.wait(0, timeout_s=5)
+    blocker.join(5)
+    ex.submit(1, [np.ones(1, np.float32)], 0.0, 0.0, inline=True)  # idle: runs on this thread
+    assert ex.wait(1, timeout_s=5)
+    assert order == [("call",), ("round", 0.0, "tfsync-exchange"),
+                     ("round", 1.0, threading.current_thread().name)]
+    ex.close()

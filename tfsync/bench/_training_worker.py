@@ -1,25 +1,43 @@
 """One benchmark worker (run under horovodrun by ``tfsync.bench.training``).
 
-A small MLP on synthetic data: per-step CPU work is kept well below the
-simulated device time, so the sleeps (which free the CPU) set the pace, as a
-GPU would, even with four workers on two cores.
+An MLP on synthetic data, in three sizes (``MODELS``).  With the small one
+per-step CPU work is kept well below the simulated device time, so the sleeps
+(which free the CPU) set the pace, as a GPU would, even with four workers on
+two cores; the medium and large ones measure what synchronizing millions of
+parameters costs.
 """
 import argparse
+import resource
 import time
 
 import keras
 import numpy as np
 
 
+# name -> (input width, hidden widths, batch size); 10 classes
+MODELS = {
+    "small": (32, (64, 64), 32),  # 7.0k parameters
+    "medium": (256, (2048, 2048), 16),  # 4.7M
+    "large": (256, (4096, 4096), 16),  # 17.9M
+}
+
+
+def build_model(name):
+    width, hidden, _ = MODELS[name]
+    layers = [keras.Input((width,))] + [keras.layers.Dense(h, activation="relu") for h in hidden]
+    return keras.Sequential(layers + [keras.layers.Dense(10)])
+
+
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--mode", required=True, choices=["horovod", "bsp", "ssp"])
+    p.add_argument("--mode", required=True, choices=["local", "horovod", "bsp", "ssp"])
+    p.add_argument("--model", default="small", choices=sorted(MODELS))
     p.add_argument("--staleness", type=int, default=3)
     p.add_argument("--stragglers", default="none")
     p.add_argument("--steps", type=int, default=150)
     p.add_argument("--warmup-steps", type=int, default=10)
-    p.add_argument("--batch-size", type=int, default=32)
     args = p.parse_args()
+    width, _, batch_size = MODELS[args.model]
 
     import horovod.tensorflow as hvd
 
@@ -31,33 +49,35 @@ def main():
     rank, size = hvd.rank(), hvd.size()
     keras.utils.set_random_seed(rank)
     total = args.steps + args.warmup_steps
-    x = np.random.default_rng(rank).normal(size=(total * args.batch_size, 32)).astype("float32")
+    x = np.random.default_rng(rank).normal(size=(total * batch_size, width)).astype("float32")
     y = np.random.default_rng(rank + 100).integers(0, 10, size=len(x))
-    model = keras.Sequential([keras.Input((32,)), keras.layers.Dense(64, activation="relu"),
-                              keras.layers.Dense(64, activation="relu"), keras.layers.Dense(10)])
+    model = build_model(args.model)
     model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     stragglers = tfsync.Stragglers.parse(args.stragglers)
     clock = Clock(args.warmup_steps)
-    if args.mode == "horovod":
+    sync = None
+    if args.mode in ("local", "horovod"):
         broadcast_model(model, hvd)
-        use_horovod_allreduce(model, hvd)
+        if args.mode == "horovod":
+            use_horovod_allreduce(model, hvd)
         callbacks = [SleepEachStep(stragglers.for_rank(rank)), clock]
-        sync = None
     else:
         mode = tfsync.SSP(staleness=args.staleness) if args.mode == "ssp" else tfsync.BSP()
         sync = tfsync.keras.SyncCallback(mode=mode, stragglers=stragglers, average_epoch_logs=False)
         callbacks = [sync, clock]
-    model.fit(x, y, batch_size=args.batch_size, epochs=1, shuffle=False, verbose=0,
+    model.fit(x, y, batch_size=batch_size, epochs=1, shuffle=False, verbose=0,
               callbacks=callbacks)
     wall = hvd.allgather_object(clock.elapsed_s())
+    peak_rss_mb = hvd.allgather_object(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
     wait = None
     if sync is not None:
         totals = sync.engine.totals
         wait = hvd.allgather_object(totals["wait_s"] / (totals["wait_s"] + totals["compute_s"]))
     if rank == 0:
-        print_result({"samples_per_s": size * args.steps * args.batch_size / max(wall),
-                      "wall_s": max(wall),
+        print_result({"samples_per_s": size * args.steps * batch_size / max(wall),
+                      "wall_s": max(wall), "ms_per_step": max(wall) / args.steps * 1e3,
+                      "peak_rss_mb": max(peak_rss_mb), "num_params": model.count_params(),
                       "wait_fraction": float(np.mean(wait)) if wait is not None else None})
 
 

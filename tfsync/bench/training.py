@@ -1,7 +1,11 @@
 """``python -m tfsync.bench``: plain Horovod BSP vs tfsync BSP vs tfsync SSP, in one run.
 
-Each (mode, scenario) is one ``horovodrun`` launch of
-:mod:`tfsync.bench._training_worker` on local workers.  Scenarios:
+Each (model, mode, scenario) is one ``horovodrun`` launch of
+:mod:`tfsync.bench._training_worker` on local workers.  Models (``--models``):
+``small`` (7k parameters), ``medium`` (4.7M), ``large`` (17.9M).  Mode
+``local`` trains every worker alone with no synchronization at all: the
+compute floor each mode's synchronization overhead per step is measured
+against.  Scenarios:
 
 * ``none``: every worker spends ``--base-s`` of simulated device time per step;
 * ``straggler``: the last rank spends ``--slow-s`` more on every step;
@@ -20,9 +24,11 @@ import sys
 
 from tfsync.launch import horovodrun
 
-MODES = ("horovod", "bsp", "ssp")
+MODES = ("local", "horovod", "bsp", "ssp")
+MODELS = ("small", "medium", "large")
 SCENARIOS = ("none", "straggler", "jitter")
-MODE_LABELS = {"horovod": "plain Horovod BSP", "bsp": "tfsync BSP", "ssp": "tfsync SSP(s={s})"}
+MODE_LABELS = {"local": "no synchronization", "horovod": "plain Horovod BSP", "bsp": "tfsync BSP",
+               "ssp": "tfsync SSP(s={s})"}
 
 
 def scenario_spec(name, args):
@@ -43,7 +49,9 @@ def parse_args(argv):
     p.add_argument("--slow-s", type=float, default=0.04, help="extra time per step of the straggler")
     p.add_argument("--jitter-s", type=float, default=0.04, help="max extra time per step in 'jitter'")
     p.add_argument("--staleness", type=int, default=3)
-    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    p.add_argument("--modes", nargs="+", default=["horovod", "bsp", "ssp"], choices=MODES,
+                   help="'local' (no synchronization) is the compute floor the overhead is measured against")
+    p.add_argument("--models", nargs="+", default=["small"], choices=MODELS)
     p.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=SCENARIOS)
     p.add_argument("--repeats", type=int, default=3,
                    help="launches per (mode, scenario), interleaved across modes; the median is reported")
@@ -62,24 +70,9 @@ def main(argv=None):
     args = parse_args(argv)
     worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_training_worker.py")
     records = []
-    for scenario in args.scenarios:
-        spec = scenario_spec(scenario, args)
-        runs = {mode: [] for mode in args.modes}
-        # round-robin over the modes, so a slow spell of the shared machine hits all of them
-        for repeat in range(args.repeats):
-            for mode in args.modes:
-                result = horovodrun(worker, ["--mode", mode, "--staleness", args.staleness,
-                                             "--stragglers", spec, "--steps", args.steps],
-                                    workers=args.workers, timeout_s=args.timeout_s)
-                runs[mode].append(result)
-                print(f"  {scenario:9s} {MODE_LABELS[mode].format(s=args.staleness):18s} "
-                      f"run {repeat + 1}: {result['samples_per_s']:8.0f} samples/s",
-                      file=sys.stderr, flush=True)
-        for mode in args.modes:
-            median = sorted(runs[mode], key=lambda r: r["samples_per_s"])[len(runs[mode]) // 2]
-            records.append({"mode": MODE_LABELS[mode].format(s=args.staleness), "scenario": scenario,
-                            "stragglers": spec, "workers": args.workers, "steps": args.steps,
-                            **median, "runs_samples_per_s": [r["samples_per_s"] for r in runs[mode]]})
+    for model in args.models:
+        for scenario in args.scenarios:
+            records += run_configuration(worker, model, scenario, args)
     print(format_table(records))
     if args.json:
         with open(args.json, "w") as f:
@@ -87,14 +80,52 @@ def main(argv=None):
     return 0
 
 
-def format_table(records):
-    lines = ["| scenario | mode | samples/s | wait fraction | vs plain Horovod | vs tfsync BSP |",
-             "|---|---|---:|---:|---:|---:|"]
+def run_configuration(worker, model, scenario, args):
+    spec = scenario_spec(scenario, args)
+    runs = {mode: [] for mode in args.modes}
+    # round-robin over the modes, so a slow spell of the shared machine hits all of them
+    for repeat in range(args.repeats):
+        for mode in args.modes:
+            result = horovodrun(worker, ["--mode", mode, "--model", model, "--staleness", args.staleness,
+                                         "--stragglers", spec, "--steps", args.steps],
+                                workers=args.workers, timeout_s=args.timeout_s)
+            runs[mode].append(result)
+            print(f"  {model:6s} {scenario:9s} {MODE_LABELS[mode].format(s=args.staleness):18s} "
+                  f"run {repeat + 1}: {result['samples_per_s']:8.0f} samples/s",
+                  file=sys.stderr, flush=True)
+    records = []
+    for mode in args.modes:
+        median = sorted(runs[mode], key=lambda r: r["samples_per_s"])[len(runs[mode]) // 2]
+        records.append({"mode": MODE_LABELS[mode].format(s=args.staleness), "model": model,
+                        "scenario": scenario, "stragglers": spec, "workers": args.workers,
+                        "steps": args.steps, **median,
+                        "runs_samples_per_s": [r["samples_per_s"] for r in runs[mode]]})
+    floor = next((r for r in records if r["mode"] == MODE_LABELS["local"]), None)
+    horovod = next((r for r in records if r["mode"] == MODE_LABELS["horovod"]), None)
     for r in records:
-        same = {x["mode"].split("(")[0]: x["samples_per_s"] for x in records if x["scenario"] == r["scenario"]}
-        base, bsp = same.get("plain Horovod BSP"), same.get("tfsync BSP")
+        if floor is not None:
+            r["sync_overhead_ms"] = r["ms_per_step"] - floor["ms_per_step"]
+    for r in records:
+        if horovod is not None:
+            r["vs_horovod"] = r["samples_per_s"] / horovod["samples_per_s"]
+            if floor is not None and horovod["ms_per_step"] > floor["ms_per_step"]:
+                r["overhead_vs_horovod"] = r["sync_overhead_ms"] / horovod["sync_overhead_ms"]
+    return records
+
+
+def format_table(records):
+    lines = ["| model | scenario | mode | samples/s | ms/step | sync overhead ms/step | wait fraction "
+             "| vs plain Horovod | vs tfsync BSP | peak RSS MiB |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in records:
+        same = {x["mode"].split("(")[0]: x["samples_per_s"] for x in records
+                if x["scenario"] == r["scenario"] and x.get("model") == r.get("model")}
+        bsp = same.get("tfsync BSP")
         wait = "—" if r["wait_fraction"] is None else f"{r['wait_fraction']:.2f}"
-        ratio = lambda ref: "—" if not ref else f"{r['samples_per_s'] / ref:.2f}×"  # noqa: E731
-        lines.append(f"| {r['scenario']} | {r['mode']} | {r['samples_per_s']:.0f} | {wait} | "
-                     f"{ratio(base)} | {ratio(bsp)} |")
+        overhead = "—" if "sync_overhead_ms" not in r else f"{r['sync_overhead_ms']:.1f}"
+        vs_hvd = "—" if "vs_horovod" not in r else f"{r['vs_horovod']:.2f}×"
+        vs_bsp = "—" if not bsp else f"{r['samples_per_s'] / bsp:.2f}×"
+        lines.append(f"| {r.get('model', 'small')} | {r['scenario']} | {r['mode']} | {r['samples_per_s']:.0f} | "
+                     f"{r['ms_per_step']:.1f} | {overhead} | {wait} | {vs_hvd} | {vs_bsp} | "
+                     f"{r['peak_rss_mb']:.0f} |")
     return "\n".join(lines)

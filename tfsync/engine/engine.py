@@ -195,10 +195,12 @@ class SyncEngine:
         step, t_start = self.step, self._t_step_start
         payload = self.protocol.contribution(list(inputs))
         t_push = self._now()
-        self.exchange.submit(step, payload, t_push, t_push - t_start)
+        required = self.protocol.sync_round(self.policy, step)
+        # a worker that would wait for this very round anyway runs it on its own thread
+        self.exchange.submit(step, payload, t_push, t_push - t_start, inline=required >= step)
         self._last_pushed = step
         self.control.report(step)
-        applied = self._wait_and_apply(self.protocol.sync_round(self.policy, step))
+        applied = self._wait_and_apply(required)
         self._end_step(step, t_start, t_push, applied)
         return self.protocol.result()
 

@@ -12,6 +12,7 @@ import tensorflow as tf
 
 from tfsync import _horovod
 from tfsync.engine import SyncEngine
+from tfsync.engine.protocols import _tf_variable
 from tfsync.engine.tf_bridge import exchange_gradients, exchange_updates
 from tfsync.policies import resolve
 
@@ -142,15 +143,13 @@ class SyncCallback(keras.callbacks.Callback):
 
     @staticmethod
     def _broadcast_weights(hvd, model):
-        """One fused broadcast of every model variable (trainable or not) from rank 0."""
-        variables = list(model.variables)
-        flat = np.concatenate([np.asarray(v.value, np.float64).reshape(-1) for v in variables])
-        flat = hvd.broadcast(tf.constant(flat), root_rank=0, name="tfsync.initial_weights").numpy()
-        offset = 0
-        for v in variables:
-            n = int(np.prod(v.shape))
-            v.assign(flat[offset:offset + n].reshape(v.shape).astype(v.dtype))
-            offset += n
+        """Every model variable (trainable or not) from rank 0, in its own dtype.
+
+        Horovod's ``broadcast_variables`` launches the broadcasts together in
+        one compiled function and assigns in place: no copy of the model is
+        assembled on the host.
+        """
+        hvd.broadcast_variables([_tf_variable(v) for v in model.variables], root_rank=0)
 
     def _wrap_optimizer(self, optimizer):
         engine, expected = self.engine, [id(v) for v in self.variables]
