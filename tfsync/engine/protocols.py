@@ -35,7 +35,7 @@ from tfsync import _horovod
 from tfsync.engine.exchange import decode_meta, encode_meta
 
 
-def _tf_variable(v):
+def tf_variable(v):
     """The ``tf.Variable`` behind a Keras 3 variable (or ``v`` itself)."""
     if isinstance(v, tf.Variable):
         return v
@@ -124,7 +124,7 @@ class UpdateProtocol:
         return policy.required_round(step + 1)
 
     def __init__(self, variables, size):
-        self.variables = [_tf_variable(v) for v in variables]
+        self.variables = [tf_variable(v) for v in variables]
         self.shapes = [tuple(v.shape) for v in self.variables]
         self.dtypes = [v.dtype for v in self.variables]
         self.size = size

@@ -9,7 +9,7 @@ TensorFlow.
 """
 import tensorflow as tf
 
-from tfsync.engine.protocols import _tf_variable
+from tfsync.engine.protocols import tf_variable
 
 
 def exchange_gradients(engine, grads):
@@ -33,7 +33,7 @@ def exchange_updates(engine, variables):
     does not take the values: a live read would make the engine's in-place
     writes copy the buffer first.)
     """
-    after_update = [tf.raw_ops.VariableShape(input=_tf_variable(v).handle) for v in variables]
+    after_update = [tf.raw_ops.VariableShape(input=tf_variable(v).handle) for v in variables]
     return tf.py_function(lambda *_: engine.sync_step([]), after_update, Tout=[], name="tfsync_step")
 
 

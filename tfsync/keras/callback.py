@@ -12,7 +12,7 @@ import tensorflow as tf
 
 from tfsync import _horovod
 from tfsync.engine import SyncEngine
-from tfsync.engine.protocols import _tf_variable
+from tfsync.engine.protocols import tf_variable
 from tfsync.engine.tf_bridge import exchange_gradients, exchange_updates
 from tfsync.policies import resolve
 
@@ -149,7 +149,7 @@ class SyncCallback(keras.callbacks.Callback):
         one compiled function and assigns in place: no copy of the model is
         assembled on the host.
         """
-        hvd.broadcast_variables([_tf_variable(v) for v in model.variables], root_rank=0)
+        hvd.broadcast_variables([tf_variable(v) for v in model.variables], root_rank=0)
 
     def _wrap_optimizer(self, optimizer):
         engine, expected = self.engine, [id(v) for v in self.variables]

@@ -5,7 +5,8 @@ A policy knows nothing of sockets, threads or TensorFlow.  The engine
 contributes the payload of its step ``r`` and receives the sum of all
 contributions.  A policy answers two questions:
 
-* ``payload``: what a worker contributes.  ``"gradients"``: the raw gradient,
+* ``payload``: what a worker contributes, i.e. which step protocol of
+  :mod:`tfsync.engine.protocols` the engine builds for it.  ``"gradients"``: the raw gradient,
   exchanged *before* the optimizer runs and applied as the workers' average
   (exactly what ``hvd.allreduce`` + optimizer does).  ``"updates"``: the change
   the local optimizer made, ``Δ = U(g)``, exchanged *after* it was applied locally
