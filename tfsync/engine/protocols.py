@@ -125,9 +125,6 @@ class UpdateProtocol:
 
     def __init__(self, variables, size):
         self.variables = [tf_variable(v) for v in variables]
-        self.shapes = [tuple(v.shape) for v in self.variables]
-        self.dtypes = [v.dtype for v in self.variables]
-        self.size = size
         with tf.init_scope():
             self.w_bar = [tf.Variable(tf.identity(v), trainable=False, synchronization=tf.VariableSynchronization.NONE)
                           for v in self.variables]
