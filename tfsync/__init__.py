@@ -2,7 +2,8 @@
 
 Public API::
 
-    tfsync.BSP(), tfsync.SSP(staleness=3)       # modes (or the strings "bsp", "ssp")
+    tfsync.BSP(), tfsync.SSP(staleness=3)       # modes (or the strings "bsp", "ssp",
+    tfsync.PSP(), tfsync.BackupWorkers()         #   "psp", "backup")
     tfsync.Stragglers(...)                       # simulated device time and stragglers
     tfsync.keras.SyncCallback(mode=...)          # model.fit(..., callbacks=[...])
     tfsync.distribute.SyncStrategy(mode=...)     # with strategy.scope(): ...
@@ -10,7 +11,7 @@ Public API::
 """
 import importlib
 
-from tfsync.policies import BSP, SSP, Policy
+from tfsync.policies import BSP, PSP, SSP, BackupWorkers, Policy
 from tfsync.stragglers import Stragglers
 
 __version__ = "0.1.0"
@@ -28,4 +29,4 @@ def __getattr__(name):
     raise AttributeError(f"module 'tfsync' has no attribute {name!r}")
 
 
-__all__ = ["BSP", "SSP", "Policy", "Stragglers", "shard", "keras", "distribute", "__version__"]
+__all__ = ["BSP", "SSP", "PSP", "BackupWorkers", "Policy", "Stragglers", "shard", "keras", "distribute", "__version__"]

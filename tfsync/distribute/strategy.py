@@ -24,6 +24,7 @@ loads the identical final weights at :meth:`SyncStrategy.finish` and,
 automatically, before the first evaluation or prediction step that follows
 training.  Call ``finish()`` after ``fit`` before saving a model.
 """
+import inspect
 import threading
 
 import tensorflow as tf
@@ -32,7 +33,8 @@ from tensorflow.python.distribute import one_device_strategy
 from tfsync import _horovod
 from tfsync.engine import SyncEngine
 from tfsync.engine.protocols import for_policy
-from tfsync.engine.tf_bridge import exchange_gradients, exchange_updates, finish_in_graph
+from tfsync.engine.tf_bridge import (exchange_gradients, exchange_updates, finish_in_graph,
+                                     skippable_train_step)
 from tfsync.policies import resolve
 
 
@@ -115,6 +117,8 @@ class _SyncExtended(one_device_strategy.OneDeviceExtended):
             step_kind = getattr(fn, "__name__", "")
             try:
                 flush = [] if step_kind == "train_step" else self._flush_before_non_training_step()
+                if step_kind == "train_step" and self._policy.skips:
+                    fn = self._skippable(fn)
                 with tf.control_dependencies(flush):
                     out = super()._call_for_each_replica(fn, args, kwargs)
                 if state.training and not self._reduces_gradients:
@@ -129,7 +133,8 @@ class _SyncExtended(one_device_strategy.OneDeviceExtended):
     def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
         state = self._local
         values = [v for v, _ in value_destination_pairs]
-        if not state.__dict__.get("in_step") or reduce_op != tf.distribute.ReduceOp.SUM:
+        if (not state.__dict__.get("in_step") or state.__dict__.get("skipping")
+                or reduce_op != tf.distribute.ReduceOp.SUM):
             return super()._batch_reduce_to(reduce_op, value_destination_pairs, options)
         state.training = True
         if self._reduces_gradients:
@@ -143,6 +148,25 @@ class _SyncExtended(one_device_strategy.OneDeviceExtended):
         if state.__dict__.get("training") and not self._reduces_gradients:
             state.updates.append(var)
         return super()._update(var, fn, args, kwargs, group)
+
+    def _skippable(self, train_step):
+        """Keras' bound ``train_step``, skipped when its round closed without this worker."""
+        # strategy.run hands over Keras' bound method behind autograph's functools wrapper
+        model = getattr(inspect.unwrap(train_step), "__self__", None)
+        if model is None or not hasattr(model, "get_metrics_result"):
+            raise ValueError(f"tfsync.SyncStrategy(mode={self._policy.name!r}) skips the steps of a "
+                             f"slow worker and needs Keras' Model.train_step to do so; got "
+                             f"{train_step!r}. Train with model.fit")
+        state = self._local
+
+        def apply_mean(mean):
+            state.skipping = True  # the optimizer must not exchange the mean again
+            try:
+                return model.optimizer.apply_gradients(zip(mean, model.trainable_variables))
+            finally:
+                state.skipping = False
+
+        return skippable_train_step(lambda: self._engine, model, train_step, apply_mean)
 
     # ------------------------------------------------------------------ engine
     def _start(self, tensors):

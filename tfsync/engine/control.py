@@ -26,9 +26,19 @@ readable by anyone who can capture that network.  The server listens only on
 the address the workers use (``host``; ``TFSYNC_CONTROL_HOST``), not on every
 interface.
 
-Gating itself does not go through here: every worker evaluates the same pure
-policy on the clock table replicated by the rounds (see ``exchange.py``).
+Rounds of the coordinated policies (PSP, backup workers: rounds that close
+without the slow workers) are decided here.  A worker whose contribution to
+round ``r`` is in its outbox sends ``Ready(rank, r)``; rank 0's coordinator
+thread evaluates the policy's pure ``close_round`` on the ready notices of
+the oldest open round and the clock, and when it closes, appends
+``[r, accepted ranks]`` to the closed list, which every worker's ``Attach``
+stream carries in order.  Each worker's communication thread enters the
+round's allreduce on that notice (see ``exchange.py``), so the decision, not
+any worker's local clock, fixes what every replica applies.  BSP and SSP
+need no coordinator: their rounds close when every worker has contributed,
+which each worker's own allreduce enforces.
 """
+import collections
 import hmac
 import logging
 import threading
@@ -53,6 +63,8 @@ STREAM_WAKE_S = 0.5           # an Attach stream's condition wait: rechecks end/
 SERVER_STOP_WAIT_S = 2.0      # how long ControlServer.stop waits for the gRPC server to end
 REJECTION_LOG_INTERVAL_S = 1.0  # at most one logged warning about refused calls per this
 REJECTIONS_KEPT = 100         # ControlServer.rejected keeps the first this many
+READY_TIMEOUT_S = 5.0         # deadline of one (fire-and-forget) ready notice
+COORDINATOR_WAKE_S = 0.5      # the coordinator rechecks shutdown at least this often
 
 log = logging.getLogger("tfsync.control")
 
@@ -88,7 +100,7 @@ def _host_port(host: str, port) -> str:
 class ControlServer:
     """Runs on rank 0: the live clock table and the set of lost ranks."""
 
-    def __init__(self, size: int, t0: float, token: str, host: str = "localhost"):
+    def __init__(self, size: int, t0: float, token: str, host: str = "localhost", policy=None):
         self.size, self.t0 = size, t0
         self._token = _check_token(token).encode("ascii")
         self._lock = threading.Lock()
@@ -104,6 +116,9 @@ class ControlServer:
         self._last_rejection_log = float("-inf")
         self._rejections_unlogged = 0
         self._stopping = threading.Event()
+        self._policy = policy if policy is not None and policy.coordinated else None
+        self._ready = {}  # open round -> [(rank, ready_s)] in arrival order
+        self._closed = []  # [round, [accepted ranks]] in round order
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=size + 4))
         unary = lambda name, fn: grpc.unary_unary_rpc_method_handler(  # noqa: E731
             self._guarded(name, fn), request_deserializer=_decode, response_serializer=_encode)
@@ -111,6 +126,7 @@ class ControlServer:
             "Attach": grpc.unary_stream_rpc_method_handler(
                 self._attach, request_deserializer=_decode, response_serializer=_encode),
             "Report": unary("Report", self._report),
+            "Ready": unary("Ready", self._ready_notice),
             "Leave": unary("Leave", self._leave),
             "Stop": unary("Stop", self._stop),
             "Table": unary("Table", self._table),
@@ -130,6 +146,10 @@ class ControlServer:
         self.port = port
         self.address = _host_port(host, port)
         self._server.start()
+        if self._policy is not None:
+            self._coordinator = threading.Thread(target=self._coordinate, daemon=True,
+                                                 name="tfsync-coordinator")
+            self._coordinator.start()
 
     # -- access control -------------------------------------------------------------
 
@@ -197,16 +217,19 @@ class ControlServer:
         yield {"attached": rank}
         # Push every loss to every worker at once: if rank 0 goes down right after
         # (it stops too), the others still know whom they lost first.
-        told = (0, 0)
+        # Round closings go out in order, each once, in the same stream.
+        told = (0, 0, 0)
         while True:
             with self._lock:
-                while ((len(self._lost), len(self._stopped)) == told and not ended.is_set()
-                       and not self._stopping.is_set()):
+                while ((len(self._lost), len(self._stopped), len(self._closed)) == told
+                       and not ended.is_set() and not self._stopping.is_set()):
                     self._changed.wait(STREAM_WAKE_S)
                 if ended.is_set() or self._stopping.is_set():
                     return
-                told = (len(self._lost), len(self._stopped))
-                message = {"lost": list(self._lost.values()), "stopped": list(self._stopped.values())}
+                closed = self._closed[told[2]:]
+                told = (len(self._lost), len(self._stopped), len(self._closed))
+                message = {"lost": list(self._lost.values()), "stopped": list(self._stopped.values()),
+                           "closed": closed}
             yield message  # resumes once gRPC has written it
             with self._lock:
                 if rank in self._stops_sent:
@@ -219,6 +242,51 @@ class ControlServer:
             self._clocks[rank] = max(self._clocks[rank], int(request["clock"]))
             self._last_seen[rank] = time.time() - self.t0
         return {"ok": 1}
+
+    def _ready_notice(self, request, context):
+        """A worker's contribution to a round is in its outbox (coordinated policies)."""
+        rank, round_ = int(request["rank"]), int(request["round"])
+        with self._lock:
+            next_open = self._closed[-1][0] + 1 if self._closed else 0
+            # a notice for a round already closed is late: that worker drops the contribution
+            if self._policy is not None and round_ >= next_open:
+                self._ready.setdefault(round_, []).append((rank, time.time() - self.t0))
+                self._changed.notify_all()
+        return {"ok": 1}
+
+    def _coordinate(self):
+        """Close the oldest open round whenever the policy's rule says so."""
+        opened_s = time.time() - self.t0
+        round_ = 0
+        with self._lock:
+            while not self._stopping.is_set():
+                now = time.time() - self.t0
+                try:
+                    decision = self._policy.close_round(
+                        tuple(self._ready.get(round_, ())), opened_s, now, self.size)
+                except Exception as exc:  # a policy bug must stop the job, not hang it
+                    log.exception("tfsync: the coordinator's policy failed")
+                    self._stopped.setdefault(0, {"rank": 0, "kind": "RuntimeError", "message": (
+                        f"the coordinator's {type(self._policy).__name__}.close_round failed on "
+                        f"round {round_}: {type(exc).__name__}: {exc}")})
+                    self._changed.notify_all()
+                    return
+                if decision.accepted is not None:
+                    self._closed.append([round_, [int(r) for r in decision.accepted]])
+                    self._ready.pop(round_, None)
+                    round_, opened_s = round_ + 1, now
+                    self._changed.notify_all()
+                    continue
+                wait = COORDINATOR_WAKE_S
+                if decision.recheck_s is not None:
+                    wait = min(wait, max(decision.recheck_s - now, 0.0))
+                self._changed.wait(wait)
+
+    @property
+    def closed(self):
+        """``[round, [accepted ranks]]`` for every closed round so far (coordinated policies)."""
+        with self._lock:
+            return [list(c) for c in self._closed]
 
     def _leave(self, request, context):
         with self._lock:
@@ -256,13 +324,17 @@ class ControlClient:
     """A worker's end of the control path."""
 
     def __init__(self, address: str, rank: int, token: str,
-                 connect_timeout_s: float = CONNECT_TIMEOUT_S):
+                 connect_timeout_s: float = CONNECT_TIMEOUT_S, on_close=None):
         self.address, self.rank = address, rank
+        self._on_close = on_close
+        self._closes_seen = 0
+        self._ready_calls = collections.deque(maxlen=4)
         self._metadata = ((TOKEN_METADATA_KEY, _check_token(token)),)
         self._channel = grpc.insecure_channel(address)
         method = lambda name: self._channel.unary_unary(  # noqa: E731
             f"/{SERVICE}/{name}", request_serializer=_encode, response_deserializer=_decode)
         self._report, self._leave, self._table = method("Report"), method("Leave"), method("Table")
+        self._ready = method("Ready")
         self._stop = method("Stop")
         self._closing = False
         self.host_lost = None
@@ -300,6 +372,10 @@ class ControlClient:
                 if "lost" in message:
                     self.known_lost = message["lost"]
                     self.known_stopped = message["stopped"]
+                for round_, accepted in message.get("closed", ()):
+                    if self._on_close is not None:
+                        self._on_close(int(round_), tuple(int(r) for r in accepted))
+                    self._closes_seen += 1
                 first.set()
         except grpc.RpcError as exc:
             if not first.is_set():
@@ -321,6 +397,11 @@ class ControlClient:
         self._last_report = now
         self._inflight = self._report.future({"rank": self.rank, "clock": clock},
                                              timeout=REPORT_TIMEOUT_S, metadata=self._metadata)
+
+    def ready(self, round_: int):
+        """Tell the coordinator that this worker's contribution to ``round_`` is ready (async)."""
+        self._ready_calls.append(self._ready.future(
+            {"rank": self.rank, "round": round_}, timeout=READY_TIMEOUT_S, metadata=self._metadata))
 
     def announce_stop(self, kind: str, message: str):
         """Tell every worker (through rank 0) why this one stops, so they can say so too."""

@@ -20,9 +20,20 @@ Both run as one :meth:`SyncEngine.sync_step` per training step, called from insi
 the compiled train step (see :mod:`tfsync.engine.tf_bridge`) with the tensors
 themselves: the payload never crosses NumPy.
 
-Every applied contribution is counted (``applied``) in the metrics and the
-trace, next to ``dropped``.  BSP and SSP accept every contribution (SSP bounds
-staleness by waiting, not by dropping), so ``dropped`` is 0 for them.
+Coordinated policies (PSP, backup workers) push into the exchange's outbox
+and tell rank 0's coordinator; the round closes on its decision, possibly
+without this worker (see :mod:`tfsync.engine.exchange`).  When the round of a
+worker's next step has already closed, :meth:`SyncEngine.begin_step` says so
+and the frontends skip that step's computation (:meth:`SyncEngine.skip_step`
+applies the round's mean all the same), so a slow worker keeps pace with the
+rounds instead of setting the job's length.
+
+Every contribution is accounted for, per worker: ``produced`` = ``applied`` +
+``dropped`` (checked when training finishes, after the last one in flight
+is drained); steps that computed nothing are ``skipped``.  All four are in
+the totals, the Keras logs and the trace.  BSP and SSP accept every
+contribution (SSP bounds staleness by waiting, not by dropping) and never
+skip.
 """
 import contextlib
 import json
@@ -39,6 +50,9 @@ from tfsync.engine.control import ControlClient, ControlServer
 from tfsync.engine.exchange import RoundExchange, WorkerLostError
 from tfsync.policies import resolve
 from tfsync.stragglers import Stragglers
+
+# What happened to this worker's contributions (and steps), in totals, logs and trace.
+COUNTS = ("produced", "applied", "dropped", "skipped")
 
 WAIT_TIMEOUT_ENV = "TFSYNC_WAIT_TIMEOUT_S"
 DEFAULT_WAIT_TIMEOUT_S = 120.0
@@ -93,7 +107,11 @@ class SyncEngine:
         if not tensors:
             raise ValueError("tfsync: the model has no trainable weights to synchronize")
         self.rank, self.size = hvd.rank(), hvd.size()
+        self.policy.validate(self.size)
         protocol_cls = protocols.for_policy(self.policy)
+        if self.policy.coordinated and not protocol_cls.reduces_gradients:
+            raise ValueError(f"tfsync: policy {self.policy.name!r} is coordinated but names the "
+                             f"{protocol_cls.payload!r} protocol; coordinated rounds carry gradients")
         shapes = [[int(d) for d in t.shape] for t in tensors]
         self.num_params = int(sum(np.prod(s, dtype=np.int64) for s in shapes))
         config = {"policy": self.policy.config(), "num_params": self.num_params, "weights": shapes,
@@ -113,18 +131,23 @@ class SyncEngine:
             # the job's token reaches the workers over Horovod's own channel, never the control path
             token = secrets.token_hex(16)
             host = os.environ.get("TFSYNC_CONTROL_HOST") or socket.gethostname()
-            self._server = ControlServer(self.size, self.t0, token, host=host)
+            self._server = ControlServer(self.size, self.t0, token, host=host, policy=self.policy)
             contact = (self._server.address, token)
         else:
             contact = None
         address, token = hvd.broadcast_object(contact, root_rank=0, name="tfsync.control_address")
-        self.control = ControlClient(address, self.rank, token)
 
-        self.exchange = RoundExchange(protocols.horovod_collective(protocol_cls.average),
-                                      self.rank, self.size, self.t0)
         self.protocol = protocol_cls(tensors, self.size)
+        coordinated = {}
+        if self.policy.coordinated:
+            coordinated = dict(absent=self.protocol.absent(), mask=protocols.mask_stale_payload)
+        self.exchange = RoundExchange(protocols.horovod_collective(protocol_cls.average),
+                                      self.rank, self.size, self.t0, **coordinated)
+        self.control = ControlClient(address, self.rank, token, on_close=(
+            self.exchange.close_round if self.policy.coordinated else None))
         self._delays = self.stragglers.for_rank(self.rank)
         self.step = 0
+        self._produced = self._own_applied = 0  # not yet moved into the totals
         self._last_pushed = -1
         self._applied_through = -1
         self._trace = None
@@ -133,21 +156,35 @@ class SyncEngine:
             self._trace = open(os.path.join(self.trace_dir, f"rank{self.rank}.jsonl"), "w")
             self._write({"event": "start", "rank": self.rank, "size": self.size, "t0": self.t0,
                          **config})
+        self.counts = dict.fromkeys(COUNTS, 0)
         self.reset_totals()
         self.last = {}
         self.started = True
         self._t_step_start = self._now()
 
     def reset_totals(self):
-        self.totals = {"steps": 0, "compute_s": 0.0, "wait_s": 0.0, "applied": 0, "dropped": 0}
+        """Zero the totals (per epoch); ``counts`` keeps the whole run's."""
+        self.totals = {"steps": 0, "compute_s": 0.0, "wait_s": 0.0, **dict.fromkeys(COUNTS, 0)}
 
     def finish(self):
-        """Wait for every pushed round and apply it (eager; identical weights on every rank)."""
+        """Wait for every pushed round and apply it (eager; identical weights on every rank).
+
+        Then every contribution this worker produced has been applied or dropped:
+        checked, so nothing is lost silently.
+        """
         if self._applied_through < self.step - 1:
             t = self._now()
             applied = self._wait_and_apply(self.step - 1)
             self._record_extra_wait(t, applied)
+        if self.policy.coordinated:
+            self.exchange.drain_outbox()
+            self._count_drops()
         self.protocol.finish()
+        c = self.counts
+        if c["produced"] != c["applied"] + c["dropped"]:
+            raise RuntimeError(
+                f"tfsync: rank {self.rank} lost track of contributions: produced {c['produced']}, "
+                f"applied {c['applied']}, dropped {c['dropped']} after every round was drained")
 
     def close(self):
         """Leave the control path and stop the threads (collective: call on every rank)."""
@@ -155,12 +192,16 @@ class SyncEngine:
             return
         self.started = False
         hvd = _horovod.horovod()
-        self.exchange.close()
-        self.control.close()
         import tensorflow as tf
 
-        # Nobody stops the control server before every rank has left it.
-        hvd.allreduce(tf.constant(0.0), op=hvd.Sum, name="tfsync.close")
+        # Nobody stops the control server before every rank has left it: a
+        # barrier on the exchange thread, after every round, and bounded.
+        try:
+            self.exchange.call(lambda: hvd.allreduce(tf.constant(0.0), op=hvd.Sum, name="tfsync.close"),
+                               timeout_s=self.wait_timeout_s)
+        finally:
+            self.exchange.close()
+            self.control.close()
         if self._server is not None:
             self._server.stop()
         if self._trace is not None:
@@ -188,16 +229,40 @@ class SyncEngine:
             self.error = exc
             raise
 
-    def _step(self, inputs):
+    def begin_step(self) -> bool:
+        """Whether this step computes: False when its round already closed without this
+        worker (policies that skip), and the frontend then calls :meth:`skip_step`."""
+        with self._keep_error():
+            self._check_started()
+            return not (self.policy.skips and self.exchange.closed_through >= self.step)
+
+    def skip_step(self):
+        """A skipped step: no contribution; wait for its round and return its result."""
+        with self._keep_error():
+            self._check_started()
+            step, t_start = self.step, self._t_step_start
+            applied = self._wait_and_apply(self.protocol.sync_round(self.policy, step))
+            self._end_step(step, t_start, t_start, applied, skipped=True)
+            return self.protocol.result()
+
+    def _check_started(self):
         if not self.started:
             raise RuntimeError("tfsync: the engine is not started (SyncCallback.on_train_begin starts it)")
+
+    def _step(self, inputs):
+        self._check_started()
         self._delays.sleep()
         step, t_start = self.step, self._t_step_start
         payload = self.protocol.contribution(list(inputs))
         t_push = self._now()
         required = self.protocol.sync_round(self.policy, step)
-        # a worker that would wait for this very round anyway runs it on its own thread
-        self.exchange.submit(step, payload, t_push, t_push - t_start, inline=required >= step)
+        if self.policy.coordinated:
+            self.exchange.push(step, payload, t_push, t_push - t_start)
+            self.control.ready(step)
+        else:
+            # a worker that would wait for this very round anyway runs it on its own thread
+            self.exchange.submit(step, payload, t_push, t_push - t_start, inline=required >= step)
+        self._produced += 1
         self._last_pushed = step
         self.control.report(step)
         applied = self._wait_and_apply(required)
@@ -213,12 +278,27 @@ class SyncEngine:
         if required_round > self.exchange.completed:
             self._wait_round(required_round)
         applied = []
-        for r in range(self._applied_through + 1, self.exchange.completed + 1):
+        last = self.exchange.completed
+        if self.protocol.one_round_per_step:  # a later round belongs to a later step
+            last = min(last, required_round)
+        for r in range(self._applied_through + 1, last + 1):
             res = self.exchange.pop(r)
             self.protocol.apply_round(res)
-            applied.append((r, res.contributors))
+            stamps = [int(res.steps[k]) for k in np.flatnonzero(res.present)]
+            applied.append((r, res.contributors, stamps))
+            self._own_applied += int(res.present[self.rank] == 1.0)
             self._applied_through = r
         return applied
+
+    def _count_drops(self):
+        """This worker's contributions dropped since the last call, counted; ``[[stamp, round]]``."""
+        drops = [[int(s), int(r)] for s, r in self.exchange.take_drops()]
+        for key, n in (("produced", self._produced), ("applied", self._own_applied),
+                       ("dropped", len(drops))):
+            self.totals[key] += n
+            self.counts[key] += n
+        self._produced = self._own_applied = 0
+        return drops
 
     def _wait_round(self, round_):
         deadline = time.monotonic() + self.wait_timeout_s
@@ -294,35 +374,42 @@ class SyncEngine:
             f"tfsync: the collective for round {round_} failed on rank {self.rank} ({exc}); "
             "no peer was reported lost by the control path")
 
-    def _end_step(self, step, t_start, t_push, applied):
+    def _end_step(self, step, t_start, t_push, applied, skipped=False):
         t_end = self._now()
         compute_s, wait_s = t_push - t_start, t_end - t_push
         # staleness of a contribution: steps between its round and the step that next uses it
-        staleness = [step - r for r, _ in applied]
-        n_applied = sum(n for _, n in applied)
+        staleness = [step - r for r, _, _ in applied]
+        drops = self._count_drops()
         self.last = {"wait_s": wait_s, "compute_s": compute_s,
-                     "staleness": max(staleness) if staleness else 0, "applied": n_applied, "dropped": 0}
+                     "staleness": max(staleness) if staleness else 0,
+                     "applied": sum(n for _, n, _ in applied), "dropped": len(drops),
+                     "skipped": int(skipped)}
         tot = self.totals
         tot["steps"] += 1
         tot["compute_s"] += compute_s
         tot["wait_s"] += wait_s
-        tot["applied"] += n_applied
+        tot["skipped"] += int(skipped)
+        self.counts["skipped"] += int(skipped)
         if self._trace is not None:
             self._write({"rank": self.rank, "step": step, "t_start": t_start, "t_push": t_push,
                          "t_end": t_end, "compute_s": compute_s, "wait_s": wait_s,
-                         "applied": [[r, step - r, n] for r, n in applied],
-                         "applied_through": self._applied_through, "dropped": 0})
+                         "applied": [[r, step - r, n] for r, n, _ in applied],
+                         "stamps": [[r, s] for r, _, s in applied],
+                         "applied_through": self._applied_through, "dropped": len(drops),
+                         "drops": drops, "skipped": skipped})
         self.step = step + 1
         self._t_step_start = t_end
 
     def _record_extra_wait(self, t, applied):
         wait_s = self._now() - t
         self.totals["wait_s"] += wait_s
-        self.totals["applied"] += sum(n for _, n in applied)
+        drops = self._count_drops()
         if self._trace is not None:
             self._write({"event": "finish", "rank": self.rank, "t": t, "wait_s": wait_s,
-                         "applied": [[r, self.step - 1 - r, n] for r, n in applied],
-                         "applied_through": self._applied_through})
+                         "applied": [[r, self.step - 1 - r, n] for r, n, _ in applied],
+                         "stamps": [[r, s] for r, _, s in applied],
+                         "applied_through": self._applied_through, "dropped": len(drops),
+                         "drops": drops})
 
     def _write(self, record):
         self._trace.write(json.dumps(record) + "\n")

@@ -26,6 +26,23 @@ collective a worker issues while training (e.g. averaging epoch logs) goes
 through :meth:`RoundExchange.call` on the same thread: Horovod's eager ops
 fail when two threads of one process run collectives at once, and one queue
 also keeps every rank's collectives in the same order.
+
+Coordinated rounds (PSP, backup workers) are not entered on a worker's own
+push but on rank 0's decision (:mod:`tfsync.engine.control`).  The training
+thread :meth:`RoundExchange.push`-es its contribution, stamped with the round
+whose weights it was computed on, into a one-slot outbox and tells the
+coordinator; the control stream hands every "round ``r`` closed, accepting
+ranks A" notice to :meth:`RoundExchange.close_round`, and the communication
+thread enters round ``r``'s allreduce with what the outbox holds: the
+contribution if this rank is in A, zeros otherwise.  Every rank's thread can
+always enter, whatever its training thread is doing, so a round needs no
+slow worker's compute.  Before that, the outbox is checked with
+:func:`tfsync.ops.mask_stale` (injected as ``mask``): a contribution stamped
+older than ``r`` missed its round, is dropped (zeros go in its place) and
+counted; a fresh one that arrived after its round closed waits, and is
+stale at the next round.  The sum is divided by ``d = |A|`` inside Horovod
+(a post-scale), so every replica receives the same mean of exactly the
+accepted contributions.
 """
 import concurrent.futures
 import dataclasses
@@ -58,10 +75,12 @@ def encode_meta(meta: np.ndarray) -> np.ndarray:
     return np.stack(digits, axis=1).astype(np.float32).reshape(-1)
 
 
-def decode_meta(wire, size: int, mean: bool = False) -> np.ndarray:
-    """The inverse of :func:`encode_meta` after a sum (or, with ``mean``, an average) over ranks."""
+def decode_meta(wire, size: int, mean: bool = False, divisor: int = None) -> np.ndarray:
+    """The inverse of :func:`encode_meta` after a sum over ranks (or, with ``mean``, an
+    average; with ``divisor``, a sum divided by it)."""
+    scale = size if mean else (divisor or 1)
     digits = np.asarray(wire, np.float64).reshape(size, META_WIDTH)
-    digits = np.rint(digits * size if mean else digits).astype(np.int64)
+    digits = np.rint(digits * scale).astype(np.int64)
     out, col = np.zeros((size, _K), np.float64), 0
     for field, n in enumerate(_DIGITS):
         value = np.zeros(size, np.int64)
@@ -84,6 +103,7 @@ class RoundResult:
     push_times: np.ndarray  # [size] seconds since the job's t0
     compute_s: np.ndarray  # [size]
     contribution: list = None  # this worker's own payload for the round
+    accepted: tuple = None  # coordinated rounds: the ranks the coordinator accepted
 
     @property
     def contributors(self) -> int:
@@ -103,9 +123,16 @@ class RoundExchange:
     e.g. a mean of gradients).
     """
 
-    def __init__(self, collective, rank: int, size: int, t0: float):
+    def __init__(self, collective, rank: int, size: int, t0: float, *, absent=None, mask=None):
         self._collective = collective
         self.rank, self.size, self.t0 = rank, size, t0
+        # coordinated rounds: the payload of a rank that contributes nothing, the
+        # staleness mask, the outbox and what happened to this rank's contributions
+        self._absent, self._mask = absent, mask
+        self._outbox = None  # (stamp, payload, push_time, compute_s)
+        self._closed_through = -1
+        self.counts = {"produced": 0, "applied": 0, "dropped": 0}
+        self._drops = []  # (stamp, round at which it was found stale) not yet taken
         self._queue = queue.Queue()
         self._results = {}
         self._cond = threading.Condition()
@@ -124,6 +151,49 @@ class RoundExchange:
     @property
     def error(self):
         return self._error
+
+    @property
+    def closed_through(self) -> int:
+        """Newest round the coordinator has closed, as far as this worker has heard (-1: none)."""
+        return self._closed_through
+
+    def push(self, stamp: int, payload: list, push_time: float, compute_s: float):
+        """Coordinated rounds: put this worker's contribution to round ``stamp`` in the outbox.
+
+        A contribution still waiting there is older, so its round has closed
+        without it: it is dropped and counted.
+        """
+        with self._cond:
+            if self._outbox is not None:
+                self._drop_locked(self._outbox[0], stamp)
+            self._outbox = (stamp, list(payload), push_time, compute_s)
+            self.counts["produced"] += 1
+
+    def close_round(self, round_: int, accepted: tuple):
+        """The coordinator closed ``round_`` accepting ``accepted``: enter its collective (in order)."""
+        with self._cond:
+            self._closed_through = max(self._closed_through, round_)
+            self._cond.notify_all()
+        self._put(("close", round_, tuple(accepted)))
+
+    def drain_outbox(self) -> int:
+        """At the end of training: drop a contribution no round can take any more; how many."""
+        with self._cond:
+            if self._outbox is None:
+                return 0
+            self._drop_locked(self._outbox[0], self._closed_through + 1)
+            return 1
+
+    def take_drops(self) -> list:
+        """``(stamp, round)`` of every contribution dropped since the last call."""
+        with self._cond:
+            drops, self._drops = self._drops, []
+            return drops
+
+    def _drop_locked(self, stamp, round_):
+        self._outbox = None
+        self.counts["dropped"] += 1
+        self._drops.append((stamp, round_))
 
     def submit(self, round_: int, payload: list, push_time: float, compute_s: float,
                inline: bool = False):
@@ -190,26 +260,75 @@ class RoundExchange:
                             future.set_result(fn())
                         except BaseException as exc:
                             future.set_exception(exc)
+                    elif item[0] == "close":
+                        if not self._run_closed_round(item[1], item[2]):
+                            return
                     elif not self._run_round(item):
                         return
                 finally:
                     with self._cond:
                         self._unfinished -= 1
 
-    def _run_round(self, item) -> bool:
+    def _run_closed_round(self, round_, accepted) -> bool:
+        """A coordinated round: enter with the outbox (if accepted) or zeros, divide by ``d``."""
+        mine = self.rank in accepted
+        with self._cond:
+            item = self._outbox
+        meta = np.zeros((self.size, _K), np.float64)
+        payload = None
+        try:
+            if item is not None:
+                stamp, contribution, push_time, compute_s = item
+                masked, fresh = self._mask(contribution, stamp, round_)
+                if not fresh:  # it missed its round: the mask's zeros go out instead
+                    with self._cond:
+                        if self._outbox is item:
+                            self._drop_locked(stamp, round_)
+                    payload = masked
+                elif mine:
+                    if stamp != round_:
+                        raise RuntimeError(f"tfsync: rank {self.rank} was accepted for round {round_} "
+                                           f"but its outbox holds a contribution to round {stamp}")
+                    payload = masked
+                    meta[self.rank] = (1.0, stamp, push_time, compute_s)
+                    with self._cond:
+                        self._outbox = None
+                        self.counts["applied"] += 1
+            if mine and meta[self.rank, 0] != 1.0:
+                raise RuntimeError(f"tfsync: rank {self.rank} was accepted for round {round_} "
+                                   f"but has no contribution to it in its outbox")
+            if payload is None:
+                payload = self._absent
+        except BaseException as exc:
+            return self._fail(exc)
+        return self._run_round((round_, payload, meta), accepted=accepted)
+
+    def _fail(self, exc) -> bool:
+        with self._cond:
+            self._error = exc
+            self._cond.notify_all()
+        return False
+
+    def _run_round(self, item, accepted=None) -> bool:
         """One round's collective; False (and the error kept for ``wait``) if it failed."""
         round_, payload, meta = item
         try:
-            total, meta = self._collective(payload, meta)
+            if accepted is None:
+                total, meta = self._collective(payload, meta)
+            else:
+                total, meta = self._collective(payload, meta, divisor=len(accepted))
+            meta = np.asarray(meta, np.float64).reshape(self.size, _K)
+            if accepted is not None and sorted(np.flatnonzero(meta[:, 0]).tolist()) != sorted(accepted):
+                raise RuntimeError(
+                    f"tfsync: round {round_} should aggregate ranks {sorted(accepted)} (the "
+                    f"coordinator's decision) but ranks {np.flatnonzero(meta[:, 0]).tolist()} "
+                    f"contributed; the workers disagree about the round")
         except BaseException as exc:  # carried to the training thread by wait()
-            with self._cond:
-                self._error = exc
-                self._cond.notify_all()
-            return False
-        meta = np.asarray(meta, np.float64).reshape(self.size, _K)
+            return self._fail(exc)
         result = RoundResult(
             round=round_, total=list(total), present=meta[:, 0], steps=meta[:, 1],
-            push_times=meta[:, 2], compute_s=meta[:, 3], contribution=payload)
+            push_times=meta[:, 2], compute_s=meta[:, 3], contribution=payload,
+            accepted=accepted)
         with self._cond:
             self._results[round_] = result
             self._completed = round_

@@ -59,9 +59,11 @@ def horovod_collective(average: bool):
     """
     hvd = _horovod.horovod()
     size = hvd.size()
-    op = hvd.Average if average else hvd.Sum
 
-    def collective(payload, meta):
+    def collective(payload, meta, divisor=None):
+        # ``divisor``: a coordinated round's d, applied by Horovod as a post-scale of the sum
+        op = hvd.Average if average and divisor is None else hvd.Sum
+        scale = {} if divisor is None else {"postscale_factor": 1.0 / divisor}
         groups = {}
         for i, t in enumerate(payload):
             groups.setdefault(t.dtype, []).append(i)
@@ -71,12 +73,12 @@ def horovod_collective(average: bool):
             tensors = [payload[i] for i in index]
             if dtype == tf.float32:
                 tensors.append(tf.constant(encode_meta(meta)))
-            outs = hvd.grouped_allreduce(tensors, op=op, name=f"tfsync.round.{k}")
+            outs = hvd.grouped_allreduce(tensors, op=op, name=f"tfsync.round.{k}", **scale)
             for i, o in zip(index, outs):
                 total[i] = o
             if dtype == tf.float32:
                 wire = outs[-1].numpy()
-        return total, decode_meta(wire, size, mean=average)
+        return total, decode_meta(wire, size, mean=average and divisor is None, divisor=divisor)
 
     return collective
 
@@ -87,6 +89,7 @@ class GradientProtocol:
     payload = "gradients"
     average = True
     reduces_gradients = True  # the frontends exchange before the optimizer runs
+    one_round_per_step = True  # step r's optimizer applies round r's mean, and only it
 
     @staticmethod
     def sync_round(policy, step):
@@ -96,6 +99,14 @@ class GradientProtocol:
     def __init__(self, tensors, size):
         self.shapes = [tuple(t.shape) for t in tensors]
         self.dtypes = [tf.as_dtype(t.dtype) for t in tensors]
+        self._zeros = None
+
+    def absent(self):
+        """What a rank that contributes nothing to a coordinated round sends (built once)."""
+        if self._zeros is None:
+            with tf.init_scope():
+                self._zeros = [tf.zeros(s, d) for s, d in zip(self.shapes, self.dtypes)]
+        return self._zeros
 
     def contribution(self, grads):
         return grads
@@ -117,6 +128,7 @@ class UpdateProtocol:
     payload = "updates"
     average = False
     reduces_gradients = False  # the frontends exchange after the optimizer ran
+    one_round_per_step = False  # every complete round is added to w̄ at once
 
     @staticmethod
     def sync_round(policy, step):
@@ -172,6 +184,19 @@ def _apply_round(variables, w_bar, pending, totals, own_shares):
         p.assign_sub(own)
         v.assign(w)
         v.assign_add(p)
+
+
+def mask_stale_payload(payload, stamp, round_):
+    """A contribution as it enters round ``round_``: ``(payload, True)`` if it was computed
+    for that round, else ``(zeros, False)``: :func:`tfsync.ops.mask_stale` per tensor."""
+    from tfsync import ops
+
+    out, fresh = [], True
+    for t in payload:
+        masked, weight = ops.mask_stale(t, stamp, round_)
+        out.append(masked)
+        fresh = fresh and float(weight) == 1.0
+    return out, fresh
 
 
 PROTOCOLS = {p.payload: p for p in (GradientProtocol, UpdateProtocol)}

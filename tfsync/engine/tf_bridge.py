@@ -45,3 +45,36 @@ def finish_in_graph(engine):
         return tf.constant(0.0)
 
     return tf.py_function(finish, [], Tout=tf.float32, name="tfsync_finish")
+
+
+def skippable_train_step(engine, model, train_step, apply_mean):
+    """Wrap a Keras ``train_step`` so a worker whose round closed without it skips the step.
+
+    At run time the step first asks :meth:`SyncEngine.begin_step`; when it says
+    the step's round has closed already, the forward and backward passes are
+    not run: the round's mean (:meth:`SyncEngine.skip_step`) goes through
+    ``apply_mean`` (the optimizer, without another exchange), so weights and
+    optimizer state stay identical to every other replica's, and the metrics
+    are returned unchanged (a skipped step adds nothing to them).  ``engine``
+    may be a callable returning the engine, for frontends that start it while
+    the first step is traced.
+    """
+    get_engine = engine if callable(engine) else (lambda: engine)
+
+    def step(data):
+        compute = tf.py_function(lambda: get_engine().begin_step(), [], Tout=tf.bool,
+                                 name="tfsync_begin_step")
+        compute.set_shape([])
+
+        def skip():
+            protocol = get_engine().protocol
+            mean = tf.py_function(lambda: get_engine().skip_step(), [], Tout=protocol.dtypes,
+                                  name="tfsync_skip_step")
+            for o, s in zip(mean, protocol.shapes):
+                o.set_shape(s)
+            apply_mean(mean)  # stateful: a tf.function runs it (automatic control dependencies)
+            return model.get_metrics_result()
+
+        return tf.cond(compute, lambda: train_step(data), skip)
+
+    return step

@@ -13,7 +13,7 @@ import tensorflow as tf
 from tfsync import _horovod
 from tfsync.engine import SyncEngine
 from tfsync.engine.protocols import tf_variable
-from tfsync.engine.tf_bridge import exchange_gradients, exchange_updates
+from tfsync.engine.tf_bridge import exchange_gradients, exchange_updates, skippable_train_step
 from tfsync.policies import resolve
 
 
@@ -29,8 +29,8 @@ class SyncCallback(keras.callbacks.Callback):
     replicas end with identical weights.  State is reset at every ``fit``.
 
     Args:
-        mode: ``"bsp"`` (default), ``"ssp"`` or a policy object such as
-            ``tfsync.SSP(staleness=3)``.
+        mode: ``"bsp"`` (default), ``"ssp"``, ``"psp"``, ``"backup"`` or a policy
+            object such as ``tfsync.SSP(staleness=3)`` or ``tfsync.PSP(min_contributions=3)``.
         stragglers: ``tfsync.Stragglers`` to inject simulated delays; default:
             from the ``TFSYNC_STRAGGLERS`` environment variable (off if unset).
         trace_dir: write a JSON-lines trace per worker there (default: none).
@@ -40,7 +40,11 @@ class SyncCallback(keras.callbacks.Callback):
             worker to finish the epoch.
 
     Logs added: per batch ``tfsync_wait_s``, ``tfsync_staleness``; per epoch
-    ``tfsync_wait_fraction``, ``tfsync_applied``, ``tfsync_dropped``.
+    ``tfsync_wait_fraction`` and this worker's contributions: ``tfsync_produced``
+    = ``tfsync_applied`` + ``tfsync_dropped`` (the last epoch's counts include
+    the contributions drained at its end), and ``tfsync_skipped`` steps (PSP,
+    backup workers: steps whose round closed before this worker computed it).
+    Averaged over workers with ``average_epoch_logs``.
 
     Example::
 
@@ -81,6 +85,9 @@ class SyncCallback(keras.callbacks.Callback):
         self.engine.start(self.variables, extra_config={
             "steps": steps, "optimizer": type(model.optimizer).__name__})
         self._wrap_optimizer(model.optimizer)
+        if self.policy.skips:
+            model.train_step = skippable_train_step(
+                self.engine, model, type(model).train_step.__get__(model), self._apply_mean)
         model.make_train_function(force=True)
         train_function, engine = model.train_function, self.engine
 
@@ -114,8 +121,8 @@ class SyncCallback(keras.callbacks.Callback):
         tot = self.engine.totals
         busy = tot["wait_s"] + tot["compute_s"]
         logs["tfsync_wait_fraction"] = tot["wait_s"] / busy if busy else 0.0
-        logs["tfsync_applied"] = float(tot["applied"])
-        logs["tfsync_dropped"] = float(tot["dropped"])
+        for key in ("produced", "applied", "dropped", "skipped"):
+            logs[f"tfsync_{key}"] = float(tot[key])
         if self.average_epoch_logs:
             hvd = _horovod.horovod()
             keys = sorted(k for k, v in logs.items() if np.ndim(v) == 0)
@@ -133,6 +140,8 @@ class SyncCallback(keras.callbacks.Callback):
             self._drain()
         finally:
             self._unwrap_optimizer()
+            if "train_step" in vars(self.model):
+                del self.model.train_step
             self.engine.close()
             self.model.make_train_function(force=True)
 
@@ -171,6 +180,8 @@ class SyncCallback(keras.callbacks.Callback):
 
         optimizer.apply_gradients = apply_gradients
         self._wrapped_optimizer = optimizer
+        # a skipped step applies the round's mean without exchanging again
+        self._apply_mean = lambda mean: original(zip(mean, self.variables))
 
     def _unwrap_optimizer(self):
         opt = getattr(self, "_wrapped_optimizer", None)

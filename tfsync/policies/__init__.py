@@ -18,30 +18,22 @@ contributions.  A policy answers two questions:
 
 Because every worker evaluates the same pure function on the same inputs, the
 workers agree on every decision without a coordinator.
+
+BSP and SSP close round ``r`` when every worker has contributed, a rule each
+worker can apply alone: its communication thread enters round ``r`` as soon as
+its own contribution is ready, and Horovod's allreduce is the barrier.  The
+partial modes (:mod:`tfsync.policies.partial`: PSP, backup workers) close a
+round without the slow workers; that needs one observer of every worker's
+readiness, so rank 0's coordinator evaluates their third question,
+``close_round``, and tells every worker which contributions round ``r``
+aggregates (see :mod:`tfsync.engine.control`).
 """
-import abc
 import dataclasses
 
+from tfsync.policies.base import Closing, Policy
+from tfsync.policies.partial import PSP, BackupWorkers
+
 PAYLOADS = ("gradients", "updates")
-
-
-class Policy(abc.ABC):
-    """Interface of a synchronization mode.
-
-    Subclasses are small frozen dataclasses validated on construction, so that
-    a bad configuration fails before any worker starts training.
-    """
-
-    name: str = ""
-    payload: str = ""
-
-    @abc.abstractmethod
-    def required_round(self, step: int) -> int:
-        """Newest round that must be complete at the sync point of ``step`` (-1: none)."""
-
-    def config(self) -> dict:
-        """Plain-data description, compared across ranks and written to traces."""
-        return {"mode": self.name, **dataclasses.asdict(self)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,7 +97,7 @@ class SSP(Policy):
         return step - self.staleness - 1
 
 
-_BY_NAME = {"bsp": BSP, "ssp": SSP}
+_BY_NAME = {"bsp": BSP, "ssp": SSP, "psp": PSP, "backup": BackupWorkers}
 
 
 def resolve(mode) -> Policy:
@@ -127,4 +119,4 @@ def resolve(mode) -> Policy:
         f"tfsync.SSP(staleness=3)")
 
 
-__all__ = ["Policy", "BSP", "SSP", "resolve", "PAYLOADS"]
+__all__ = ["Policy", "Closing", "BSP", "SSP", "PSP", "BackupWorkers", "resolve", "PAYLOADS"]

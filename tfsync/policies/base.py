@@ -1,0 +1,64 @@
+"""The interface every synchronization mode implements (see :mod:`tfsync.policies`)."""
+import abc
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class Closing:
+    """A coordinator's decision about one round (:meth:`Policy.close_round`).
+
+    ``accepted``: the ranks whose contributions the round aggregates, sorted,
+    or ``None`` while the round stays open.  ``recheck_s``: when to ask again
+    if no new contribution arrives before (``None``: only on a new arrival).
+    """
+
+    accepted: tuple = None
+    recheck_s: float = None
+
+
+class Policy(abc.ABC):
+    """Interface of a synchronization mode.
+
+    Subclasses are small frozen dataclasses validated on construction, so that
+    a bad configuration fails before any worker starts training; settings that
+    depend on the number of workers are checked by :meth:`validate` when the
+    engine starts, before the first step.
+
+    Class attributes:
+        name: the mode's string (``mode="ssp"``).
+        payload: the step protocol (``"gradients"`` or ``"updates"``).
+        coordinated: rounds close by rank 0's :meth:`close_round` decision
+            rather than when every worker has contributed.
+        skips: a worker whose next round closed without it skips that step's
+            computation (counted as ``skipped``) instead of computing a
+            contribution that could only be dropped.
+    """
+
+    name: str = ""
+    payload: str = ""
+    coordinated: bool = False
+    skips: bool = False
+
+    @abc.abstractmethod
+    def required_round(self, step: int) -> int:
+        """Newest round that must be complete at the sync point of ``step`` (-1: none)."""
+
+    def validate(self, size: int) -> None:
+        """Raise ``ValueError`` if the settings cannot work with ``size`` workers."""
+
+    def close_round(self, ready, opened_s: float, now_s: float, size: int) -> Closing:
+        """Whether the round closes now (coordinated policies only).
+
+        Args:
+            ready: ``(rank, ready_s)`` pairs, in arrival order, of the workers
+                whose contribution to this round (computed on the weights of
+                the round before it) is ready.
+            opened_s: when the previous round closed (the job's start for round 0).
+            now_s: the coordinator's clock; all times are seconds since the job's t0.
+            size: the number of workers.
+        """
+        raise NotImplementedError(f"{type(self).__name__} closes a round when every worker contributed")
+
+    def config(self) -> dict:
+        """Plain-data description, compared across ranks and written to traces."""
+        return {"mode": self.name, **dataclasses.asdict(self)}

@@ -1,0 +1,170 @@
+"""Partial aggregation: rounds that close without the slowest workers.
+
+* :class:`PSP`: partially synchronous parallel, partial pushing (Algorithm 1 of
+  ``psp_partial_push_pull.txt``, server lines 5-13): round ``t`` aggregates the
+  fresh contributions that are ready once at least ``c`` are and ``τ1`` has
+  passed since the ``c``-th (or once every worker's is), and the update is their
+  mean (the paper's linear scaling rule: ``η·d`` applied to the mean of ``d``
+  gradients equals ``η`` applied to their sum over the base batch).
+* :class:`BackupWorkers`: synchronous SGD with ``b`` backup workers
+  (Algorithms 3-4 of ``backup_workers_sync_sgd.txt``): with ``N + b`` workers,
+  round ``t`` aggregates the first ``N`` contributions stamped ``t``.
+
+The parameter server of the papers becomes rank 0's coordinator
+(:mod:`tfsync.engine.control`): it sees every worker's "ready" notice, applies
+:meth:`close_round` (a pure function of the notices and the clock) and tells
+every worker which ranks round ``t`` aggregates; every worker's communication
+thread then enters the round's allreduce, the accepted ranks with their
+contribution and every other rank with zeros, and divides by ``d``, so every
+replica applies the same mean.  A contribution that misses its round is
+stale from then on and dropped (:func:`tfsync.ops.mask_stale`, counted);
+the worker that produced it skips the steps whose rounds have closed and
+rejoins at the current one, so a slow worker no longer sets the job's length.
+
+PSP's partial pulling (``b`` of the parameter blocks) is not implemented.
+"""
+import dataclasses
+import math
+
+from tfsync.policies.base import Closing, Policy
+
+# push_timeout_s=None: wait this fraction of the round's own iteration time
+# (previous close to the c-th ready contribution) for more contributions.
+ADAPTIVE_PUSH_TIMEOUT_FRACTION = 0.1
+
+
+def _check_int(owner, name, value, minimum, hint):
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{owner}({name}={value!r}): {name} must be an int >= {minimum}, got "
+                        f"{type(value).__name__}; {hint}")
+    if value < minimum:
+        raise ValueError(f"{owner}({name}={value}): {name} must be >= {minimum}; {hint}")
+
+
+@dataclasses.dataclass(frozen=True)
+class PSP(Policy):
+    """Partially synchronous parallel SGD, partial pushing (Chen et al., PSP Algorithm 1).
+
+    Round ``t`` closes once ``c = min_contributions`` workers' gradients for
+    it (computed on the weights after round ``t - 1``) are ready and
+    ``push_timeout_s`` has passed since the ``c``-th, or once every worker's
+    is.  It aggregates every gradient ready by then (``d >= c``) and every
+    replica applies their mean through its own optimizer, so weights and
+    optimizer state stay identical on every worker.  A gradient that misses
+    its round is dropped and counted (``dropped``); its worker skips the steps
+    whose rounds closed meanwhile (``skipped``) and computes the next open one.
+
+    Guarantees (tested): every applied gradient was computed on the weights
+    of the round before the one it joins (staleness 0); ``d >= c`` in every
+    round; ``PSP(min_contributions=size)`` gives BSP's weights; per worker,
+    produced = applied + dropped.
+
+    Args:
+        min_contributions: ``c``, an int in ``[1, size]``; default ``None``:
+            ``size - 1`` (at least 1), i.e. one slow worker is not waited for.
+            The paper used 28 of 32.
+        push_timeout_s: ``τ1`` in seconds (``>= 0``); ``0`` closes at the
+            ``c``-th contribution, as in the paper's experiments.  Default
+            ``None``: a tenth of the round's own iteration time (from the
+            previous round's close to the ``c``-th contribution), so a worker
+            slower than the others by less than that still counts.
+
+    Example::
+
+        tfsync.keras.SyncCallback(mode=tfsync.PSP(min_contributions=3))   # or mode="psp"
+    """
+
+    min_contributions: int = None
+    push_timeout_s: float = None
+    name = "psp"
+    payload = "gradients"
+    coordinated = True
+    skips = True
+
+    def __post_init__(self):
+        hint = "e.g. tfsync.PSP(min_contributions=3, push_timeout_s=0.0)"
+        if self.min_contributions is not None:
+            _check_int("PSP", "min_contributions", self.min_contributions, 1, hint)
+        if self.push_timeout_s is not None:
+            t = self.push_timeout_s
+            if isinstance(t, bool) or not isinstance(t, (int, float)):
+                raise TypeError(f"PSP(push_timeout_s={t!r}): push_timeout_s must be a number of "
+                                f"seconds >= 0 or None (adaptive), got {type(t).__name__}; {hint}")
+            if not (math.isfinite(t) and t >= 0):
+                raise ValueError(f"PSP(push_timeout_s={t}): push_timeout_s must be a finite number "
+                                 f"of seconds >= 0 or None (adaptive); {hint}")
+
+    def contributions_needed(self, size: int) -> int:
+        """``c`` for ``size`` workers."""
+        return self.min_contributions if self.min_contributions is not None else max(1, size - 1)
+
+    def validate(self, size: int) -> None:
+        if self.min_contributions is not None and self.min_contributions > size:
+            raise ValueError(
+                f"PSP(min_contributions={self.min_contributions}) with {size} workers: a round can "
+                f"never gather more contributions than there are workers; use min_contributions "
+                f"<= {size} (or None for size - 1 = {max(1, size - 1)})")
+
+    def required_round(self, step: int) -> int:
+        return step
+
+    def close_round(self, ready, opened_s, now_s, size) -> Closing:
+        ranks = tuple(sorted(r for r, _ in ready))
+        if len(ready) >= size:
+            return Closing(ranks)
+        c = self.contributions_needed(size)
+        if len(ready) < c:
+            return Closing()
+        t_c = sorted(t for _, t in ready)[c - 1]
+        timeout = (self.push_timeout_s if self.push_timeout_s is not None
+                   else ADAPTIVE_PUSH_TIMEOUT_FRACTION * max(t_c - opened_s, 0.0))
+        if now_s >= t_c + timeout:
+            return Closing(ranks)
+        return Closing(None, t_c + timeout)
+
+
+@dataclasses.dataclass(frozen=True)
+class BackupWorkers(Policy):
+    """Synchronous SGD with backup workers (Chen et al. 2016, Algorithms 3-4).
+
+    With ``size = N + b`` workers, round ``t`` aggregates the first ``N``
+    gradients computed for it (on the weights after round ``t - 1``) to reach
+    rank 0's coordinator; every replica applies their mean through its own
+    optimizer.  The other ``b`` are dropped and counted (``dropped``), and
+    their workers skip the steps whose rounds closed meanwhile (``skipped``).
+
+    Guarantees (tested): exactly ``N`` contributions per round, none stale;
+    ``BackupWorkers(0)`` gives BSP's weights; per worker, produced = applied +
+    dropped.
+
+    Args:
+        backups: ``b``, an int in ``[0, size)``. Default 1.
+
+    Example::
+
+        tfsync.keras.SyncCallback(mode=tfsync.BackupWorkers(backups=1))   # or mode="backup"
+    """
+
+    backups: int = 1
+    name = "backup"
+    payload = "gradients"
+    coordinated = True
+    skips = True
+
+    def __post_init__(self):
+        _check_int("BackupWorkers", "backups", self.backups, 0, "e.g. tfsync.BackupWorkers(backups=1)")
+
+    def validate(self, size: int) -> None:
+        if self.backups >= size:
+            raise ValueError(
+                f"BackupWorkers(backups={self.backups}) with {size} workers: at least one worker "
+                f"must count in every round; use backups <= {size - 1}")
+
+    def required_round(self, step: int) -> int:
+        return step
+
+    def close_round(self, ready, opened_s, now_s, size) -> Closing:
+        n = size - self.backups
+        if len(ready) < n:
+            return Closing()
+        return Closing(tuple(sorted(r for r, _ in ready[:n])))
