@@ -176,9 +176,11 @@ class SyncEngine:
             t = self._now()
             applied = self._wait_and_apply(self.step - 1)
             self._record_extra_wait(t, applied)
-        if self.policy.coordinated:
-            self.exchange.drain_outbox()
-            self._count_drops()
+        if self.policy.coordinated and self.exchange.drain_outbox():
+            drops = self._count_drops()
+            if self._trace is not None:
+                self._write({"event": "drain", "rank": self.rank, "t": self._now(), "drops": drops,
+                             "dropped": len(drops)})
         self.protocol.finish()
         c = self.counts
         if c["produced"] != c["applied"] + c["dropped"]:

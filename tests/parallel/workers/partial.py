@@ -1,0 +1,93 @@
+"""PSP and backup workers: equivalence to BSP without stragglers; accounting, skipping
+and identical replicas with one.
+
+argv: out_dir part, part "equivalence" (2 workers) or "straggler" (3 workers,
+the last one slow).
+"""
+import sys
+
+import numpy as np
+
+from common import init, write_result
+
+hvd = init()
+import keras  # noqa: E402
+
+import tfsync  # noqa: E402
+from tfsync.bench.baseline import use_horovod_allreduce  # noqa: E402
+
+out_dir, part = sys.argv[1], sys.argv[2]
+rng = np.random.default_rng(0)
+x = rng.normal(size=(384, 8)).astype("float32")
+y = (x @ rng.normal(size=(8, 3))).astype("float32")
+xl, yl = tfsync.shard(x, y, batch_size=8)
+
+OPTIMIZERS = {
+    "sgd": lambda: keras.optimizers.SGD(0.05),
+    "momentum": lambda: keras.optimizers.SGD(0.05, momentum=0.9),
+    "adam": lambda: keras.optimizers.Adam(0.01),
+}
+
+
+def build():
+    keras.utils.set_random_seed(1)
+    return keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="tanh"),
+                             keras.layers.Dense(3)])
+
+
+def train(mode, opt_name, frontend="callback", **engine_args):
+    """Final weights and this worker's counts (and the epoch logs, callback only)."""
+    if frontend == "strategy":
+        strategy = tfsync.distribute.SyncStrategy(mode=mode, **engine_args)
+        with strategy.scope():
+            model = build()
+            model.compile(optimizer=OPTIMIZERS[opt_name](), loss="mse")
+        model.fit(xl, yl, batch_size=8, epochs=2, shuffle=False, verbose=0)
+        engine = strategy.engine
+        strategy.finish()
+        return model.get_weights(), dict(engine.counts), {}
+    model = build()
+    model.compile(optimizer=OPTIMIZERS[opt_name](), loss="mse")
+    if mode == "horovod":
+        use_horovod_allreduce(model, hvd)
+        model.fit(xl, yl, batch_size=8, epochs=2, shuffle=False, verbose=0)
+        return model.get_weights(), {}, {}
+    sync = tfsync.keras.SyncCallback(mode=mode, average_epoch_logs=False, **engine_args)
+    history = model.fit(xl, yl, batch_size=8, epochs=2, shuffle=False, verbose=0, callbacks=[sync])
+    logs = {k: v for k, v in history.history.items() if k.startswith("tfsync_")}
+    return model.get_weights(), dict(sync.engine.counts), logs
+
+
+def flat(weights):
+    return np.concatenate([w.ravel() for w in weights])
+
+
+result = {}
+if part == "equivalence":
+    size = hvd.size()
+    for opt_name in OPTIMIZERS:
+        ref, _, _ = train("horovod", opt_name)
+        start = build().get_weights()
+        row = {"moved": float(np.max(np.abs(flat(ref) - flat(start))))}
+        for name, mode, frontend in (("psp", tfsync.PSP(min_contributions=size), "callback"),
+                                     ("backup", tfsync.BackupWorkers(backups=0), "callback"),
+                                     ("psp_strategy", tfsync.PSP(min_contributions=size), "strategy")):
+            w, counts, _ = train(mode, opt_name, frontend)
+            row[name] = float(np.max(np.abs(flat(ref) - flat(w))))
+            row[name + "_counts"] = counts
+        result[opt_name] = row
+else:
+    slow = hvd.size() - 1
+    stragglers = tfsync.Stragglers(base_s=0.01, slow_ranks={slow: 0.05})
+    for name, mode, frontend in (("psp", tfsync.PSP(), "callback"),
+                                 ("backup", tfsync.BackupWorkers(backups=1), "callback"),
+                                 ("backup_strategy", tfsync.BackupWorkers(backups=1), "strategy"),
+                                 ("bsp", "bsp", "callback"),
+                                 ("ssp", tfsync.SSP(staleness=1), "callback")):
+        trace_dir = f"{out_dir}/trace_{name}"
+        w, counts, logs = train(mode, "adam", frontend, stragglers=stragglers, trace_dir=trace_dir)
+        every = hvd.allgather_object(flat(w).tolist(), name=f"test.weights.{name}")
+        result[name] = {"counts": counts, "logs": logs,
+                        "replicas_max_diff": float(max(np.max(np.abs(np.array(e) - np.array(every[0])))
+                                                       for e in every))}
+write_result(out_dir, hvd.rank(), result)
