@@ -5,6 +5,9 @@ One process per worker, as Horovod's examples do::
     horovodrun -np 4 -H localhost:4 --gloo python keras_examples/digits.py --mode ssp --staleness 3 \
         --stragglers "base=0.02,slow=3:0.04"
 
+``--mode`` is ``bsp``, ``ssp`` (``--staleness``), ``psp`` (``--min-contributions``,
+``--push-timeout-s``) or ``backup`` (``--backups``).
+
 Each worker pins one GPU by local rank when GPUs are present, trains on its
 equal shard of the training set and, on rank 0, prints a JSON summary line
 (``TFSYNC_RESULT {...}``) with samples/s, wait fraction, time to the target
@@ -18,11 +21,12 @@ import time
 import keras  # importing TensorFlow does not touch the GPUs: pinning below still works
 import numpy as np
 
+from tfsync.launch import add_mode_arguments
+
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--mode", default="bsp", choices=["bsp", "ssp"])
-    p.add_argument("--staleness", type=int, default=3, help="SSP bound s (with --mode ssp)")
+    add_mode_arguments(p)
     p.add_argument("--epochs", type=int, default=12)
     p.add_argument("--batch-size", type=int, default=16, help="per worker")
     # plain SGD: momentum compounds with staleness (asynchrony acts as extra
@@ -53,7 +57,7 @@ def main(argv=None):
     from sklearn.model_selection import train_test_split
 
     import tfsync
-    from tfsync.launch import print_result
+    from tfsync.launch import contribution_totals, describe_mode, mode_from_args, print_result
 
     keras.utils.set_random_seed(args.seed)
     x, y = load_digits(return_X_y=True)
@@ -69,7 +73,7 @@ def main(argv=None):
     model.compile(optimizer=keras.optimizers.SGD(args.lr, momentum=args.momentum),
                   loss="sparse_categorical_crossentropy", metrics=["accuracy"])
 
-    mode = tfsync.SSP(staleness=args.staleness) if args.mode == "ssp" else tfsync.BSP()
+    mode = mode_from_args(args)
     stragglers = tfsync.Stragglers.parse(args.stragglers) if args.stragglers is not None else None
     sync = tfsync.keras.SyncCallback(mode=mode, stragglers=stragglers, trace_dir=args.trace_dir)
     progress = TargetAccuracy(x_test, y_test, args.target_accuracy)
@@ -81,8 +85,9 @@ def main(argv=None):
     final_acc = float(model.evaluate(x_test, y_test, verbose=0)[1])
     samples = len(x_local) * args.epochs * hvd.size()
     wait = float(np.mean(history.history["tfsync_wait_fraction"]))
-    result = {"mode": args.mode if args.mode == "bsp" else f"ssp(s={args.staleness})",
+    result = {"mode": describe_mode(mode),
               "workers": hvd.size(), "samples_per_s": samples / wall_s, "wall_s": wall_s,
+              **contribution_totals(hvd, sync.engine.counts, args.batch_size, wall_s),
               "wait_fraction": wait,
               "time_to_accuracy_s": {str(t): progress.reached_s[t] for t in args.target_accuracy},
               "final_accuracy": final_acc}

@@ -13,11 +13,12 @@ import time
 
 import numpy as np
 
+from tfsync.launch import add_mode_arguments
+
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--mode", default="bsp", choices=["bsp", "ssp"])
-    p.add_argument("--staleness", type=int, default=3)
+    add_mode_arguments(p)
     p.add_argument("--epochs", type=int, default=12)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--stragglers", default=None, help="e.g. 'base=0.02,slow=3:0.04'")
@@ -38,14 +39,14 @@ def main(argv=None):
     from sklearn.model_selection import train_test_split
 
     import tfsync
-    from tfsync.launch import print_result
+    from tfsync.launch import contribution_totals, describe_mode, mode_from_args, print_result
 
     x, y = load_digits(return_X_y=True)
     x = (x / 16.0).astype("float32")
     x_train, x_test, y_train, y_test = train_test_split(x, y, test_size=0.2, random_state=0, stratify=y)
     x_local, y_local = tfsync.shard(x_train, y_train, batch_size=args.batch_size)
 
-    mode = tfsync.SSP(staleness=args.staleness) if args.mode == "ssp" else tfsync.BSP()
+    mode = mode_from_args(args)
     stragglers = tfsync.Stragglers.parse(args.stragglers) if args.stragglers else None
     strategy = tfsync.distribute.SyncStrategy(mode=mode, stragglers=stragglers)
     with strategy.scope():
@@ -55,14 +56,17 @@ def main(argv=None):
                       loss="sparse_categorical_crossentropy", metrics=["accuracy"])
     start = time.time()
     model.fit(x_local, y_local, batch_size=args.batch_size, epochs=args.epochs, verbose=0)
+    engine = strategy.engine
     strategy.finish()
     wall_s = time.time() - start
+    totals = contribution_totals(hvd, engine.counts, args.batch_size, wall_s)
     accuracy = float(model.evaluate(x_test, y_test, verbose=0)[1])
     checksum = float(sum(np.sum(w.astype(np.float64)) for w in model.get_weights()))
     identical = len(set(hvd.allgather_object(checksum))) == 1
     if hvd.rank() == 0:
-        print_result({"mode": args.mode, "final_accuracy": accuracy, "replicas_identical": identical,
-                      "samples_per_s": len(x_local) * args.epochs * hvd.size() / wall_s})
+        print_result({"mode": describe_mode(mode), "final_accuracy": accuracy,
+                      "replicas_identical": identical,
+                      "samples_per_s": len(x_local) * args.epochs * hvd.size() / wall_s, **totals})
     return 0
 
 

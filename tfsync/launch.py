@@ -56,3 +56,56 @@ def horovodrun(script, args=(), workers=4, timeout_s=600, env=None):
 def print_result(result):
     """Called by rank 0 of a launched script."""
     print(RESULT_PREFIX + json.dumps(result), flush=True)
+
+
+MODES = ("bsp", "ssp", "psp", "backup")
+
+
+def add_mode_arguments(parser, baselines=()):
+    """The ``--mode`` flag and each mode's own flags, as the examples and scripts take them.
+
+    ``baselines``: more ``--mode`` choices the caller handles itself (the bench's
+    plain Horovod); with any, ``--mode`` is required.
+    """
+    if baselines:
+        parser.add_argument("--mode", required=True, choices=tuple(baselines) + MODES)
+    else:
+        parser.add_argument("--mode", default="bsp", choices=MODES)
+    parser.add_argument("--staleness", type=int, default=3, help="SSP bound s (--mode ssp)")
+    parser.add_argument("--min-contributions", type=int, default=None,
+                        help="PSP's c (--mode psp; default: workers - 1)")
+    parser.add_argument("--push-timeout-s", type=float, default=None,
+                        help="PSP's tau1 in seconds (--mode psp; default: a tenth of the round's "
+                             "iteration time)")
+    parser.add_argument("--backups", type=int, default=1, help="backup workers b (--mode backup)")
+    return parser
+
+
+def mode_from_args(args):
+    """The policy object the parsed ``--mode`` flags describe."""
+    import tfsync
+
+    if args.mode == "ssp":
+        return tfsync.SSP(staleness=args.staleness)
+    if args.mode == "psp":
+        return tfsync.PSP(min_contributions=args.min_contributions, push_timeout_s=args.push_timeout_s)
+    if args.mode == "backup":
+        return tfsync.BackupWorkers(backups=args.backups)
+    return tfsync.BSP()
+
+
+def describe_mode(policy):
+    """``"ssp(s=3)"``, ``"psp(c=3)"``, ``"backup(b=1)"``: a short label for tables
+    (settings left at an adaptive default, ``None``, are not shown)."""
+    options = {k: v for k, v in policy.config().items() if k != "mode" and v is not None}
+    short = {"staleness": "s", "min_contributions": "c", "push_timeout_s": "timeout", "backups": "b"}
+    return policy.name + ("(" + ", ".join(f"{short.get(k, k)}={v}" for k, v in options.items()) + ")"
+                          if options else "")
+
+
+def contribution_totals(hvd, counts, batch_size, wall_s):
+    """Every worker's counts summed (collective), and the samples/s whose gradients were applied."""
+    every = hvd.allgather_object(dict(counts), name="tfsync.example.counts")
+    total = {k: sum(int(c[k]) for c in every) for k in counts}
+    total["effective_samples_per_s"] = total["applied"] * batch_size / wall_s
+    return total

@@ -28,11 +28,15 @@ def result_of(out):
 
 
 @pytest.mark.parametrize("script,epochs", [
-    ("bsp.sh", 12), ("ssp.sh", 12), ("strategy_bsp.sh", 12), ("strategy_ssp.sh", 12)])
+    ("bsp.sh", 12), ("ssp.sh", 12), ("strategy_bsp.sh", 12), ("strategy_ssp.sh", 12),
+    ("psp.sh", 12), ("backup.sh", 12), ("strategy_psp.sh", 12)])
 def test_digits_reaches_90_percent_on_4_workers(script, epochs):
     res = result_of(run(["bash", os.path.join(ROOT, "horovodrun_scripts", script), "--epochs", str(epochs)]))
     assert res["final_accuracy"] >= 0.90, res
     assert res["replicas_identical"], res
+    assert res["produced"] == res["applied"] + res["dropped"], res
+    if script.startswith("backup"):  # exactly workers - 1 contributions per round
+        assert res["applied"] == (res["produced"] + res["skipped"]) * 3 // 4, res
 
 
 def test_demo_prints_the_comparison_table(tmp_path):
@@ -50,8 +54,12 @@ def test_training_benchmark_writes_records(tmp_path):
     out = run([sys.executable, "-m", "tfsync.bench", "--quick", "--scenarios", "straggler",
                "--json", str(path)])
     records = json.loads(path.read_text())
-    assert [r["mode"] for r in records] == ["plain Horovod BSP", "tfsync BSP", "tfsync SSP(s=3)"]
+    assert [r["mode"] for r in records] == ["plain Horovod BSP", "tfsync BSP", "tfsync SSP(s=3)",
+                                            "tfsync PSP", "tfsync backup(b=1)"]
     for r in records:
-        assert {"mode", "scenario", "samples_per_s", "wait_fraction"} <= set(r) and r["samples_per_s"] > 0
+        assert {"mode", "scenario", "samples_per_s", "wait_fraction", "effective_samples_per_s",
+                "dropped", "skipped"} <= set(r) and r["samples_per_s"] > 0
+        assert r["produced"] == r["applied"] + r["dropped"], r
+        assert r["effective_samples_per_s"] <= r["samples_per_s"] * (1 + 1e-9), r
     assert records[0]["wait_fraction"] is None and 0 <= records[1]["wait_fraction"] < 1
     assert "| straggler | tfsync BSP |" in out

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 import tfsync
-from tfsync.policies import BSP, SSP, resolve
+from tfsync.policies import BSP, PSP, SSP, BackupWorkers, resolve
 
 
 def test_strings_resolve_to_policies():
@@ -13,12 +13,22 @@ def test_strings_resolve_to_policies():
     assert resolve(" SSP ") == SSP(staleness=3)
     policy = SSP(staleness=5)
     assert resolve(policy) is policy
+    assert resolve("psp") == PSP() and resolve("Backup") == BackupWorkers(backups=1)
+    partial = PSP(min_contributions=2, push_timeout_s=0.0)
+    assert resolve(partial) is partial
 
 
-@pytest.mark.parametrize("bad", ["asp", "", None, 3])
+@pytest.mark.parametrize("bad", ["asp", "", None, 3, "backups", "psp1"])
 def test_unknown_mode_names_the_accepted_values(bad):
-    with pytest.raises(ValueError, match=r"unknown synchronization mode .*'bsp', 'ssp'.*tfsync.SSP\(staleness=3\)"):
+    with pytest.raises(ValueError, match=r"unknown synchronization mode .*'bsp', 'ssp', 'psp', "
+                                         r"'backup'.*tfsync.SSP\(staleness=3\)"):
         resolve(bad)
+
+
+@pytest.mark.parametrize("cls", [PSP, BackupWorkers])
+def test_partial_policy_class_instead_of_instance_says_how_to_fix(cls):
+    with pytest.raises(TypeError, match=rf"pass an instance, e.g. mode=tfsync.{cls.__name__}\(\)"):
+        resolve(cls)
 
 
 def test_policy_class_instead_of_instance_says_how_to_fix():
@@ -68,4 +78,5 @@ def test_ssp0_gates_where_bsp_does():
 
 def test_public_api_exports():
     assert tfsync.SSP is SSP and tfsync.BSP is BSP
+    assert tfsync.PSP is PSP and tfsync.BackupWorkers is BackupWorkers
     assert callable(tfsync.Stragglers.parse)

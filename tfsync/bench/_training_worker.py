@@ -13,6 +13,8 @@ import time
 import keras
 import numpy as np
 
+from tfsync.launch import add_mode_arguments
+
 
 # name -> (input width, hidden widths, batch size); 10 classes
 MODELS = {
@@ -30,9 +32,8 @@ def build_model(name):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--mode", required=True, choices=["local", "horovod", "bsp", "ssp"])
     p.add_argument("--model", default="small", choices=sorted(MODELS))
-    p.add_argument("--staleness", type=int, default=3)
+    add_mode_arguments(p, baselines=("local", "horovod"))
     p.add_argument("--stragglers", default="none")
     p.add_argument("--steps", type=int, default=150)
     p.add_argument("--warmup-steps", type=int, default=10)
@@ -44,7 +45,7 @@ def main():
     hvd.init()
     import tfsync
     from tfsync.bench.baseline import broadcast_model, use_horovod_allreduce
-    from tfsync.launch import print_result
+    from tfsync.launch import mode_from_args, print_result
 
     rank, size = hvd.rank(), hvd.size()
     keras.utils.set_random_seed(rank)
@@ -63,19 +64,24 @@ def main():
             use_horovod_allreduce(model, hvd)
         callbacks = [SleepEachStep(stragglers.for_rank(rank)), clock]
     else:
-        mode = tfsync.SSP(staleness=args.staleness) if args.mode == "ssp" else tfsync.BSP()
-        sync = tfsync.keras.SyncCallback(mode=mode, stragglers=stragglers, average_epoch_logs=False)
+        sync = tfsync.keras.SyncCallback(mode=mode_from_args(args), stragglers=stragglers, average_epoch_logs=False)
         callbacks = [sync, clock]
     model.fit(x, y, batch_size=batch_size, epochs=1, shuffle=False, verbose=0,
               callbacks=callbacks)
     wall = hvd.allgather_object(clock.elapsed_s())
     peak_rss_mb = hvd.allgather_object(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
-    wait = None
+    wait, counts = None, {"produced": total * size, "applied": total * size, "dropped": 0, "skipped": 0}
     if sync is not None:
         totals = sync.engine.totals
         wait = hvd.allgather_object(totals["wait_s"] / (totals["wait_s"] + totals["compute_s"]))
+        every = hvd.allgather_object(dict(sync.engine.counts))
+        counts = {k: sum(c[k] for c in every) for k in counts}
+    samples_per_s = size * args.steps * batch_size / max(wall)
     if rank == 0:
-        print_result({"samples_per_s": size * args.steps * batch_size / max(wall),
+        # samples whose gradients reached the model: the applied share of every worker's steps
+        applied_share = counts["applied"] / (total * size)
+        print_result({"samples_per_s": samples_per_s,
+                      "effective_samples_per_s": samples_per_s * applied_share, **counts,
                       "wall_s": max(wall), "ms_per_step": max(wall) / args.steps * 1e3,
                       "peak_rss_mb": max(peak_rss_mb), "num_params": model.count_params(),
                       "wait_fraction": float(np.mean(wait)) if wait is not None else None})

@@ -1,4 +1,4 @@
-"""``python -m tfsync.bench``: plain Horovod BSP vs tfsync BSP vs tfsync SSP, in one run.
+"""``python -m tfsync.bench``: plain Horovod BSP vs tfsync's modes, in one run.
 
 Each (model, mode, scenario) is one ``horovodrun`` launch of
 :mod:`tfsync.bench._training_worker` on local workers.  Models (``--models``):
@@ -10,7 +10,14 @@ against.  Scenarios:
 * ``none``: every worker spends ``--base-s`` of simulated device time per step;
 * ``straggler``: the last rank spends ``--slow-s`` more on every step;
 * ``jitter``: every worker spends an extra ``uniform(0, --jitter-s)`` per step
-  (transient stragglers: a different worker is slowest at each step).
+  (transient stragglers: a different worker is slowest at each step);
+* ``rare``: a step is delayed by ``--rare-s`` with probability ``--rare-prob``
+  (the PSP paper's rare large delays; the defaults, 1% and 0.5 s, give about
+  six events in a 4-worker run of 150 steps).
+
+``effective_samples_per_s`` counts only the samples whose gradients were
+applied (PSP and backup workers drop some and skip steps); ``dropped`` and
+``skipped`` are summed over the workers.
 
 Each configuration is launched ``--repeats`` times, round-robin across the
 modes, and its median run is reported (the machine is shared and noisy).
@@ -24,11 +31,11 @@ import sys
 
 from tfsync.launch import horovodrun
 
-MODES = ("local", "horovod", "bsp", "ssp")
+MODES = ("local", "horovod", "bsp", "ssp", "psp", "backup")
 MODELS = ("small", "medium", "large")
-SCENARIOS = ("none", "straggler", "jitter")
+SCENARIOS = ("none", "straggler", "jitter", "rare")
 MODE_LABELS = {"local": "no synchronization", "horovod": "plain Horovod BSP", "bsp": "tfsync BSP",
-               "ssp": "tfsync SSP(s={s})"}
+               "ssp": "tfsync SSP(s={s})", "psp": "tfsync PSP", "backup": "tfsync backup(b=1)"}
 
 
 def scenario_spec(name, args):
@@ -38,6 +45,8 @@ def scenario_spec(name, args):
         return f"base={args.base_s},slow={args.workers - 1}:{args.slow_s},seed=1"
     if name == "jitter":
         return f"base={args.base_s},jitter={args.jitter_s},seed=1"
+    if name == "rare":
+        return f"base={args.base_s},rare={args.rare_prob}:{args.rare_s},seed=1"
     raise ValueError(name)
 
 
@@ -48,8 +57,10 @@ def parse_args(argv):
     p.add_argument("--base-s", type=float, default=0.02, help="simulated device time per step")
     p.add_argument("--slow-s", type=float, default=0.04, help="extra time per step of the straggler")
     p.add_argument("--jitter-s", type=float, default=0.04, help="max extra time per step in 'jitter'")
+    p.add_argument("--rare-prob", type=float, default=0.01, help="probability of a rare delay in 'rare'")
+    p.add_argument("--rare-s", type=float, default=0.5, help="length of a rare delay in 'rare'")
     p.add_argument("--staleness", type=int, default=3)
-    p.add_argument("--modes", nargs="+", default=["horovod", "bsp", "ssp"], choices=MODES,
+    p.add_argument("--modes", nargs="+", default=["horovod", "bsp", "ssp", "psp", "backup"], choices=MODES,
                    help="'local' (no synchronization) is the compute floor the overhead is measured against")
     p.add_argument("--models", nargs="+", default=["small"], choices=MODELS)
     p.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=SCENARIOS)
@@ -114,18 +125,19 @@ def run_configuration(worker, model, scenario, args):
 
 
 def format_table(records):
-    lines = ["| model | scenario | mode | samples/s | ms/step | sync overhead ms/step | wait fraction "
-             "| vs plain Horovod | vs tfsync BSP | peak RSS MiB |",
-             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| model | scenario | mode | samples/s | effective samples/s | dropped | skipped | ms/step "
+             "| sync overhead ms/step | wait fraction | vs plain Horovod | vs tfsync BSP | peak RSS MiB |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in records:
         same = {x["mode"].split("(")[0]: x["samples_per_s"] for x in records
                 if x["scenario"] == r["scenario"] and x.get("model") == r.get("model")}
         bsp = same.get("tfsync BSP")
         wait = "—" if r["wait_fraction"] is None else f"{r['wait_fraction']:.2f}"
+        effective = r.get("effective_samples_per_s", r["samples_per_s"])
         overhead = "—" if "sync_overhead_ms" not in r else f"{r['sync_overhead_ms']:.1f}"
         vs_hvd = "—" if "vs_horovod" not in r else f"{r['vs_horovod']:.2f}×"
         vs_bsp = "—" if not bsp else f"{r['samples_per_s'] / bsp:.2f}×"
         lines.append(f"| {r.get('model', 'small')} | {r['scenario']} | {r['mode']} | {r['samples_per_s']:.0f} | "
-                     f"{r['ms_per_step']:.1f} | {overhead} | {wait} | {vs_hvd} | {vs_bsp} | "
+                     f"{effective:.0f} | {r.get('dropped', 0)} | {r.get('skipped', 0)} | {r['ms_per_step']:.1f} | {overhead} | {wait} | {vs_hvd} | {vs_bsp} | "
                      f"{r['peak_rss_mb']:.0f} |")
     return "\n".join(lines)
