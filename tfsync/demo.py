@@ -1,8 +1,10 @@
 """``python -m tfsync.demo``: the README's main job.
 
-Trains ``keras_examples/digits.py`` on 4 local workers over Gloo under BSP and
-under SSP, in two straggler scenarios, and prints one comparison table
-(samples/s, wait fraction, time to target test accuracies, final accuracy):
+Trains ``keras_examples/digits.py`` on 4 local workers over Gloo under BSP,
+SSP, PSP and backup workers, in two straggler scenarios, and prints one
+comparison table (samples/s, effective samples/s, i.e. those whose gradients
+were applied, dropped contributions and skipped steps, wait fraction, time to
+target test accuracies, final accuracy):
 
 * ``straggler``: rank 3 is 40 ms slower on every step (a persistently slow GPU);
 * ``jitter``: every step of every worker takes up to 40 ms longer, at random
@@ -18,6 +20,7 @@ import sys
 from tfsync.launch import REPO_ROOT, horovodrun
 
 EXAMPLE = os.path.join(REPO_ROOT, "keras_examples", "digits.py")
+MODES = ("bsp", "ssp", "psp", "backup")
 SCENARIOS = {"straggler": "base=0.02,slow=3:0.04,seed=1", "jitter": "base=0.02,jitter=0.04,seed=1"}
 
 
@@ -38,7 +41,7 @@ def main(argv=None):
     scenarios = {"custom": args.stragglers} if args.stragglers else {k: SCENARIOS[k] for k in args.scenarios}
     rows = []
     for scenario, spec in scenarios.items():
-        for mode in ("bsp", "ssp"):
+        for mode in MODES:
             print(f"tfsync.demo: training digits with {mode.upper()} on {args.workers} workers "
                   f"({scenario}: {spec})...", file=sys.stderr, flush=True)
             row = horovodrun(EXAMPLE, [
@@ -57,14 +60,15 @@ def format_table(rows, args):
     targets = list(rows[0]["time_to_accuracy_s"])
     lines = [f"digits, {args.workers} workers, {args.epochs} epochs; "
              + "; ".join(sorted({f"{r['scenario']}: {r['stragglers']}" for r in rows})),
-             "| scenario | mode | samples/s | wait fraction | "
+             "| scenario | mode | samples/s | effective samples/s | dropped | skipped | wait fraction | "
              + " | ".join(f"time to {t} test accuracy" for t in targets)
              + " | final test accuracy | replicas identical |",
-             "|---|---|---:|---:|" + "---:|" * len(targets) + "---:|---|"]
+             "|---|---|---:|---:|---:|---:|---:|" + "---:|" * len(targets) + "---:|---|"]
     for r in rows:
         reached = ["not reached" if r["time_to_accuracy_s"][t] is None
                    else f"{r['time_to_accuracy_s'][t]:.1f} s" for t in targets]
-        lines.append(f"| {r['scenario']} | {r['mode']} | {r['samples_per_s']:.0f} | {r['wait_fraction']:.2f} | "
+        lines.append(f"| {r['scenario']} | {r['mode']} | {r['samples_per_s']:.0f} | "
+                     f"{r['effective_samples_per_s']:.0f} | {r['dropped']} | {r['skipped']} | {r['wait_fraction']:.2f} | "
                      + " | ".join(reached)
                      + f" | {r['final_accuracy']:.3f} | {r['replicas_identical']} |")
     return "\n".join(lines)

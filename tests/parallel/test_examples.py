@@ -42,10 +42,10 @@ def test_digits_reaches_90_percent_on_4_workers(script, epochs):
 def test_demo_prints_the_comparison_table(tmp_path):
     out = run([sys.executable, "-m", "tfsync.demo", "--workers", "2", "--epochs", "2",
                "--stragglers", "base=0.005,slow=1:0.01", "--json", str(tmp_path / "demo.json")])
-    assert "| scenario | mode | samples/s | wait fraction |" in out
-    assert "| custom | bsp |" in out and "| custom | ssp(s=3) |" in out
+    assert "| scenario | mode | samples/s | effective samples/s | dropped | skipped | wait fraction |" in out
+    assert "| custom | bsp |" in out and "| custom | ssp(s=3) |" in out and "| custom | psp |" in out
     rows = json.loads((tmp_path / "demo.json").read_text())
-    assert [r["mode"] for r in rows] == ["bsp", "ssp(s=3)"]
+    assert [r["mode"] for r in rows] == ["bsp", "ssp(s=3)", "psp", "backup(b=1)"]
     assert all(r["samples_per_s"] > 0 and 0 <= r["wait_fraction"] < 1 for r in rows)
 
 

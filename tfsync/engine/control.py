@@ -249,8 +249,11 @@ class ControlServer:
         with self._lock:
             next_open = self._closed[-1][0] + 1 if self._closed else 0
             # a notice for a round already closed is late: that worker drops the contribution
-            if self._policy is not None and round_ >= next_open:
-                self._ready.setdefault(round_, []).append((rank, time.time() - self.t0))
+            ready = (self._ready.setdefault(round_, [])
+                     if self._policy is not None and round_ >= next_open else None)
+            # a repeated notice (a retried call) must not count twice toward "all ready"
+            if ready is not None and all(r != rank for r, _ in ready):
+                ready.append((rank, time.time() - self.t0))
                 self._changed.notify_all()
         return {"ok": 1}
 
