@@ -43,7 +43,7 @@ def _tensorflow_build_flags():
             "tfsync's op library is compiled against the installed TensorFlow, "
             f"which failed to import ({exc}). Install tensorflow-cpu==2.18.1 first, "
             "then `pip install --no-build-isolation .` (or run `make install`)."
-        )
+        ) from exc
     return {
         "compile_flags": list(tf.sysconfig.get_compile_flags()),
         "link_flags": list(tf.sysconfig.get_link_flags()),

@@ -1,8 +1,10 @@
 """The one place tfsync imports Horovod and checks how the process was launched."""
 import os
 
+from tfsync import _env
+
 LAUNCHER_ENV = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
-SINGLE_PROCESS_ENV = "TFSYNC_SINGLE_PROCESS"
+SINGLE_PROCESS_ENV = _env.SINGLE_PROCESS.name
 
 
 def horovod():
@@ -26,7 +28,7 @@ def horovod():
             "`import horovod.tensorflow as hvd; hvd.init()` before training, and launch one "
             "process per worker with e.g. `horovodrun -np 4 -H localhost:4 --gloo python train.py`")
     launched = any(k in os.environ for k in LAUNCHER_ENV) or hvd.size() > 1
-    if not launched and os.environ.get(SINGLE_PROCESS_ENV) != "1":
+    if not launched and _env.SINGLE_PROCESS.get() != "1":
         raise RuntimeError(
             "tfsync: this process was not started by horovodrun (or mpirun), so it would train "
             "alone with nothing to synchronize; launch it with e.g. "

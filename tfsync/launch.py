@@ -35,7 +35,7 @@ def run_local_job(script, args=(), workers=4, timeout_s=600, env=None):
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
-        raise TimeoutError(f"{' '.join(cmd)} ran past {timeout_s} s; output tail:\n{out[-6000:]}")
+        raise TimeoutError(f"{' '.join(cmd)} ran past {timeout_s} s; output tail:\n{out[-6000:]}") from None
     return proc.returncode, out
 
 

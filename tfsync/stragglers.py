@@ -11,12 +11,13 @@ command line (``--stragglers "base=0.02,slow=3:0.04"``) or from the environment
 """
 import dataclasses
 import math
-import os
 import time
 
 import numpy as np
 
-ENV_VAR = "TFSYNC_STRAGGLERS"
+from tfsync import _env
+
+ENV_VAR = _env.STRAGGLERS.name
 _SPEC_HELP = (
     "comma-separated key=value items: base=SECONDS (simulated device time of every step), "
     "slow=RANK:SECONDS (extra time per step on RANK; repeatable), "
@@ -99,7 +100,7 @@ class Stragglers:
 
     @classmethod
     def from_env(cls) -> "Stragglers":
-        return cls.parse(os.environ.get(ENV_VAR, ""))
+        return cls.parse(_env.STRAGGLERS.get())
 
     def spec(self) -> str:
         """Inverse of :meth:`parse`, for passing the config to launched workers."""

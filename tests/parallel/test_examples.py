@@ -22,7 +22,7 @@ def run(cmd, timeout_s=300, env=None):
 
 
 def result_of(out):
-    lines = [l for l in out.splitlines() if "TFSYNC_RESULT " in l]
+    lines = [line for line in out.splitlines() if "TFSYNC_RESULT " in line]
     assert lines, out[-4000:]
     return json.loads(lines[-1].split("TFSYNC_RESULT ", 1)[1])
 

@@ -23,6 +23,7 @@ def _run(tmp_path, scenario):
 @pytest.mark.parametrize("scenario,kind,bound_s", [
     ("die", "WorkerLostError", 20.0),
     ("hang", "SyncTimeoutError", 20.0),
+    ("die_psp", "WorkerLostError", 20.0),
 ])
 def test_survivors_name_the_lost_rank(tmp_path, scenario, kind, bound_s):
     results = _run(tmp_path, scenario)
@@ -32,6 +33,16 @@ def test_survivors_name_the_lost_rank(tmp_path, scenario, kind, bound_s):
         assert res["error"] is not None and res["error"].startswith(kind), (rank, res)
         assert "rank 2" in res["error"] or "[2]" in res["error"], res["error"]
         assert res["error_at"] - fault_at < bound_s, (rank, res["error_at"] - fault_at)
+
+
+def test_a_slow_worker_stops_nobody_under_psp(tmp_path):
+    results = _run(tmp_path, "slow_psp")
+    assert sorted(results) == [0, 1, 2, 3], results
+    for rank, res in results.items():
+        assert res["error"] is None, (rank, res)
+        c = res["counts"]
+        assert c["produced"] == c["applied"] + c["dropped"], (rank, c)
+    assert results[2]["counts"]["skipped"] > 0, results[2]  # it caught up instead of holding the others
 
 
 def test_mismatched_configuration_is_refused_before_training(tmp_path):

@@ -393,7 +393,7 @@ class FakeCoordinator:
         for r in range(rounds):
             on_time = {k for k, p in enumerate(self.plan) if p[r] == "on_time"}
             with self.cond:
-                if not self.cond.wait_for(lambda: on_time <= set(self.ready.get(r, ())), WAIT_S):
+                if not self.cond.wait_for(lambda on_time=on_time, r=r: on_time <= set(self.ready.get(r, ())), WAIT_S):
                     raise TimeoutError(f"round {r}: ranks {sorted(on_time)} never became ready")
                 ready = sorted(self.ready.pop(r))
                 assert set(ready) == on_time, (r, ready, on_time)  # the late ones cannot be ready yet

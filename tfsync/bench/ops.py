@@ -34,7 +34,8 @@ def _parse_size(text):
             return int(text[:-1]) * units[text[-1]]
         return int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"size {text!r}: expected an element count like 1048576, 1M or 16M")
+        raise argparse.ArgumentTypeError(
+            f"size {text!r}: expected an element count like 1048576, 1M or 16M") from None
 
 
 def _interleaved_medians(fns, repeats, warmup):
@@ -178,7 +179,7 @@ def run(sizes, repeats, warmup, contributions):
         copy_seconds = []
         first_of_size = len(records)
         for op, nbytes, impls in _cases(tf, ops, n, contributions):
-            copy = lambda: np.copyto(dst, src)  # noqa: E731
+            copy = lambda dst=dst, src=src: np.copyto(dst, src)
             medians = _interleaved_medians(dict(impls, copy=copy), repeats, warmup)
             copy_seconds.append(medians.pop("copy"))
             held = _HoldingResult(impls["fused"])

@@ -107,9 +107,9 @@ def run(worker_counts, lookaheads, limit_s, repeats, min_repeat_s, include_refer
                         records.append(record)
                         continue
                 if algorithm == FLOOR:
-                    call = lambda: np.sort(flat)  # noqa: E731
+                    call = lambda flat=flat: np.sort(flat)
                 else:
-                    call = lambda: zipline(matrix, algorithm, implementation=implementation)  # noqa: E731,B023
+                    call = lambda: zipline(matrix, algorithm, implementation=implementation)  # noqa: B023 (called in this iteration)
                     result = call()
                     record["wait"] = float(result.wait)
                     record["t_sync"] = float(result.t_sync)

@@ -1,5 +1,6 @@
 """The sync engine: rounds over Horovod allreduce, clocks, control path, waits, metrics."""
-from tfsync.engine.engine import SyncEngine, SyncTimeoutError
+from tfsync.engine.diagnosis import SyncTimeoutError
+from tfsync.engine.engine import SyncEngine
 from tfsync.engine.exchange import WorkerLostError
 
 __all__ = ["SyncEngine", "SyncTimeoutError", "WorkerLostError"]

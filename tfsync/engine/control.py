@@ -119,6 +119,10 @@ class ControlServer:
         self._policy = policy if policy is not None and policy.coordinated else None
         self._ready = {}  # open round -> [(rank, ready_s)] in arrival order
         self._closed = []  # [round, [accepted ranks]] in round order
+        self._opened_s = time.time() - t0  # when the oldest open round opened (the previous close)
+        self._recheck_s = None  # when the policy asked to be asked again (a timeout), if it did
+        self._policy_failed = False
+        self._coordinator_wake = threading.Condition(self._lock)  # a new recheck time, or stopping
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=size + 4))
         unary = lambda name, fn: grpc.unary_unary_rpc_method_handler(  # noqa: E731
             self._guarded(name, fn), request_deserializer=_decode, response_serializer=_encode)
@@ -254,36 +258,54 @@ class ControlServer:
             # a repeated notice (a retried call) must not count twice toward "all ready"
             if ready is not None and all(r != rank for r, _ in ready):
                 ready.append((rank, time.time() - self.t0))
-                self._changed.notify_all()
+                if round_ == next_open:  # decide here: one thread hand-off less than the coordinator
+                    self._decide_locked(time.time() - self.t0)
+                # no notify_all otherwise: the streams care only about closings (and losses)
         return {"ok": 1}
 
+    def _decide_locked(self, now):
+        """Apply the policy to the oldest open round (lock held); the recheck time, or None.
+
+        Runs in the ``Ready`` handler when a notice arrives and in the
+        coordinator thread when a timeout is due.
+        """
+        round_ = self._closed[-1][0] + 1 if self._closed else 0
+        if self._policy_failed:
+            return None
+        try:
+            decision = self._policy.close_round(
+                tuple(self._ready.get(round_, ())), self._opened_s, now, self.size)
+        except Exception as exc:  # a policy bug must stop the job, not hang it
+            log.exception("tfsync: the coordinator's policy failed")
+            self._policy_failed = True
+            self._stopped.setdefault(0, {"rank": 0, "kind": "RuntimeError", "message": (
+                f"the coordinator's {type(self._policy).__name__}.close_round failed on "
+                f"round {round_}: {type(exc).__name__}: {exc}")})
+            self._changed.notify_all()
+            return None
+        if decision.accepted is None:
+            if decision.recheck_s != self._recheck_s:
+                self._recheck_s = decision.recheck_s
+                self._coordinator_wake.notify()
+            return decision.recheck_s
+        self._closed.append([round_, [int(r) for r in decision.accepted]])
+        self._ready.pop(round_, None)
+        self._opened_s, self._recheck_s = now, None
+        self._changed.notify_all()
+        # the next round may be decidable already (its notices came early)
+        return self._decide_locked(now)
+
     def _coordinate(self):
-        """Close the oldest open round whenever the policy's rule says so."""
-        opened_s = time.time() - self.t0
-        round_ = 0
+        """Close rounds whose rule needs the clock (a timeout) rather than a new notice."""
         with self._lock:
-            while not self._stopping.is_set():
+            self._decide_locked(time.time() - self.t0)  # a policy that cannot decide fails now
+            while not self._stopping.is_set() and not self._policy_failed:
                 now = time.time() - self.t0
-                try:
-                    decision = self._policy.close_round(
-                        tuple(self._ready.get(round_, ())), opened_s, now, self.size)
-                except Exception as exc:  # a policy bug must stop the job, not hang it
-                    log.exception("tfsync: the coordinator's policy failed")
-                    self._stopped.setdefault(0, {"rank": 0, "kind": "RuntimeError", "message": (
-                        f"the coordinator's {type(self._policy).__name__}.close_round failed on "
-                        f"round {round_}: {type(exc).__name__}: {exc}")})
-                    self._changed.notify_all()
-                    return
-                if decision.accepted is not None:
-                    self._closed.append([round_, [int(r) for r in decision.accepted]])
-                    self._ready.pop(round_, None)
-                    round_, opened_s = round_ + 1, now
-                    self._changed.notify_all()
-                    continue
-                wait = COORDINATOR_WAKE_S
-                if decision.recheck_s is not None:
-                    wait = min(wait, max(decision.recheck_s - now, 0.0))
-                self._changed.wait(wait)
+                recheck = self._recheck_s
+                if recheck is not None and now >= recheck:
+                    recheck = self._decide_locked(now)
+                wait = COORDINATOR_WAKE_S if recheck is None else min(COORDINATOR_WAKE_S, max(recheck - now, 0.0))
+                self._coordinator_wake.wait(wait)
 
     @property
     def closed(self):
@@ -319,6 +341,7 @@ class ControlServer:
         self._stopping.set()
         with self._lock:
             self._changed.notify_all()
+            self._coordinator_wake.notify_all()
         # every rank has left (close() runs a barrier first): no grace period needed
         self._server.stop(grace=None).wait(SERVER_STOP_WAIT_S)
 

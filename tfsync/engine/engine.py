@@ -4,9 +4,12 @@ The engine asks its :class:`~tfsync.policies.Policy` which round must be
 complete before a worker may pass its synchronization point, and runs that on
 the :class:`~tfsync.engine.exchange.RoundExchange` (a communication thread
 over ``hvd.grouped_allreduce``) and the control path
-(:mod:`tfsync.engine.control`).  What a worker contributes and what it does
-with a completed round is the business of the step protocol the policy names
-(:mod:`tfsync.engine.protocols`), built once when the engine starts:
+(:mod:`tfsync.engine.control`).  Everything it takes from its peers goes
+through one injected cluster object (:mod:`tfsync.engine.cluster`): Horovod
+in production, N ranks on threads in the single-process tests.  What a worker
+contributes and what it does with a completed round is the business of the
+step protocol the policy names (:mod:`tfsync.engine.protocols`), built once
+when the engine starts:
 
 * gradient protocol (BSP): push this step's gradients, wait for the policy's
   round, return the mean of the contributions;
@@ -44,22 +47,23 @@ import time
 
 import numpy as np
 
-from tfsync import _horovod
+from tfsync import _env
 from tfsync.engine import protocols
+from tfsync.engine.cluster import HorovodCluster
 from tfsync.engine.control import ControlClient, ControlServer
-from tfsync.engine.exchange import RoundExchange, WorkerLostError
+from tfsync.engine.diagnosis import Diagnosis
+from tfsync.engine.exchange import RoundExchange
 from tfsync.policies import resolve
 from tfsync.stragglers import Stragglers
 
 # What happened to this worker's contributions (and steps), in totals, logs and trace.
 COUNTS = ("produced", "applied", "dropped", "skipped")
 
-WAIT_TIMEOUT_ENV = "TFSYNC_WAIT_TIMEOUT_S"
-DEFAULT_WAIT_TIMEOUT_S = 120.0
+WAIT_TIMEOUT_ENV = _env.WAIT_TIMEOUT_S.name
+DEFAULT_WAIT_TIMEOUT_S = float(_env.WAIT_TIMEOUT_S.default)
 
 
-class SyncTimeoutError(RuntimeError):
-    """A wait exceeded its bound; the message names the ranks that are behind."""
+WAIT_POLL_S = 1.0  # a waiting worker checks the control path (losses, stops, its deadline) this often
 
 
 class SyncEngine:
@@ -74,9 +78,22 @@ class SyncEngine:
         wait_timeout_s: bound on any single wait for peers (default 120 s, or
             ``TFSYNC_WAIT_TIMEOUT_S``); past it the engine raises
             :class:`SyncTimeoutError` naming the ranks that are behind.
+        cluster: what the engine takes from its peers: ``rank()``, ``size()``,
+            ``allgather_object(obj, name)``, ``broadcast_object(obj, root_rank, name)``,
+            ``collective(average)`` and ``barrier(name)`` (see :mod:`tfsync.engine.cluster`).
+            Default ``None``: :class:`~tfsync.engine.cluster.HorovodCluster`, built
+            by :meth:`start` (which checks that Horovod is initialized and the
+            process launched by ``horovodrun``).  Tests and simulators pass N
+            in-process ranks instead.
+
+    Example::
+
+        engine = SyncEngine("psp", trace_dir="traces")   # Horovod's ranks
+        engine.start(model.trainable_variables)
     """
 
-    def __init__(self, mode="bsp", *, stragglers=None, trace_dir=None, wait_timeout_s=None):
+    def __init__(self, mode="bsp", *, stragglers=None, trace_dir=None, wait_timeout_s=None,
+                 cluster=None):
         self.policy = resolve(mode)
         if stragglers is None:
             stragglers = Stragglers.from_env()
@@ -85,10 +102,16 @@ class SyncEngine:
         self.stragglers = stragglers
         self.trace_dir = trace_dir
         if wait_timeout_s is None:
-            wait_timeout_s = float(os.environ.get(WAIT_TIMEOUT_ENV, DEFAULT_WAIT_TIMEOUT_S))
+            raw = _env.WAIT_TIMEOUT_S.get()
+            try:
+                wait_timeout_s = float(raw)
+            except ValueError:
+                raise ValueError(f"{WAIT_TIMEOUT_ENV}={raw!r} is not a number of seconds; set it "
+                                 f"to e.g. {int(DEFAULT_WAIT_TIMEOUT_S)} or unset it") from None
         if not wait_timeout_s > 0:
             raise ValueError(f"wait_timeout_s={wait_timeout_s!r} must be a positive number of seconds")
         self.wait_timeout_s = float(wait_timeout_s)
+        self._cluster = cluster
         self.started = False
         self.error = None
 
@@ -101,12 +124,12 @@ class SyncEngine:
         protocol needs only their shapes and dtypes (symbolic gradients do);
         an update protocol keeps its state beside the variables themselves.
         """
-        hvd = _horovod.horovod()
+        self.cluster = cluster = self._cluster if self._cluster is not None else HorovodCluster()
 
         tensors = list(tensors)
         if not tensors:
             raise ValueError("tfsync: the model has no trainable weights to synchronize")
-        self.rank, self.size = hvd.rank(), hvd.size()
+        self.rank, self.size = cluster.rank(), cluster.size()
         self.policy.validate(self.size)
         protocol_cls = protocols.for_policy(self.policy)
         if self.policy.coordinated and not protocol_cls.reduces_gradients:
@@ -116,7 +139,7 @@ class SyncEngine:
         self.num_params = int(sum(np.prod(s, dtype=np.int64) for s in shapes))
         config = {"policy": self.policy.config(), "num_params": self.num_params, "weights": shapes,
                   "stragglers": self.stragglers.spec(), **(extra_config or {})}
-        configs = hvd.allgather_object(config, name="tfsync.config")
+        configs = cluster.allgather_object(config, name="tfsync.config")
         mismatched = [r for r, c in enumerate(configs) if c != configs[0]]
         if mismatched:
             diffs = {k: [c.get(k) for c in configs] for k in config if any(c.get(k) != configs[0].get(k) for c in configs)}
@@ -125,26 +148,30 @@ class SyncEngine:
                 + "; ".join(f"{k} per rank = {v}" for k, v in diffs.items())
                 + ". Every worker must run the same mode, model and straggler settings: "
                   "launch the same script with the same arguments on every rank")
-        self.t0 = hvd.broadcast_object(time.time(), root_rank=0, name="tfsync.t0")
+        self.t0 = cluster.broadcast_object(time.time(), root_rank=0, name="tfsync.t0")
         self._server = None
         if self.rank == 0:
             # the job's token reaches the workers over Horovod's own channel, never the control path
             token = secrets.token_hex(16)
-            host = os.environ.get("TFSYNC_CONTROL_HOST") or socket.gethostname()
+            host = _env.CONTROL_HOST.get() or socket.gethostname()
             self._server = ControlServer(self.size, self.t0, token, host=host, policy=self.policy)
             contact = (self._server.address, token)
         else:
             contact = None
-        address, token = hvd.broadcast_object(contact, root_rank=0, name="tfsync.control_address")
+        address, token = cluster.broadcast_object(contact, root_rank=0, name="tfsync.control_address")
 
         self.protocol = protocol_cls(tensors, self.size)
         coordinated = {}
         if self.policy.coordinated:
             coordinated = dict(absent=self.protocol.absent(), mask=protocols.mask_stale_payload)
-        self.exchange = RoundExchange(protocols.horovod_collective(protocol_cls.average),
+        self.exchange = RoundExchange(cluster.collective(protocol_cls.average),
                                       self.rank, self.size, self.t0, **coordinated)
-        self.control = ControlClient(address, self.rank, token, on_close=(
-            self.exchange.close_round if self.policy.coordinated else None))
+        on_close = None
+        if self.policy.coordinated:
+            on_close = lambda round_, accepted: self.exchange.close_round(round_, accepted, inline=True)
+        self.control = ControlClient(address, self.rank, token, on_close=on_close)
+        self._diagnosis = Diagnosis(self.control, self.rank, self.policy.name, self.wait_timeout_s,
+                                    WAIT_TIMEOUT_ENV)
         self._delays = self.stragglers.for_rank(self.rank)
         self.step = 0
         self._produced = self._own_applied = 0  # not yet moved into the totals
@@ -193,14 +220,12 @@ class SyncEngine:
         if not self.started:
             return
         self.started = False
-        hvd = _horovod.horovod()
-        import tensorflow as tf
+        barrier = self.cluster.barrier("tfsync.close")
 
         # Nobody stops the control server before every rank has left it: a
         # barrier on the exchange thread, after every round, and bounded.
         try:
-            self.exchange.call(lambda: hvd.allreduce(tf.constant(0.0), op=hvd.Sum, name="tfsync.close"),
-                               timeout_s=self.wait_timeout_s)
+            self.exchange.call(barrier, timeout_s=self.wait_timeout_s)
         finally:
             self.exchange.close()
             self.control.close()
@@ -306,75 +331,12 @@ class SyncEngine:
         deadline = time.monotonic() + self.wait_timeout_s
         while True:
             try:
-                done = self.exchange.wait(round_, min(1.0, max(deadline - time.monotonic(), 0.0)))
+                done = self.exchange.wait(round_, min(WAIT_POLL_S, max(deadline - time.monotonic(), 0.0)))
             except Exception as exc:  # the collective failed: find out who is gone
-                raise self._stop(self._lost_error(round_, exc)) from exc
+                raise self._diagnosis.stop(self._diagnosis.lost_error(round_, exc)) from exc
             if done:
                 return
-            # waiting for over a second: make sure rank 0's clock table shows this
-            # rank's last push, so a timeout names only the ranks really behind
-            self.control.report(self._last_pushed, min_interval_s=0.0)
-            lost = self.control.known_lost or self.control.table(timeout_s=1.0).get("lost", [])
-            # checked after the table query: a peer that stopped (rank 0 included)
-            # told everyone why before it went, and that beats "rank 0 is unreachable"
-            peer_stop = self._peer_stop()
-            if peer_stop is not None and not self.control.known_lost:
-                raise peer_stop
-            if lost:
-                raise self._stop(self._lost_error(round_, None, lost))
-            if time.monotonic() >= deadline:
-                peer_stop = self._peer_stop()
-                if peer_stop is not None:
-                    raise peer_stop
-                raise self._stop(SyncTimeoutError(
-                    f"tfsync: rank {self.rank} waited {self.wait_timeout_s:.0f} s for round {round_} "
-                    f"(mode {self.policy.name}); {self._behind(round_)}. A worker is hung or far "
-                    f"slower than the others; raise wait_timeout_s (or {WAIT_TIMEOUT_ENV}) if that "
-                    f"is expected"))
-
-    def _behind(self, round_):
-        """Which ranks have not pushed ``round_``, from rank 0's (or the last known) clock table."""
-        clocks = [int(c) for c in self.control.table(timeout_s=1.0).get("clocks") or []]
-        behind = [r for r, c in enumerate(clocks) if c < round_]
-        if not clocks:
-            return "no clock table was available to say which rank is behind"
-        return (f"ranks {behind} have not pushed it (last pushed step per rank, as reported at "
-                f"most 1 s ago: {clocks})")
-
-    def _stop(self, error):
-        self.control.announce_stop(type(error).__name__, str(error))
-        return error
-
-    def _peer_stop(self):
-        """The error another rank stopped with, if one did (pushed by the control path)."""
-        for notice in self.control.known_stopped:
-            if int(notice["rank"]) != self.rank:
-                cls = SyncTimeoutError if notice.get("kind") == "SyncTimeoutError" else WorkerLostError
-                return cls(f"tfsync: rank {int(notice['rank'])} stopped the job: {notice['message']}")
-        return None
-
-    def _lost_error(self, round_, exc, lost=None):
-        deadline = time.monotonic() + 5.0
-        while not self.control.known_lost and time.monotonic() < deadline:
-            lost = lost or self.control.table(timeout_s=1.0).get("lost", [])
-            peer_stop = self._peer_stop()
-            if peer_stop is not None and not self.control.known_lost:
-                return peer_stop
-            if lost:
-                break
-            time.sleep(0.2)
-        lost = self.control.known_lost or lost
-        if lost:
-            names = ", ".join(f"rank {int(d['rank'])} ({d['reason']}"
-                              + (f", last pushed step {int(d['clock'])}" if d.get("clock") is not None else "")
-                              + ")" for d in lost)
-            return WorkerLostError(
-                f"tfsync: lost {names} while rank {self.rank} waited for round {round_}; "
-                f"{self._behind(round_)}. Stopping this worker too; restart the job (from a "
-                f"checkpoint, if you keep one)")
-        return WorkerLostError(
-            f"tfsync: the collective for round {round_} failed on rank {self.rank} ({exc}); "
-            "no peer was reported lost by the control path")
+            self._diagnosis.check_while_waiting(round_, self._last_pushed, deadline)
 
     def _end_step(self, step, t_start, t_push, applied, skipped=False):
         t_end = self._now()

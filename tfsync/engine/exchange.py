@@ -169,12 +169,28 @@ class RoundExchange:
             self._outbox = (stamp, list(payload), push_time, compute_s)
             self.counts["produced"] += 1
 
-    def close_round(self, round_: int, accepted: tuple):
-        """The coordinator closed ``round_`` accepting ``accepted``: enter its collective (in order)."""
+    def close_round(self, round_: int, accepted: tuple, inline: bool = False):
+        """The coordinator closed ``round_`` accepting ``accepted``: enter its collective (in order).
+
+        With ``inline`` (the engine's control-stream reader, one per worker) the
+        caller runs the collective itself when nothing is queued, as
+        ``submit(inline=True)`` does for the training thread: one thread
+        hand-off less between the decision and the allreduce, in the same order.
+        """
+        accepted = tuple(accepted)
         with self._cond:
             self._closed_through = max(self._closed_through, round_)
             self._cond.notify_all()
-        self._put(("close", round_, tuple(accepted)))
+        if inline and self._running.acquire(blocking=False):
+            try:
+                with self._cond:
+                    idle = self._unfinished == 0 and self._error is None
+                if idle:
+                    self._run_closed_round(round_, accepted)
+                    return
+            finally:
+                self._running.release()
+        self._put(("close", round_, accepted))
 
     def drain_outbox(self) -> int:
         """At the end of training: drop a contribution no round can take any more; how many."""

@@ -45,7 +45,7 @@ def tf_variable(v):
     raise TypeError(f"tfsync: expected a TensorFlow or Keras variable, got {type(v).__name__}")
 
 
-def horovod_collective(average: bool):
+def horovod_collective(average: bool, hvd=None):
     """``collective(payload, meta)`` over Horovod: one ``hvd.grouped_allreduce`` per round.
 
     The payload is averaged by Horovod itself with ``average`` (a post-scale
@@ -56,8 +56,14 @@ def horovod_collective(average: bool):
     negotiation, 14 ms per round against 8 ms for one grouped call.  A group
     must share one dtype, so a model with several weight dtypes makes one call
     per dtype (the metadata joins the float32 one).
+
+    ``hvd``: ``horovod.tensorflow`` (default: as checked by
+    :func:`tfsync._horovod.horovod`), or a stand-in with ``size()``, ``Sum``,
+    ``Average`` and ``grouped_allreduce`` (an in-process fake's ranks run this
+    very function).
     """
-    hvd = _horovod.horovod()
+    if hvd is None:
+        hvd = _horovod.horovod()
     size = hvd.size()
 
     def collective(payload, meta, divisor=None):
@@ -188,15 +194,18 @@ def _apply_round(variables, w_bar, pending, totals, own_shares):
 
 def mask_stale_payload(payload, stamp, round_):
     """A contribution as it enters round ``round_``: ``(payload, True)`` if it was computed
-    for that round, else ``(zeros, False)``: :func:`tfsync.ops.mask_stale` per tensor."""
+    for that round, else ``(zeros, False)``, by :func:`tfsync.ops.mask_stale`.
+
+    The tensors share one stamp, so the op's verdict on the first decides; only a
+    stale payload is masked tensor by tensor (a fresh one passes through as it is,
+    which is what the op returns for it): one op call per round on the common path.
+    """
     from tfsync import ops
 
-    out, fresh = [], True
-    for t in payload:
-        masked, weight = ops.mask_stale(t, stamp, round_)
-        out.append(masked)
-        fresh = fresh and float(weight) == 1.0
-    return out, fresh
+    first, weight = ops.mask_stale(payload[0], stamp, round_)
+    if float(weight) == 1.0:
+        return list(payload), True
+    return [first] + [ops.mask_stale(t, stamp, round_).masked for t in payload[1:]], False
 
 
 PROTOCOLS = {p.payload: p for p in (GradientProtocol, UpdateProtocol)}

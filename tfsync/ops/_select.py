@@ -6,19 +6,18 @@
 (:mod:`tfsync.ops._reference`). There is no fallback: with ``"compiled"``
 selected and the library missing, the first call raises the loader's error.
 """
-import os
+from tfsync import _env
 
 IMPLEMENTATIONS = ("compiled", "reference")
-ENV_VAR = "TFSYNC_OPS_IMPL"
+ENV_VAR = _env.OPS_IMPL.name
 
 
 def implementation_from_env(environ=None):
     """The implementation named by ``TFSYNC_OPS_IMPL`` (``"compiled"`` when unset)."""
-    environ = os.environ if environ is None else environ
-    value = environ.get(ENV_VAR, "compiled").strip().lower()
+    value = _env.OPS_IMPL.get(environ).lower()
     if value not in IMPLEMENTATIONS:
         raise ValueError(
-            f"{ENV_VAR}={environ.get(ENV_VAR)!r} is not an implementation of tfsync.ops; "
+            f"{ENV_VAR}={value!r} is not an implementation of tfsync.ops; "
             f"expected one of {', '.join(IMPLEMENTATIONS)} (unset means 'compiled')."
         )
     return value

@@ -43,7 +43,7 @@ class Policy(abc.ABC):
     def required_round(self, step: int) -> int:
         """Newest round that must be complete at the sync point of ``step`` (-1: none)."""
 
-    def validate(self, size: int) -> None:
+    def validate(self, size: int) -> None:  # noqa: B027 (a hook: most policies take any size)
         """Raise ``ValueError`` if the settings cannot work with ``size`` workers."""
 
     def close_round(self, ready, opened_s: float, now_s: float, size: int) -> Closing:

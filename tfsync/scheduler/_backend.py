@@ -6,9 +6,10 @@ A missing compiled extension is an error that names the build command, never
 a silent fall back to the (much slower) reference.
 """
 import importlib
-import os
 
-ENV_VAR = "TFSYNC_SCHEDULER_IMPL"
+from tfsync import _env
+
+ENV_VAR = _env.SCHEDULER_IMPL.name
 IMPLEMENTATIONS = ("compiled", "reference")
 _MODULES = {"compiled": "tfsync.scheduler._zipline", "reference": "tfsync.scheduler._reference"}
 _loaded = {}
@@ -18,7 +19,7 @@ def implementation_name(implementation=None):
     """The implementation that runs: ``implementation`` if given, else the env var, else compiled."""
     source = "implementation="
     if implementation is None:
-        implementation = os.environ.get(ENV_VAR, "").strip() or "compiled"
+        implementation = _env.SCHEDULER_IMPL.get()
         source = ENV_VAR + "="
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(

@@ -30,11 +30,12 @@ Algorithms (Section 5):
   by a linear search and removed by a shift, and d_Z is not evaluated
   (Theorem 3: it cannot improve).
 * ``optbs``: Section 5.3.2, ZipLineOptBS.  As ``zipline_opt``, but the element
-  to remove is found by binary search: its timestamp is read from the matrix
-  M (the worker's previous end time) and located in the time-ordered Z, with
-  equal timestamps ordered by worker id (and by iteration index).  Removal is
-  lazy (a tombstone that the head skips) rather than the array shift the paper
-  leaves implicit, so a step costs O(log n), not O(n).
+  to remove is not searched for in Z: the paper reads its timestamp from the
+  matrix M and finds it by binary search; here M records the element's
+  position in Z when it entered (elements never move), so the lookup is a
+  single read and no binary search runs.  Removal is lazy (a tombstone that
+  the head skips) rather than the array shift the paper leaves implicit, so a
+  step costs O(1) amortized, not O(n).
 * ``gridscan``: Algorithm 1 (baseline heuristic), O(R^2 n).
 * ``fullgridscan``: Algorithm 1 with every row designated in turn, O(R^2 n^2).
 

@@ -1,0 +1,62 @@
+"""What the engine takes from the job's ranks, behind one small interface.
+
+A :class:`~tfsync.engine.SyncEngine` talks to its peers through a *cluster*
+object, injected as ``SyncEngine(..., cluster=...)``, as the conventions ask
+of everything that talks to the outside world:
+
+* ``rank()``, ``size()``: this worker's rank and the number of workers;
+* ``allgather_object(obj, name)``: every rank's ``obj``, in rank order;
+* ``broadcast_object(obj, root_rank, name)``: ``root_rank``'s ``obj`` on every rank;
+* ``collective(average)``: the round collective the
+  :class:`~tfsync.engine.exchange.RoundExchange` runs,
+  ``collective(payload, meta, divisor=None) -> (total, meta)``;
+* ``barrier(name)``: a function of no arguments that returns once every
+  rank has called it; the engine's ``close()`` builds it on the training
+  thread and runs it on the exchange thread, after every round.
+
+The engine calls them from at most one thread at a time per rank, in the same
+order on every rank.  In production (``cluster=None``) it is
+:class:`HorovodCluster`: the same Horovod calls, with the same names and in
+the same order, as the engine made before this interface existed.  The
+single-process tests pass N ranks on threads (``tests/single/fake_cluster.py``),
+and a simulator can do the same.
+"""
+from tfsync import _horovod
+from tfsync.engine import protocols
+
+
+class HorovodCluster:
+    """The ranks of a ``horovodrun`` job, over ``horovod.tensorflow``.
+
+    Built when the engine starts; the constructor runs :func:`tfsync._horovod.horovod`'s
+    checks (Horovod installed, initialized, the process launched by ``horovodrun``).
+    """
+
+    def __init__(self):
+        self.hvd = _horovod.horovod()
+
+    def rank(self) -> int:
+        return self.hvd.rank()
+
+    def size(self) -> int:
+        return self.hvd.size()
+
+    def allgather_object(self, obj, name):
+        return self.hvd.allgather_object(obj, name=name)
+
+    def broadcast_object(self, obj, root_rank, name):
+        return self.hvd.broadcast_object(obj, root_rank=root_rank, name=name)
+
+    def collective(self, average: bool):
+        """One ``hvd.grouped_allreduce`` per round: :func:`tfsync.engine.protocols.horovod_collective`."""
+        return protocols.horovod_collective(average)
+
+    def barrier(self, name):
+        """An ``hvd.allreduce`` of a scalar zero, to run later (Horovod is re-checked now)."""
+        hvd = _horovod.horovod()
+        import tensorflow as tf
+
+        return lambda: hvd.allreduce(tf.constant(0.0), op=hvd.Sum, name=name)
+
+
+__all__ = ["HorovodCluster"]

@@ -1,0 +1,96 @@
+"""Why a wait for peers ended badly: lost ranks, peers that stopped, ranks behind.
+
+Kept apart from the engine, as Horovod keeps its stall diagnosis in its own
+``StallInspector``: the engine waits, and asks this module what to raise when
+the collective fails or the wait outlasts its bound.  Everything it knows
+comes from the control path (:mod:`tfsync.engine.control`): the losses and
+stop notices rank 0 pushes to every worker, and rank 0's clock table.
+"""
+import time
+
+from tfsync.engine.exchange import WorkerLostError
+
+TABLE_TIMEOUT_S = 1.0        # one clock-table query while diagnosing
+LOSS_SETTLE_S = 5.0          # after a failed collective, how long to wait for the loss notice
+LOSS_POLL_S = 0.2            # how often to look for it meanwhile
+
+
+class SyncTimeoutError(RuntimeError):
+    """A wait exceeded its bound; the message names the ranks that are behind."""
+
+
+class Diagnosis:
+    """One worker's fault diagnosis over its control client."""
+
+    def __init__(self, control, rank, mode_name, wait_timeout_s, timeout_env):
+        self.control, self.rank, self.mode_name = control, rank, mode_name
+        self.wait_timeout_s, self.timeout_env = wait_timeout_s, timeout_env
+
+    def check_while_waiting(self, round_, last_pushed, deadline):
+        """Called about once a second while waiting for ``round_``: raise if the job must stop."""
+        # make sure rank 0's clock table shows this rank's last push, so a
+        # timeout names only the ranks really behind
+        self.control.report(last_pushed, min_interval_s=0.0)
+        lost = self.control.known_lost or self.control.table(timeout_s=TABLE_TIMEOUT_S).get("lost", [])
+        # checked after the table query: a peer that stopped (rank 0 included)
+        # told everyone why before it went, and that beats "rank 0 is unreachable"
+        peer_stop = self.peer_stop()
+        if peer_stop is not None and not self.control.known_lost:
+            raise peer_stop
+        if lost:
+            raise self.stop(self.lost_error(round_, None, lost))
+        if time.monotonic() >= deadline:
+            peer_stop = self.peer_stop()
+            if peer_stop is not None:
+                raise peer_stop
+            raise self.stop(SyncTimeoutError(
+                f"tfsync: rank {self.rank} waited {self.wait_timeout_s:.0f} s for round {round_} "
+                f"(mode {self.mode_name}); {self.behind(round_)}. A worker is hung or far "
+                f"slower than the others; raise wait_timeout_s (or {self.timeout_env}) if that "
+                f"is expected"))
+
+    def behind(self, round_):
+        """Which ranks have not pushed ``round_``, from rank 0's (or the last known) clock table."""
+        clocks = [int(c) for c in self.control.table(timeout_s=TABLE_TIMEOUT_S).get("clocks") or []]
+        behind = [r for r, c in enumerate(clocks) if c < round_]
+        if not clocks:
+            return "no clock table was available to say which rank is behind"
+        return (f"ranks {behind} have not pushed it (last pushed step per rank, as reported at "
+                f"most 1 s ago: {clocks})")
+
+    def stop(self, error):
+        """Tell every worker why this one stops; returns ``error`` to raise."""
+        self.control.announce_stop(type(error).__name__, str(error))
+        return error
+
+    def peer_stop(self):
+        """The error another rank stopped with, if one did (pushed by the control path)."""
+        for notice in self.control.known_stopped:
+            if int(notice["rank"]) != self.rank:
+                cls = SyncTimeoutError if notice.get("kind") == "SyncTimeoutError" else WorkerLostError
+                return cls(f"tfsync: rank {int(notice['rank'])} stopped the job: {notice['message']}")
+        return None
+
+    def lost_error(self, round_, exc, lost=None):
+        """The error for a failed collective (``exc``) or reported losses (``lost``)."""
+        deadline = time.monotonic() + LOSS_SETTLE_S
+        while not self.control.known_lost and time.monotonic() < deadline:
+            lost = lost or self.control.table(timeout_s=TABLE_TIMEOUT_S).get("lost", [])
+            peer_stop = self.peer_stop()
+            if peer_stop is not None and not self.control.known_lost:
+                return peer_stop
+            if lost:
+                break
+            time.sleep(LOSS_POLL_S)
+        lost = self.control.known_lost or lost
+        if lost:
+            names = ", ".join(f"rank {int(d['rank'])} ({d['reason']}"
+                              + (f", last pushed step {int(d['clock'])}" if d.get("clock") is not None else "")
+                              + ")" for d in lost)
+            return WorkerLostError(
+                f"tfsync: lost {names} while rank {self.rank} waited for round {round_}; "
+                f"{self.behind(round_)}. Stopping this worker too; restart the job (from a "
+                f"checkpoint, if you keep one)")
+        return WorkerLostError(
+            f"tfsync: the collective for round {round_} failed on rank {self.rank} ({exc}); "
+            "no peer was reported lost by the control path")
