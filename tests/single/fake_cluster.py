@@ -1,0 +1,144 @@
+"""N ranks of one job on threads of this process: the engine's cluster, without Horovod.
+
+``FakeCluster(size).rank(r)`` is what ``SyncEngine(..., cluster=...)`` takes
+(:mod:`tfsync.engine.cluster`).  Every collective meets as Horovod's do: the
+k-th collective call of every rank meets the k-th call of every other rank;
+they must agree on the kind, the name and the operation (a disagreement fails
+every rank, where Horovod would stall), and every wait is bounded: a rank that
+never arrives makes the others raise ``TimeoutError`` naming it, never hang.
+
+The round collective is production's own
+:func:`tfsync.engine.protocols.horovod_collective` (grouping by dtype, the
+metadata row appended to the float32 group as :func:`encode_meta` digits,
+:func:`decode_meta` of the result), run over this module's
+``grouped_allreduce``, which reduces as Horovod does: the element-wise sum
+over ranks in float32, then ``Average`` times ``1 / size`` and
+``postscale_factor`` applied to it, both in float64 and rounded to float32
+(Horovod's ``ScaleBuffer``).
+"""
+import copy
+import threading
+import time
+
+import numpy as np
+import tensorflow as tf
+
+from tfsync.engine import protocols
+
+DEFAULT_TIMEOUT_S = 10.0
+
+
+class FakeCluster:
+    """The shared meeting point of ``size`` ranks; ``rank(r)`` is rank ``r``'s cluster."""
+
+    Sum, Average = "Sum", "Average"
+
+    def __init__(self, size, timeout_s=DEFAULT_TIMEOUT_S):
+        self.size, self.timeout_s = size, timeout_s
+        self._cond = threading.Condition()
+        self._calls = [0] * size
+        self._slots = {}  # call index -> {rank: (signature, value)}
+        self._out = {}  # call index -> [results per rank or an exception, ranks yet to read]
+        self.log = []  # (call index, kind, name) of every collective that completed
+        self.reductions = []  # (op, postscale_factor) of every grouped allreduce, in order
+
+    def rank(self, rank):
+        if not 0 <= rank < self.size:
+            raise ValueError(f"rank {rank} is not in a cluster of {self.size}")
+        return FakeRank(self, rank)
+
+    def meet(self, rank, kind, name, value, reduce, detail=None):
+        """Rank ``rank``'s next collective: wait (bounded) for every rank's, reduce, return this rank's."""
+        signature = (kind, name, detail)
+        with self._cond:
+            k = self._calls[rank]
+            self._calls[rank] += 1
+            slot = self._slots.setdefault(k, {})
+            slot[rank] = (signature, value)
+            if len(slot) == self.size:
+                signatures = {s for s, _ in slot.values()}
+                if len(signatures) != 1:
+                    out = RuntimeError(f"fake cluster, collective {k}: the ranks disagree: "
+                                       + "; ".join(f"rank {r} called {slot[r][0]}" for r in sorted(slot)))
+                else:
+                    try:
+                        out = reduce([slot[r][1] for r in range(self.size)])
+                        self.log.append((k, kind, name))
+                    except Exception as exc:  # noqa: BLE001 - every rank raises it
+                        out = exc
+                self._out[k] = [out, self.size]
+                del self._slots[k]
+                self._cond.notify_all()
+            deadline = time.monotonic() + self.timeout_s
+            while k not in self._out:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    missing = sorted(set(range(self.size)) - set(self._slots.get(k, {})))
+                    raise TimeoutError(f"fake cluster: rank {rank} waited {self.timeout_s:g} s in "
+                                       f"{kind} {name!r} (collective {k}) for ranks {missing}")
+                self._cond.wait(left)
+            entry = self._out[k]
+            entry[1] -= 1
+            if entry[1] == 0:
+                del self._out[k]
+        if isinstance(entry[0], Exception):
+            raise entry[0]
+        return entry[0][rank]
+
+
+def _scale(total, factor):
+    """Horovod's post-scale of a float32 buffer: the product in float64, rounded to float32."""
+    return (total.astype(np.float64) * factor).astype(total.dtype)
+
+
+class FakeRank:
+    """One rank's view: the engine's cluster interface, plus the few Horovod names
+    (``size``, ``Sum``, ``Average``, ``grouped_allreduce``) production's
+    :func:`~tfsync.engine.protocols.horovod_collective` calls."""
+
+    Sum, Average = FakeCluster.Sum, FakeCluster.Average
+
+    def __init__(self, cluster, rank):
+        self._cluster, self._rank = cluster, rank
+
+    # the engine's cluster interface
+    def rank(self):
+        return self._rank
+
+    def size(self):
+        return self._cluster.size
+
+    def allgather_object(self, obj, name):
+        # every rank gets its own copies, as Horovod's pickling gives
+        return self._cluster.meet(self._rank, "allgather_object", name, obj,
+                                  lambda objs: [copy.deepcopy(objs) for _ in objs])
+
+    def broadcast_object(self, obj, root_rank, name):
+        return self._cluster.meet(self._rank, "broadcast_object", name, obj,
+                                  lambda objs: [copy.deepcopy(objs[root_rank]) for _ in objs],
+                                  detail=root_rank)
+
+    def collective(self, average):
+        return protocols.horovod_collective(average, hvd=self)
+
+    def barrier(self, name):
+        return lambda: self._cluster.meet(self._rank, "barrier", name, None, lambda objs: [None] * len(objs))
+
+    # what horovod_collective needs from Horovod
+    def grouped_allreduce(self, tensors, op, name, postscale_factor=1.0):
+        arrays = [np.asarray(t) for t in tensors]
+        dtypes = tuple(str(a.dtype) for a in arrays)
+        shapes = tuple(a.shape for a in arrays)
+        size = self._cluster.size
+
+        def reduce(per_rank):
+            totals = [np.sum([p[i] for p in per_rank], axis=0, dtype=arrays[i].dtype)
+                      for i in range(len(arrays))]
+            factor = postscale_factor / size if op == self.Average else postscale_factor
+            if factor != 1.0:
+                totals = [_scale(t, factor) for t in totals]
+            self._cluster.reductions.append((op, postscale_factor))
+            return [[tf.constant(t) for t in totals] for _ in per_rank]
+
+        return self._cluster.meet(self._rank, "grouped_allreduce", name, arrays, reduce,
+                                  detail=(op, float(postscale_factor), dtypes, shapes))
