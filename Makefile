@@ -29,6 +29,8 @@ demo: install
 	$(PYTHON) -m tfsync.demo
 
 test: install
+	$(PYTHON) -m ruff check .
+	$(PYTHON) -m ruff format --check .
 	$(PYTHON) -m pytest tests -q -p no:cacheprovider
 
 bench: install

@@ -13,6 +13,7 @@ Skipping a compiled part is opt-in and loud: ``TFSYNC_BUILD_OPS=0`` skips the op
 library, ``TFSYNC_BUILD_SCHEDULER=0`` the Cython scheduler.  A compiler error is
 never swallowed.
 """
+
 import glob
 import json
 import os
@@ -90,9 +91,7 @@ class BuildExt(build_ext):
         nvcc = shutil.which("nvcc")
         if flags["cuda"] and nvcc and cuda_sources:
             ext.define_macros = list(ext.define_macros or []) + [("GOOGLE_CUDA", "1")]
-            ext.extra_objects = list(ext.extra_objects or []) + [
-                self._nvcc(nvcc, src, flags) for src in cuda_sources
-            ]
+            ext.extra_objects = list(ext.extra_objects or []) + [self._nvcc(nvcc, src, flags) for src in cuda_sources]
             ext._tf_flags["cuda_kernels"] = True
         else:
             ext._tf_flags["cuda_kernels"] = False
@@ -103,9 +102,20 @@ class BuildExt(build_ext):
     def _nvcc(self, nvcc, src, flags):
         obj = os.path.join(self.build_temp, os.path.basename(src) + ".o")
         os.makedirs(self.build_temp, exist_ok=True)
-        cmd = [nvcc, "-std=c++17", "-c", src, "-o", obj, "-DGOOGLE_CUDA=1", "-x", "cu",
-               "-Xcompiler", "-fPIC", "--expt-relaxed-constexpr"] + [
-            f for f in flags["compile_flags"] if f.startswith(("-I", "-D"))]
+        cmd = [
+            nvcc,
+            "-std=c++17",
+            "-c",
+            src,
+            "-o",
+            obj,
+            "-DGOOGLE_CUDA=1",
+            "-x",
+            "cu",
+            "-Xcompiler",
+            "-fPIC",
+            "--expt-relaxed-constexpr",
+        ] + [f for f in flags["compile_flags"] if f.startswith(("-I", "-D"))]
         print(" ".join(cmd))
         subprocess.check_call(cmd)
         return obj
@@ -122,15 +132,21 @@ def _extensions():
     op_sources = sorted(glob.glob(os.path.join("ops", "cc", "**", "*.cc"), recursive=True))
     op_sources = [s for s in op_sources if not s.endswith(".cu.cc")]
     if not _env_flag("TFSYNC_BUILD_OPS"):
-        print("tfsync: WARNING: TFSYNC_BUILD_OPS=0: the TensorFlow op library is NOT built; "
-              "tfsync.ops works only with TFSYNC_OPS_IMPL=reference", file=sys.stderr)
+        print(
+            "tfsync: WARNING: TFSYNC_BUILD_OPS=0: the TensorFlow op library is NOT built; "
+            "tfsync.ops works only with TFSYNC_OPS_IMPL=reference",
+            file=sys.stderr,
+        )
     elif op_sources:
         exts.append(TensorFlowOpExtension(OPS_EXT_NAME, sources=op_sources, include_dirs=["ops/cc"]))
 
     pyx = sorted(glob.glob(os.path.join("tfsync", "scheduler", "*.pyx")))
     if not _env_flag("TFSYNC_BUILD_SCHEDULER"):
-        print("tfsync: WARNING: TFSYNC_BUILD_SCHEDULER=0: the Cython scheduler is NOT built; "
-              "tfsync.scheduler works only with TFSYNC_SCHEDULER_IMPL=reference", file=sys.stderr)
+        print(
+            "tfsync: WARNING: TFSYNC_BUILD_SCHEDULER=0: the Cython scheduler is NOT built; "
+            "tfsync.scheduler works only with TFSYNC_SCHEDULER_IMPL=reference",
+            file=sys.stderr,
+        )
     elif pyx:
         import numpy
         from Cython.Build import cythonize
@@ -145,8 +161,9 @@ def _extensions():
             )
             for p in pyx
         ]
-        exts.extend(cythonize(cy_exts, language_level=3,
-                              compiler_directives={"boundscheck": False, "wraparound": False}))
+        exts.extend(
+            cythonize(cy_exts, language_level=3, compiler_directives={"boundscheck": False, "wraparound": False})
+        )
     return exts
 
 

@@ -13,8 +13,8 @@ equal shard of the training set and, on rank 0, prints a JSON summary line
 (``TFSYNC_RESULT {...}``) with samples/s, wait fraction, time to the target
 test accuracy and the final test accuracy.
 """
+
 import argparse
-import os
 import sys
 import time
 
@@ -33,10 +33,16 @@ def parse_args(argv=None):
     # momentum), and 0.9 makes SSP's accuracy swing from run to run
     p.add_argument("--lr", type=float, default=0.2)
     p.add_argument("--momentum", type=float, default=0.0)
-    p.add_argument("--target-accuracy", type=float, nargs="+", default=[0.9, 0.95],
-                   help="record the wall time at which the test accuracy first reaches each")
-    p.add_argument("--stragglers", default=None,
-                   help="straggler spec, e.g. 'base=0.02,slow=3:0.04' (default: $TFSYNC_STRAGGLERS)")
+    p.add_argument(
+        "--target-accuracy",
+        type=float,
+        nargs="+",
+        default=[0.9, 0.95],
+        help="record the wall time at which the test accuracy first reaches each",
+    )
+    p.add_argument(
+        "--stragglers", default=None, help="straggler spec, e.g. 'base=0.02,slow=3:0.04' (default: $TFSYNC_STRAGGLERS)"
+    )
     p.add_argument("--trace-dir", default=None, help="write a JSON-lines trace per worker here")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--verbose", type=int, default=0)
@@ -65,32 +71,47 @@ def main(argv=None):
     x_train, x_test, y_train, y_test = train_test_split(x, y, test_size=0.2, random_state=0, stratify=y)
     x_local, y_local = tfsync.shard(x_train, y_train, batch_size=args.batch_size)
 
-    model = keras.Sequential([
-        keras.Input((64,)),
-        keras.layers.Dense(64, activation="relu"),
-        keras.layers.Dense(10, activation="softmax"),
-    ])
-    model.compile(optimizer=keras.optimizers.SGD(args.lr, momentum=args.momentum),
-                  loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    model = keras.Sequential(
+        [
+            keras.Input((64,)),
+            keras.layers.Dense(64, activation="relu"),
+            keras.layers.Dense(10, activation="softmax"),
+        ]
+    )
+    model.compile(
+        optimizer=keras.optimizers.SGD(args.lr, momentum=args.momentum),
+        loss="sparse_categorical_crossentropy",
+        metrics=["accuracy"],
+    )
 
     mode = mode_from_args(args)
     stragglers = tfsync.Stragglers.parse(args.stragglers) if args.stragglers is not None else None
     sync = tfsync.keras.SyncCallback(mode=mode, stragglers=stragglers, trace_dir=args.trace_dir)
     progress = TargetAccuracy(x_test, y_test, args.target_accuracy)
     start = time.time()
-    history = model.fit(x_local, y_local, batch_size=args.batch_size, epochs=args.epochs,
-                        shuffle=True, verbose=args.verbose if hvd.rank() == 0 else 0,
-                        callbacks=[sync, progress])
+    history = model.fit(
+        x_local,
+        y_local,
+        batch_size=args.batch_size,
+        epochs=args.epochs,
+        shuffle=True,
+        verbose=args.verbose if hvd.rank() == 0 else 0,
+        callbacks=[sync, progress],
+    )
     wall_s = time.time() - start
     final_acc = float(model.evaluate(x_test, y_test, verbose=0)[1])
     samples = len(x_local) * args.epochs * hvd.size()
     wait = float(np.mean(history.history["tfsync_wait_fraction"]))
-    result = {"mode": describe_mode(mode),
-              "workers": hvd.size(), "samples_per_s": samples / wall_s, "wall_s": wall_s,
-              **contribution_totals(hvd, sync.engine.counts, args.batch_size, wall_s),
-              "wait_fraction": wait,
-              "time_to_accuracy_s": {str(t): progress.reached_s[t] for t in args.target_accuracy},
-              "final_accuracy": final_acc}
+    result = {
+        "mode": describe_mode(mode),
+        "workers": hvd.size(),
+        "samples_per_s": samples / wall_s,
+        "wall_s": wall_s,
+        **contribution_totals(hvd, sync.engine.counts, args.batch_size, wall_s),
+        "wait_fraction": wait,
+        "time_to_accuracy_s": {str(t): progress.reached_s[t] for t in args.target_accuracy},
+        "final_accuracy": final_acc,
+    }
     # every replica must hold the same weights: compare a checksum across ranks
     checksum = float(sum(np.sum(w.astype(np.float64)) for w in model.get_weights()))
     checksums = hvd.allgather_object(checksum)

@@ -7,6 +7,7 @@ from rank 0's values on every worker); ``fit`` needs no tfsync callback.
 Call ``strategy.finish()`` after ``fit`` so every replica holds the same final
 weights before saving.
 """
+
 import argparse
 import sys
 import time
@@ -50,10 +51,18 @@ def main(argv=None):
     stragglers = tfsync.Stragglers.parse(args.stragglers) if args.stragglers else None
     strategy = tfsync.distribute.SyncStrategy(mode=mode, stragglers=stragglers)
     with strategy.scope():
-        model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(64, activation="relu"),
-                                  keras.layers.Dense(10, activation="softmax")])
-        model.compile(optimizer=keras.optimizers.SGD(args.lr, momentum=args.momentum),
-                      loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+        model = keras.Sequential(
+            [
+                keras.Input((64,)),
+                keras.layers.Dense(64, activation="relu"),
+                keras.layers.Dense(10, activation="softmax"),
+            ]
+        )
+        model.compile(
+            optimizer=keras.optimizers.SGD(args.lr, momentum=args.momentum),
+            loss="sparse_categorical_crossentropy",
+            metrics=["accuracy"],
+        )
     start = time.time()
     model.fit(x_local, y_local, batch_size=args.batch_size, epochs=args.epochs, verbose=0)
     engine = strategy.engine
@@ -64,9 +73,15 @@ def main(argv=None):
     checksum = float(sum(np.sum(w.astype(np.float64)) for w in model.get_weights()))
     identical = len(set(hvd.allgather_object(checksum))) == 1
     if hvd.rank() == 0:
-        print_result({"mode": describe_mode(mode), "final_accuracy": accuracy,
-                      "replicas_identical": identical,
-                      "samples_per_s": len(x_local) * args.epochs * hvd.size() / wall_s, **totals})
+        print_result(
+            {
+                "mode": describe_mode(mode),
+                "final_accuracy": accuracy,
+                "replicas_identical": identical,
+                "samples_per_s": len(x_local) * args.epochs * hvd.size() / wall_s,
+                **totals,
+            }
+        )
     return 0
 
 

@@ -9,6 +9,7 @@ Public API::
     tfsync.distribute.SyncStrategy(mode=...)     # with strategy.scope(): ...
     tfsync.shard(x, y)                           # this rank's equal share of arrays
 """
+
 import importlib
 
 from tfsync.policies import BSP, PSP, SSP, BackupWorkers, Policy
@@ -25,6 +26,7 @@ def __getattr__(name):
         return importlib.import_module(f"tfsync.{name}")
     if name == "shard":
         from tfsync._data import shard
+
         return shard
     raise AttributeError(f"module 'tfsync' has no attribute {name!r}")
 

@@ -1,4 +1,5 @@
 """Dataset sharding by rank, with equal shares so every worker runs the same steps."""
+
 from tfsync import _horovod
 
 
@@ -20,14 +21,18 @@ def shard(*arrays, batch_size=None):
     rank, size = hvd.rank(), hvd.size()
     lengths = {len(a) for a in arrays}
     if len(lengths) != 1:
-        raise ValueError(f"tfsync.shard: arrays have different lengths {sorted(lengths)}; "
-                         "pass features and labels of the same length")
+        raise ValueError(
+            f"tfsync.shard: arrays have different lengths {sorted(lengths)}; "
+            "pass features and labels of the same length"
+        )
     per_rank = lengths.pop() // size
     if batch_size:
         per_rank -= per_rank % batch_size
     if per_rank == 0:
-        raise ValueError(f"tfsync.shard: {size} workers leave no full share"
-                         + (f" of batch_size={batch_size}" if batch_size else "")
-                         + "; use more data or fewer workers")
+        raise ValueError(
+            f"tfsync.shard: {size} workers leave no full share"
+            + (f" of batch_size={batch_size}" if batch_size else "")
+            + "; use more data or fewer workers"
+        )
     out = [a[rank::size][:per_rank] for a in arrays]
     return out[0] if len(out) == 1 else tuple(out)

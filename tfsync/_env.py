@@ -5,6 +5,7 @@ names, defaults and meanings are listed once.  (``setup.py`` reads the build
 flags ``TFSYNC_BUILD_OPS`` and ``TFSYNC_BUILD_SCHEDULER`` itself, since the
 package is not importable while it is being built; they default to 1.)
 """
+
 import dataclasses
 import os
 
@@ -28,11 +29,15 @@ class Var:
 
 STRAGGLERS = Var("TFSYNC_STRAGGLERS", "", "straggler spec (tfsync.Stragglers.parse syntax); empty: none")
 WAIT_TIMEOUT_S = Var("TFSYNC_WAIT_TIMEOUT_S", "120", "bound on one wait for peers, in seconds")
-CONTROL_HOST = Var("TFSYNC_CONTROL_HOST", "", "address rank 0's control service listens on and the "
-                   "workers dial; empty: rank 0's host name")
+CONTROL_HOST = Var(
+    "TFSYNC_CONTROL_HOST",
+    "",
+    "address rank 0's control service listens on and the " "workers dial; empty: rank 0's host name",
+)
 SINGLE_PROCESS = Var("TFSYNC_SINGLE_PROCESS", "0", "1: train one worker without horovodrun, on purpose")
 OPS_IMPL = Var("TFSYNC_OPS_IMPL", "compiled", "compiled | reference: the kernels tfsync.ops runs")
-SCHEDULER_IMPL = Var("TFSYNC_SCHEDULER_IMPL", "compiled",
-                     "compiled | reference: the ZipLine kernels tfsync.scheduler runs")
+SCHEDULER_IMPL = Var(
+    "TFSYNC_SCHEDULER_IMPL", "compiled", "compiled | reference: the ZipLine kernels tfsync.scheduler runs"
+)
 
 ALL = (STRAGGLERS, WAIT_TIMEOUT_S, CONTROL_HOST, SINGLE_PROCESS, OPS_IMPL, SCHEDULER_IMPL)

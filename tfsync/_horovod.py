@@ -1,4 +1,5 @@
 """The one place tfsync imports Horovod and checks how the process was launched."""
+
 import os
 
 from tfsync import _env
@@ -17,7 +18,8 @@ def horovod():
     except ImportError as exc:
         raise RuntimeError(
             f"tfsync needs Horovod with TensorFlow support ({exc}); install it with "
-            "`make install` (builds horovod==0.28.1 against the installed TensorFlow)") from exc
+            "`make install` (builds horovod==0.28.1 against the installed TensorFlow)"
+        ) from exc
     try:
         initialized = hvd.is_initialized()
     except ValueError:
@@ -26,12 +28,14 @@ def horovod():
         raise RuntimeError(
             "tfsync: Horovod is not initialized in this process; call "
             "`import horovod.tensorflow as hvd; hvd.init()` before training, and launch one "
-            "process per worker with e.g. `horovodrun -np 4 -H localhost:4 --gloo python train.py`")
+            "process per worker with e.g. `horovodrun -np 4 -H localhost:4 --gloo python train.py`"
+        )
     launched = any(k in os.environ for k in LAUNCHER_ENV) or hvd.size() > 1
     if not launched and _env.SINGLE_PROCESS.get() != "1":
         raise RuntimeError(
             "tfsync: this process was not started by horovodrun (or mpirun), so it would train "
             "alone with nothing to synchronize; launch it with e.g. "
             "`horovodrun -np 4 -H localhost:4 --gloo python train.py`, or set "
-            f"{SINGLE_PROCESS_ENV}=1 to train a single worker on purpose")
+            f"{SINGLE_PROCESS_ENV}=1 to train a single worker on purpose"
+        )
     return hvd

@@ -12,6 +12,7 @@ target test accuracies, final accuracy):
 
 Every worker spends 20 ms of simulated device time per step.
 """
+
 import argparse
 import json
 import os
@@ -30,24 +31,42 @@ def main(argv=None):
     p.add_argument("--epochs", type=int, default=12)
     p.add_argument("--staleness", type=int, default=3)
     p.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=list(SCENARIOS))
-    p.add_argument("--stragglers", default=None,
-                   help="run one custom scenario with this straggler spec instead")
+    p.add_argument("--stragglers", default=None, help="run one custom scenario with this straggler spec instead")
     p.add_argument("--target-accuracy", type=float, nargs="+", default=[0.9, 0.95])
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     args = p.parse_args(argv)
     if not os.path.exists(EXAMPLE):
-        sys.exit(f"tfsync.demo: {EXAMPLE} not found; run the demo from a tfsync checkout "
-                 "(pip install -e . keeps the examples next to the package)")
+        sys.exit(
+            f"tfsync.demo: {EXAMPLE} not found; run the demo from a tfsync checkout "
+            "(pip install -e . keeps the examples next to the package)"
+        )
     scenarios = {"custom": args.stragglers} if args.stragglers else {k: SCENARIOS[k] for k in args.scenarios}
     rows = []
     for scenario, spec in scenarios.items():
         for mode in MODES:
-            print(f"tfsync.demo: training digits with {mode.upper()} on {args.workers} workers "
-                  f"({scenario}: {spec})...", file=sys.stderr, flush=True)
-            row = horovodrun(EXAMPLE, [
-                "--mode", mode, "--staleness", args.staleness, "--epochs", args.epochs,
-                "--stragglers", spec, "--target-accuracy", *args.target_accuracy],
-                workers=args.workers, timeout_s=900)
+            print(
+                f"tfsync.demo: training digits with {mode.upper()} on {args.workers} workers "
+                f"({scenario}: {spec})...",
+                file=sys.stderr,
+                flush=True,
+            )
+            row = horovodrun(
+                EXAMPLE,
+                [
+                    "--mode",
+                    mode,
+                    "--staleness",
+                    args.staleness,
+                    "--epochs",
+                    args.epochs,
+                    "--stragglers",
+                    spec,
+                    "--target-accuracy",
+                    *args.target_accuracy,
+                ],
+                workers=args.workers,
+                timeout_s=900,
+            )
             rows.append({"scenario": scenario, "stragglers": spec, **row})
     print(format_table(rows, args))
     if args.json:
@@ -58,19 +77,25 @@ def main(argv=None):
 
 def format_table(rows, args):
     targets = list(rows[0]["time_to_accuracy_s"])
-    lines = [f"digits, {args.workers} workers, {args.epochs} epochs; "
-             + "; ".join(sorted({f"{r['scenario']}: {r['stragglers']}" for r in rows})),
-             "| scenario | mode | samples/s | effective samples/s | dropped | skipped | wait fraction | "
-             + " | ".join(f"time to {t} test accuracy" for t in targets)
-             + " | final test accuracy | replicas identical |",
-             "|---|---|---:|---:|---:|---:|---:|" + "---:|" * len(targets) + "---:|---|"]
+    lines = [
+        f"digits, {args.workers} workers, {args.epochs} epochs; "
+        + "; ".join(sorted({f"{r['scenario']}: {r['stragglers']}" for r in rows})),
+        "| scenario | mode | samples/s | effective samples/s | dropped | skipped | wait fraction | "
+        + " | ".join(f"time to {t} test accuracy" for t in targets)
+        + " | final test accuracy | replicas identical |",
+        "|---|---|---:|---:|---:|---:|---:|" + "---:|" * len(targets) + "---:|---|",
+    ]
     for r in rows:
-        reached = ["not reached" if r["time_to_accuracy_s"][t] is None
-                   else f"{r['time_to_accuracy_s'][t]:.1f} s" for t in targets]
-        lines.append(f"| {r['scenario']} | {r['mode']} | {r['samples_per_s']:.0f} | "
-                     f"{r['effective_samples_per_s']:.0f} | {r['dropped']} | {r['skipped']} | {r['wait_fraction']:.2f} | "
-                     + " | ".join(reached)
-                     + f" | {r['final_accuracy']:.3f} | {r['replicas_identical']} |")
+        reached = [
+            "not reached" if r["time_to_accuracy_s"][t] is None else f"{r['time_to_accuracy_s'][t]:.1f} s"
+            for t in targets
+        ]
+        lines.append(
+            f"| {r['scenario']} | {r['mode']} | {r['samples_per_s']:.0f} | "
+            f"{r['effective_samples_per_s']:.0f} | {r['dropped']} | {r['skipped']} | {r['wait_fraction']:.2f} | "
+            + " | ".join(reached)
+            + f" | {r['final_accuracy']:.3f} | {r['replicas_identical']} |"
+        )
     return "\n".join(lines)
 
 

@@ -3,6 +3,7 @@
 Used by ``python -m tfsync.bench`` and ``python -m tfsync.demo``; workers print
 one ``TFSYNC_RESULT {json}`` line (rank 0) that is parsed back here.
 """
+
 import json
 import os
 import shutil
@@ -22,14 +23,35 @@ def run_local_job(script, args=(), workers=4, timeout_s=600, env=None):
     """
     if shutil.which("horovodrun") is None:
         raise RuntimeError("horovodrun is not on PATH; install Horovod with `make install`")
-    cmd = ["horovodrun", "-np", str(workers), "-H", f"localhost:{workers}", "--gloo",
-           sys.executable, script, *map(str, args)]
+    cmd = [
+        "horovodrun",
+        "-np",
+        str(workers),
+        "-H",
+        f"localhost:{workers}",
+        "--gloo",
+        sys.executable,
+        script,
+        *map(str, args),
+    ]
     full_env = dict(os.environ)
-    full_env.update({"PYTHONPATH": REPO_ROOT + os.pathsep + full_env.get("PYTHONPATH", ""),
-                     "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONUNBUFFERED": "1"})
+    full_env.update(
+        {
+            "PYTHONPATH": REPO_ROOT + os.pathsep + full_env.get("PYTHONPATH", ""),
+            "TF_CPP_MIN_LOG_LEVEL": "2",
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
     full_env.update(env or {})
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=full_env, cwd=REPO_ROOT, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=full_env,
+        cwd=REPO_ROOT,
+        start_new_session=True,
+    )
     try:
         out, _ = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -45,11 +67,9 @@ def horovodrun(script, args=(), workers=4, timeout_s=600, env=None):
     Raises ``RuntimeError`` with the tail of the output when the job fails.
     """
     code, out = run_local_job(script, args, workers, timeout_s, env)
-    results = [json.loads(line.split(RESULT_PREFIX, 1)[1]) for line in out.splitlines()
-               if RESULT_PREFIX in line]
+    results = [json.loads(line.split(RESULT_PREFIX, 1)[1]) for line in out.splitlines() if RESULT_PREFIX in line]
     if code != 0 or not results:
-        raise RuntimeError(f"{script} on {workers} workers failed (exit {code}); "
-                           f"output tail:\n{out[-4000:]}")
+        raise RuntimeError(f"{script} on {workers} workers failed (exit {code}); " f"output tail:\n{out[-4000:]}")
     return results[-1]
 
 
@@ -72,11 +92,15 @@ def add_mode_arguments(parser, baselines=()):
     else:
         parser.add_argument("--mode", default="bsp", choices=MODES)
     parser.add_argument("--staleness", type=int, default=3, help="SSP bound s (--mode ssp)")
-    parser.add_argument("--min-contributions", type=int, default=None,
-                        help="PSP's c (--mode psp; default: workers - 1)")
-    parser.add_argument("--push-timeout-s", type=float, default=None,
-                        help="PSP's tau1 in seconds (--mode psp; default: a tenth of the round's "
-                             "iteration time)")
+    parser.add_argument(
+        "--min-contributions", type=int, default=None, help="PSP's c (--mode psp; default: workers - 1)"
+    )
+    parser.add_argument(
+        "--push-timeout-s",
+        type=float,
+        default=None,
+        help="PSP's tau1 in seconds (--mode psp; default: a tenth of the round's " "iteration time)",
+    )
     parser.add_argument("--backups", type=int, default=1, help="backup workers b (--mode backup)")
     return parser
 
@@ -99,8 +123,9 @@ def describe_mode(policy):
     (settings left at an adaptive default, ``None``, are not shown)."""
     options = {k: v for k, v in policy.config().items() if k != "mode" and v is not None}
     short = {"staleness": "s", "min_contributions": "c", "push_timeout_s": "timeout", "backups": "b"}
-    return policy.name + ("(" + ", ".join(f"{short.get(k, k)}={v}" for k, v in options.items()) + ")"
-                          if options else "")
+    return policy.name + (
+        "(" + ", ".join(f"{short.get(k, k)}={v}" for k, v in options.items()) + ")" if options else ""
+    )
 
 
 def contribution_totals(hvd, counts, batch_size, wall_s):

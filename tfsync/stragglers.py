@@ -9,6 +9,7 @@ Set it from code (``tfsync.Stragglers(...)``), from a spec string on the
 command line (``--stragglers "base=0.02,slow=3:0.04"``) or from the environment
 (``TFSYNC_STRAGGLERS``, same syntax).
 """
+
 import dataclasses
 import math
 import time
@@ -22,7 +23,8 @@ _SPEC_HELP = (
     "comma-separated key=value items: base=SECONDS (simulated device time of every step), "
     "slow=RANK:SECONDS (extra time per step on RANK; repeatable), "
     "rare=PROBABILITY:SECONDS (a rare long delay), jitter=SECONDS (uniform extra 0..SECONDS), "
-    "seed=INT; e.g. 'base=0.02,slow=3:0.04,rare=0.0016:4,seed=1'")
+    "seed=INT; e.g. 'base=0.02,slow=3:0.04,rare=0.0016:4,seed=1'"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,8 +96,9 @@ class Stragglers:
                 else:
                     raise ValueError(f"unknown key {key!r}")
             except ValueError as exc:
-                raise ValueError(f"bad straggler spec item {item.strip()!r} in {spec!r} ({exc}); "
-                                 f"expected {_SPEC_HELP}") from None
+                raise ValueError(
+                    f"bad straggler spec item {item.strip()!r} in {spec!r} ({exc}); " f"expected {_SPEC_HELP}"
+                ) from None
         return cls(slow_ranks=slow, **kwargs)
 
     @classmethod
@@ -144,5 +147,5 @@ class RankDelays:
 
 
 def _check_seconds(name, value):
-    if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+    if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
         raise ValueError(f"Stragglers: {name}={value!r} must be a finite number of seconds >= 0")

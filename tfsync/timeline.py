@@ -23,6 +23,7 @@ Python::
 It imports neither TensorFlow nor Horovod, so it runs anywhere the trace is
 copied to.
 """
+
 import argparse
 import bisect
 import json
@@ -48,7 +49,7 @@ _WAIT_DENSE = "#ec8c8c"
 
 # ---------------------------------------------------------------------------- loading
 def _is_number(value):
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _is_int(value):
@@ -73,64 +74,112 @@ def _require(record, key, check, expected, path, lineno):
 def _check_start(record, path, lineno, file_rank):
     rank = _require(record, "rank", _is_int, "'rank' to be an integer", path, lineno)
     if rank != file_rank:
-        raise _bad(path, lineno, f"the start event says rank {rank} but the file is named for rank {file_rank}",
-                   "a file rank<R>.jsonl to hold rank R's trace", "rename the file or regenerate the trace")
-    size = _require(record, "size", lambda v: _is_int(v) and v >= 1, "'size' to be a positive integer",
-                    path, lineno)
+        raise _bad(
+            path,
+            lineno,
+            f"the start event says rank {rank} but the file is named for rank {file_rank}",
+            "a file rank<R>.jsonl to hold rank R's trace",
+            "rename the file or regenerate the trace",
+        )
+    size = _require(record, "size", lambda v: _is_int(v) and v >= 1, "'size' to be a positive integer", path, lineno)
     if rank >= size:
         raise _bad(path, lineno, f"rank {rank} is not below the job size {size}", "0 <= rank < size")
-    policy = _require(record, "policy", lambda v: isinstance(v, dict) and isinstance(v.get("mode"), str),
-                      "'policy' to be an object with a string 'mode', e.g. {\"mode\": \"ssp\", \"staleness\": 3}",
-                      path, lineno)
+    policy = _require(
+        record,
+        "policy",
+        lambda v: isinstance(v, dict) and isinstance(v.get("mode"), str),
+        '\'policy\' to be an object with a string \'mode\', e.g. {"mode": "ssp", "staleness": 3}',
+        path,
+        lineno,
+    )
     return {"rank": rank, "size": size, "policy": dict(policy), "t0": record.get("t0"), "record": record}
 
 
 def _check_applied(value):
     return isinstance(value, list) and all(
-        isinstance(item, list) and len(item) == 3 and all(_is_int(v) for v in item) for item in value)
+        isinstance(item, list) and len(item) == 3 and all(_is_int(v) for v in item) for item in value
+    )
 
 
 def _check_step(record, path, lineno, file_rank, previous):
     rank = _require(record, "rank", _is_int, "'rank' to be an integer", path, lineno)
     if rank != file_rank:
-        raise _bad(path, lineno, f"a step record of rank {rank} is in rank {file_rank}'s file",
-                   f"every record in rank{file_rank}.jsonl to have rank {file_rank}")
-    step = _require(record, "step", lambda v: _is_int(v) and v >= 0, "'step' to be an integer >= 0",
-                    path, lineno)
-    times = {key: _require(record, key, _is_number, f"{key!r} to be a number of seconds since t0", path, lineno)
-             for key in ("t_start", "t_push", "t_end")}
+        raise _bad(
+            path,
+            lineno,
+            f"a step record of rank {rank} is in rank {file_rank}'s file",
+            f"every record in rank{file_rank}.jsonl to have rank {file_rank}",
+        )
+    step = _require(record, "step", lambda v: _is_int(v) and v >= 0, "'step' to be an integer >= 0", path, lineno)
+    times = {
+        key: _require(record, key, _is_number, f"{key!r} to be a number of seconds since t0", path, lineno)
+        for key in ("t_start", "t_push", "t_end")
+    }
     if not times["t_start"] - _TIME_SLACK_S <= times["t_push"] <= times["t_end"] + _TIME_SLACK_S:
-        raise _bad(path, lineno,
-                   f"step {step} has t_start={times['t_start']}, t_push={times['t_push']}, t_end={times['t_end']}",
-                   "t_start <= t_push <= t_end (compute, then wait)")
-    applied = _require(record, "applied", _check_applied,
-                       "'applied' to be a list of [round, staleness, contributors] integer triples", path, lineno)
+        raise _bad(
+            path,
+            lineno,
+            f"step {step} has t_start={times['t_start']}, t_push={times['t_push']}, t_end={times['t_end']}",
+            "t_start <= t_push <= t_end (compute, then wait)",
+        )
+    applied = _require(
+        record,
+        "applied",
+        _check_applied,
+        "'applied' to be a list of [round, staleness, contributors] integer triples",
+        path,
+        lineno,
+    )
     for key in ("compute_s", "wait_s"):
         if key in record and not _is_number(record[key]):
             raise _bad(path, lineno, f"field {key!r} is {record[key]!r}", f"{key!r} to be a number of seconds")
     if previous is not None:
         if step <= previous["step"]:
-            raise _bad(path, lineno, f"step {step} follows step {previous['step']}",
-                       "steps in increasing order", "was the file appended to by two runs? use one directory per run")
+            raise _bad(
+                path,
+                lineno,
+                f"step {step} follows step {previous['step']}",
+                "steps in increasing order",
+                "was the file appended to by two runs? use one directory per run",
+            )
         if times["t_start"] < previous["t_end"] - _TIME_SLACK_S:
-            raise _bad(path, lineno,
-                       f"step {step} starts at t={times['t_start']}, before step {previous['step']} ended "
-                       f"(t={previous['t_end']})", "steps that do not overlap in time")
-    return {"rank": rank, "step": step, **times, "applied": [tuple(item) for item in applied],
-            "applied_through": record.get("applied_through"), "dropped": record.get("dropped", 0)}
+            raise _bad(
+                path,
+                lineno,
+                f"step {step} starts at t={times['t_start']}, before step {previous['step']} ended "
+                f"(t={previous['t_end']})",
+                "steps that do not overlap in time",
+            )
+    return {
+        "rank": rank,
+        "step": step,
+        **times,
+        "applied": [tuple(item) for item in applied],
+        "applied_through": record.get("applied_through"),
+        "dropped": record.get("dropped", 0),
+    }
 
 
 def _check_finish(record, path, lineno, file_rank, previous):
     rank = _require(record, "rank", _is_int, "'rank' to be an integer", path, lineno)
     if rank != file_rank:
-        raise _bad(path, lineno, f"a finish event of rank {rank} is in rank {file_rank}'s file",
-                   f"every record in rank{file_rank}.jsonl to have rank {file_rank}")
+        raise _bad(
+            path,
+            lineno,
+            f"a finish event of rank {rank} is in rank {file_rank}'s file",
+            f"every record in rank{file_rank}.jsonl to have rank {file_rank}",
+        )
     t = _require(record, "t", _is_number, "'t' to be a number of seconds since t0", path, lineno)
-    wait_s = _require(record, "wait_s", lambda v: _is_number(v) and v >= 0,
-                      "'wait_s' to be a number of seconds >= 0", path, lineno)
+    wait_s = _require(
+        record, "wait_s", lambda v: _is_number(v) and v >= 0, "'wait_s' to be a number of seconds >= 0", path, lineno
+    )
     if previous is not None and t < previous["t_end"] - _TIME_SLACK_S:
-        raise _bad(path, lineno, f"the finish event at t={t} is before the last step ended (t={previous['t_end']})",
-                   "the finish event after the last step")
+        raise _bad(
+            path,
+            lineno,
+            f"the finish event at t={t} is before the last step ended (t={previous['t_end']})",
+            "the finish event after the last step",
+        )
     return {"rank": rank, "t": t, "wait_s": wait_s}
 
 
@@ -143,21 +192,34 @@ def _load_rank_file(path, file_rank):
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise _bad(path, lineno, f"the line is not valid JSON ({exc.msg})",
-                           "one JSON object per line",
-                           "a worker killed mid-write leaves a cut last line; delete that line") from None
+                raise _bad(
+                    path,
+                    lineno,
+                    f"the line is not valid JSON ({exc.msg})",
+                    "one JSON object per line",
+                    "a worker killed mid-write leaves a cut last line; delete that line",
+                ) from None
             if not isinstance(record, dict):
                 raise _bad(path, lineno, f"the line is a JSON {type(record).__name__}", "one JSON object per line")
             event = record.get("event")
             if start is None:
                 if event != "start":
-                    raise _bad(path, lineno, f"the first record is {line.strip()[:80]!r}",
-                               "a first line {\"event\": \"start\", \"rank\": R, \"size\": N, \"policy\": {...}}",
-                               "is this a tfsync trace written by the engine's trace_dir option?")
+                    raise _bad(
+                        path,
+                        lineno,
+                        f"the first record is {line.strip()[:80]!r}",
+                        'a first line {"event": "start", "rank": R, "size": N, "policy": {...}}',
+                        "is this a tfsync trace written by the engine's trace_dir option?",
+                    )
                 start = _check_start(record, path, lineno, file_rank)
             elif event == "start":
-                raise _bad(path, lineno, "a second start event", "one start event, on the first line",
-                           "two runs wrote to the same file; use one trace directory per run")
+                raise _bad(
+                    path,
+                    lineno,
+                    "a second start event",
+                    "one start event, on the first line",
+                    "two runs wrote to the same file; use one trace directory per run",
+                )
             elif finish is not None and event is None:
                 raise _bad(path, lineno, "a step record after the finish event", "the finish event to be last")
             elif event == "finish":
@@ -168,10 +230,19 @@ def _load_rank_file(path, file_rank):
                 steps.append(_check_step(record, path, lineno, file_rank, steps[-1] if steps else None))
             # any other event: a newer engine's record this reader does not know; skipped on purpose
     if start is None:
-        raise ValueError(f"tfsync.timeline: {path} is empty; expected a first line "
-                         "{\"event\": \"start\", ...} (the worker may have failed before training started)")
-    return {"file": path, "start": start["record"], "size": start["size"], "policy": start["policy"],
-            "t0": start["t0"], "steps": steps, "finish": finish}
+        raise ValueError(
+            f"tfsync.timeline: {path} is empty; expected a first line "
+            '{"event": "start", ...} (the worker may have failed before training started)'
+        )
+    return {
+        "file": path,
+        "start": start["record"],
+        "size": start["size"],
+        "policy": start["policy"],
+        "t0": start["t0"],
+        "steps": steps,
+        "finish": finish,
+    }
 
 
 def load_trace(trace_dir) -> dict:
@@ -193,24 +264,29 @@ def load_trace(trace_dir) -> dict:
     """
     trace_dir = os.fspath(trace_dir)
     if not os.path.isdir(trace_dir):
-        raise ValueError(f"tfsync.timeline: trace directory {trace_dir!r} does not exist or is not a directory; "
-                         "expected the directory passed as trace_dir to the engine / SyncCallback")
+        raise ValueError(
+            f"tfsync.timeline: trace directory {trace_dir!r} does not exist or is not a directory; "
+            "expected the directory passed as trace_dir to the engine / SyncCallback"
+        )
     files = {}
     for name in os.listdir(trace_dir):
         match = _RANK_FILE.match(name)
         if match:
             files[int(match.group(1))] = os.path.join(trace_dir, name)
     if not files:
-        raise ValueError(f"tfsync.timeline: {trace_dir!r} holds no rank<R>.jsonl files; expected one per worker "
-                         "(rank0.jsonl, rank1.jsonl, ...); was training run with trace_dir set to this directory?")
+        raise ValueError(
+            f"tfsync.timeline: {trace_dir!r} holds no rank<R>.jsonl files; expected one per worker "
+            "(rank0.jsonl, rank1.jsonl, ...); was training run with trace_dir set to this directory?"
+        )
     ranks = {rank: _load_rank_file(files[rank], rank) for rank in sorted(files)}
     first = ranks[min(ranks)]
-    for rank, data in ranks.items():
+    for _rank, data in ranks.items():
         for key in ("size", "policy", "t0"):
             if data[key] != first[key]:
                 raise ValueError(
                     f"tfsync.timeline: {data['file']} has {key}={data[key]!r} but {first['file']} has "
-                    f"{key}={first[key]!r}; expected the files of one run (use one trace directory per run)")
+                    f"{key}={first[key]!r}; expected the files of one run (use one trace directory per run)"
+                )
     size = first["size"]
     missing = [r for r in range(size) if r not in ranks]
     extra = [r for r in ranks if r >= size]
@@ -218,7 +294,8 @@ def load_trace(trace_dir) -> dict:
         raise ValueError(
             f"tfsync.timeline: {trace_dir!r} has files for ranks {sorted(ranks)} but the job had {size} workers; "
             f"expected rank0.jsonl .. rank{size - 1}.jsonl"
-            + (f" (missing: {missing}; copy every worker's file into this directory)" if missing else ""))
+            + (f" (missing: {missing}; copy every worker's file into this directory)" if missing else "")
+        )
     return {"dir": trace_dir, "size": size, "policy": first["policy"], "t0": first["t0"], "ranks": ranks}
 
 
@@ -228,8 +305,10 @@ def _check_range(start_step, end_step):
         if value is not None and (not _is_int(value) or value < 0):
             raise ValueError(f"tfsync.timeline: {name}={value!r}; expected an integer >= 0 or None")
     if start_step is not None and end_step is not None and start_step > end_step:
-        raise ValueError(f"tfsync.timeline: start_step={start_step} is after end_step={end_step}; "
-                         "expected start_step <= end_step (both inclusive)")
+        raise ValueError(
+            f"tfsync.timeline: start_step={start_step} is after end_step={end_step}; "
+            "expected start_step <= end_step (both inclusive)"
+        )
 
 
 def _in_range(step, start_step, end_step):
@@ -247,13 +326,17 @@ def _select(trace, start_step, end_step):
     if not any(steps for steps, _ in selected.values()):
         all_steps = [rec["step"] for data in trace["ranks"].values() for rec in data["steps"]]
         if not all_steps:
-            raise ValueError(f"tfsync.timeline: the trace in {trace['dir']!r} has a start line but no step "
-                             "records for any rank; expected at least one finished step (did training fail "
-                             "before its first step? see the workers' logs)")
-        raise ValueError(f"tfsync.timeline: no step of any rank lies in "
-                         f"{start_step if start_step is not None else 'first'}.."
-                         f"{end_step if end_step is not None else 'last'}; the trace has steps "
-                         f"{min(all_steps)}..{max(all_steps)}; choose --start-step/--end-step inside that range")
+            raise ValueError(
+                f"tfsync.timeline: the trace in {trace['dir']!r} has a start line but no step "
+                "records for any rank; expected at least one finished step (did training fail "
+                "before its first step? see the workers' logs)"
+            )
+        raise ValueError(
+            f"tfsync.timeline: no step of any rank lies in "
+            f"{start_step if start_step is not None else 'first'}.."
+            f"{end_step if end_step is not None else 'last'}; the trace has steps "
+            f"{min(all_steps)}..{max(all_steps)}; choose --start-step/--end-step inside that range"
+        )
     return selected
 
 
@@ -289,8 +372,10 @@ def summarize(trace, start_step=None, end_step=None) -> dict:
     """
     selected = _select(trace, start_step, end_step)
     # Push history of every rank over the whole trace, so gaps at the range's edges are right.
-    pushes = {rank: ([rec["t_push"] for rec in data["steps"]], [rec["step"] for rec in data["steps"]])
-              for rank, data in trace["ranks"].items()}
+    pushes = {
+        rank: ([rec["t_push"] for rec in data["steps"]], [rec["step"] for rec in data["steps"]])
+        for rank, data in trace["ranks"].items()
+    }
     per_rank = {}
     max_gap, max_gap_at = None, None
     for rank, (steps, finish) in selected.items():
@@ -298,9 +383,13 @@ def summarize(trace, start_step=None, end_step=None) -> dict:
         wait_s = sum(rec["t_end"] - rec["t_push"] for rec in steps) + (finish["wait_s"] if finish else 0.0)
         total = compute_s + wait_s
         staleness = [s for rec in steps for _, s, _ in rec["applied"]]
-        per_rank[rank] = {"steps": len(steps), "compute_s": compute_s, "wait_s": wait_s,
-                          "wait_fraction": wait_s / total if total > 0 else 0.0,
-                          "max_staleness": max(staleness) if staleness else 0}
+        per_rank[rank] = {
+            "steps": len(steps),
+            "compute_s": compute_s,
+            "wait_s": wait_s,
+            "wait_fraction": wait_s / total if total > 0 else 0.0,
+            "max_staleness": max(staleness) if staleness else 0,
+        }
         for rec in steps:
             for peer, (push_times, push_steps) in pushes.items():
                 if peer == rank:
@@ -310,16 +399,31 @@ def summarize(trace, start_step=None, end_step=None) -> dict:
                 gap = rec["step"] - last_pushed
                 if max_gap is None or gap > max_gap:
                     max_gap = gap
-                    max_gap_at = {"rank": rank, "step": rec["step"] + 1, "peer": peer,
-                                  "peer_last_pushed": last_pushed, "t": rec["t_end"]}
+                    max_gap_at = {
+                        "rank": rank,
+                        "step": rec["step"] + 1,
+                        "peer": peer,
+                        "peer_last_pushed": last_pushed,
+                        "t": rec["t_end"],
+                    }
     compute_s = sum(r["compute_s"] for r in per_rank.values())
     wait_s = sum(r["wait_s"] for r in per_rank.values())
-    overall = {"steps": sum(r["steps"] for r in per_rank.values()), "compute_s": compute_s, "wait_s": wait_s,
-               "wait_fraction": wait_s / (compute_s + wait_s) if compute_s + wait_s > 0 else 0.0,
-               "max_staleness": max(r["max_staleness"] for r in per_rank.values()),
-               "max_clock_gap": max_gap if max_gap is not None else 0, "max_clock_gap_at": max_gap_at}
-    return {"mode": mode_label(trace["policy"]), "policy": trace["policy"], "size": trace["size"],
-            "ranks": per_rank, "overall": overall}
+    overall = {
+        "steps": sum(r["steps"] for r in per_rank.values()),
+        "compute_s": compute_s,
+        "wait_s": wait_s,
+        "wait_fraction": wait_s / (compute_s + wait_s) if compute_s + wait_s > 0 else 0.0,
+        "max_staleness": max(r["max_staleness"] for r in per_rank.values()),
+        "max_clock_gap": max_gap if max_gap is not None else 0,
+        "max_clock_gap_at": max_gap_at,
+    }
+    return {
+        "mode": mode_label(trace["policy"]),
+        "policy": trace["policy"],
+        "size": trace["size"],
+        "ranks": per_rank,
+        "overall": overall,
+    }
 
 
 def format_summary(summary) -> str:
@@ -328,8 +432,10 @@ def format_summary(summary) -> str:
     lines = [f"mode: {summary['mode']}, {summary['size']} workers", header, "-" * len(header)]
 
     def row(label, r):
-        return (f"{label:>6} {r['steps']:>7d} {r['compute_s']:>11.3f} {r['wait_s']:>11.3f} "
-                f"{100 * r['wait_fraction']:>6.1f}% {r['max_staleness']:>9d}")
+        return (
+            f"{label:>6} {r['steps']:>7d} {r['compute_s']:>11.3f} {r['wait_s']:>11.3f} "
+            f"{100 * r['wait_fraction']:>6.1f}% {r['max_staleness']:>9d}"
+        )
 
     for rank, r in sorted(summary["ranks"].items()):
         lines.append(row(str(rank), r))
@@ -337,8 +443,12 @@ def format_summary(summary) -> str:
     overall = summary["overall"]
     lines.append(row("all", overall))
     at = overall["max_clock_gap_at"]
-    where = (f" (rank {at['rank']} starting step {at['step']} at t={at['t']:.3f}s while rank {at['peer']} "
-             f"had pushed through step {at['peer_last_pushed']})" if at else "")
+    where = (
+        f" (rank {at['rank']} starting step {at['step']} at t={at['t']:.3f}s while rank {at['peer']} "
+        f"had pushed through step {at['peer_last_pushed']})"
+        if at
+        else ""
+    )
     gap = overall["max_clock_gap"]
     lines.append(f"max clock gap between ranks: {gap} step{'' if gap == 1 else 's'}{where}")
     return "\n".join(lines)
@@ -361,6 +471,7 @@ def plot_timeline(trace, path, title=None, start_step=None, end_step=None):
         The summary (:func:`summarize`) of the drawn range.
     """
     import matplotlib
+
     matplotlib.use("Agg", force=True)  # files only, never a display
     from matplotlib import pyplot as plt
     from matplotlib.patches import Patch
@@ -368,8 +479,10 @@ def plot_timeline(trace, path, title=None, start_step=None, end_step=None):
     path = os.fspath(path)
     out_dir = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(out_dir):
-        raise ValueError(f"tfsync.timeline: cannot write {path!r}: directory {out_dir!r} does not exist; "
-                         "create it or choose another -o path")
+        raise ValueError(
+            f"tfsync.timeline: cannot write {path!r}: directory {out_dir!r} does not exist; "
+            "create it or choose another -o path"
+        )
     summary = summarize(trace, start_step, end_step)
     selected = _select(trace, start_step, end_step)
     ranks = sorted(selected)
@@ -394,16 +507,30 @@ def plot_timeline(trace, path, title=None, start_step=None, end_step=None):
         if finish is not None and finish["wait_s"] > 0:
             waits.append((finish["t"], finish["wait_s"]))
         if waits:
-            ax.broken_barh(waits, (y + 0.1 * lane_height, 0.8 * lane_height), facecolors=wait_face,
-                           edgecolors=_WAIT_HATCH, hatch=wait_hatch, linewidth=0)
+            ax.broken_barh(
+                waits,
+                (y + 0.1 * lane_height, 0.8 * lane_height),
+                facecolors=wait_face,
+                edgecolors=_WAIT_HATCH,
+                hatch=wait_hatch,
+                linewidth=0,
+            )
         for rec in steps:
             t_lo, t_hi = min(t_lo, rec["t_start"]), max(t_hi, rec["t_end"])
         if finish is not None:
             t_lo, t_hi = min(t_lo, finish["t"]), max(t_hi, finish["t"] + finish["wait_s"])
         if label_steps:
             for rec in steps:
-                ax.text((rec["t_start"] + rec["t_push"]) / 2, lane, str(rec["step"]), ha="center", va="center",
-                        fontsize=7, color="white" if rec["step"] % 2 == 0 else "#1b3a5c", clip_on=True)
+                ax.text(
+                    (rec["t_start"] + rec["t_push"]) / 2,
+                    lane,
+                    str(rec["step"]),
+                    ha="center",
+                    va="center",
+                    fontsize=7,
+                    color="white" if rec["step"] % 2 == 0 else "#1b3a5c",
+                    clip_on=True,
+                )
     span = max(t_hi - t_lo, 1e-9)
     ax.set_xlim(t_lo - 0.01 * span, t_hi + 0.01 * span)
     ax.set_ylim(n - 0.5, -0.5)  # rank 0 on top
@@ -417,21 +544,35 @@ def plot_timeline(trace, path, title=None, start_step=None, end_step=None):
     # Per-rank wait fraction at the right end of each lane.
     for lane, rank in enumerate(ranks):
         r = summary["ranks"][rank]
-        ax.annotate(f"wait {100 * r['wait_fraction']:.1f}%", xy=(1.0, lane), xycoords=("axes fraction", "data"),
-                    xytext=(8, 0), textcoords="offset points", va="center", fontsize=9,
-                    color=_WAIT_HATCH if r["wait_fraction"] >= 0.2 else "#333333")
+        ax.annotate(
+            f"wait {100 * r['wait_fraction']:.1f}%",
+            xy=(1.0, lane),
+            xycoords=("axes fraction", "data"),
+            xytext=(8, 0),
+            textcoords="offset points",
+            va="center",
+            fontsize=9,
+            color=_WAIT_HATCH if r["wait_fraction"] >= 0.2 else "#333333",
+        )
     head = title if title else f"tfsync timeline: {os.path.basename(os.path.normpath(trace['dir']))}"
-    shown = ("all steps" if start_step is None and end_step is None
-             else f"steps {start_step if start_step is not None else 'first'}.."
-                  f"{end_step if end_step is not None else 'last'}")
+    shown = (
+        "all steps"
+        if start_step is None and end_step is None
+        else f"steps {start_step if start_step is not None else 'first'}.."
+        f"{end_step if end_step is not None else 'last'}"
+    )
     overall = summary["overall"]
-    ax.set_title(f"{head}\n{summary['mode']}, {trace['size']} workers, {shown}; "
-                 f"wait {100 * overall['wait_fraction']:.1f}% overall, max clock gap {overall['max_clock_gap']}",
-                 fontsize=11, loc="left")
-    handles = [Patch(facecolor=_COMPUTE_COLORS[0], label="compute (even step)"),
-               Patch(facecolor=_COMPUTE_COLORS[1], label="compute (odd step)"),
-               Patch(facecolor=wait_face, edgecolor=_WAIT_HATCH, hatch=wait_hatch, linewidth=0,
-                     label="wait for peers")]
+    ax.set_title(
+        f"{head}\n{summary['mode']}, {trace['size']} workers, {shown}; "
+        f"wait {100 * overall['wait_fraction']:.1f}% overall, max clock gap {overall['max_clock_gap']}",
+        fontsize=11,
+        loc="left",
+    )
+    handles = [
+        Patch(facecolor=_COMPUTE_COLORS[0], label="compute (even step)"),
+        Patch(facecolor=_COMPUTE_COLORS[1], label="compute (odd step)"),
+        Patch(facecolor=wait_face, edgecolor=_WAIT_HATCH, hatch=wait_hatch, linewidth=0, label="wait for peers"),
+    ]
     fig.legend(handles=handles, loc="outside lower center", ncol=3, frameon=False, fontsize=9)
     fmt = None if os.path.splitext(path)[1] else "png"
     fig.savefig(path, format=fmt, bbox_inches="tight")
@@ -444,14 +585,25 @@ def _build_parser():
     parser = argparse.ArgumentParser(
         prog="python -m tfsync.timeline",
         description="Draw a tfsync trace (a directory of rank<R>.jsonl files written with trace_dir=...) "
-                    "as a timeline of every worker's compute and wait spans, and print a summary table.")
+        "as a timeline of every worker's compute and wait spans, and print a summary table.",
+    )
     parser.add_argument("trace_dir", help="directory holding rank0.jsonl, rank1.jsonl, ...")
     parser.add_argument("-o", "--output", default="timeline.png", help="image to write (default: timeline.png)")
     parser.add_argument("--title", default=None, help="title of the figure (the mode is always added)")
-    parser.add_argument("--start-step", type=int, default=None, metavar="A",
-                        help="first step to draw and count (inclusive; default: the first)")
-    parser.add_argument("--end-step", type=int, default=None, metavar="B",
-                        help="last step to draw and count (inclusive; default: the last, with the final wait)")
+    parser.add_argument(
+        "--start-step",
+        type=int,
+        default=None,
+        metavar="A",
+        help="first step to draw and count (inclusive; default: the first)",
+    )
+    parser.add_argument(
+        "--end-step",
+        type=int,
+        default=None,
+        metavar="B",
+        help="last step to draw and count (inclusive; default: the last, with the final wait)",
+    )
     return parser
 
 
@@ -460,8 +612,9 @@ def main(argv=None) -> int:
     args = _build_parser().parse_args(argv)
     try:
         trace = load_trace(args.trace_dir)
-        summary = plot_timeline(trace, args.output, title=args.title,
-                                start_step=args.start_step, end_step=args.end_step)
+        summary = plot_timeline(
+            trace, args.output, title=args.title, start_step=args.start_step, end_step=args.end_step
+        )
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -5,6 +5,7 @@ bounded launcher as the benchmarks (:func:`tfsync.launch.run_local_job`): past
 ``timeout_s`` the whole process group is killed and the test fails with the
 output so far, so no launch can hang the suite.
 """
+
 import json
 import os
 
@@ -15,8 +16,13 @@ WORKERS = os.path.join(ROOT, "tests", "parallel", "workers")
 
 
 def run_workers(script, np_, args=(), timeout_s=180, env=None, expect_success=True):
-    code, out = run_local_job(os.path.join(WORKERS, script), args, workers=np_, timeout_s=timeout_s,
-                              env={"HOROVOD_GLOO_TIMEOUT_SECONDS": "30", **(env or {})})
+    code, out = run_local_job(
+        os.path.join(WORKERS, script),
+        args,
+        workers=np_,
+        timeout_s=timeout_s,
+        env={"HOROVOD_GLOO_TIMEOUT_SECONDS": "30", **(env or {})},
+    )
     if expect_success and code != 0:
         raise AssertionError(f"{script} (np={np_}) failed with exit code {code}:\n{out[-8000:]}")
     return code, out
@@ -28,5 +34,5 @@ def read_results(directory):
     for name in sorted(os.listdir(directory)):
         if name.startswith("result_rank") and name.endswith(".json"):
             with open(os.path.join(directory, name)) as f:
-                results[int(name[len("result_rank"):-len(".json")])] = json.load(f)
+                results[int(name[len("result_rank") : -len(".json")])] = json.load(f)
     return results

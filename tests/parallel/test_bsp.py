@@ -1,4 +1,5 @@
 """BSP equals plain Horovod allreduce-average; SSP(0) equals BSP for linear optimizers."""
+
 import pytest
 
 from tests.parallel.launch import read_results, run_workers

@@ -1,4 +1,5 @@
 """The launch scripts, examples, demo and benchmark run as a user runs them (small sizes)."""
+
 import json
 import os
 import subprocess
@@ -12,10 +13,8 @@ pytestmark = pytest.mark.parallel
 
 
 def run(cmd, timeout_s=300, env=None):
-    full_env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2", PYTHON=sys.executable,
-                    **(env or {}))
-    proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True,
-                          timeout=timeout_s)
+    full_env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2", PYTHON=sys.executable, **(env or {}))
+    proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout_s)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"{cmd} failed:\n{out[-6000:]}"
     return out
@@ -27,9 +26,18 @@ def result_of(out):
     return json.loads(lines[-1].split("TFSYNC_RESULT ", 1)[1])
 
 
-@pytest.mark.parametrize("script,epochs", [
-    ("bsp.sh", 12), ("ssp.sh", 12), ("strategy_bsp.sh", 12), ("strategy_ssp.sh", 12),
-    ("psp.sh", 12), ("backup.sh", 12), ("strategy_psp.sh", 12)])
+@pytest.mark.parametrize(
+    "script,epochs",
+    [
+        ("bsp.sh", 12),
+        ("ssp.sh", 12),
+        ("strategy_bsp.sh", 12),
+        ("strategy_ssp.sh", 12),
+        ("psp.sh", 12),
+        ("backup.sh", 12),
+        ("strategy_psp.sh", 12),
+    ],
+)
 def test_digits_reaches_90_percent_on_4_workers(script, epochs):
     res = result_of(run(["bash", os.path.join(ROOT, "horovodrun_scripts", script), "--epochs", str(epochs)]))
     assert res["final_accuracy"] >= 0.90, res
@@ -40,8 +48,21 @@ def test_digits_reaches_90_percent_on_4_workers(script, epochs):
 
 
 def test_demo_prints_the_comparison_table(tmp_path):
-    out = run([sys.executable, "-m", "tfsync.demo", "--workers", "2", "--epochs", "2",
-               "--stragglers", "base=0.005,slow=1:0.01", "--json", str(tmp_path / "demo.json")])
+    out = run(
+        [
+            sys.executable,
+            "-m",
+            "tfsync.demo",
+            "--workers",
+            "2",
+            "--epochs",
+            "2",
+            "--stragglers",
+            "base=0.005,slow=1:0.01",
+            "--json",
+            str(tmp_path / "demo.json"),
+        ]
+    )
     assert "| scenario | mode | samples/s | effective samples/s | dropped | skipped | wait fraction |" in out
     assert "| custom | bsp |" in out and "| custom | ssp(s=3) |" in out and "| custom | psp |" in out
     rows = json.loads((tmp_path / "demo.json").read_text())
@@ -51,14 +72,25 @@ def test_demo_prints_the_comparison_table(tmp_path):
 
 def test_training_benchmark_writes_records(tmp_path):
     path = tmp_path / "bench.json"
-    out = run([sys.executable, "-m", "tfsync.bench", "--quick", "--scenarios", "straggler",
-               "--json", str(path)])
+    out = run([sys.executable, "-m", "tfsync.bench", "--quick", "--scenarios", "straggler", "--json", str(path)])
     records = json.loads(path.read_text())
-    assert [r["mode"] for r in records] == ["plain Horovod BSP", "tfsync BSP", "tfsync SSP(s=3)",
-                                            "tfsync PSP", "tfsync backup(b=1)"]
+    assert [r["mode"] for r in records] == [
+        "plain Horovod BSP",
+        "tfsync BSP",
+        "tfsync SSP(s=3)",
+        "tfsync PSP",
+        "tfsync backup(b=1)",
+    ]
     for r in records:
-        assert {"mode", "scenario", "samples_per_s", "wait_fraction", "effective_samples_per_s",
-                "dropped", "skipped"} <= set(r) and r["samples_per_s"] > 0
+        assert {
+            "mode",
+            "scenario",
+            "samples_per_s",
+            "wait_fraction",
+            "effective_samples_per_s",
+            "dropped",
+            "skipped",
+        } <= set(r) and r["samples_per_s"] > 0
         assert r["produced"] == r["applied"] + r["dropped"], r
         assert r["effective_samples_per_s"] <= r["samples_per_s"] * (1 + 1e-9), r
     assert records[0]["wait_fraction"] is None and 0 <= records[1]["wait_fraction"] < 1

@@ -4,8 +4,7 @@ Bounds (documented in the README): a worker that exits is named within a few
 seconds (its control stream closes); a hung worker within ``wait_timeout_s``
 (5 s here) plus a second of polling.
 """
-import json
-import os
+
 
 import pytest
 
@@ -20,11 +19,14 @@ def _run(tmp_path, scenario):
     return read_results(tmp_path)
 
 
-@pytest.mark.parametrize("scenario,kind,bound_s", [
-    ("die", "WorkerLostError", 20.0),
-    ("hang", "SyncTimeoutError", 20.0),
-    ("die_psp", "WorkerLostError", 20.0),
-])
+@pytest.mark.parametrize(
+    "scenario,kind,bound_s",
+    [
+        ("die", "WorkerLostError", 20.0),
+        ("hang", "SyncTimeoutError", 20.0),
+        ("die_psp", "WorkerLostError", 20.0),
+    ],
+)
 def test_survivors_name_the_lost_rank(tmp_path, scenario, kind, bound_s):
     results = _run(tmp_path, scenario)
     fault_at = results[2]["fault_at"]

@@ -1,5 +1,6 @@
 """PSP and backup workers under horovodrun: BSP's weights when every contribution counts;
 with a persistent straggler, identical replicas, exact accounting and skipped steps."""
+
 import glob
 import json
 import os
@@ -30,7 +31,7 @@ def straggler(tmp_path_factory):
     traces = {}
     for path in glob.glob(os.path.join(out, "trace_*", "rank*.jsonl")):
         records = [json.loads(line) for line in open(path)]
-        traces[(os.path.basename(os.path.dirname(path))[len("trace_"):], records[0]["rank"])] = records
+        traces[(os.path.basename(os.path.dirname(path))[len("trace_") :], records[0]["rank"])] = records
     return res, traces
 
 
@@ -80,8 +81,9 @@ def test_modes_that_wait_never_skip_or_drop(straggler, mode):
         assert r[mode]["counts"]["skipped"] == 0 and r[mode]["counts"]["dropped"] == 0, r[mode]
 
 
-@pytest.mark.parametrize("mode,accepted", [("psp", "at_least_c"), ("backup", "exactly_n"),
-                                          ("backup_strategy", "exactly_n")])
+@pytest.mark.parametrize(
+    "mode,accepted", [("psp", "at_least_c"), ("backup", "exactly_n"), ("backup_strategy", "exactly_n")]
+)
 def test_rounds_aggregate_fresh_contributions_only_and_enough_of_them(straggler, mode, accepted):
     _, traces = straggler
     size = 3

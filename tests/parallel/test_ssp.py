@@ -1,4 +1,5 @@
 """SSP invariants, checked from recorded traces under random injected delays."""
+
 import glob
 import json
 import os

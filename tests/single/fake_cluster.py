@@ -16,6 +16,7 @@ over ranks in float32, then ``Average`` times ``1 / size`` and
 ``postscale_factor`` applied to it, both in float64 and rounded to float32
 (Horovod's ``ScaleBuffer``).
 """
+
 import copy
 import threading
 import time
@@ -58,8 +59,10 @@ class FakeCluster:
             if len(slot) == self.size:
                 signatures = {s for s, _ in slot.values()}
                 if len(signatures) != 1:
-                    out = RuntimeError(f"fake cluster, collective {k}: the ranks disagree: "
-                                       + "; ".join(f"rank {r} called {slot[r][0]}" for r in sorted(slot)))
+                    out = RuntimeError(
+                        f"fake cluster, collective {k}: the ranks disagree: "
+                        + "; ".join(f"rank {r} called {slot[r][0]}" for r in sorted(slot))
+                    )
                 else:
                     try:
                         out = reduce([slot[r][1] for r in range(self.size)])
@@ -74,8 +77,10 @@ class FakeCluster:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     missing = sorted(set(range(self.size)) - set(self._slots.get(k, {})))
-                    raise TimeoutError(f"fake cluster: rank {rank} waited {self.timeout_s:g} s in "
-                                       f"{kind} {name!r} (collective {k}) for ranks {missing}")
+                    raise TimeoutError(
+                        f"fake cluster: rank {rank} waited {self.timeout_s:g} s in "
+                        f"{kind} {name!r} (collective {k}) for ranks {missing}"
+                    )
                 self._cond.wait(left)
             entry = self._out[k]
             entry[1] -= 1
@@ -110,13 +115,19 @@ class FakeRank:
 
     def allgather_object(self, obj, name):
         # every rank gets its own copies, as Horovod's pickling gives
-        return self._cluster.meet(self._rank, "allgather_object", name, obj,
-                                  lambda objs: [copy.deepcopy(objs) for _ in objs])
+        return self._cluster.meet(
+            self._rank, "allgather_object", name, obj, lambda objs: [copy.deepcopy(objs) for _ in objs]
+        )
 
     def broadcast_object(self, obj, root_rank, name):
-        return self._cluster.meet(self._rank, "broadcast_object", name, obj,
-                                  lambda objs: [copy.deepcopy(objs[root_rank]) for _ in objs],
-                                  detail=root_rank)
+        return self._cluster.meet(
+            self._rank,
+            "broadcast_object",
+            name,
+            obj,
+            lambda objs: [copy.deepcopy(objs[root_rank]) for _ in objs],
+            detail=root_rank,
+        )
 
     def collective(self, average):
         return protocols.horovod_collective(average, hvd=self)
@@ -132,13 +143,13 @@ class FakeRank:
         size = self._cluster.size
 
         def reduce(per_rank):
-            totals = [np.sum([p[i] for p in per_rank], axis=0, dtype=arrays[i].dtype)
-                      for i in range(len(arrays))]
+            totals = [np.sum([p[i] for p in per_rank], axis=0, dtype=arrays[i].dtype) for i in range(len(arrays))]
             factor = postscale_factor / size if op == self.Average else postscale_factor
             if factor != 1.0:
                 totals = [_scale(t, factor) for t in totals]
             self._cluster.reductions.append((op, postscale_factor))
             return [[tf.constant(t) for t in totals] for _ in per_rank]
 
-        return self._cluster.meet(self._rank, "grouped_allreduce", name, arrays, reduce,
-                                  detail=(op, float(postscale_factor), dtypes, shapes))
+        return self._cluster.meet(
+            self._rank, "grouped_allreduce", name, arrays, reduce, detail=(op, float(postscale_factor), dtypes, shapes)
+        )

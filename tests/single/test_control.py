@@ -1,4 +1,5 @@
 """The control path accepts only this job's workers (one process, no Horovod)."""
+
 import logging
 import time
 
@@ -25,8 +26,9 @@ def raw(server):
     grpc.channel_ready_future(channel).result(timeout=5)
 
     def call(method, request, metadata=None):
-        stub = channel.unary_unary(f"/tfsync.Control/{method}",
-                                   request_serializer=_encode, response_deserializer=_decode)
+        stub = channel.unary_unary(
+            f"/tfsync.Control/{method}", request_serializer=_encode, response_deserializer=_decode
+        )
         return stub(request, timeout=5, metadata=metadata)
 
     yield call
@@ -86,8 +88,12 @@ def test_a_raw_call_with_a_wrong_token_is_refused_and_not_applied(server, raw, c
 
 
 def test_calls_without_a_token_are_refused(server, raw):
-    for method, request in [("Report", {"rank": 1, "clock": 3}), ("Leave", {"rank": 1}),
-                            ("Stop", {"rank": 1, "kind": "x", "message": "stray"}), ("Table", {})]:
+    for method, request in [
+        ("Report", {"rank": 1, "clock": 3}),
+        ("Leave", {"rank": 1}),
+        ("Stop", {"rank": 1, "kind": "x", "message": "stray"}),
+        ("Table", {}),
+    ]:
         with pytest.raises(grpc.RpcError) as info:
             raw(method, request)
         assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED, method

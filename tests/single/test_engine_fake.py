@@ -14,6 +14,7 @@ counted, and compares: it never re-runs engine code to get its expectations.
 Every wait is bounded (the fake's collectives, the engine's own waits, the
 threads' joins), so a bug fails instead of hanging.
 """
+
 import json
 import os
 import random
@@ -38,8 +39,12 @@ COLLECTIVE_TIMEOUT_S = 15.0  # the fake's bound on one collective
 JOIN_S = 45.0  # one shared deadline for a job's threads (longer than WAIT_S: errors surface first)
 # A job takes about a second: few examples, and no shrinking (hundreds of jobs) on failure;
 # the falsifying example is printed all the same.
-EXAMPLES = settings(max_examples=6, deadline=None, phases=[Phase.explicit, Phase.reuse, Phase.generate],
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+EXAMPLES = settings(
+    max_examples=6,
+    deadline=None,
+    phases=[Phase.explicit, Phase.reuse, Phase.generate],
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -56,7 +61,7 @@ def contribution(rank, step):
     Summed over a set of ranks, the components count them, name them (a bit mask)
     and add up their steps, so a mean of the wrong contributions cannot pass.
     """
-    return np.array([1.0, 2.0 ** rank, step, rank], np.float32)
+    return np.array([1.0, 2.0**rank, step, rank], np.float32)
 
 
 def mean_of(ranks, step):
@@ -64,6 +69,7 @@ def mean_of(ranks, step):
 
 
 # ------------------------------------------------------------------------ the job
+
 
 class Worker:
     """What one simulated worker did and saw."""
@@ -82,8 +88,9 @@ class Job:
     float32 variable); weight ``i``'s gradient is ``(i + 1) * contribution(rank, step)``.
     """
 
-    def __init__(self, policy, delays, trace_dir, dtypes=(tf.float32,), dies=None,
-                 collective_timeout_s=COLLECTIVE_TIMEOUT_S):
+    def __init__(
+        self, policy, delays, trace_dir, dtypes=(tf.float32,), dies=None, collective_timeout_s=COLLECTIVE_TIMEOUT_S
+    ):
         self.policy, self.delays, self.trace_dir = policy, delays, trace_dir
         self.size, self.steps = len(delays), len(delays[0])
         self.updates = not protocols.for_policy(policy).reduces_gradients
@@ -91,9 +98,16 @@ class Job:
         self.dtypes = dtypes
         self.dies = dies  # (rank, step): that rank's process "ends" before that step
         self.cluster = FakeCluster(self.size, timeout_s=collective_timeout_s)
-        self.engines = [SyncEngine(policy, stragglers=Stragglers(), trace_dir=trace_dir,
-                                   wait_timeout_s=WAIT_S, cluster=self.cluster.rank(r))
-                        for r in range(self.size)]
+        self.engines = [
+            SyncEngine(
+                policy,
+                stragglers=Stragglers(),
+                trace_dir=trace_dir,
+                wait_timeout_s=WAIT_S,
+                cluster=self.cluster.rank(r),
+            )
+            for r in range(self.size)
+        ]
         self.workers = [Worker() for _ in range(self.size)]
         self.events = []  # ("compute" | "push", rank, step) in real-time order
         self._events_lock = threading.Lock()
@@ -144,8 +158,7 @@ class Job:
             except BaseException as exc:  # noqa: BLE001 - re-raised below
                 errors[rank] = exc
 
-        threads = [threading.Thread(target=guarded, args=(r,), daemon=True, name=f"rank{r}")
-                   for r in range(self.size)]
+        threads = [threading.Thread(target=guarded, args=(r,), daemon=True, name=f"rank{r}") for r in range(self.size)]
         for t in threads:
             t.start()
         deadline = time.monotonic() + JOIN_S
@@ -184,9 +197,14 @@ class Job:
 
 def delay_profiles(rng, size, steps, base_ms, jitter_ms, spike_p, spike_ms):
     """``delays[rank][step]`` in seconds: base + uniform jitter + rare spikes, per rank."""
-    return [[(base_ms[r] + rng[r].uniform(0.0, jitter_ms[r])
-              + (spike_ms[r] if rng[r].random() < spike_p[r] else 0.0)) / 1e3
-             for _ in range(steps)] for r in range(size)]
+    return [
+        [
+            (base_ms[r] + rng[r].uniform(0.0, jitter_ms[r]) + (spike_ms[r] if rng[r].random() < spike_p[r] else 0.0))
+            / 1e3
+            for _ in range(steps)
+        ]
+        for r in range(size)
+    ]
 
 
 @st.composite
@@ -206,6 +224,7 @@ def jobs(draw, min_size=2, max_size=4):
 
 # ----------------------------------------------------------------- the checks
 
+
 def check_rounds_and_counts(job):
     """What every policy promises; returns the accepted ranks per round."""
     size, steps = job.size, job.steps
@@ -220,8 +239,12 @@ def check_rounds_and_counts(job):
     for k, w in enumerate(job.workers):
         assert sorted(w.computed + w.skipped) == list(range(steps))
         produced, applied = len(w.computed), sum(k in acc for acc in accepted)
-        assert w.counts == {"produced": produced, "applied": applied, "dropped": produced - applied,
-                            "skipped": len(w.skipped)}, k
+        assert w.counts == {
+            "produced": produced,
+            "applied": applied,
+            "dropped": produced - applied,
+            "skipped": len(w.skipped),
+        }, k
         assert w.counts["produced"] == w.counts["applied"] + w.counts["dropped"]
         assert w.counts["produced"] + w.counts["skipped"] == steps
 
@@ -238,8 +261,11 @@ def check_rounds_and_counts(job):
     # per dtype and round, the metadata in the float32 one); Horovod divides by d
     groups = len(set(job.dtypes) | {tf.float32})
     names = [name for _, _, name in job.cluster.log]
-    assert names == (["tfsync.config", "tfsync.t0", "tfsync.control_address"]
-                     + [f"tfsync.round.{k}" for k in range(groups)] * steps + ["tfsync.close"])
+    assert names == (
+        ["tfsync.config", "tfsync.t0", "tfsync.control_address"]
+        + [f"tfsync.round.{k}" for k in range(groups)] * steps
+        + ["tfsync.close"]
+    )
     if job.policy.coordinated:
         want = [("Sum", 1.0 / len(acc)) for acc in accepted for _ in range(groups)]
     else:  # BSP's mean by Horovod's Average, SSP's sum of shares
@@ -276,15 +302,18 @@ def check_ssp(job, staleness):
     # read-my-writes: step c of rank k computed on every worker's updates of rounds <= A
     # (complete rounds, A >= c - s - 1) plus all of k's own since
     def included(k, c, a):
-        return (sum((mean_of(range(size), s) for s in range(a + 1)), np.zeros(WIDTH))
-                + sum((contribution(k, s).astype(np.float64) / size for s in range(a + 1, c)),
-                      np.zeros(WIDTH)))
+        return sum((mean_of(range(size), s) for s in range(a + 1)), np.zeros(WIDTH)) + sum(
+            (contribution(k, s).astype(np.float64) / size for s in range(a + 1, c)), np.zeros(WIDTH)
+        )
 
     for k, w in enumerate(job.workers):
         assert [c for c, _ in w.views] == list(range(steps))
         for c, view in w.views:
-            fits = [a for a in range(max(c - staleness - 1, -1), c)
-                    if np.allclose(view, included(k, c, a), rtol=1e-5, atol=1e-3)]
+            fits = [
+                a
+                for a in range(max(c - staleness - 1, -1), c)
+                if np.allclose(view, included(k, c, a), rtol=1e-5, atol=1e-3)
+            ]
             assert fits, (k, c, view)
 
     # at the end: bit-identical weights, the sum of every worker's every update over N
@@ -300,6 +329,7 @@ def trace_dir(factory):
 
 
 # ----------------------------------------------------------------- the policies
+
 
 @EXAMPLES
 @given(delays=jobs())
@@ -354,8 +384,9 @@ def test_backup_workers_aggregate_exactly_size_minus_b(tmp_path_factory, delays,
         assert all(w.counts["skipped"] == w.counts["dropped"] == 0 for w in job.workers)
 
 
-@pytest.mark.parametrize("policy", [PSP(min_contributions=3, push_timeout_s=0.0), BackupWorkers(backups=0)],
-                         ids=["psp-c=size", "backup-0"])
+@pytest.mark.parametrize(
+    "policy", [PSP(min_contributions=3, push_timeout_s=0.0), BackupWorkers(backups=0)], ids=["psp-c=size", "backup-0"]
+)
 def test_waiting_for_everyone_never_drops_or_skips(tmp_path, policy):
     rng = [random.Random(10 + r) for r in range(3)]
     delays = delay_profiles(rng, 3, 40, [0.0, 0.5, 1.0], [2.0, 1.0, 2.0], [0.1] * 3, [5.0] * 3)
@@ -385,8 +416,9 @@ def test_a_persistently_slow_rank_skips_and_does_not_set_the_pace(tmp_path, poli
             assert job.workers[k].counts["applied"] >= steps * 3 // 4, job.workers[k].counts
 
 
-@pytest.mark.parametrize("policy", [BSP(), PSP(push_timeout_s=0.0), BackupWorkers(backups=1)],
-                         ids=["bsp", "psp", "backup"])
+@pytest.mark.parametrize(
+    "policy", [BSP(), PSP(push_timeout_s=0.0), BackupWorkers(backups=1)], ids=["bsp", "psp", "backup"]
+)
 def test_weights_of_two_dtypes_go_in_one_grouped_call_each(tmp_path, policy):
     rng = [random.Random(20 + r) for r in range(3)]
     delays = delay_profiles(rng, 3, 30, [0.0] * 3, [2.0] * 3, [0.1] * 3, [6.0] * 3)
@@ -406,6 +438,7 @@ def test_a_rank_that_dies_stops_the_others_naming_it(tmp_path, policy):
 
 
 # ----------------------------------------------------------------- the fake itself
+
 
 def _on_threads(fns, timeout_s=JOIN_S):
     results, errors = [None] * len(fns), [None] * len(fns)
@@ -431,9 +464,13 @@ def test_the_fake_reduces_as_horovods_grouped_allreduce(average, divisor):
     size = 3
     cluster = FakeCluster(size, timeout_s=5.0)
     rng = np.random.default_rng(7)
-    payloads = [[tf.constant(rng.normal(size=(2, 3)).astype(np.float32)),
-                 tf.constant(rng.normal(size=5))]  # float64: a second group, without the metadata
-                for _ in range(size)]
+    payloads = [
+        [
+            tf.constant(rng.normal(size=(2, 3)).astype(np.float32)),
+            tf.constant(rng.normal(size=5)),
+        ]  # float64: a second group, without the metadata
+        for _ in range(size)
+    ]
     metas = []
     for r in range(size):
         meta = np.zeros((size, 4))
@@ -461,8 +498,7 @@ def test_the_fake_reduces_as_horovods_grouped_allreduce(average, divisor):
 def test_a_rank_that_never_arrives_makes_the_others_time_out():
     cluster = FakeCluster(3, timeout_s=0.3)
     start = time.monotonic()
-    _, errors = _on_threads([lambda r=r: cluster.rank(r).allgather_object(r, name="x") for r in (0, 2)],
-                            timeout_s=5.0)
+    _, errors = _on_threads([lambda r=r: cluster.rank(r).allgather_object(r, name="x") for r in (0, 2)], timeout_s=5.0)
     assert time.monotonic() - start < 3.0
     for exc in errors:
         assert isinstance(exc, TimeoutError) and "for ranks [1]" in str(exc), exc
@@ -470,18 +506,22 @@ def test_a_rank_that_never_arrives_makes_the_others_time_out():
 
 def test_ranks_that_call_different_collectives_all_fail():
     cluster = FakeCluster(2, timeout_s=5.0)
-    _, errors = _on_threads([lambda: cluster.rank(0).broadcast_object(1, root_rank=0, name="a"),
-                             lambda: cluster.rank(1).allgather_object(1, name="a")])
+    _, errors = _on_threads(
+        [
+            lambda: cluster.rank(0).broadcast_object(1, root_rank=0, name="a"),
+            lambda: cluster.rank(1).allgather_object(1, name="a"),
+        ]
+    )
     for exc in errors:
         assert isinstance(exc, RuntimeError) and "the ranks disagree" in str(exc), exc
 
 
 def test_an_engine_whose_peer_never_starts_fails_at_start_instead_of_hanging():
     cluster = FakeCluster(3, timeout_s=0.5)
-    engines = [SyncEngine("bsp", stragglers=Stragglers(), wait_timeout_s=WAIT_S, cluster=cluster.rank(r))
-               for r in range(3)]
-    _, errors = _on_threads([lambda r=r: engines[r].start([tf.zeros([WIDTH])]) for r in (0, 1)],
-                            timeout_s=10.0)
+    engines = [
+        SyncEngine("bsp", stragglers=Stragglers(), wait_timeout_s=WAIT_S, cluster=cluster.rank(r)) for r in range(3)
+    ]
+    _, errors = _on_threads([lambda r=r: engines[r].start([tf.zeros([WIDTH])]) for r in (0, 1)], timeout_s=10.0)
     for exc in errors:
         assert isinstance(exc, TimeoutError) and "'tfsync.config'" in str(exc) and "[2]" in str(exc), exc
     assert not any(e.started for e in engines)
@@ -489,14 +529,17 @@ def test_an_engine_whose_peer_never_starts_fails_at_start_instead_of_hanging():
 
 def test_ranks_configured_differently_are_refused_on_every_rank():
     cluster = FakeCluster(2, timeout_s=5.0)
-    engines = [SyncEngine(mode, stragglers=Stragglers(), wait_timeout_s=WAIT_S, cluster=cluster.rank(r))
-               for r, mode in enumerate(("bsp", SSP(staleness=2)))]
+    engines = [
+        SyncEngine(mode, stragglers=Stragglers(), wait_timeout_s=WAIT_S, cluster=cluster.rank(r))
+        for r, mode in enumerate(("bsp", SSP(staleness=2)))
+    ]
     _, errors = _on_threads([lambda r=r: engines[r].start([tf.Variable(tf.zeros([WIDTH]))]) for r in (0, 1)])
     for exc in errors:
         assert isinstance(exc, ValueError) and "ranks [1] are configured differently" in str(exc), exc
 
 
 # ------------------------------------------------------------ the Horovod default
+
 
 class RecordingHorovod:
     """``horovod.tensorflow`` as the engine sees it, one rank, recording every call."""
@@ -540,12 +583,14 @@ def test_the_default_cluster_makes_horovods_calls_in_horovods_order(monkeypatch,
     engine.start([tf.zeros([WIDTH])])
     for step in range(3):
         assert engine.begin_step()
-        np.testing.assert_array_equal(engine.sync_step([tf.constant(contribution(0, step))])[0].numpy(),
-                                      contribution(0, step))
+        np.testing.assert_array_equal(
+            engine.sync_step([tf.constant(contribution(0, step))])[0].numpy(), contribution(0, step)
+        )
     engine.finish()
     engine.close()
     assert hvd.calls == [
-        ("rank",), ("size",),
+        ("rank",),
+        ("size",),
         ("allgather_object", "tfsync.config"),
         ("broadcast_object", 0, "tfsync.t0"),
         ("broadcast_object", 0, "tfsync.control_address"),

@@ -1,10 +1,12 @@
 """The round exchange and the control path, in one process (no Horovod)."""
+
 import threading
 import time
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tfsync.engine.control import ControlClient, ControlServer
 from tfsync.engine.exchange import RoundExchange, decode_meta, encode_meta
@@ -24,8 +26,12 @@ def _exchange(fn=None, rank=1, size=3):
 def test_rounds_complete_in_order_with_metadata():
     ex = _exchange()
     for r in range(5):
-        ex.submit(r, [np.full(4, r, np.float32), np.full((2, 2), -r, np.float32)],
-                  push_time=100.0 + r + 0.123456789, compute_s=0.5)
+        ex.submit(
+            r,
+            [np.full(4, r, np.float32), np.full((2, 2), -r, np.float32)],
+            push_time=100.0 + r + 0.123456789,
+            compute_s=0.5,
+        )
     assert ex.wait(4, timeout_s=5)
     res = ex.pop(3)
     assert res.round == 3 and ex.completed == 4
@@ -58,8 +64,7 @@ def test_wait_times_out_and_errors_reach_the_waiter():
 
 def test_calls_run_after_queued_rounds_on_the_same_thread():
     seen = []
-    ex = _exchange(lambda payload, meta: (seen.append(("round", threading.current_thread().name)),
-                                          (payload, meta))[1])
+    ex = _exchange(lambda payload, meta: (seen.append(("round", threading.current_thread().name)), (payload, meta))[1])
     ex.submit(0, [np.zeros(1, np.float32)], 0.0, 0.0)
     name = ex.call(lambda: threading.current_thread().name, timeout_s=5)
     assert seen == [("round", name)] and name == "tfsync-exchange"
@@ -163,6 +168,5 @@ def test_inline_rounds_never_overtake_queued_work():
     blocker.join(5)
     ex.submit(1, [np.ones(1, np.float32)], 0.0, 0.0, inline=True)  # idle: runs on this thread
     assert ex.wait(1, timeout_s=5)
-    assert order == [("call",), ("round", 0.0, "tfsync-exchange"),
-                     ("round", 1.0, threading.current_thread().name)]
+    assert order == [("call",), ("round", 0.0, "tfsync-exchange"), ("round", 1.0, threading.current_thread().name)]
     ex.close()

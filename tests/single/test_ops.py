@@ -4,6 +4,7 @@ the pure-TensorFlow reference. The compiled library must be built first
 (``pip install --no-build-isolation -e .``); a missing library fails these tests, it
 is never skipped.
 """
+
 import json
 import os
 import shutil
@@ -23,8 +24,12 @@ IMPLS = ("compiled", "reference")
 DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
 # rtol/atol per dtype: inputs are already rounded to the dtype, so only the final
 # rounding (half: 2^-11, bfloat16: 2^-8) and float32 intermediates remain.
-TOLERANCE = {tf.float16: (2e-3, 2e-3), tf.bfloat16: (1.6e-2, 1.6e-2),
-             tf.float32: (2e-6, 1e-6), tf.float64: (1e-13, 1e-13)}
+TOLERANCE = {
+    tf.float16: (2e-3, 2e-3),
+    tf.bfloat16: (1.6e-2, 1.6e-2),
+    tf.float32: (2e-6, 1e-6),
+    tf.float64: (1e-13, 1e-13),
+}
 SHAPES = ((), (0,), (7,), (3, 5, 7), (2, 0, 3))
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LARGE = 1_000_001  # > 2 blocks of the kernels' thread split: exercises threading
@@ -71,8 +76,7 @@ class PartialAggregateTest(OpsTestCase):
         rng = np.random.default_rng(0)
         contributions, expected_in = _values(rng, (5,) + shape, dtype)
         timestamps = np.array([10, 9, 10, 8, 10])
-        r = ops.partial_aggregate(contributions, timestamps, 10, 2, max_staleness=1,
-                                  reduction=reduction)
+        r = ops.partial_aggregate(contributions, timestamps, 10, 2, max_staleness=1, reduction=reduction)
         total, d, dropped, met = np_partial_aggregate(expected_in, timestamps, 10, 2, 1, reduction)
         self.assertEqual(r.aggregate.dtype, dtype)
         self.assertEqual(r.aggregate.shape, shape)
@@ -135,8 +139,7 @@ class PartialAggregateTest(OpsTestCase):
     @parameterized.product(impl=IMPLS)
     def test_staleness_window(self, impl):
         self.use(impl)
-        r = ops.partial_aggregate(tf.ones([5, 2]), [10, 9, 8, 7, 6], 10, 0, max_staleness=2,
-                                  reduction="sum")
+        r = ops.partial_aggregate(tf.ones([5, 2]), [10, 9, 8, 7, 6], 10, 0, max_staleness=2, reduction="sum")
         self.assertAllEqual(r.dropped, [False, False, False, True, True])
         self.assertAllEqual(r.aggregate, [3.0, 3.0])
 
@@ -166,24 +169,28 @@ class PartialAggregateTest(OpsTestCase):
         self.assertAllClose(r.aggregate, (x[0] + x[2]) / 2)
         self.assertEqual(int(r.num_accepted), 2)
 
-    @parameterized.product(impl=IMPLS, case=(
-        ("future", dict(timestamps=[3, 6]), r"timestamps\[1\] = 6 is after the current step 5"),
-        ("c<0", dict(c=-1), r"min_contributions must be >= 0, got -1"),
-        ("c>k", dict(c=3), r"min_contributions must be <= k = 2 .*got 3"),
-        ("staleness<0", dict(max_staleness=-1), r"max_staleness must be >= 0"),
-        ("k mismatch", dict(timestamps=[5, 5, 5]), r"timestamps must have one entry per contribution"),
-        ("rank 0", dict(contributions=1.0), r"contributions must have rank >= 1"),
-        ("timestamps rank", dict(timestamps=[[5, 5]]), r"timestamps must be a vector"),
-        ("step rank", dict(step=[5]), r"step must be a scalar"),
-    ))
+    @parameterized.product(
+        impl=IMPLS,
+        case=(
+            ("future", dict(timestamps=[3, 6]), r"timestamps\[1\] = 6 is after the current step 5"),
+            ("c<0", dict(c=-1), r"min_contributions must be >= 0, got -1"),
+            ("c>k", dict(c=3), r"min_contributions must be <= k = 2 .*got 3"),
+            ("staleness<0", dict(max_staleness=-1), r"max_staleness must be >= 0"),
+            ("k mismatch", dict(timestamps=[5, 5, 5]), r"timestamps must have one entry per contribution"),
+            ("rank 0", dict(contributions=1.0), r"contributions must have rank >= 1"),
+            ("timestamps rank", dict(timestamps=[[5, 5]]), r"timestamps must be a vector"),
+            ("step rank", dict(step=[5]), r"step must be a scalar"),
+        ),
+    )
     def test_bad_input_raises(self, impl, case):
         self.use(impl)
         _, overrides, message = case
         args = dict(contributions=tf.ones([2, 3]), timestamps=[5, 5], step=5, c=1, max_staleness=0)
         args.update(overrides)
         with self.assertRaisesRegex(tf.errors.InvalidArgumentError, message):
-            ops.partial_aggregate(args["contributions"], args["timestamps"], args["step"],
-                                  args["c"], max_staleness=args["max_staleness"])
+            ops.partial_aggregate(
+                args["contributions"], args["timestamps"], args["step"], args["c"], max_staleness=args["max_staleness"]
+            )
 
     @parameterized.product(impl=IMPLS)
     def test_graph_construction_checks_shapes_and_constants(self, impl):
@@ -231,8 +238,7 @@ class MaskStaleTest(OpsTestCase):
         total = tf.add_n([o.masked for o in outs])
         weight = tf.add_n([o.weight for o in outs])
         self.assertEqual(float(weight), 3.0)
-        self.assertAllClose(total / weight, (grads[0] + grads[1] + grads[3]) / 3, rtol=1e-5,
-                            atol=1e-6)
+        self.assertAllClose(total / weight, (grads[0] + grads[1] + grads[3]) / 3, rtol=1e-5, atol=1e-6)
 
     @parameterized.product(impl=IMPLS)
     def test_stale_inside_tf_function(self, impl):
@@ -243,11 +249,14 @@ class MaskStaleTest(OpsTestCase):
         r = fn(tf.ones([LARGE]), tf.constant(5, tf.int64))
         self.assertEqual(float(tf.reduce_min(r.masked)), 2.0)
 
-    @parameterized.product(impl=IMPLS, case=(
-        ((6, 5, 0), r"timestamp = 6 is after the current step 5"),
-        ((4, 5, -2), r"max_staleness must be >= 0 .*-2"),
-        (([4], 5, 0), r"timestamp must be a scalar"),
-    ))
+    @parameterized.product(
+        impl=IMPLS,
+        case=(
+            ((6, 5, 0), r"timestamp = 6 is after the current step 5"),
+            ((4, 5, -2), r"max_staleness must be >= 0 .*-2"),
+            (([4], 5, 0), r"timestamp must be a scalar"),
+        ),
+    )
     def test_bad_input_raises(self, impl, case):
         self.use(impl)
         (timestamp, step, max_staleness), message = case
@@ -276,8 +285,7 @@ class DelayCompensateTest(OpsTestCase):
         g, g64 = _values(rng, (LARGE,), dtype)
         w_now, w_now64 = _values(rng, (LARGE,), dtype)
         fn = tf.function(lambda g, w_now: ops.delay_compensate(g * 2.0, w_now, w_now * 0.5, 0.25))
-        self.assertClose(fn(g, w_now), np_delay_compensate(2 * g64, w_now64, 0.5 * w_now64, 0.25),
-                         dtype)
+        self.assertClose(fn(g, w_now), np_delay_compensate(2 * g64, w_now64, 0.5 * w_now64, 0.25), dtype)
         self.assertClose(g, g64, dtype)  # the caller's tensor is untouched
 
     @parameterized.product(impl=IMPLS, dtype=(tf.float32, tf.float64))
@@ -287,14 +295,16 @@ class DelayCompensateTest(OpsTestCase):
         g, g64 = _values(rng, (STREAMED,), dtype)
         w_now, w_now64 = _values(rng, (STREAMED,), dtype)
         w_stale, w_stale64 = _values(rng, (STREAMED,), dtype)
-        self.assertClose(ops.delay_compensate(g, w_now, w_stale, 0.375),  # exact in float32
-                         np_delay_compensate(g64, w_now64, w_stale64, 0.375), dtype)
+        self.assertClose(
+            ops.delay_compensate(g, w_now, w_stale, 0.375),  # exact in float32
+            np_delay_compensate(g64, w_now64, w_stale64, 0.375),
+            dtype,
+        )
         state_dtype = tf.float64 if dtype == tf.float64 else tf.float32
         v = tf.Variable(tf.fill([STREAMED], tf.constant(0.5, state_dtype)))
         out = ops.delay_compensate_adaptive(g, w_now, w_stale, v, 0.5, 0.5, 0.25)
         v64 = 0.25 + 0.5 * g64 * g64
-        self.assertClose(out, np_delay_compensate(g64, w_now64, w_stale64, 0.5 / np.sqrt(v64 + 0.25)),
-                         dtype)
+        self.assertClose(out, np_delay_compensate(g64, w_now64, w_stale64, 0.5 / np.sqrt(v64 + 0.25)), dtype)
         self.assertAllClose(v.numpy(), v64, rtol=1e-6, atol=1e-6)
 
     @parameterized.product(impl=IMPLS)
@@ -321,13 +331,16 @@ class DelayCompensateTest(OpsTestCase):
         g = tf.constant([1.5, -2.0, 3.25])
         self.assertAllEqual(ops.delay_compensate(g, [1.0, 2.0, 3.0], [0.0, 0.0, 0.0], 0.0), g)
 
-    @parameterized.product(impl=IMPLS, case=(
-        (dict(w_now=tf.ones([4])), r"w_now must have the same shape as gradient"),
-        (dict(w_stale=tf.ones([3, 1])), r"w_stale must have the same shape as gradient"),
-        (dict(lambda_=float("inf")), r"lambda_ must be finite, got inf"),
-        (dict(lambda_=float("nan")), r"lambda_ must be finite, got nan"),
-        (dict(lambda_=[0.1]), r"lambda_ must be a scalar"),
-    ))
+    @parameterized.product(
+        impl=IMPLS,
+        case=(
+            (dict(w_now=tf.ones([4])), r"w_now must have the same shape as gradient"),
+            (dict(w_stale=tf.ones([3, 1])), r"w_stale must have the same shape as gradient"),
+            (dict(lambda_=float("inf")), r"lambda_ must be finite, got inf"),
+            (dict(lambda_=float("nan")), r"lambda_ must be finite, got nan"),
+            (dict(lambda_=[0.1]), r"lambda_ must be a scalar"),
+        ),
+    )
     def test_bad_input_raises(self, impl, case):
         self.use(impl)
         overrides, message = case
@@ -386,8 +399,7 @@ class DelayCompensateAdaptiveTest(OpsTestCase):
         self.use(impl)
         v = tf.Variable(tf.fill([LARGE], 4.0))
         before = v.read_value()
-        ops.delay_compensate_adaptive(tf.ones([LARGE]), tf.ones([LARGE]), tf.zeros([LARGE]), v,
-                                      1.0, 0.5, 1e-7)
+        ops.delay_compensate_adaptive(tf.ones([LARGE]), tf.ones([LARGE]), tf.zeros([LARGE]), v, 1.0, 0.5, 1e-7)
         self.assertAllEqual(before[:3], [4.0, 4.0, 4.0])
         self.assertAllClose(v[:3], [2.5, 2.5, 2.5])
 
@@ -398,8 +410,7 @@ class DelayCompensateAdaptiveTest(OpsTestCase):
 
         @tf.function
         def step(g):
-            return ops.delay_compensate_adaptive(g * 1.5, tf.ones([LARGE]), tf.zeros([LARGE]), v,
-                                                 1.0, 0.5, 1e-7)
+            return ops.delay_compensate_adaptive(g * 1.5, tf.ones([LARGE]), tf.zeros([LARGE]), v, 1.0, 0.5, 1e-7)
 
         out = step(tf.ones([LARGE]))
         # v = 0.5 * 2.25 = 1.125; out = 1.5 + 1 / sqrt(1.125 + 1e-7) * 2.25 * 1
@@ -408,27 +419,42 @@ class DelayCompensateAdaptiveTest(OpsTestCase):
         step(tf.ones([LARGE]))
         self.assertAllClose(v[:2], [0.5 * 1.125 + 0.5 * 2.25] * 2)
 
-    @parameterized.product(impl=IMPLS, case=(
-        (dict(lambda0=float("nan")), r"lambda0 must be finite"),
-        (dict(momentum=1.5), r"momentum must be in \[0, 1\], got 1.5"),
-        (dict(momentum=float("inf")), r"momentum must be finite"),
-        (dict(epsilon=0.0), r"epsilon must be > 0"),
-        (dict(w_stale=tf.ones([2])), r"w_stale must have the same shape as gradient"),
-        (dict(mean_square=tf.Variable(tf.zeros([4]))), r"mean_square must have the same shape as gradient"),
-    ))
+    @parameterized.product(
+        impl=IMPLS,
+        case=(
+            (dict(lambda0=float("nan")), r"lambda0 must be finite"),
+            (dict(momentum=1.5), r"momentum must be in \[0, 1\], got 1.5"),
+            (dict(momentum=float("inf")), r"momentum must be finite"),
+            (dict(epsilon=0.0), r"epsilon must be > 0"),
+            (dict(w_stale=tf.ones([2])), r"w_stale must have the same shape as gradient"),
+            (dict(mean_square=tf.Variable(tf.zeros([4]))), r"mean_square must have the same shape as gradient"),
+        ),
+    )
     def test_bad_input_raises(self, impl, case):
         self.use(impl)
         overrides, message = case
-        args = dict(gradient=tf.ones([3]), w_now=tf.ones([3]), w_stale=tf.ones([3]),
-                    mean_square=tf.Variable(tf.zeros([3])), lambda0=1.0, momentum=0.9, epsilon=1e-7)
+        args = dict(
+            gradient=tf.ones([3]),
+            w_now=tf.ones([3]),
+            w_stale=tf.ones([3]),
+            mean_square=tf.Variable(tf.zeros([3])),
+            lambda0=1.0,
+            momentum=0.9,
+            epsilon=1e-7,
+        )
         args.update(overrides)
         with self.assertRaisesRegex(tf.errors.InvalidArgumentError, message):
             ops.delay_compensate_adaptive(**args)
 
     def test_state_must_be_a_variable_of_the_accumulation_dtype(self):
         with self.assertRaisesRegex(TypeError, "mean_square must have dtype float32 for float16"):
-            ops.delay_compensate_adaptive(tf.ones([2], tf.float16), tf.ones([2], tf.float16),
-                                          tf.ones([2], tf.float16), tf.Variable(tf.zeros([2], tf.float16)), 1.0)
+            ops.delay_compensate_adaptive(
+                tf.ones([2], tf.float16),
+                tf.ones([2], tf.float16),
+                tf.ones([2], tf.float16),
+                tf.Variable(tf.zeros([2], tf.float16)),
+                1.0,
+            )
         with self.assertRaisesRegex(TypeError, "mean_square must be a tf.Variable"):
             ops.delay_compensate_adaptive(tf.ones([2]), tf.ones([2]), tf.ones([2]), tf.zeros([2]), 1.0)
 
@@ -453,11 +479,21 @@ class ImplementationSwitchTest(tf.test.TestCase):
             out = subprocess.run(
                 [sys.executable, "-c", "import tfsync.ops as o; print(o.get_implementation())"],
                 env=dict(os.environ, TFSYNC_OPS_IMPL=value, TF_CPP_MIN_LOG_LEVEL="3"),
-                capture_output=True, text=True, check=True, timeout=120, cwd=REPO_ROOT)
+                capture_output=True,
+                text=True,
+                check=True,
+                timeout=120,
+                cwd=REPO_ROOT,
+            )
             self.assertEqual(out.stdout.strip().splitlines()[-1], expected)
-        bad = subprocess.run([sys.executable, "-c", "import tfsync.ops"],
-                             env=dict(os.environ, TFSYNC_OPS_IMPL="gpu", TF_CPP_MIN_LOG_LEVEL="3"),
-                             capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
+        bad = subprocess.run(
+            [sys.executable, "-c", "import tfsync.ops"],
+            env=dict(os.environ, TFSYNC_OPS_IMPL="gpu", TF_CPP_MIN_LOG_LEVEL="3"),
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=REPO_ROOT,
+        )
         self.assertNotEqual(bad.returncode, 0)
         self.assertIn("TFSYNC_OPS_IMPL='gpu' is not an implementation", bad.stderr)
 
@@ -475,10 +511,10 @@ class ImplementationSwitchTest(tf.test.TestCase):
         self.addCleanup(ops.set_implementation, previous)
         ops.set_implementation("compiled")
         empty = self.create_tempdir()
-        with mock.patch.object(_loader, "_library", None), \
-                mock.patch.object(_loader, "library_dir", lambda: empty):
-            with self.assertRaisesRegex(ops.OpLibraryError,
-                                        r"_tfsync_ops.so does not exist.*pip install --no-build-isolation -e \."):
+        with mock.patch.object(_loader, "_library", None), mock.patch.object(_loader, "library_dir", lambda: empty):
+            with self.assertRaisesRegex(
+                ops.OpLibraryError, r"_tfsync_ops.so does not exist.*pip install --no-build-isolation -e \."
+            ):
                 ops.delay_compensate([1.0], [1.0], [1.0], 0.1)
 
     def test_version_mismatch_says_rebuild(self):
@@ -486,8 +522,9 @@ class ImplementationSwitchTest(tf.test.TestCase):
         shutil.copy(os.path.join(_loader.library_dir(), _loader.LIBRARY_FILE), directory)
         with open(os.path.join(directory, _loader.BUILD_INFO_FILE), "w") as f:
             json.dump({"tensorflow_version": "1.0.0"}, f)
-        with self.assertRaisesRegex(_loader.OpLibraryError,
-                                    r"built against TensorFlow 1.0.0, but TensorFlow .* is running.*Rebuild"):
+        with self.assertRaisesRegex(
+            _loader.OpLibraryError, r"built against TensorFlow 1.0.0, but TensorFlow .* is running.*Rebuild"
+        ):
             _loader._load(directory)
 
     def test_missing_build_info_says_rebuild(self):
@@ -521,13 +558,11 @@ class BenchmarkTest(tf.test.TestCase):
         self.addCleanup(shutil.rmtree, os.path.dirname(path))
         previous = ops.get_implementation()
         self.addCleanup(ops.set_implementation, previous)
-        self.assertEqual(bench_ops.main(["--sizes", "1K", "--repeats", "1", "--warmup", "0",
-                                         "--json", path]), 0)
+        self.assertEqual(bench_ops.main(["--sizes", "1K", "--repeats", "1", "--warmup", "0", "--json", path]), 0)
         with open(path) as f:
             records = json.load(f)
         seen = {(r["op"], r["impl"]) for r in records}
-        for op in ("delay_compensate", "delay_compensate_adaptive", "partial_aggregate",
-                   "mask_stale(stale)"):
+        for op in ("delay_compensate", "delay_compensate_adaptive", "partial_aggregate", "mask_stale(stale)"):
             for impl in ("fused", "composed_eager", "composed_xla", "fused_result_held"):
                 self.assertIn((op, impl), seen)
         self.assertIn(("copy", "numpy_copyto"), seen)

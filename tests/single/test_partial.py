@@ -12,13 +12,15 @@ Three layers, each against what it promises:
 
 Every wait is bounded, so a bug fails instead of hanging.
 """
+
 import random
 import threading
 import time
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tfsync.engine.control import ControlClient, ControlServer
 from tfsync.engine.exchange import RoundExchange, decode_meta, encode_meta
@@ -30,6 +32,7 @@ WAIT_S = 10.0  # bound of every wait in this file: far above what a passing test
 
 
 # ----------------------------------------------------------------------------- policies
+
 
 @st.composite
 def arrivals(draw, max_size=16):
@@ -146,8 +149,11 @@ def test_psp_adaptive_recheck_time(size, data):
     # PSP() defaults: c = size - 1 and the adaptive timeout, asked at the c-th arrival
     order = data.draw(st.permutations(range(size)))
     opened_s = data.draw(st.floats(0.0, 1e4, allow_nan=False))
-    times = sorted(data.draw(st.lists(st.floats(opened_s, opened_s + 100.0, allow_nan=False),
-                                      min_size=size - 1, max_size=size - 1)))
+    times = sorted(
+        data.draw(
+            st.lists(st.floats(opened_s, opened_s + 100.0, allow_nan=False), min_size=size - 1, max_size=size - 1)
+        )
+    )
     ready = tuple(zip(order, times))
     t_c = times[-1]
     decision = PSP().close_round(ready, opened_s, t_c, size)
@@ -199,8 +205,11 @@ def test_backup_workers_go_by_arrival_not_by_rank():
 def test_full_psp_and_zero_backups_close_only_when_all_are_ready(case, later):
     size, ready, opened_s = case
     last = ready[-1][1] if ready else opened_s
-    for policy in (PSP(min_contributions=size), PSP(min_contributions=size, push_timeout_s=0.0),
-                   BackupWorkers(backups=0)):
+    for policy in (
+        PSP(min_contributions=size),
+        PSP(min_contributions=size, push_timeout_s=0.0),
+        BackupWorkers(backups=0),
+    ):
         decision = policy.close_round(ready, opened_s, last + later, size)
         if len(ready) == size:  # BSP's rule: every worker, all of them accepted
             assert decision.accepted == tuple(range(size))
@@ -209,8 +218,7 @@ def test_full_psp_and_zero_backups_close_only_when_all_are_ready(case, later):
 
 
 def test_partial_policies_describe_themselves():
-    assert PSP(min_contributions=3).config() == {"mode": "psp", "min_contributions": 3,
-                                                  "push_timeout_s": None}
+    assert PSP(min_contributions=3).config() == {"mode": "psp", "min_contributions": 3, "push_timeout_s": None}
     assert BackupWorkers().config() == {"mode": "backup", "backups": 1}
     for policy in (PSP(), BackupWorkers()):
         assert (policy.payload, policy.coordinated, policy.skips) == ("gradients", True, True)
@@ -220,23 +228,34 @@ def test_partial_policies_describe_themselves():
         BSP().close_round((), 0.0, 0.0, 2)
 
 
-@pytest.mark.parametrize("bad,error,message", [
-    (0, ValueError, r"PSP\(min_contributions=0\): min_contributions must be >= 1"),
-    (-3, ValueError, r"min_contributions must be >= 1"),
-    (1.5, TypeError, r"PSP\(min_contributions=1.5\): min_contributions must be an int >= 1, got float"),
-    (True, TypeError, r"min_contributions must be an int >= 1, got bool"),
-    ("2", TypeError, r"min_contributions must be an int >= 1, got str"),
-])
+@pytest.mark.parametrize(
+    "bad,error,message",
+    [
+        (0, ValueError, r"PSP\(min_contributions=0\): min_contributions must be >= 1"),
+        (-3, ValueError, r"min_contributions must be >= 1"),
+        (1.5, TypeError, r"PSP\(min_contributions=1.5\): min_contributions must be an int >= 1, got float"),
+        (True, TypeError, r"min_contributions must be an int >= 1, got bool"),
+        ("2", TypeError, r"min_contributions must be an int >= 1, got str"),
+    ],
+)
 def test_psp_refuses_a_bad_min_contributions(bad, error, message):
     with pytest.raises(error, match=message) as info:
         PSP(min_contributions=bad)
     assert "tfsync.PSP(min_contributions=3" in str(info.value)  # says how to write it
 
 
-@pytest.mark.parametrize("bad,error", [
-    (-0.5, ValueError), (-1, ValueError), (float("nan"), ValueError), (float("inf"), ValueError),
-    ("1", TypeError), (True, TypeError), ([1.0], TypeError),
-])
+@pytest.mark.parametrize(
+    "bad,error",
+    [
+        (-0.5, ValueError),
+        (-1, ValueError),
+        (float("nan"), ValueError),
+        (float("inf"), ValueError),
+        ("1", TypeError),
+        (True, TypeError),
+        ([1.0], TypeError),
+    ],
+)
 def test_psp_refuses_a_bad_push_timeout(bad, error):
     with pytest.raises(error, match=r"push_timeout_s must be a (finite )?number of seconds >= 0 or None"):
         PSP(push_timeout_s=bad)
@@ -254,12 +273,15 @@ def test_psp_validate_refuses_more_contributions_than_workers():
         PSP(min_contributions=5).validate(4)
 
 
-@pytest.mark.parametrize("bad,error,message", [
-    (-1, ValueError, r"BackupWorkers\(backups=-1\): backups must be >= 0"),
-    (2.0, TypeError, r"BackupWorkers\(backups=2.0\): backups must be an int >= 0, got float"),
-    (None, TypeError, r"backups must be an int >= 0, got NoneType"),
-    (False, TypeError, r"backups must be an int >= 0, got bool"),
-])
+@pytest.mark.parametrize(
+    "bad,error,message",
+    [
+        (-1, ValueError, r"BackupWorkers\(backups=-1\): backups must be >= 0"),
+        (2.0, TypeError, r"BackupWorkers\(backups=2.0\): backups must be an int >= 0, got float"),
+        (None, TypeError, r"backups must be an int >= 0, got NoneType"),
+        (False, TypeError, r"backups must be an int >= 0, got bool"),
+    ],
+)
 def test_backup_workers_refuse_a_bad_count(bad, error, message):
     with pytest.raises(error, match=message):
         BackupWorkers(backups=bad)
@@ -269,12 +291,14 @@ def test_backup_workers_validate_keeps_at_least_one_worker_per_round():
     BackupWorkers(backups=0).validate(1)
     BackupWorkers(backups=3).validate(4)
     for backups, size in ((1, 1), (4, 4), (5, 4)):
-        with pytest.raises(ValueError, match=rf"BackupWorkers\(backups={backups}\) with {size} workers"
-                                             rf".*backups <= {size - 1}"):
+        with pytest.raises(
+            ValueError, match=rf"BackupWorkers\(backups={backups}\) with {size} workers" rf".*backups <= {size - 1}"
+        ):
             BackupWorkers(backups=backups).validate(size)
 
 
 # ------------------------------------------------------------- the exchange, coordinated
+
 
 def mask_twin(payload, stamp, round_):
     """NumPy twin of ``protocols.mask_stale_payload``: ``mask_stale`` with staleness 0, which
@@ -317,8 +341,10 @@ class FakeAllreduce:
             while k not in self._out:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise TimeoutError(f"fake allreduce {k}: rank {rank} waited {self.timeout_s} s for "
-                                       f"ranks {sorted(set(range(self.size)) - set(slot))}")
+                    raise TimeoutError(
+                        f"fake allreduce {k}: rank {rank} waited {self.timeout_s} s for "
+                        f"ranks {sorted(set(range(self.size)) - set(slot))}"
+                    )
                 self._cond.wait(left)
             out = self._out[k]
             out[1] -= 1
@@ -358,14 +384,14 @@ def expected_mean(accepted, round_):
     """What Horovod returns: the sum over every rank (zeros from the others) post-scaled by 1/d."""
     scale = np.float32(1.0 / len(accepted))
     parts = [contribution(r, round_) for r in accepted]
-    return [(np.sum([p[i] for p in parts], axis=0, dtype=np.float32) * scale).astype(np.float32)
-            for i in range(len(SHAPES))]
+    return [
+        (np.sum([p[i] for p in parts], axis=0, dtype=np.float32) * scale).astype(np.float32) for i in range(len(SHAPES))
+    ]
 
 
 def _exchanges(size, collective_for, t0=0.0, mask=mask_twin):
     absent = [np.zeros(s, np.float32) for s in SHAPES]
-    return [RoundExchange(collective_for(r), rank=r, size=size, t0=t0, absent=absent, mask=mask)
-            for r in range(size)]
+    return [RoundExchange(collective_for(r), rank=r, size=size, t0=t0, absent=absent, mask=mask) for r in range(size)]
 
 
 class FakeCoordinator:
@@ -460,8 +486,10 @@ def test_random_schedules_apply_the_same_mean_of_exactly_the_accepted(seed):
     size = [1, 2, 3, 4, 5, 2, 3, 6][seed]
     rounds = 2400 // (size + 2)
     p_late, p_skip = rng.uniform(0.0, 0.4), rng.uniform(0.0, 0.3)
-    plan = [[rng.choices(("on_time", "late", "skip"), (1 - p_late - p_skip, p_late, p_skip))[0]
-             for _ in range(rounds)] for _ in range(size)]
+    plan = [
+        [rng.choices(("on_time", "late", "skip"), (1 - p_late - p_skip, p_late, p_skip))[0] for _ in range(rounds)]
+        for _ in range(size)
+    ]
     for r in range(rounds):  # somebody must be on time, or the round never closes
         if all(p[r] != "on_time" for p in plan):
             plan[rng.randrange(size)][r] = "on_time"
@@ -471,10 +499,13 @@ def test_random_schedules_apply_the_same_mean_of_exactly_the_accepted(seed):
     coordinator = FakeCoordinator(exchanges, plan, rng)
     results, pushes = [dict() for _ in range(size)], [[] for _ in range(size)]
     try:
-        _run_threads([lambda: coordinator.run(rounds)] + [
-            (lambda k: lambda: _train(k, exchanges[k], plan[k], coordinator, rounds, results[k],
-                                      pushes[k]))(k)
-            for k in range(size)])
+        _run_threads(
+            [lambda: coordinator.run(rounds)]
+            + [
+                (lambda k: lambda: _train(k, exchanges[k], plan[k], coordinator, rounds, results[k], pushes[k]))(k)
+                for k in range(size)
+            ]
+        )
         for ex in exchanges:
             ex.drain_outbox()
     finally:
@@ -555,8 +586,14 @@ def test_a_contribution_that_missed_its_round_is_dropped_at_the_next_or_at_the_d
 
 
 def test_a_newer_push_drops_the_contribution_still_waiting():
-    ex = RoundExchange(lambda *a, **k: pytest.fail("no round was closed"), rank=0, size=2, t0=0.0,
-                       absent=[np.zeros(3, np.float32)], mask=mask_twin)
+    ex = RoundExchange(
+        lambda *a, **k: pytest.fail("no round was closed"),
+        rank=0,
+        size=2,
+        t0=0.0,
+        absent=[np.zeros(3, np.float32)],
+        mask=mask_twin,
+    )
     try:
         ex.push(3, [np.ones(3, np.float32)], 0.0, 0.0)
         ex.push(5, [np.ones(3, np.float32)], 0.0, 0.0)
@@ -574,8 +611,7 @@ def _one_rank(mask=mask_twin, collective=None):
         calls.append(divisor)
         raise AssertionError("the collective was entered")
 
-    ex = RoundExchange(collective or refuse, rank=1, size=3, t0=0.0,
-                       absent=[np.zeros(3, np.float32)], mask=mask)
+    ex = RoundExchange(collective or refuse, rank=1, size=3, t0=0.0, absent=[np.zeros(3, np.float32)], mask=mask)
     return ex, calls
 
 
@@ -608,8 +644,9 @@ def test_an_accepted_rank_whose_outbox_holds_another_round_fails():
     try:
         ex.push(0, [np.ones(3, np.float32)], 0.0, 0.0)
         ex.close_round(1, (1,))
-        with pytest.raises(RuntimeError, match=r"accepted for round 1 but its outbox holds a "
-                                               r"contribution to round 0"):
+        with pytest.raises(
+            RuntimeError, match=r"accepted for round 1 but its outbox holds a " r"contribution to round 0"
+        ):
             ex.wait(1, timeout_s=WAIT_S)
         assert calls == []
     finally:
@@ -622,8 +659,9 @@ def test_a_round_whose_contributors_differ_from_the_decision_fails():
     try:
         ex.push(0, [np.ones(3, np.float32)], 0.0, 0.0)
         ex.close_round(0, (0, 1))
-        with pytest.raises(RuntimeError, match=r"should aggregate ranks \[0, 1\].*ranks \[1\] "
-                                               r"contributed; the workers disagree"):
+        with pytest.raises(
+            RuntimeError, match=r"should aggregate ranks \[0, 1\].*ranks \[1\] " r"contributed; the workers disagree"
+        ):
             ex.wait(0, timeout_s=WAIT_S)
     finally:
         ex.close()
@@ -648,6 +686,7 @@ def test_a_failing_rank_makes_the_others_fail_too_not_hang():
 
 
 # ------------------------------------------------------------- rank 0's coordinator
+
 
 class Closes:
     """One client's ``on_close`` notices, in the order its stream delivered them."""
@@ -676,9 +715,8 @@ def coordinated():
         made.append(server)
         closes = [Closes() for _ in range(size)]
         clients = []
-        for r in (range(size) if attach is None else attach):
-            clients.append(ControlClient(server.address, r, TOKEN, connect_timeout_s=WAIT_S,
-                                         on_close=closes[r]))
+        for r in range(size) if attach is None else attach:
+            clients.append(ControlClient(server.address, r, TOKEN, connect_timeout_s=WAIT_S, on_close=closes[r]))
             made.append(clients[-1])
         return server, clients, closes
 

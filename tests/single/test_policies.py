@@ -1,8 +1,10 @@
 """Policies are pure functions of clocks: checked without Horovod or TensorFlow."""
+
 import dataclasses
 
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 import tfsync
 from tfsync.policies import BSP, PSP, SSP, BackupWorkers, resolve
@@ -20,8 +22,9 @@ def test_strings_resolve_to_policies():
 
 @pytest.mark.parametrize("bad", ["asp", "", None, 3, "backups", "psp1"])
 def test_unknown_mode_names_the_accepted_values(bad):
-    with pytest.raises(ValueError, match=r"unknown synchronization mode .*'bsp', 'ssp', 'psp', "
-                                         r"'backup'.*tfsync.SSP\(staleness=3\)"):
+    with pytest.raises(
+        ValueError, match=r"unknown synchronization mode .*'bsp', 'ssp', 'psp', " r"'backup'.*tfsync.SSP\(staleness=3\)"
+    ):
         resolve(bad)
 
 

@@ -6,6 +6,7 @@ reference); the property tests compare them with an exhaustive search over all
 R^n choices (Problem 1 of the ElasticBSP paper, with Corollary 1's earliest-
 barrier rule).
 """
+
 import bisect
 import dataclasses
 import itertools
@@ -19,9 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tfsync import scheduler
-from tfsync.scheduler import (ALGORITHMS, EXACT_ALGORITHMS, ZipLineResult, predict_end_times,
-                              zipline)
-from tfsync.scheduler import _backend
+from tfsync.scheduler import ALGORITHMS, EXACT_ALGORITHMS, ZipLineResult, _backend, predict_end_times, zipline
 
 IMPLEMENTATIONS = ("compiled", "reference")
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -55,9 +54,7 @@ def as_tuple(result):
 
 
 # Small stamps on a coarse grid make ties and equal timestamps common.
-small_rows = st.lists(
-    st.lists(st.integers(0, 12), min_size=1, max_size=5).map(sorted),
-    min_size=1, max_size=4)
+small_rows = st.lists(st.lists(st.integers(0, 12), min_size=1, max_size=5).map(sorted), min_size=1, max_size=4)
 
 
 @pytest.fixture(params=IMPLEMENTATIONS)
@@ -69,8 +66,7 @@ def implementation(request):
 @pytest.mark.parametrize("implementation_name", IMPLEMENTATIONS)
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(rows=small_rows, as_float=st.booleans())
-def test_exact_variants_find_the_brute_force_optimum(implementation_name, algorithm, rows,
-                                                      as_float):
+def test_exact_variants_find_the_brute_force_optimum(implementation_name, algorithm, rows, as_float):
     if as_float:
         rows = [[t * 0.25 for t in row] for row in rows]  # exact binary fractions
     result = zipline(rows, algorithm, implementation=implementation_name)
@@ -122,8 +118,7 @@ def test_gridscan_misses_the_optimum_that_the_exact_variants_find():
 @pytest.mark.parametrize("n,R,seed", [(50, 15, 1), (300, 15, 2), (1000, 40, 3), (200, 150, 4)])
 def test_compiled_variants_agree_on_large_synthetic_cases(n, R, seed):
     matrix = synthetic(n, R, seed)
-    results = {a: as_tuple(zipline(matrix, a, implementation="compiled"))
-               for a in ("zipline", "zipline_opt", "optbs")}
+    results = {a: as_tuple(zipline(matrix, a, implementation="compiled")) for a in ("zipline", "zipline_opt", "optbs")}
     assert len(set(map(repr, results.values()))) == 1, results
     grid = zipline(matrix, "gridscan")
     assert grid.wait >= results["optbs"][1]
@@ -138,8 +133,10 @@ def test_all_variants_agree_on_large_random_integer_cases(seed):
     expected = as_tuple(zipline(matrix, "optbs", implementation="compiled"))
     for implementation_name in IMPLEMENTATIONS:
         for algorithm in EXACT_ALGORITHMS:
-            assert as_tuple(zipline(matrix, algorithm, implementation=implementation_name)) \
-                == expected, (implementation_name, algorithm)
+            assert as_tuple(zipline(matrix, algorithm, implementation=implementation_name)) == expected, (
+                implementation_name,
+                algorithm,
+            )
 
 
 def test_reference_and_compiled_agree_on_a_medium_synthetic_case():
@@ -223,30 +220,39 @@ def test_predict_then_decide_the_barrier_is_where_the_workers_align():
 
 # ---- rejected inputs -------------------------------------------------------------------------
 
-@pytest.mark.parametrize("timestamps,message", [
-    ([], "no workers"),
-    (np.zeros((0, 3)), "at least one worker"),
-    (np.zeros((3, 0)), "at least one worker"),
-    ([[1, 2], []], "worker 1"),
-    (np.arange(4.0), "expected n x R"),
-    (np.zeros((2, 2, 2)), "expected n x R"),
-    ([[1.0, float("nan")], [1.0, 2.0]], "NaN or infinite, the first at worker 0, iteration 2"),
-    (np.array([[1.0, 2.0], [np.inf, np.inf]]), "worker 1, iteration 1"),
-    ([[1, 2, 3], [5, 4, 6]], "worker 1 is not sorted: iteration 2"),
-    (np.array([[1.0, 3.0], [2.0, 2.0], [9.0, 8.0]]), "worker 2 is not sorted"),
-    ([[1, 2], [[3, 4]]], "worker 1 has shape (1, 2)"),
-    (np.array([[0, np.iinfo(np.int64).max]]) - np.array([[np.iinfo(np.int64).max, 0]]),
-     "overflow int64"),
-])
+
+@pytest.mark.parametrize(
+    "timestamps,message",
+    [
+        ([], "no workers"),
+        (np.zeros((0, 3)), "at least one worker"),
+        (np.zeros((3, 0)), "at least one worker"),
+        ([[1, 2], []], "worker 1"),
+        (np.arange(4.0), "expected n x R"),
+        (np.zeros((2, 2, 2)), "expected n x R"),
+        ([[1.0, float("nan")], [1.0, 2.0]], "NaN or infinite, the first at worker 0, iteration 2"),
+        (np.array([[1.0, 2.0], [np.inf, np.inf]]), "worker 1, iteration 1"),
+        ([[1, 2, 3], [5, 4, 6]], "worker 1 is not sorted: iteration 2"),
+        (np.array([[1.0, 3.0], [2.0, 2.0], [9.0, 8.0]]), "worker 2 is not sorted"),
+        ([[1, 2], [[3, 4]]], "worker 1 has shape (1, 2)"),
+        (np.array([[0, np.iinfo(np.int64).max]]) - np.array([[np.iinfo(np.int64).max, 0]]), "overflow int64"),
+    ],
+)
 def test_bad_timestamps_are_rejected_with_the_fix(implementation, timestamps, message):
     with pytest.raises(ValueError) as error:
         zipline(timestamps, implementation=implementation)
     assert message in str(error.value)
 
 
-@pytest.mark.parametrize("timestamps", [
-    np.array([[True, False]]), [["a", "b"]], 5, np.array([[1 + 2j]]),
-])
+@pytest.mark.parametrize(
+    "timestamps",
+    [
+        np.array([[True, False]]),
+        [["a", "b"]],
+        5,
+        np.array([[1 + 2j]]),
+    ],
+)
 def test_non_numeric_timestamps_are_rejected(timestamps):
     with pytest.raises(TypeError, match="expected"):
         zipline(timestamps)
@@ -259,6 +265,7 @@ def test_unknown_algorithm_names_list_the_known_ones(algorithm):
 
 
 # ---- the implementation switch ---------------------------------------------------------------
+
 
 def test_implementation_is_chosen_by_argument_then_env_var(monkeypatch):
     monkeypatch.delenv(_backend.ENV_VAR, raising=False)
@@ -294,14 +301,16 @@ def test_a_missing_extension_is_an_error_naming_the_build_command(monkeypatch):
 
 
 def test_the_scheduler_never_imports_tensorflow():
-    code = ("import sys; from tfsync.scheduler import zipline, predict_end_times; "
-            "zipline(predict_end_times([[0, 1], [0, 2]], R=3)); "
-            "sys.exit('tensorflow' in sys.modules)")
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO,
-                   env=dict(os.environ, PYTHONPATH=REPO))
+    code = (
+        "import sys; from tfsync.scheduler import zipline, predict_end_times; "
+        "zipline(predict_end_times([[0, 1], [0, 2]], R=3)); "
+        "sys.exit('tensorflow' in sys.modules)"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO))
 
 
 # ---- the predictor ---------------------------------------------------------------------------
+
 
 def test_predictor_extends_the_latest_interval():
     ends = predict_end_times([[0, 100, 250], [10, 130]], R=3)
@@ -327,7 +336,7 @@ def test_predictor_smoothing():
 
 
 @settings(max_examples=50, deadline=None)
-@given(last=st.integers(-10**6, 10**6), interval=st.integers(1, 10**4), R=st.integers(1, 20))
+@given(last=st.integers(-(10**6), 10**6), interval=st.integers(1, 10**4), R=st.integers(1, 20))
 def test_predicted_rows_are_sorted_and_evenly_spaced(last, interval, R):
     ends = predict_end_times([[last - interval, last]], R=R)
     assert ends.shape == (1, R)
@@ -343,14 +352,17 @@ def test_predictor_names_every_worker_without_enough_history():
     assert "at least two pushes" in message
 
 
-@pytest.mark.parametrize("histories,message", [
-    ([[0, 1], [2, 2]], "worker(s) 1 have push timestamps that do not strictly increase"),
-    ([[0, 1], [3, 2]], "do not strictly increase"),
-    ([[0.0, np.nan], [0.0, 1.0]], "worker(s) 0 have NaN or infinite"),
-    ([], "no workers"),
-    (np.zeros(3), "expected n x h"),
-    ([[[0, 1]]], "worker 0 has shape"),
-])
+@pytest.mark.parametrize(
+    "histories,message",
+    [
+        ([[0, 1], [2, 2]], "worker(s) 1 have push timestamps that do not strictly increase"),
+        ([[0, 1], [3, 2]], "do not strictly increase"),
+        ([[0.0, np.nan], [0.0, 1.0]], "worker(s) 0 have NaN or infinite"),
+        ([], "no workers"),
+        (np.zeros(3), "expected n x h"),
+        ([[[0, 1]]], "worker 0 has shape"),
+    ],
+)
 def test_predictor_rejects_bad_histories(histories, message):
     with pytest.raises(ValueError) as error:
         predict_end_times(histories, R=3)
@@ -376,6 +388,7 @@ def test_predictor_rejects_non_numeric_histories():
 
 # ---- the benchmark ---------------------------------------------------------------------------
 
+
 def test_quick_benchmark_runs_and_writes_records(tmp_path, capsys):
     import json
 
@@ -392,7 +405,10 @@ def test_quick_benchmark_runs_and_writes_records(tmp_path, capsys):
     # The exact algorithms agree on the decision in every cell.
     for n in {r["n"] for r in records}:
         for R in {r["R"] for r in records}:
-            exact = {(r["wait"], r["t_sync"]) for r in measured
-                     if r["n"] == n and r["R"] == R and r["algorithm"] in EXACT_ALGORITHMS}
+            exact = {
+                (r["wait"], r["t_sync"])
+                for r in measured
+                if r["n"] == n and r["R"] == R and r["algorithm"] in EXACT_ALGORITHMS
+            }
             assert len(exact) == 1
     assert "microseconds per decision" in capsys.readouterr().out

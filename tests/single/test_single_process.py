@@ -3,6 +3,7 @@ deliberate single-worker run (TFSYNC_SINGLE_PROCESS=1) end to end.
 
 Each case runs in a fresh interpreter, since Horovod initializes once per process.
 """
+
 import os
 import subprocess
 import sys
@@ -11,8 +12,7 @@ import textwrap
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-LAUNCHER_VARS = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK",
-                 "TFSYNC_SINGLE_PROCESS")
+LAUNCHER_VARS = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "TFSYNC_SINGLE_PROCESS")
 
 MODEL = """
 import numpy as np, keras, tfsync
@@ -26,22 +26,35 @@ model.compile(optimizer="sgd", loss="mse")
 def run_python(code, env=None, timeout_s=120):
     full_env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
     full_env.update({"PYTHONPATH": ROOT, "TF_CPP_MIN_LOG_LEVEL": "2"}, **(env or {}))
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
-                          text=True, env=full_env, cwd=ROOT, timeout=timeout_s)
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        env=full_env,
+        cwd=ROOT,
+        timeout=timeout_s,
+    )
     return proc.returncode, proc.stdout + proc.stderr
 
 
 def test_without_hvd_init_the_error_says_to_call_it():
-    rc, out = run_python(MODEL + """
+    rc, out = run_python(
+        MODEL
+        + """
 model.fit(x, y, epochs=1, verbose=0, callbacks=[tfsync.keras.SyncCallback(mode="bsp")])
-""")
+"""
+    )
     assert rc != 0 and "Horovod is not initialized" in out and "hvd.init()" in out, out[-2000:]
 
 
 def test_without_horovodrun_the_error_says_how_to_launch():
-    rc, out = run_python("import horovod.tensorflow as hvd; hvd.init()\n" + MODEL + """
+    rc, out = run_python(
+        "import horovod.tensorflow as hvd; hvd.init()\n"
+        + MODEL
+        + """
 model.fit(x, y, epochs=1, verbose=0, callbacks=[tfsync.keras.SyncCallback(mode="bsp")])
-""")
+"""
+    )
     assert rc != 0 and "not started by horovodrun" in out and "TFSYNC_SINGLE_PROCESS=1" in out, out[-2000:]
 
 
@@ -51,14 +64,17 @@ def test_bad_mode_fails_when_the_callback_is_built():
 
 
 def test_model_without_optimizer_is_refused():
-    rc, out = run_python("""
+    rc, out = run_python(
+        """
 import horovod.tensorflow as hvd; hvd.init()
 import numpy as np, keras, tfsync
 model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
 cb = tfsync.keras.SyncCallback()
 cb.set_model(model); cb.set_params({"steps": 1})
 cb.on_train_begin()
-""", env={"TFSYNC_SINGLE_PROCESS": "1"})
+""",
+        env={"TFSYNC_SINGLE_PROCESS": "1"},
+    )
     assert rc != 0 and "has no optimizer" in out and "model.compile" in out, out[-2000:]
 
 
@@ -66,7 +82,10 @@ cb.on_train_begin()
 def test_single_worker_trains_traces_and_draws_a_timeline(tmp_path, mode):
     trace = tmp_path / "trace"
     png = tmp_path / "timeline.png"
-    rc, out = run_python("import horovod.tensorflow as hvd; hvd.init()\n" + MODEL + f"""
+    rc, out = run_python(
+        "import horovod.tensorflow as hvd; hvd.init()\n"
+        + MODEL
+        + f"""
 mode = {mode if mode.startswith("tfsync") else repr(mode)}
 before = model.evaluate(x, y, verbose=0)
 h = model.fit(x, y, batch_size=8, epochs=3, verbose=0,
@@ -79,6 +98,8 @@ from tfsync import timeline
 summary = timeline.plot_timeline(timeline.load_trace({str(trace)!r}), {str(png)!r})
 assert summary["ranks"][0]["steps"] == 24, summary
 print("OK")
-""", env={"TFSYNC_SINGLE_PROCESS": "1"})
+""",
+        env={"TFSYNC_SINGLE_PROCESS": "1"},
+    )
     assert rc == 0 and "OK" in out, out[-3000:]
     assert png.stat().st_size > 1000

@@ -1,4 +1,5 @@
 """Straggler injection: parsing, validation, determinism."""
+
 import pytest
 
 from tfsync import Stragglers
@@ -39,14 +40,17 @@ def test_same_seed_same_delays_in_every_launch():
     assert all(0 <= d % 1.0 <= 0.01 for d in a)
 
 
-@pytest.mark.parametrize("spec,match", [
-    ("base=-1", "finite number of seconds"),
-    ("slow=3", "bad straggler spec item 'slow=3'"),
-    ("speed=2", "unknown key 'speed'"),
-    ("base", "missing '='"),
-    ("rare=2:1", "probability"),
-    ("slow=-1:0.1", "negative"),
-])
+@pytest.mark.parametrize(
+    "spec,match",
+    [
+        ("base=-1", "finite number of seconds"),
+        ("slow=3", "bad straggler spec item 'slow=3'"),
+        ("speed=2", "unknown key 'speed'"),
+        ("base", "missing '='"),
+        ("rare=2:1", "probability"),
+        ("slow=-1:0.1", "negative"),
+    ],
+)
 def test_bad_specs_explain_the_syntax(spec, match):
     with pytest.raises(ValueError, match=match):
         Stragglers.parse(spec)

@@ -6,6 +6,7 @@ Traces are synthetic: a small deterministic model of the engine's SSP rule
 staleness 0) with one known slow worker. All times are small integers, so
 every expected number below is exact and derived by hand in the comments.
 """
+
 import json
 import os
 import subprocess
@@ -42,12 +43,29 @@ def simulate(compute_s, staleness, steps):
                 completed += 1
             applied = [[k, n - k, size] for k in range(applied_through + 1, completed + 1)]
             applied_through = max(applied_through, completed)
-            rows.append({"rank": r, "step": n, "t_start": start[r][n], "t_push": push[r][n], "t_end": end[r][n],
-                         "compute_s": push[r][n] - start[r][n], "wait_s": end[r][n] - push[r][n],
-                         "applied": applied, "applied_through": applied_through, "dropped": 0})
+            rows.append(
+                {
+                    "rank": r,
+                    "step": n,
+                    "t_start": start[r][n],
+                    "t_push": push[r][n],
+                    "t_end": end[r][n],
+                    "compute_s": push[r][n] - start[r][n],
+                    "wait_s": end[r][n] - push[r][n],
+                    "applied": applied,
+                    "applied_through": applied_through,
+                    "dropped": 0,
+                }
+            )
         last_round_done = max(push[q][steps - 1] for q in range(size))
-        finish = {"event": "finish", "rank": r, "t": end[r][-1], "wait_s": max(0.0, last_round_done - end[r][-1]),
-                  "applied": [], "applied_through": steps - 1}
+        finish = {
+            "event": "finish",
+            "rank": r,
+            "t": end[r][-1],
+            "wait_s": max(0.0, last_round_done - end[r][-1]),
+            "applied": [],
+            "applied_through": steps - 1,
+        }
         records[r] = (rows, finish)
     return records
 
@@ -58,8 +76,17 @@ def write_trace(directory, compute_s=(1.0, 1.0, 2.0), staleness=1, steps=10, mod
     os.makedirs(directory, exist_ok=True)
     policy = {"mode": mode, "staleness": staleness} if mode == "ssp" else {"mode": mode}
     for r, (rows, finish) in simulate(list(compute_s), staleness, steps).items():
-        lines = [{"event": "start", "rank": r, "size": len(compute_s), "t0": 1700000000.0, "policy": policy,
-                  "num_params": 10, "stragglers": None}]
+        lines = [
+            {
+                "event": "start",
+                "rank": r,
+                "size": len(compute_s),
+                "t0": 1700000000.0,
+                "policy": policy,
+                "num_params": 10,
+                "stragglers": None,
+            }
+        ]
         for row in rows:
             lines.append(row)
             if extra_events and row["step"] == 4:
@@ -136,8 +163,13 @@ def test_summarize_step_range(ssp_dir):
     trace = timeline.load_trace(ssp_dir)
     summary = timeline.summarize(trace, start_step=2, end_step=5)
     # Steps 2..5 of a fast rank: 4 s compute, 4 s wait; the final wait is outside the range.
-    assert summary["ranks"][0] == {"steps": 4, "compute_s": 4.0, "wait_s": 4.0, "wait_fraction": 0.5,
-                                   "max_staleness": 1}
+    assert summary["ranks"][0] == {
+        "steps": 4,
+        "compute_s": 4.0,
+        "wait_s": 4.0,
+        "wait_fraction": 0.5,
+        "max_staleness": 1,
+    }
     assert summary["ranks"][2]["steps"] == 4 and summary["ranks"][2]["compute_s"] == 8.0
     # Pushes before the range still count, so the gap is not inflated at its edge.
     assert timeline.summarize(trace, start_step=7)["overall"]["max_clock_gap"] == 1
@@ -146,12 +178,15 @@ def test_summarize_step_range(ssp_dir):
     assert only_first["ranks"][0]["wait_s"] == 0.0
 
 
-@pytest.mark.parametrize("start_step, end_step, message", [
-    (20, 30, "no step of any rank lies in 20..30; the trace has steps 0..9"),
-    (20, None, "lies in 20..last"),
-    (5, 2, "start_step=5 is after end_step=2"),
-    (-1, None, "expected an integer >= 0"),
-])
+@pytest.mark.parametrize(
+    "start_step, end_step, message",
+    [
+        (20, 30, "no step of any rank lies in 20..30; the trace has steps 0..9"),
+        (20, None, "lies in 20..last"),
+        (5, 2, "start_step=5 is after end_step=2"),
+        (-1, None, "expected an integer >= 0"),
+    ],
+)
 def test_bad_step_range(ssp_dir, start_step, end_step, message):
     trace = timeline.load_trace(ssp_dir)
     with pytest.raises(ValueError, match=message):
@@ -168,6 +203,7 @@ def test_format_summary_table(ssp_dir):
 # ---------------------------------------------------------------------------- plot
 def _read_png(path):
     from matplotlib import image
+
     with open(path, "rb") as handle:
         assert handle.read(8) == PNG_SIGNATURE
     return image.imread(path)
@@ -184,7 +220,7 @@ def test_plot_timeline_writes_a_png(ssp_dir, tmp_path):
     assert len(colors) > 20  # bars, hatching and text, not a blank canvas
     present = {tuple(c) for c in colors}
     for hex_color in timeline._COMPUTE_COLORS:
-        rgb = tuple(int(hex_color[i:i + 2], 16) for i in (1, 3, 5))
+        rgb = tuple(int(hex_color[i : i + 2], 16) for i in (1, 3, 5))
         assert rgb in present, f"compute color {hex_color} not drawn"
 
 
@@ -206,12 +242,13 @@ def test_plot_timeline_one_worker(tmp_path):
 
 def test_plot_timeline_many_steps(tmp_path):
     # Over 150 steps per lane the waits are drawn plain (no hatch) and steps are not numbered.
-    trace = timeline.load_trace(write_trace(tmp_path / "long", compute_s=(0.1, 0.15), staleness=2, steps=200,
-                                            extra_events=False))
+    trace = timeline.load_trace(
+        write_trace(tmp_path / "long", compute_s=(0.1, 0.15), staleness=2, steps=200, extra_events=False)
+    )
     out = tmp_path / "long.png"
     assert timeline.plot_timeline(trace, out)["overall"]["steps"] == 400
     pixels = _read_png(out)
-    red = tuple(int(timeline._WAIT_DENSE[i:i + 2], 16) for i in (1, 3, 5))
+    red = tuple(int(timeline._WAIT_DENSE[i : i + 2], 16) for i in (1, 3, 5))
     assert red in {tuple(c) for c in (pixels[..., :3] * 255).round().astype(np.uint8).reshape(-1, 3)}
 
 
@@ -257,26 +294,49 @@ def test_missing_field_names_it(ssp_dir):
         timeline.load_trace(ssp_dir)
 
 
-@pytest.mark.parametrize("lineno, record, message", [
-    (2, {"rank": 0, "step": 0, "t_start": 1.0, "t_push": 0.5, "t_end": 2.0, "applied": []},
-     "t_start <= t_push <= t_end"),
-    (2, {"rank": 0, "step": "zero", "t_start": 0.0, "t_push": 1.0, "t_end": 1.0, "applied": []},
-     "field 'step' is 'zero'"),
-    (2, {"rank": 0, "step": 0, "t_start": 0.0, "t_push": 1.0, "t_end": 1.0, "applied": [[0, 1]]},
-     "[round, staleness, contributors]"),
-    (2, {"rank": 1, "step": 0, "t_start": 0.0, "t_push": 1.0, "t_end": 1.0, "applied": []},
-     "a step record of rank 1 is in rank 0's file"),
-    (3, {"rank": 0, "step": 0, "t_start": 1.0, "t_push": 2.0, "t_end": 2.0, "applied": []},
-     "step 0 follows step 0; expected steps in increasing order"),
-    (1, {"rank": 0, "step": 0, "t_start": 0.0, "t_push": 1.0, "t_end": 1.0, "applied": []},
-     "expected a first line {\"event\": \"start\""),
-    (1, {"event": "start", "rank": 0, "size": 3, "policy": "ssp"},
-     "'policy' to be an object with a string 'mode'"),
-    (1, {"event": "start", "rank": 0, "size": 3, "t0": 1.0, "policy": {"mode": "ssp", "staleness": 1}},
-     "t0=1.0; expected the files of one run"),
-    (5, {"event": "start", "rank": 0, "size": 3, "policy": {"mode": "ssp"}}, "a second start event"),
-    (2, [1, 2, 3], "the line is a JSON list"),
-])
+@pytest.mark.parametrize(
+    "lineno, record, message",
+    [
+        (
+            2,
+            {"rank": 0, "step": 0, "t_start": 1.0, "t_push": 0.5, "t_end": 2.0, "applied": []},
+            "t_start <= t_push <= t_end",
+        ),
+        (
+            2,
+            {"rank": 0, "step": "zero", "t_start": 0.0, "t_push": 1.0, "t_end": 1.0, "applied": []},
+            "field 'step' is 'zero'",
+        ),
+        (
+            2,
+            {"rank": 0, "step": 0, "t_start": 0.0, "t_push": 1.0, "t_end": 1.0, "applied": [[0, 1]]},
+            "[round, staleness, contributors]",
+        ),
+        (
+            2,
+            {"rank": 1, "step": 0, "t_start": 0.0, "t_push": 1.0, "t_end": 1.0, "applied": []},
+            "a step record of rank 1 is in rank 0's file",
+        ),
+        (
+            3,
+            {"rank": 0, "step": 0, "t_start": 1.0, "t_push": 2.0, "t_end": 2.0, "applied": []},
+            "step 0 follows step 0; expected steps in increasing order",
+        ),
+        (
+            1,
+            {"rank": 0, "step": 0, "t_start": 0.0, "t_push": 1.0, "t_end": 1.0, "applied": []},
+            'expected a first line {"event": "start"',
+        ),
+        (1, {"event": "start", "rank": 0, "size": 3, "policy": "ssp"}, "'policy' to be an object with a string 'mode'"),
+        (
+            1,
+            {"event": "start", "rank": 0, "size": 3, "t0": 1.0, "policy": {"mode": "ssp", "staleness": 1}},
+            "t0=1.0; expected the files of one run",
+        ),
+        (5, {"event": "start", "rank": 0, "size": 3, "policy": {"mode": "ssp"}}, "a second start event"),
+        (2, [1, 2, 3], "the line is a JSON list"),
+    ],
+)
 def test_bad_records(ssp_dir, lineno, record, message):
     _rewrite_line(os.path.join(ssp_dir, "rank0.jsonl"), lineno, json.dumps(record))
     with pytest.raises(ValueError, match=r"rank0\.jsonl") as info:
@@ -312,8 +372,9 @@ def test_empty_rank_file(ssp_dir):
 def test_step_after_finish(ssp_dir):
     path = os.path.join(ssp_dir, "rank0.jsonl")
     with open(path, "a") as handle:
-        handle.write(json.dumps({"rank": 0, "step": 10, "t_start": 30.0, "t_push": 31.0, "t_end": 31.0,
-                                 "applied": []}) + "\n")
+        handle.write(
+            json.dumps({"rank": 0, "step": 10, "t_start": 30.0, "t_push": 31.0, "t_end": 31.0, "applied": []}) + "\n"
+        )
     with pytest.raises(ValueError, match="a step record after the finish event"):
         timeline.load_trace(ssp_dir)
 
@@ -336,8 +397,14 @@ def test_rank_file_without_steps_is_valid(tmp_path):
 # ---------------------------------------------------------------------------- command line
 def _run_cli(*args):
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), MPLBACKEND="Agg")
-    return subprocess.run([sys.executable, "-m", "tfsync.timeline", *map(str, args)], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "tfsync.timeline", *map(str, args)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_cli_writes_png_and_prints_summary(ssp_dir, tmp_path):
@@ -366,7 +433,9 @@ def test_cli_reports_bad_input(tmp_path):
 
 
 def test_module_stays_light():
-    code = ("import sys, tfsync.timeline; heavy = [m for m in ('tensorflow', 'horovod', 'keras') "
-            "if m in sys.modules]; assert not heavy, heavy")
+    code = (
+        "import sys, tfsync.timeline; heavy = [m for m in ('tensorflow', 'horovod', 'keras') "
+        "if m in sys.modules]; assert not heavy, heavy"
+    )
     env = dict(os.environ, PYTHONPATH=REPO)
     subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, check=True, timeout=120)

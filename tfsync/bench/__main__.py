@@ -1,4 +1,5 @@
 """Dispatch ``python -m tfsync.bench [training|ops|scheduler] [options]``."""
+
 import importlib
 import sys
 
@@ -15,8 +16,10 @@ def main(argv=None):
     if argv and not argv[0].startswith("-"):
         name = argv.pop(0)
     if name not in SUBCOMMANDS:
-        sys.exit(f"python -m tfsync.bench: unknown benchmark {name!r}; expected one of "
-                 f"{', '.join(SUBCOMMANDS)} (default: training)")
+        sys.exit(
+            f"python -m tfsync.bench: unknown benchmark {name!r}; expected one of "
+            f"{', '.join(SUBCOMMANDS)} (default: training)"
+        )
     return importlib.import_module(SUBCOMMANDS[name]).main(argv)
 
 

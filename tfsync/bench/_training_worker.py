@@ -6,6 +6,7 @@ per-step CPU work is kept well below the simulated device time, so the sleeps
 two cores; the medium and large ones measure what synchronizing millions of
 parameters costs.
 """
+
 import argparse
 import resource
 import time
@@ -14,7 +15,6 @@ import keras
 import numpy as np
 
 from tfsync.launch import add_mode_arguments
-
 
 # name -> (input width, hidden widths, batch size); 10 classes
 MODELS = {
@@ -53,8 +53,10 @@ def main():
     x = np.random.default_rng(rank).normal(size=(total * batch_size, width)).astype("float32")
     y = np.random.default_rng(rank + 100).integers(0, 10, size=len(x))
     model = build_model(args.model)
-    model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
     stragglers = tfsync.Stragglers.parse(args.stragglers)
     clock = Clock(args.warmup_steps)
     sync = None
@@ -66,8 +68,7 @@ def main():
     else:
         sync = tfsync.keras.SyncCallback(mode=mode_from_args(args), stragglers=stragglers, average_epoch_logs=False)
         callbacks = [sync, clock]
-    model.fit(x, y, batch_size=batch_size, epochs=1, shuffle=False, verbose=0,
-              callbacks=callbacks)
+    model.fit(x, y, batch_size=batch_size, epochs=1, shuffle=False, verbose=0, callbacks=callbacks)
     wall = hvd.allgather_object(clock.elapsed_s())
     peak_rss_mb = hvd.allgather_object(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
     wait, counts = None, {"produced": total * size, "applied": total * size, "dropped": 0, "skipped": 0}
@@ -80,11 +81,18 @@ def main():
     if rank == 0:
         # samples whose gradients reached the model: the applied share of every worker's steps
         applied_share = counts["applied"] / (total * size)
-        print_result({"samples_per_s": samples_per_s,
-                      "effective_samples_per_s": samples_per_s * applied_share, **counts,
-                      "wall_s": max(wall), "ms_per_step": max(wall) / args.steps * 1e3,
-                      "peak_rss_mb": max(peak_rss_mb), "num_params": model.count_params(),
-                      "wait_fraction": float(np.mean(wait)) if wait is not None else None})
+        print_result(
+            {
+                "samples_per_s": samples_per_s,
+                "effective_samples_per_s": samples_per_s * applied_share,
+                **counts,
+                "wall_s": max(wall),
+                "ms_per_step": max(wall) / args.steps * 1e3,
+                "peak_rss_mb": max(peak_rss_mb),
+                "num_params": model.count_params(),
+                "wait_fraction": float(np.mean(wait)) if wait is not None else None,
+            }
+        )
 
 
 class SleepEachStep(keras.callbacks.Callback):

@@ -4,6 +4,7 @@
 3 user averages gradients by hand with the core op, in graph, as Horovod's
 ``DistributedOptimizer`` does.  That is what :func:`use_horovod_allreduce` does.
 """
+
 import tensorflow as tf
 
 
@@ -14,8 +15,7 @@ def use_horovod_allreduce(model, hvd):
 
     def apply_gradients(grads_and_vars):
         grads_and_vars = list(grads_and_vars)
-        grads = hvd.grouped_allreduce([tf.convert_to_tensor(g) for g, _ in grads_and_vars],
-                                      op=hvd.Average)
+        grads = hvd.grouped_allreduce([tf.convert_to_tensor(g) for g, _ in grads_and_vars], op=hvd.Average)
         return original(zip(grads, [v for _, v in grads_and_vars]))
 
     opt.apply_gradients = apply_gradients

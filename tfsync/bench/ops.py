@@ -8,11 +8,12 @@ The ops are memory-bound streams, so each record carries the bytes the op must m
 machine's copy bandwidth measured in the same run (``np.copyto`` of the same number
 of float32 elements into a preallocated buffer: one read and one write per element).
 Timings are the median of ``--repeats`` calls after warm-up, the implementations
-of an op (and the copy) timed round-robin, with TensorFlow's default thread settings. ``fused_result_held`` is the fused op called while the
-caller still holds its previous result, so that its output buffer cannot be reused
+of an op (and the copy) timed round-robin, with TensorFlow's default thread settings.
+``fused_result_held`` is the fused op called while the caller still holds its previous result, so that its output buffer cannot be reused
 and is freshly allocated on every call. Ops: DC-ASGD-c / DC-ASGD-a delay compensation, PSP partial
 aggregation (k contributions, one of them stale), and masking one stale contribution.
 """
+
 import argparse
 import json
 import statistics
@@ -34,8 +35,7 @@ def _parse_size(text):
             return int(text[:-1]) * units[text[-1]]
         return int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"size {text!r}: expected an element count like 1048576, 1M or 16M") from None
+        raise argparse.ArgumentTypeError(f"size {text!r}: expected an element count like 1048576, 1M or 16M") from None
 
 
 def _interleaved_medians(fns, repeats, warmup):
@@ -90,11 +90,17 @@ def _cases(tf, ops, n, contributions):
         return g + lam * g * g * (w_now - w_stale)
 
     dc_xla = tf.function(dc_composed, jit_compile=True)
-    cases.append(("delay_compensate", 4 * n * FLOAT32_BYTES, {
-        "fused": lambda: ops.delay_compensate(g, w_now, w_stale, lam),
-        "composed_eager": lambda: dc_composed(g, w_now, w_stale, lam),
-        "composed_xla": lambda: dc_xla(g, w_now, w_stale, lam),
-    }))
+    cases.append(
+        (
+            "delay_compensate",
+            4 * n * FLOAT32_BYTES,
+            {
+                "fused": lambda: ops.delay_compensate(g, w_now, w_stale, lam),
+                "composed_eager": lambda: dc_composed(g, w_now, w_stale, lam),
+                "composed_xla": lambda: dc_xla(g, w_now, w_stale, lam),
+            },
+        )
+    )
 
     v_fused = tf.Variable(tf.zeros(n, tf.float32))
     v_eager = tf.Variable(tf.zeros(n, tf.float32))
@@ -111,12 +117,17 @@ def _cases(tf, ops, n, contributions):
 
     dca_xla = tf.function(dca_composed, jit_compile=True)
     # Reads g, w_now, w_stale, v; writes v and the result.
-    cases.append(("delay_compensate_adaptive", 6 * n * FLOAT32_BYTES, {
-        "fused": lambda: ops.delay_compensate_adaptive(
-            g, w_now, w_stale, v_fused, lambda0, momentum, epsilon),
-        "composed_eager": lambda: dca_composed(g, w_now, w_stale, v_eager),
-        "composed_xla": lambda: dca_xla(g, w_now, w_stale, v_xla),
-    }))
+    cases.append(
+        (
+            "delay_compensate_adaptive",
+            6 * n * FLOAT32_BYTES,
+            {
+                "fused": lambda: ops.delay_compensate_adaptive(g, w_now, w_stale, v_fused, lambda0, momentum, epsilon),
+                "composed_eager": lambda: dca_composed(g, w_now, w_stale, v_eager),
+                "composed_xla": lambda: dca_xla(g, w_now, w_stale, v_xla),
+            },
+        )
+    )
 
     k = contributions
     stacked = tf.constant(rng.standard_normal((k, n), dtype=np.float32))
@@ -131,17 +142,21 @@ def _cases(tf, ops, n, contributions):
         d = tf.reduce_sum(tf.cast(fresh, tf.int64))
         # A select, not a multiply by the mask: a stale row may hold inf/NaN.
         total = tf.reduce_sum(tf.where(fresh[:, None], stacked, 0.0), axis=0)
-        return (total / tf.cast(tf.maximum(d, 1), tf.float32), d, tf.logical_not(fresh),
-                d >= min_contributions)
+        return (total / tf.cast(tf.maximum(d, 1), tf.float32), d, tf.logical_not(fresh), d >= min_contributions)
 
     pa_xla = tf.function(pa_composed, jit_compile=True)
     # Reads the k - 1 accepted rows, writes one.
-    cases.append(("partial_aggregate", k * n * FLOAT32_BYTES, {
-        "fused": lambda: ops.partial_aggregate(stacked, timestamps, step, min_contributions,
-                                               max_staleness),
-        "composed_eager": lambda: pa_composed(stacked, timestamps, step),
-        "composed_xla": lambda: pa_xla(stacked, timestamps, step),
-    }))
+    cases.append(
+        (
+            "partial_aggregate",
+            k * n * FLOAT32_BYTES,
+            {
+                "fused": lambda: ops.partial_aggregate(stacked, timestamps, step, min_contributions, max_staleness),
+                "composed_eager": lambda: pa_composed(stacked, timestamps, step),
+                "composed_xla": lambda: pa_xla(stacked, timestamps, step),
+            },
+        )
+    )
 
     stale_timestamp = tf.constant(9, tf.int64)
 
@@ -152,11 +167,17 @@ def _cases(tf, ops, n, contributions):
     mask_xla = tf.function(mask_composed, jit_compile=True)
     # A stale contribution: the fused op only writes zeros (a fresh one is returned
     # as is, without touching memory, so it is not worth timing).
-    cases.append(("mask_stale(stale)", n * FLOAT32_BYTES, {
-        "fused": lambda: ops.mask_stale(g, stale_timestamp, step, max_staleness),
-        "composed_eager": lambda: mask_composed(g, stale_timestamp, step),
-        "composed_xla": lambda: mask_xla(g, stale_timestamp, step),
-    }))
+    cases.append(
+        (
+            "mask_stale(stale)",
+            n * FLOAT32_BYTES,
+            {
+                "fused": lambda: ops.mask_stale(g, stale_timestamp, step, max_staleness),
+                "composed_eager": lambda: mask_composed(g, stale_timestamp, step),
+                "composed_xla": lambda: mask_xla(g, stale_timestamp, step),
+            },
+        )
+    )
     return cases
 
 
@@ -170,8 +191,16 @@ def run(sizes, repeats, warmup, contributions):
     records = []
 
     def record(op, n, impl, seconds, nbytes):
-        records.append({"op": op, "elements": n, "impl": impl, "seconds": seconds,
-                        "bytes": nbytes, "gbytes_per_s": nbytes / seconds / 1e9})
+        records.append(
+            {
+                "op": op,
+                "elements": n,
+                "impl": impl,
+                "seconds": seconds,
+                "bytes": nbytes,
+                "gbytes_per_s": nbytes / seconds / 1e9,
+            }
+        )
 
     for n in sizes:
         src = np.random.default_rng(1).standard_normal(n, dtype=np.float32)
@@ -183,8 +212,7 @@ def run(sizes, repeats, warmup, contributions):
             medians = _interleaved_medians(dict(impls, copy=copy), repeats, warmup)
             copy_seconds.append(medians.pop("copy"))
             held = _HoldingResult(impls["fused"])
-            held_medians = _interleaved_medians({"fused_result_held": held, "copy": copy},
-                                                repeats, warmup)
+            held_medians = _interleaved_medians({"fused_result_held": held, "copy": copy}, repeats, warmup)
             held.release()
             copy_seconds.append(held_medians.pop("copy"))
             for impl, seconds in {**medians, **held_medians}.items():
@@ -199,14 +227,18 @@ def format_table(records):
     """A Markdown table: one row per record, with each op's speed relative to fused."""
     fused = {(r["op"], r["elements"]): r["seconds"] for r in records if r["impl"] == "fused"}
     copy = {r["elements"]: r["gbytes_per_s"] for r in records if r["op"] == "copy"}
-    lines = ["| op | elements | impl | ms | GB/s | of copy GB/s | fused speedup |",
-             "|---|---:|---|---:|---:|---:|---:|"]
+    lines = [
+        "| op | elements | impl | ms | GB/s | of copy GB/s | fused speedup |",
+        "|---|---:|---|---:|---:|---:|---:|",
+    ]
     for r in records:
         base = fused.get((r["op"], r["elements"]))
         speedup = f"{r['seconds'] / base:.2f}x" if base and r["impl"] != "fused" else ""
-        lines.append(f"| {r['op']} | {r['elements']:,} | {r['impl']} | {r['seconds'] * 1e3:.2f} | "
-                     f"{r['gbytes_per_s']:.1f} | {r['gbytes_per_s'] / copy[r['elements']]:.2f} | "
-                     f"{speedup} |")
+        lines.append(
+            f"| {r['op']} | {r['elements']:,} | {r['impl']} | {r['seconds'] * 1e3:.2f} | "
+            f"{r['gbytes_per_s']:.1f} | {r['gbytes_per_s'] / copy[r['elements']]:.2f} | "
+            f"{speedup} |"
+        )
     return "\n".join(lines)
 
 
@@ -214,15 +246,23 @@ def main(argv=None):
     parser = argparse.ArgumentParser(
         prog="python -m tfsync.bench ops",
         description="Time tfsync's fused ops against composed stock TensorFlow ops (eager and "
-                    "XLA) and the machine's copy bandwidth.")
+        "XLA) and the machine's copy bandwidth.",
+    )
     parser.add_argument("--json", metavar="PATH", help="write the records as a JSON list here")
-    parser.add_argument("--repeats", type=int, default=15,
-                        help="timed calls per case; the median is reported (default 15)")
+    parser.add_argument(
+        "--repeats", type=int, default=15, help="timed calls per case; the median is reported (default 15)"
+    )
     parser.add_argument("--warmup", type=int, default=3, help="untimed calls first (default 3)")
-    parser.add_argument("--sizes", type=_parse_size, nargs="+", default=[1 << 20, 16 << 20],
-                        help="float32 elements per tensor, e.g. 1M 16M (default)")
-    parser.add_argument("--contributions", type=int, default=4,
-                        help="k for partial_aggregate; one of them is stale (default 4)")
+    parser.add_argument(
+        "--sizes",
+        type=_parse_size,
+        nargs="+",
+        default=[1 << 20, 16 << 20],
+        help="float32 elements per tensor, e.g. 1M 16M (default)",
+    )
+    parser.add_argument(
+        "--contributions", type=int, default=4, help="k for partial_aggregate; one of them is stale (default 4)"
+    )
     args = parser.parse_args(argv)
     if args.repeats < 1 or args.warmup < 0 or args.contributions < 2:
         parser.error("expected --repeats >= 1, --warmup >= 0 and --contributions >= 2")

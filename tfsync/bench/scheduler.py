@@ -12,6 +12,7 @@ single call is predicted (from the algorithm's complexity and its time at the
 previous n) to exceed the time limit are skipped and shown as "—" with the
 reason in a footnote, never with an invented number.
 """
+
 import argparse
 import json
 import math
@@ -22,7 +23,7 @@ import time
 
 import numpy as np
 
-from tfsync.scheduler import ALGORITHMS, EXACT_ALGORITHMS, zipline
+from tfsync.scheduler import EXACT_ALGORITHMS, zipline
 
 WORKER_COUNTS = (4, 8, 16, 100, 200, 1000, 5000)
 LOOKAHEADS = (15, 150)
@@ -83,8 +84,7 @@ def _entries(include_reference):
     return entries
 
 
-def run(worker_counts, lookaheads, limit_s, repeats, min_repeat_s, include_reference=True,
-        log=print):
+def run(worker_counts, lookaheads, limit_s, repeats, min_repeat_s, include_reference=True, log=print):
     records = []
     for R in lookaheads:
         last_measured = {}  # (implementation, algorithm) -> (n, seconds)
@@ -92,18 +92,28 @@ def run(worker_counts, lookaheads, limit_s, repeats, min_repeat_s, include_refer
             matrix = synthetic_end_times(n, R)
             flat = matrix.reshape(-1)
             for implementation, algorithm in _entries(include_reference):
-                record = {"algorithm": algorithm, "implementation": implementation, "n": n, "R": R,
-                          "microseconds": None, "wait": None, "t_sync": None, "calls": 0,
-                          "skipped": None}
+                record = {
+                    "algorithm": algorithm,
+                    "implementation": implementation,
+                    "n": n,
+                    "R": R,
+                    "microseconds": None,
+                    "wait": None,
+                    "t_sync": None,
+                    "calls": 0,
+                    "skipped": None,
+                }
                 previous = last_measured.get((implementation, algorithm))
                 if previous is not None:
                     prev_n, prev_s = previous
                     model = COST_MODEL[algorithm]
                     predicted = prev_s * model(n, R) / model(prev_n, R)
                     if predicted > limit_s:
-                        record["skipped"] = (f"about {predicted:.0f} s per call, predicted from "
-                                             f"{prev_s * 1e3:.3g} ms at n={prev_n} by "
-                                             f"its cost model; limit {limit_s:g} s")
+                        record["skipped"] = (
+                            f"about {predicted:.0f} s per call, predicted from "
+                            f"{prev_s * 1e3:.3g} ms at n={prev_n} by "
+                            f"its cost model; limit {limit_s:g} s"
+                        )
                         records.append(record)
                         continue
                 if algorithm == FLOOR:
@@ -148,14 +158,17 @@ def format_tables(records):
                     cells.append(f"{_format_us(record['microseconds']):>12}")
             lines.append(name.ljust(width) + "".join(cells))
         lines.append("")
-        lines.append(f"R = {R}: predicted wait d_Z* in ms (exact algorithms agree: "
-                     f"{'yes' if _exact_agree(subset) else 'NO'})")
+        lines.append(
+            f"R = {R}: predicted wait d_Z* in ms (exact algorithms agree: "
+            f"{'yes' if _exact_agree(subset) else 'NO'})"
+        )
         lines.append("algorithm".ljust(width) + "".join(f"{'n=' + str(n):>12}" for n in ns))
         for algorithm in ("optbs", "gridscan"):
             cells = []
             for n in ns:
-                waits = [r["wait"] for r in subset if r["algorithm"] == algorithm and r["n"] == n
-                         and r["wait"] is not None]
+                waits = [
+                    r["wait"] for r in subset if r["algorithm"] == algorithm and r["n"] == n and r["wait"] is not None
+                ]
                 cells.append(f"{waits[0]:>12.2f}" if waits else f"{'—':>12}")
             lines.append(LABELS[algorithm].ljust(width) + "".join(cells))
         lines.append("")
@@ -193,14 +206,17 @@ def format_targets(records):
             continue
         verdict = "met" if us / 1e3 <= target_ms else "MISSED"
         ratio = f", {us / floor:.2f}x the NumPy sort" if floor else ""
-        lines.append(f"  {LABELS[algorithm]} n={n} R={R}: {us / 1e3:.3f} ms "
-                     f"(target <= {target_ms} ms: {verdict}{ratio})")
+        lines.append(
+            f"  {LABELS[algorithm]} n={n} R={R}: {us / 1e3:.3f} ms " f"(target <= {target_ms} ms: {verdict}{ratio})"
+        )
     us = _lookup(records, "compiled", "optbs", 1000, 15)
     reference = _lookup(records, "reference", "zipline", 1000, 15)
     if us and reference:
         verdict = "met" if reference / us >= 100 else "MISSED"
-        lines.append(f"  ZipLineOptBS vs Python ZipLine at n=1000 R=15: {reference / us:.0f}x "
-                     f"faster (target >= 100x: {verdict})")
+        lines.append(
+            f"  ZipLineOptBS vs Python ZipLine at n=1000 R=15: {reference / us:.0f}x "
+            f"faster (target >= 100x: {verdict})"
+        )
     return "\n".join(lines) if len(lines) > 1 else ""
 
 
@@ -211,8 +227,7 @@ def plot(records, path):
     import matplotlib.pyplot as plt
 
     lookaheads = sorted({r["R"] for r in records})
-    figure, axes = plt.subplots(1, len(lookaheads), figsize=(6 * len(lookaheads), 4.5),
-                                squeeze=False)
+    figure, axes = plt.subplots(1, len(lookaheads), figsize=(6 * len(lookaheads), 4.5), squeeze=False)
     for axis, R in zip(axes[0], lookaheads):
         subset = [r for r in records if r["R"] == R and r["microseconds"] is not None]
         for name in dict.fromkeys(_name(r) for r in subset):
@@ -237,22 +252,32 @@ def main(argv=None):
     parser = argparse.ArgumentParser(
         prog="python -m tfsync.bench scheduler",
         description="Time the ElasticBSP barrier decision (ZipLine and baselines) on the "
-                    "paper's synthetic data (Table 4, Fig. 10).")
+        "paper's synthetic data (Table 4, Fig. 10).",
+    )
     parser.add_argument("--json", metavar="PATH", help="write the records as JSON to PATH")
     parser.add_argument("--plot", metavar="PATH", help="write a log-log plot of time vs n to PATH")
-    parser.add_argument("--quick", action="store_true",
-                        help=f"n in {QUICK_WORKER_COUNTS} only, fewer repeats (a smoke run)")
-    parser.add_argument("--limit-s", type=float, default=None,
-                        help="skip cells whose single call is predicted to exceed this "
-                             "(default 10, quick 0.5)")
+    parser.add_argument(
+        "--quick", action="store_true", help=f"n in {QUICK_WORKER_COUNTS} only, fewer repeats (a smoke run)"
+    )
+    parser.add_argument(
+        "--limit-s",
+        type=float,
+        default=None,
+        help="skip cells whose single call is predicted to exceed this " "(default 10, quick 0.5)",
+    )
     args = parser.parse_args(argv)
 
     quick = args.quick
     limit_s = args.limit_s if args.limit_s is not None else (0.5 if quick else 10.0)
     started = time.perf_counter()
-    records = run(QUICK_WORKER_COUNTS if quick else WORKER_COUNTS, LOOKAHEADS, limit_s,
-                  repeats=3 if quick else 7, min_repeat_s=0.002 if quick else 0.02,
-                  log=lambda msg: print(msg, file=sys.stderr))
+    records = run(
+        QUICK_WORKER_COUNTS if quick else WORKER_COUNTS,
+        LOOKAHEADS,
+        limit_s,
+        repeats=3 if quick else 7,
+        min_repeat_s=0.002 if quick else 0.02,
+        log=lambda msg: print(msg, file=sys.stderr),
+    )
     elapsed = time.perf_counter() - started
     print(format_tables(records))
     targets = format_targets(records)
@@ -260,9 +285,17 @@ def main(argv=None):
         print(targets)
     print(f"(seed {SEED}; whole run {elapsed:.0f} s)")
     if args.json:
-        payload = {"benchmark": "scheduler", "seed": SEED, "quick": quick, "limit_s": limit_s,
-                   "python": platform.python_version(), "numpy": np.__version__,
-                   "machine": platform.machine(), "elapsed_s": elapsed, "records": records}
+        payload = {
+            "benchmark": "scheduler",
+            "seed": SEED,
+            "quick": quick,
+            "limit_s": limit_s,
+            "python": platform.python_version(),
+            "numpy": np.__version__,
+            "machine": platform.machine(),
+            "elapsed_s": elapsed,
+            "records": records,
+        }
         with open(args.json, "w") as f:
             json.dump(payload, f, indent=1)
     if args.plot:

@@ -24,6 +24,7 @@ modes, and its median run is reported (the machine is shared and noisy).
 Prints a table with the ratios the README quotes and writes the records as
 JSON with ``--json PATH``.
 """
+
 import argparse
 import json
 import os
@@ -34,8 +35,14 @@ from tfsync.launch import horovodrun
 MODES = ("local", "horovod", "bsp", "ssp", "psp", "backup")
 MODELS = ("small", "medium", "large")
 SCENARIOS = ("none", "straggler", "jitter", "rare")
-MODE_LABELS = {"local": "no synchronization", "horovod": "plain Horovod BSP", "bsp": "tfsync BSP",
-               "ssp": "tfsync SSP(s={s})", "psp": "tfsync PSP", "backup": "tfsync backup(b=1)"}
+MODE_LABELS = {
+    "local": "no synchronization",
+    "horovod": "plain Horovod BSP",
+    "bsp": "tfsync BSP",
+    "ssp": "tfsync SSP(s={s})",
+    "psp": "tfsync PSP",
+    "backup": "tfsync backup(b=1)",
+}
 
 
 def scenario_spec(name, args):
@@ -60,12 +67,21 @@ def parse_args(argv):
     p.add_argument("--rare-prob", type=float, default=0.01, help="probability of a rare delay in 'rare'")
     p.add_argument("--rare-s", type=float, default=0.5, help="length of a rare delay in 'rare'")
     p.add_argument("--staleness", type=int, default=3)
-    p.add_argument("--modes", nargs="+", default=["horovod", "bsp", "ssp", "psp", "backup"], choices=MODES,
-                   help="'local' (no synchronization) is the compute floor the overhead is measured against")
+    p.add_argument(
+        "--modes",
+        nargs="+",
+        default=["horovod", "bsp", "ssp", "psp", "backup"],
+        choices=MODES,
+        help="'local' (no synchronization) is the compute floor the overhead is measured against",
+    )
     p.add_argument("--models", nargs="+", default=["small"], choices=MODELS)
     p.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=SCENARIOS)
-    p.add_argument("--repeats", type=int, default=3,
-                   help="launches per (mode, scenario), interleaved across modes; the median is reported")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="launches per (mode, scenario), interleaved across modes; the median is reported",
+    )
     p.add_argument("--json", metavar="PATH", help="write the records here")
     p.add_argument("--quick", action="store_true", help="2 workers, 20 steps: a smoke test")
     p.add_argument("--timeout-s", type=int, default=600, help="bound on each launch")
@@ -97,20 +113,45 @@ def run_configuration(worker, model, scenario, args):
     # round-robin over the modes, so a slow spell of the shared machine hits all of them
     for repeat in range(args.repeats):
         for mode in args.modes:
-            result = horovodrun(worker, ["--mode", mode, "--model", model, "--staleness", args.staleness,
-                                         "--stragglers", spec, "--steps", args.steps],
-                                workers=args.workers, timeout_s=args.timeout_s)
+            result = horovodrun(
+                worker,
+                [
+                    "--mode",
+                    mode,
+                    "--model",
+                    model,
+                    "--staleness",
+                    args.staleness,
+                    "--stragglers",
+                    spec,
+                    "--steps",
+                    args.steps,
+                ],
+                workers=args.workers,
+                timeout_s=args.timeout_s,
+            )
             runs[mode].append(result)
-            print(f"  {model:6s} {scenario:9s} {MODE_LABELS[mode].format(s=args.staleness):18s} "
-                  f"run {repeat + 1}: {result['samples_per_s']:8.0f} samples/s",
-                  file=sys.stderr, flush=True)
+            print(
+                f"  {model:6s} {scenario:9s} {MODE_LABELS[mode].format(s=args.staleness):18s} "
+                f"run {repeat + 1}: {result['samples_per_s']:8.0f} samples/s",
+                file=sys.stderr,
+                flush=True,
+            )
     records = []
     for mode in args.modes:
         median = sorted(runs[mode], key=lambda r: r["samples_per_s"])[len(runs[mode]) // 2]
-        records.append({"mode": MODE_LABELS[mode].format(s=args.staleness), "model": model,
-                        "scenario": scenario, "stragglers": spec, "workers": args.workers,
-                        "steps": args.steps, **median,
-                        "runs_samples_per_s": [r["samples_per_s"] for r in runs[mode]]})
+        records.append(
+            {
+                "mode": MODE_LABELS[mode].format(s=args.staleness),
+                "model": model,
+                "scenario": scenario,
+                "stragglers": spec,
+                "workers": args.workers,
+                "steps": args.steps,
+                **median,
+                "runs_samples_per_s": [r["samples_per_s"] for r in runs[mode]],
+            }
+        )
     floor = next((r for r in records if r["mode"] == MODE_LABELS["local"]), None)
     horovod = next((r for r in records if r["mode"] == MODE_LABELS["horovod"]), None)
     for r in records:
@@ -125,19 +166,27 @@ def run_configuration(worker, model, scenario, args):
 
 
 def format_table(records):
-    lines = ["| model | scenario | mode | samples/s | effective samples/s | dropped | skipped | ms/step "
-             "| sync overhead ms/step | wait fraction | vs plain Horovod | vs tfsync BSP | peak RSS MiB |",
-             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| model | scenario | mode | samples/s | effective samples/s | dropped | skipped | ms/step "
+        "| sync overhead ms/step | wait fraction | vs plain Horovod | vs tfsync BSP | peak RSS MiB |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in records:
-        same = {x["mode"].split("(")[0]: x["samples_per_s"] for x in records
-                if x["scenario"] == r["scenario"] and x.get("model") == r.get("model")}
+        same = {
+            x["mode"].split("(")[0]: x["samples_per_s"]
+            for x in records
+            if x["scenario"] == r["scenario"] and x.get("model") == r.get("model")
+        }
         bsp = same.get("tfsync BSP")
         wait = "—" if r["wait_fraction"] is None else f"{r['wait_fraction']:.2f}"
         effective = r.get("effective_samples_per_s", r["samples_per_s"])
         overhead = "—" if "sync_overhead_ms" not in r else f"{r['sync_overhead_ms']:.1f}"
         vs_hvd = "—" if "vs_horovod" not in r else f"{r['vs_horovod']:.2f}×"
         vs_bsp = "—" if not bsp else f"{r['samples_per_s'] / bsp:.2f}×"
-        lines.append(f"| {r.get('model', 'small')} | {r['scenario']} | {r['mode']} | {r['samples_per_s']:.0f} | "
-                     f"{effective:.0f} | {r.get('dropped', 0)} | {r.get('skipped', 0)} | {r['ms_per_step']:.1f} | {overhead} | {wait} | {vs_hvd} | {vs_bsp} | "
-                     f"{r['peak_rss_mb']:.0f} |")
+        lines.append(
+            f"| {r.get('model', 'small')} | {r['scenario']} | {r['mode']} | {r['samples_per_s']:.0f} | "
+            f"{effective:.0f} | {r.get('dropped', 0)} | {r.get('skipped', 0)} | {r['ms_per_step']:.1f} | "
+            f"{overhead} | {wait} | {vs_hvd} | {vs_bsp} | "
+            f"{r['peak_rss_mb']:.0f} |"
+        )
     return "\n".join(lines)

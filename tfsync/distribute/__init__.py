@@ -1,4 +1,5 @@
 """tf.distribute integration: ``with tfsync.distribute.SyncStrategy(mode=...).scope(): ...``."""
+
 from tfsync.distribute.strategy import SyncStrategy
 
 __all__ = ["SyncStrategy"]

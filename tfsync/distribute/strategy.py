@@ -24,6 +24,7 @@ loads the identical final weights at :meth:`SyncStrategy.finish` and,
 automatically, before the first evaluation or prediction step that follows
 training.  Call ``finish()`` after ``fit`` before saving a model.
 """
+
 import inspect
 import threading
 
@@ -33,8 +34,7 @@ from tensorflow.python.distribute import one_device_strategy
 from tfsync import _horovod
 from tfsync.engine import SyncEngine
 from tfsync.engine.protocols import for_policy
-from tfsync.engine.tf_bridge import (exchange_gradients, exchange_updates, finish_in_graph,
-                                     skippable_train_step)
+from tfsync.engine.tf_bridge import exchange_gradients, exchange_updates, finish_in_graph, skippable_train_step
 from tfsync.policies import resolve
 
 
@@ -59,15 +59,21 @@ class SyncStrategy(tf.distribute.OneDeviceStrategy):
         strategy.finish()
     """
 
-    def __init__(self, mode="bsp", *, stragglers=None, trace_dir=None, wait_timeout_s=None,
-                 device=None):
+    def __init__(self, mode="bsp", *, stragglers=None, trace_dir=None, wait_timeout_s=None, device=None):
         hvd = _horovod.horovod()
         if device is None:
             gpus = tf.config.list_logical_devices("GPU")
             device = gpus[hvd.local_rank() % len(gpus)].name if gpus else "/cpu:0"
         # OneDeviceStrategy.__init__ would build a plain OneDeviceExtended; build ours.
-        tf.distribute.Strategy.__init__(self, _SyncExtended(self, device, resolve(mode), dict(
-            stragglers=stragglers, trace_dir=trace_dir, wait_timeout_s=wait_timeout_s)))
+        tf.distribute.Strategy.__init__(
+            self,
+            _SyncExtended(
+                self,
+                device,
+                resolve(mode),
+                dict(stragglers=stragglers, trace_dir=trace_dir, wait_timeout_s=wait_timeout_s),
+            ),
+        )
 
     @property
     def engine(self):
@@ -102,8 +108,11 @@ class _SyncExtended(one_device_strategy.OneDeviceExtended):
             value = tf.convert_to_tensor(initial)
             broadcast = lambda: hvd.broadcast(value, root_rank=0, name=name)  # noqa: E731
             # while training, every collective goes through the exchange thread
-            kwargs["initial_value"] = (broadcast() if self._engine is None else
-                                       self._engine.exchange.call(broadcast, self._engine.wait_timeout_s))
+            kwargs["initial_value"] = (
+                broadcast()
+                if self._engine is None
+                else self._engine.exchange.call(broadcast, self._engine.wait_timeout_s)
+            )
         return super()._create_variable(next_creator, **kwargs)
 
     # strategy.run: one traced train, test or predict step (Keras passes its
@@ -133,8 +142,11 @@ class _SyncExtended(one_device_strategy.OneDeviceExtended):
     def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
         state = self._local
         values = [v for v, _ in value_destination_pairs]
-        if (not state.__dict__.get("in_step") or state.__dict__.get("skipping")
-                or reduce_op != tf.distribute.ReduceOp.SUM):
+        if (
+            not state.__dict__.get("in_step")
+            or state.__dict__.get("skipping")
+            or reduce_op != tf.distribute.ReduceOp.SUM
+        ):
             return super()._batch_reduce_to(reduce_op, value_destination_pairs, options)
         state.training = True
         if self._reduces_gradients:
@@ -154,9 +166,11 @@ class _SyncExtended(one_device_strategy.OneDeviceExtended):
         # strategy.run hands over Keras' bound method behind autograph's functools wrapper
         model = getattr(inspect.unwrap(train_step), "__self__", None)
         if model is None or not hasattr(model, "get_metrics_result"):
-            raise ValueError(f"tfsync.SyncStrategy(mode={self._policy.name!r}) skips the steps of a "
-                             f"slow worker and needs Keras' Model.train_step to do so; got "
-                             f"{train_step!r}. Train with model.fit")
+            raise ValueError(
+                f"tfsync.SyncStrategy(mode={self._policy.name!r}) skips the steps of a "
+                f"slow worker and needs Keras' Model.train_step to do so; got "
+                f"{train_step!r}. Train with model.fit"
+            )
         state = self._local
 
         def apply_mean(mean):
@@ -180,8 +194,10 @@ class _SyncExtended(one_device_strategy.OneDeviceExtended):
             self._variables = list(variables)
             self._start(self._variables)
         elif [id(v) for v in variables] != [id(v) for v in self._variables]:
-            raise ValueError("tfsync.SyncStrategy: a train step updated other variables than the "
-                             "first one did; tfsync needs one fixed set of trainable variables")
+            raise ValueError(
+                "tfsync.SyncStrategy: a train step updated other variables than the "
+                "first one did; tfsync needs one fixed set of trainable variables"
+            )
 
     def _flush_before_non_training_step(self):
         if self._reduces_gradients or self._engine is None:

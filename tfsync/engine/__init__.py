@@ -1,4 +1,5 @@
 """The sync engine: rounds over Horovod allreduce, clocks, control path, waits, metrics."""
+
 from tfsync.engine.diagnosis import SyncTimeoutError
 from tfsync.engine.engine import SyncEngine
 from tfsync.engine.exchange import WorkerLostError

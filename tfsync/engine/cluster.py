@@ -21,6 +21,7 @@ the same order, as the engine made before this interface existed.  The
 single-process tests pass N ranks on threads (``tests/single/fake_cluster.py``),
 and a simulator can do the same.
 """
+
 from tfsync import _horovod
 from tfsync.engine import protocols
 

@@ -38,6 +38,7 @@ any worker's local clock, fixes what every replica applies.  BSP and SSP
 need no coordinator: their rounds close when every worker has contributed,
 which each worker's own allreduce enforces.
 """
+
 import collections
 import hmac
 import logging
@@ -52,19 +53,19 @@ SERVICE = "tfsync.Control"
 TOKEN_METADATA_KEY = "tfsync-token"
 
 # Timing of the control path (seconds).
-REPORT_INTERVAL_S = 0.25      # at most one clock report per this, and one in flight
-REPORT_TIMEOUT_S = 5.0        # deadline of one (fire-and-forget) clock report
-CONNECT_TIMEOUT_S = 30.0      # how long a worker waits for rank 0's control service
-CALL_TIMEOUT_S = 2.0          # deadline of Leave and Table calls
-STOP_CALL_TIMEOUT_S = 3.0     # deadline of a Stop call (the server holds it up to STOP_NOTICE_GRACE_S)
-STOP_NOTICE_GRACE_S = 2.0     # Stop answers once every stream carried the notice, or after this
-STOP_NOTICE_POLL_S = 0.05     # how often a held Stop call rechecks the streams
-STREAM_WAKE_S = 0.5           # an Attach stream's condition wait: rechecks end/shutdown this often
-SERVER_STOP_WAIT_S = 2.0      # how long ControlServer.stop waits for the gRPC server to end
+REPORT_INTERVAL_S = 0.25  # at most one clock report per this, and one in flight
+REPORT_TIMEOUT_S = 5.0  # deadline of one (fire-and-forget) clock report
+CONNECT_TIMEOUT_S = 30.0  # how long a worker waits for rank 0's control service
+CALL_TIMEOUT_S = 2.0  # deadline of Leave and Table calls
+STOP_CALL_TIMEOUT_S = 3.0  # deadline of a Stop call (the server holds it up to STOP_NOTICE_GRACE_S)
+STOP_NOTICE_GRACE_S = 2.0  # Stop answers once every stream carried the notice, or after this
+STOP_NOTICE_POLL_S = 0.05  # how often a held Stop call rechecks the streams
+STREAM_WAKE_S = 0.5  # an Attach stream's condition wait: rechecks end/shutdown this often
+SERVER_STOP_WAIT_S = 2.0  # how long ControlServer.stop waits for the gRPC server to end
 REJECTION_LOG_INTERVAL_S = 1.0  # at most one logged warning about refused calls per this
-REJECTIONS_KEPT = 100         # ControlServer.rejected keeps the first this many
-READY_TIMEOUT_S = 5.0         # deadline of one (fire-and-forget) ready notice
-COORDINATOR_WAKE_S = 0.5      # the coordinator rechecks shutdown at least this often
+REJECTIONS_KEPT = 100  # ControlServer.rejected keeps the first this many
+READY_TIMEOUT_S = 5.0  # deadline of one (fire-and-forget) ready notice
+COORDINATOR_WAKE_S = 0.5  # the coordinator rechecks shutdown at least this often
 
 log = logging.getLogger("tfsync.control")
 
@@ -82,12 +83,18 @@ def _decode(data: bytes) -> dict:
 
 
 def _check_token(token) -> str:
-    if not isinstance(token, str) or not token or not token.isascii() or not token.isprintable() \
-            or token != token.strip():
+    if (
+        not isinstance(token, str)
+        or not token
+        or not token.isascii()
+        or not token.isprintable()
+        or token != token.strip()
+    ):
         raise ValueError(
             f"tfsync: the control token must be a non-empty str of printable ASCII without "
             f"surrounding whitespace (rank 0 draws it with secrets.token_hex(16)); got {token!r} "
-            f"of type {type(token).__name__}")
+            f"of type {type(token).__name__}"
+        )
     return token
 
 
@@ -125,16 +132,25 @@ class ControlServer:
         self._coordinator_wake = threading.Condition(self._lock)  # a new recheck time, or stopping
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=size + 4))
         unary = lambda name, fn: grpc.unary_unary_rpc_method_handler(  # noqa: E731
-            self._guarded(name, fn), request_deserializer=_decode, response_serializer=_encode)
-        self._server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(SERVICE, {
-            "Attach": grpc.unary_stream_rpc_method_handler(
-                self._attach, request_deserializer=_decode, response_serializer=_encode),
-            "Report": unary("Report", self._report),
-            "Ready": unary("Ready", self._ready_notice),
-            "Leave": unary("Leave", self._leave),
-            "Stop": unary("Stop", self._stop),
-            "Table": unary("Table", self._table),
-        })])
+            self._guarded(name, fn), request_deserializer=_decode, response_serializer=_encode
+        )
+        self._server.add_generic_rpc_handlers(
+            [
+                grpc.method_handlers_generic_handler(
+                    SERVICE,
+                    {
+                        "Attach": grpc.unary_stream_rpc_method_handler(
+                            self._attach, request_deserializer=_decode, response_serializer=_encode
+                        ),
+                        "Report": unary("Report", self._report),
+                        "Ready": unary("Ready", self._ready_notice),
+                        "Leave": unary("Leave", self._leave),
+                        "Stop": unary("Stop", self._stop),
+                        "Table": unary("Table", self._table),
+                    },
+                )
+            ]
+        )
         bind = _host_port(host, 0)
         try:
             port = self._server.add_insecure_port(bind)
@@ -146,13 +162,13 @@ class ControlServer:
             raise RuntimeError(
                 f"tfsync: rank 0 could not open its control service on host {host!r} ({bind}"
                 f"{': ' + str(failure) if failure else ''}); set TFSYNC_CONTROL_HOST to an "
-                f"address of this machine that the workers can reach")
+                f"address of this machine that the workers can reach"
+            )
         self.port = port
         self.address = _host_port(host, port)
         self._server.start()
         if self._policy is not None:
-            self._coordinator = threading.Thread(target=self._coordinate, daemon=True,
-                                                 name="tfsync-coordinator")
+            self._coordinator = threading.Thread(target=self._coordinate, daemon=True, name="tfsync-coordinator")
             self._coordinator.start()
 
     # -- access control -------------------------------------------------------------
@@ -182,19 +198,26 @@ class ControlServer:
         if say:
             log.warning(
                 "tfsync: refused %s from %s: %s token did not match this job's (%d refused call(s) "
-                "since the last warning, %d in all)", method, peer,
-                "its" if sent is not None else "no", count, self.rejected_count)
+                "since the last warning, %d in all)",
+                method,
+                peer,
+                "its" if sent is not None else "no",
+                count,
+                self.rejected_count,
+            )
         context.abort(
             grpc.StatusCode.PERMISSION_DENIED,
             f"tfsync: the token did not match this job: a process that is not one of this job's "
             f"workers, or a worker of another job, called the control service of rank 0 at "
-            f"{self.address}")
+            f"{self.address}",
+        )
         return False  # not reached: abort raises
 
     def _guarded(self, method, fn):
         def handler(request, context):
             self._authorized(method, context)
             return fn(request, context)
+
         return handler
 
     # -- service ----------------------------------------------------------------------
@@ -207,9 +230,15 @@ class ControlServer:
         def on_end():
             with self._lock:
                 if rank not in self._left and not self._stopping.is_set():
-                    self._lost.setdefault(rank, {
-                        "rank": rank, "clock": self._clocks[rank],
-                        "at_s": time.time() - self.t0, "reason": "its process or connection ended"})
+                    self._lost.setdefault(
+                        rank,
+                        {
+                            "rank": rank,
+                            "clock": self._clocks[rank],
+                            "at_s": time.time() - self.t0,
+                            "reason": "its process or connection ended",
+                        },
+                    )
                 self._stops_sent.pop(rank, None)
                 ended.set()
                 self._changed.notify_all()
@@ -225,15 +254,17 @@ class ControlServer:
         told = (0, 0, 0)
         while True:
             with self._lock:
-                while ((len(self._lost), len(self._stopped), len(self._closed)) == told
-                       and not ended.is_set() and not self._stopping.is_set()):
+                while (
+                    (len(self._lost), len(self._stopped), len(self._closed)) == told
+                    and not ended.is_set()
+                    and not self._stopping.is_set()
+                ):
                     self._changed.wait(STREAM_WAKE_S)
                 if ended.is_set() or self._stopping.is_set():
                     return
-                closed = self._closed[told[2]:]
+                closed = self._closed[told[2] :]
                 told = (len(self._lost), len(self._stopped), len(self._closed))
-                message = {"lost": list(self._lost.values()), "stopped": list(self._stopped.values()),
-                           "closed": closed}
+                message = {"lost": list(self._lost.values()), "stopped": list(self._stopped.values()), "closed": closed}
             yield message  # resumes once gRPC has written it
             with self._lock:
                 if rank in self._stops_sent:
@@ -253,8 +284,7 @@ class ControlServer:
         with self._lock:
             next_open = self._closed[-1][0] + 1 if self._closed else 0
             # a notice for a round already closed is late: that worker drops the contribution
-            ready = (self._ready.setdefault(round_, [])
-                     if self._policy is not None and round_ >= next_open else None)
+            ready = self._ready.setdefault(round_, []) if self._policy is not None and round_ >= next_open else None
             # a repeated notice (a retried call) must not count twice toward "all ready"
             if ready is not None and all(r != rank for r, _ in ready):
                 ready.append((rank, time.time() - self.t0))
@@ -273,14 +303,21 @@ class ControlServer:
         if self._policy_failed:
             return None
         try:
-            decision = self._policy.close_round(
-                tuple(self._ready.get(round_, ())), self._opened_s, now, self.size)
+            decision = self._policy.close_round(tuple(self._ready.get(round_, ())), self._opened_s, now, self.size)
         except Exception as exc:  # a policy bug must stop the job, not hang it
             log.exception("tfsync: the coordinator's policy failed")
             self._policy_failed = True
-            self._stopped.setdefault(0, {"rank": 0, "kind": "RuntimeError", "message": (
-                f"the coordinator's {type(self._policy).__name__}.close_round failed on "
-                f"round {round_}: {type(exc).__name__}: {exc}")})
+            self._stopped.setdefault(
+                0,
+                {
+                    "rank": 0,
+                    "kind": "RuntimeError",
+                    "message": (
+                        f"the coordinator's {type(self._policy).__name__}.close_round failed on "
+                        f"round {round_}: {type(exc).__name__}: {exc}"
+                    ),
+                },
+            )
             self._changed.notify_all()
             return None
         if decision.accepted is None:
@@ -327,15 +364,22 @@ class ControlServer:
             self._stopped.setdefault(int(request["rank"]), dict(request))
             self._changed.notify_all()
             count = len(self._stopped)
-            while (any(n < count for n in self._stops_sent.values())
-                   and time.monotonic() < deadline and not self._stopping.is_set()):
+            while (
+                any(n < count for n in self._stops_sent.values())
+                and time.monotonic() < deadline
+                and not self._stopping.is_set()
+            ):
                 self._changed.wait(STOP_NOTICE_POLL_S)
         return {"ok": 1}
 
     def _table(self, request, context):
         with self._lock:
-            return {"clocks": list(self._clocks), "last_seen_s": list(self._last_seen),
-                    "lost": list(self._lost.values()), "rejected": self.rejected_count}
+            return {
+                "clocks": list(self._clocks),
+                "last_seen_s": list(self._last_seen),
+                "lost": list(self._lost.values()),
+                "rejected": self.rejected_count,
+            }
 
     def stop(self):
         self._stopping.set()
@@ -349,8 +393,9 @@ class ControlServer:
 class ControlClient:
     """A worker's end of the control path."""
 
-    def __init__(self, address: str, rank: int, token: str,
-                 connect_timeout_s: float = CONNECT_TIMEOUT_S, on_close=None):
+    def __init__(
+        self, address: str, rank: int, token: str, connect_timeout_s: float = CONNECT_TIMEOUT_S, on_close=None
+    ):
         self.address, self.rank = address, rank
         self._on_close = on_close
         self._closes_seen = 0
@@ -358,7 +403,8 @@ class ControlClient:
         self._metadata = ((TOKEN_METADATA_KEY, _check_token(token)),)
         self._channel = grpc.insecure_channel(address)
         method = lambda name: self._channel.unary_unary(  # noqa: E731
-            f"/{SERVICE}/{name}", request_serializer=_encode, response_deserializer=_decode)
+            f"/{SERVICE}/{name}", request_serializer=_encode, response_deserializer=_decode
+        )
         self._report, self._leave, self._table = method("Report"), method("Leave"), method("Table")
         self._ready = method("Ready")
         self._stop = method("Stop")
@@ -371,18 +417,18 @@ class ControlClient:
         self._last_report = float("-inf")
         self._attach_error = None
         attach = self._channel.unary_stream(
-            f"/{SERVICE}/Attach", request_serializer=_encode, response_deserializer=_decode)
-        self._stream = attach({"rank": rank}, wait_for_ready=True, timeout=None,
-                              metadata=self._metadata)
+            f"/{SERVICE}/Attach", request_serializer=_encode, response_deserializer=_decode
+        )
+        self._stream = attach({"rank": rank}, wait_for_ready=True, timeout=None, metadata=self._metadata)
         first = threading.Event()
-        self._watcher = threading.Thread(target=self._watch, args=(first,), daemon=True,
-                                         name="tfsync-control-watch")
+        self._watcher = threading.Thread(target=self._watch, args=(first,), daemon=True, name="tfsync-control-watch")
         self._watcher.start()
         if not first.wait(connect_timeout_s):
             raise TimeoutError(
                 f"tfsync: rank {rank} could not reach the control service of rank 0 at {address} "
                 f"within {connect_timeout_s:.0f} s; check that rank 0 is running and that this "
-                f"host can reach it (or set TFSYNC_CONTROL_HOST to an address it can reach)")
+                f"host can reach it (or set TFSYNC_CONTROL_HOST to an address it can reach)"
+            )
         error = self._attach_error
         if error is not None and error.code() == grpc.StatusCode.PERMISSION_DENIED:
             self._closing = True
@@ -390,7 +436,8 @@ class ControlClient:
             raise PermissionError(
                 f"tfsync: rank {rank}'s token was rejected by the control service at {address} "
                 f"({error.details()}). Every worker must be started by the same launch "
-                f"(horovodrun) so that they share rank 0's token")
+                f"(horovodrun) so that they share rank 0's token"
+            )
 
     def _watch(self, first):
         try:
@@ -417,24 +464,28 @@ class ControlClient:
         seconds), so reporting every step would only cost CPU on rank 0.
         """
         now = time.monotonic()
-        if now - self._last_report < min_interval_s or (
-                self._inflight is not None and not self._inflight.done()):
+        if now - self._last_report < min_interval_s or (self._inflight is not None and not self._inflight.done()):
             return
         self._last_report = now
-        self._inflight = self._report.future({"rank": self.rank, "clock": clock},
-                                             timeout=REPORT_TIMEOUT_S, metadata=self._metadata)
+        self._inflight = self._report.future(
+            {"rank": self.rank, "clock": clock}, timeout=REPORT_TIMEOUT_S, metadata=self._metadata
+        )
 
     def ready(self, round_: int):
         """Tell the coordinator that this worker's contribution to ``round_`` is ready (async)."""
-        self._ready_calls.append(self._ready.future(
-            {"rank": self.rank, "round": round_}, timeout=READY_TIMEOUT_S, metadata=self._metadata))
+        self._ready_calls.append(
+            self._ready.future({"rank": self.rank, "round": round_}, timeout=READY_TIMEOUT_S, metadata=self._metadata)
+        )
 
     def announce_stop(self, kind: str, message: str):
         """Tell every worker (through rank 0) why this one stops, so they can say so too."""
         if self.host_lost is None:
             try:
-                self._stop({"rank": self.rank, "kind": kind, "message": message},
-                           timeout=STOP_CALL_TIMEOUT_S, metadata=self._metadata)
+                self._stop(
+                    {"rank": self.rank, "kind": kind, "message": message},
+                    timeout=STOP_CALL_TIMEOUT_S,
+                    metadata=self._metadata,
+                )
             except grpc.RpcError:
                 pass
 
@@ -450,8 +501,11 @@ class ControlClient:
                 return self._last_table
             except grpc.RpcError:
                 pass
-        return {**self._last_table, "lost": self.known_lost or [
-            {"rank": 0, "clock": None, "reason": "rank 0 (the control host) is unreachable"}]}
+        return {
+            **self._last_table,
+            "lost": self.known_lost
+            or [{"rank": 0, "clock": None, "reason": "rank 0 (the control host) is unreachable"}],
+        }
 
     def close(self):
         self._closing = True

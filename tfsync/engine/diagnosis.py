@@ -6,13 +6,14 @@ the collective fails or the wait outlasts its bound.  Everything it knows
 comes from the control path (:mod:`tfsync.engine.control`): the losses and
 stop notices rank 0 pushes to every worker, and rank 0's clock table.
 """
+
 import time
 
 from tfsync.engine.exchange import WorkerLostError
 
-TABLE_TIMEOUT_S = 1.0        # one clock-table query while diagnosing
-LOSS_SETTLE_S = 5.0          # after a failed collective, how long to wait for the loss notice
-LOSS_POLL_S = 0.2            # how often to look for it meanwhile
+TABLE_TIMEOUT_S = 1.0  # one clock-table query while diagnosing
+LOSS_SETTLE_S = 5.0  # after a failed collective, how long to wait for the loss notice
+LOSS_POLL_S = 0.2  # how often to look for it meanwhile
 
 
 class SyncTimeoutError(RuntimeError):
@@ -43,11 +44,14 @@ class Diagnosis:
             peer_stop = self.peer_stop()
             if peer_stop is not None:
                 raise peer_stop
-            raise self.stop(SyncTimeoutError(
-                f"tfsync: rank {self.rank} waited {self.wait_timeout_s:.0f} s for round {round_} "
-                f"(mode {self.mode_name}); {self.behind(round_)}. A worker is hung or far "
-                f"slower than the others; raise wait_timeout_s (or {self.timeout_env}) if that "
-                f"is expected"))
+            raise self.stop(
+                SyncTimeoutError(
+                    f"tfsync: rank {self.rank} waited {self.wait_timeout_s:.0f} s for round {round_} "
+                    f"(mode {self.mode_name}); {self.behind(round_)}. A worker is hung or far "
+                    f"slower than the others; raise wait_timeout_s (or {self.timeout_env}) if that "
+                    f"is expected"
+                )
+            )
 
     def behind(self, round_):
         """Which ranks have not pushed ``round_``, from rank 0's (or the last known) clock table."""
@@ -55,8 +59,9 @@ class Diagnosis:
         behind = [r for r, c in enumerate(clocks) if c < round_]
         if not clocks:
             return "no clock table was available to say which rank is behind"
-        return (f"ranks {behind} have not pushed it (last pushed step per rank, as reported at "
-                f"most 1 s ago: {clocks})")
+        return (
+            f"ranks {behind} have not pushed it (last pushed step per rank, as reported at " f"most 1 s ago: {clocks})"
+        )
 
     def stop(self, error):
         """Tell every worker why this one stops; returns ``error`` to raise."""
@@ -84,13 +89,18 @@ class Diagnosis:
             time.sleep(LOSS_POLL_S)
         lost = self.control.known_lost or lost
         if lost:
-            names = ", ".join(f"rank {int(d['rank'])} ({d['reason']}"
-                              + (f", last pushed step {int(d['clock'])}" if d.get("clock") is not None else "")
-                              + ")" for d in lost)
+            names = ", ".join(
+                f"rank {int(d['rank'])} ({d['reason']}"
+                + (f", last pushed step {int(d['clock'])}" if d.get("clock") is not None else "")
+                + ")"
+                for d in lost
+            )
             return WorkerLostError(
                 f"tfsync: lost {names} while rank {self.rank} waited for round {round_}; "
                 f"{self.behind(round_)}. Stopping this worker too; restart the job (from a "
-                f"checkpoint, if you keep one)")
+                f"checkpoint, if you keep one)"
+            )
         return WorkerLostError(
             f"tfsync: the collective for round {round_} failed on rank {self.rank} ({exc}); "
-            "no peer was reported lost by the control path")
+            "no peer was reported lost by the control path"
+        )

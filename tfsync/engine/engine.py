@@ -38,6 +38,7 @@ the totals, the Keras logs and the trace.  BSP and SSP accept every
 contribution (SSP bounds staleness by waiting, not by dropping) and never
 skip.
 """
+
 import contextlib
 import json
 import os
@@ -92,8 +93,7 @@ class SyncEngine:
         engine.start(model.trainable_variables)
     """
 
-    def __init__(self, mode="bsp", *, stragglers=None, trace_dir=None, wait_timeout_s=None,
-                 cluster=None):
+    def __init__(self, mode="bsp", *, stragglers=None, trace_dir=None, wait_timeout_s=None, cluster=None):
         self.policy = resolve(mode)
         if stragglers is None:
             stragglers = Stragglers.from_env()
@@ -106,8 +106,10 @@ class SyncEngine:
             try:
                 wait_timeout_s = float(raw)
             except ValueError:
-                raise ValueError(f"{WAIT_TIMEOUT_ENV}={raw!r} is not a number of seconds; set it "
-                                 f"to e.g. {int(DEFAULT_WAIT_TIMEOUT_S)} or unset it") from None
+                raise ValueError(
+                    f"{WAIT_TIMEOUT_ENV}={raw!r} is not a number of seconds; set it "
+                    f"to e.g. {int(DEFAULT_WAIT_TIMEOUT_S)} or unset it"
+                ) from None
         if not wait_timeout_s > 0:
             raise ValueError(f"wait_timeout_s={wait_timeout_s!r} must be a positive number of seconds")
         self.wait_timeout_s = float(wait_timeout_s)
@@ -133,21 +135,31 @@ class SyncEngine:
         self.policy.validate(self.size)
         protocol_cls = protocols.for_policy(self.policy)
         if self.policy.coordinated and not protocol_cls.reduces_gradients:
-            raise ValueError(f"tfsync: policy {self.policy.name!r} is coordinated but names the "
-                             f"{protocol_cls.payload!r} protocol; coordinated rounds carry gradients")
+            raise ValueError(
+                f"tfsync: policy {self.policy.name!r} is coordinated but names the "
+                f"{protocol_cls.payload!r} protocol; coordinated rounds carry gradients"
+            )
         shapes = [[int(d) for d in t.shape] for t in tensors]
         self.num_params = int(sum(np.prod(s, dtype=np.int64) for s in shapes))
-        config = {"policy": self.policy.config(), "num_params": self.num_params, "weights": shapes,
-                  "stragglers": self.stragglers.spec(), **(extra_config or {})}
+        config = {
+            "policy": self.policy.config(),
+            "num_params": self.num_params,
+            "weights": shapes,
+            "stragglers": self.stragglers.spec(),
+            **(extra_config or {}),
+        }
         configs = cluster.allgather_object(config, name="tfsync.config")
         mismatched = [r for r, c in enumerate(configs) if c != configs[0]]
         if mismatched:
-            diffs = {k: [c.get(k) for c in configs] for k in config if any(c.get(k) != configs[0].get(k) for c in configs)}
+            diffs = {
+                k: [c.get(k) for c in configs] for k in config if any(c.get(k) != configs[0].get(k) for c in configs)
+            }
             raise ValueError(
                 f"tfsync: ranks {mismatched} are configured differently from rank 0: "
                 + "; ".join(f"{k} per rank = {v}" for k, v in diffs.items())
                 + ". Every worker must run the same mode, model and straggler settings: "
-                  "launch the same script with the same arguments on every rank")
+                "launch the same script with the same arguments on every rank"
+            )
         self.t0 = cluster.broadcast_object(time.time(), root_rank=0, name="tfsync.t0")
         self._server = None
         if self.rank == 0:
@@ -164,14 +176,14 @@ class SyncEngine:
         coordinated = {}
         if self.policy.coordinated:
             coordinated = dict(absent=self.protocol.absent(), mask=protocols.mask_stale_payload)
-        self.exchange = RoundExchange(cluster.collective(protocol_cls.average),
-                                      self.rank, self.size, self.t0, **coordinated)
+        self.exchange = RoundExchange(
+            cluster.collective(protocol_cls.average), self.rank, self.size, self.t0, **coordinated
+        )
         on_close = None
         if self.policy.coordinated:
             on_close = lambda round_, accepted: self.exchange.close_round(round_, accepted, inline=True)
         self.control = ControlClient(address, self.rank, token, on_close=on_close)
-        self._diagnosis = Diagnosis(self.control, self.rank, self.policy.name, self.wait_timeout_s,
-                                    WAIT_TIMEOUT_ENV)
+        self._diagnosis = Diagnosis(self.control, self.rank, self.policy.name, self.wait_timeout_s, WAIT_TIMEOUT_ENV)
         self._delays = self.stragglers.for_rank(self.rank)
         self.step = 0
         self._produced = self._own_applied = 0  # not yet moved into the totals
@@ -181,8 +193,7 @@ class SyncEngine:
         if self.trace_dir:
             os.makedirs(self.trace_dir, exist_ok=True)
             self._trace = open(os.path.join(self.trace_dir, f"rank{self.rank}.jsonl"), "w")
-            self._write({"event": "start", "rank": self.rank, "size": self.size, "t0": self.t0,
-                         **config})
+            self._write({"event": "start", "rank": self.rank, "size": self.size, "t0": self.t0, **config})
         self.counts = dict.fromkeys(COUNTS, 0)
         self.reset_totals()
         self.last = {}
@@ -206,14 +217,16 @@ class SyncEngine:
         if self.policy.coordinated and self.exchange.drain_outbox():
             drops = self._count_drops()
             if self._trace is not None:
-                self._write({"event": "drain", "rank": self.rank, "t": self._now(), "drops": drops,
-                             "dropped": len(drops)})
+                self._write(
+                    {"event": "drain", "rank": self.rank, "t": self._now(), "drops": drops, "dropped": len(drops)}
+                )
         self.protocol.finish()
         c = self.counts
         if c["produced"] != c["applied"] + c["dropped"]:
             raise RuntimeError(
                 f"tfsync: rank {self.rank} lost track of contributions: produced {c['produced']}, "
-                f"applied {c['applied']}, dropped {c['dropped']} after every round was drained")
+                f"applied {c['applied']}, dropped {c['dropped']} after every round was drained"
+            )
 
     def close(self):
         """Leave the control path and stop the threads (collective: call on every rank)."""
@@ -320,8 +333,7 @@ class SyncEngine:
     def _count_drops(self):
         """This worker's contributions dropped since the last call, counted; ``[[stamp, round]]``."""
         drops = [[int(s), int(r)] for s, r in self.exchange.take_drops()]
-        for key, n in (("produced", self._produced), ("applied", self._own_applied),
-                       ("dropped", len(drops))):
+        for key, n in (("produced", self._produced), ("applied", self._own_applied), ("dropped", len(drops))):
             self.totals[key] += n
             self.counts[key] += n
         self._produced = self._own_applied = 0
@@ -344,10 +356,14 @@ class SyncEngine:
         # staleness of a contribution: steps between its round and the step that next uses it
         staleness = [step - r for r, _, _ in applied]
         drops = self._count_drops()
-        self.last = {"wait_s": wait_s, "compute_s": compute_s,
-                     "staleness": max(staleness) if staleness else 0,
-                     "applied": sum(n for _, n, _ in applied), "dropped": len(drops),
-                     "skipped": int(skipped)}
+        self.last = {
+            "wait_s": wait_s,
+            "compute_s": compute_s,
+            "staleness": max(staleness) if staleness else 0,
+            "applied": sum(n for _, n, _ in applied),
+            "dropped": len(drops),
+            "skipped": int(skipped),
+        }
         tot = self.totals
         tot["steps"] += 1
         tot["compute_s"] += compute_s
@@ -355,12 +371,23 @@ class SyncEngine:
         tot["skipped"] += int(skipped)
         self.counts["skipped"] += int(skipped)
         if self._trace is not None:
-            self._write({"rank": self.rank, "step": step, "t_start": t_start, "t_push": t_push,
-                         "t_end": t_end, "compute_s": compute_s, "wait_s": wait_s,
-                         "applied": [[r, step - r, n] for r, n, _ in applied],
-                         "stamps": [[r, s] for r, _, s in applied],
-                         "applied_through": self._applied_through, "dropped": len(drops),
-                         "drops": drops, "skipped": skipped})
+            self._write(
+                {
+                    "rank": self.rank,
+                    "step": step,
+                    "t_start": t_start,
+                    "t_push": t_push,
+                    "t_end": t_end,
+                    "compute_s": compute_s,
+                    "wait_s": wait_s,
+                    "applied": [[r, step - r, n] for r, n, _ in applied],
+                    "stamps": [[r, s] for r, _, s in applied],
+                    "applied_through": self._applied_through,
+                    "dropped": len(drops),
+                    "drops": drops,
+                    "skipped": skipped,
+                }
+            )
         self.step = step + 1
         self._t_step_start = t_end
 
@@ -369,11 +396,19 @@ class SyncEngine:
         self.totals["wait_s"] += wait_s
         drops = self._count_drops()
         if self._trace is not None:
-            self._write({"event": "finish", "rank": self.rank, "t": t, "wait_s": wait_s,
-                         "applied": [[r, self.step - 1 - r, n] for r, n, _ in applied],
-                         "stamps": [[r, s] for r, _, s in applied],
-                         "applied_through": self._applied_through, "dropped": len(drops),
-                         "drops": drops})
+            self._write(
+                {
+                    "event": "finish",
+                    "rank": self.rank,
+                    "t": t,
+                    "wait_s": wait_s,
+                    "applied": [[r, self.step - 1 - r, n] for r, n, _ in applied],
+                    "stamps": [[r, s] for r, _, s in applied],
+                    "applied_through": self._applied_through,
+                    "dropped": len(drops),
+                    "drops": drops,
+                }
+            )
 
     def _write(self, record):
         self._trace.write(json.dumps(record) + "\n")

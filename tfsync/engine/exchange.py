@@ -44,6 +44,7 @@ stale at the next round.  The sum is divided by ``d = |A|`` inside Horovod
 (a post-scale), so every replica receives the same mean of exactly the
 accepted contributions.
 """
+
 import concurrent.futures
 import dataclasses
 import queue
@@ -211,8 +212,7 @@ class RoundExchange:
         self.counts["dropped"] += 1
         self._drops.append((stamp, round_))
 
-    def submit(self, round_: int, payload: list, push_time: float, compute_s: float,
-               inline: bool = False):
+    def submit(self, round_: int, payload: list, push_time: float, compute_s: float, inline: bool = False):
         """Queue round ``round_``; with ``inline``, run it now on this thread if nothing is queued."""
         meta = np.zeros((self.size, _K), np.float64)
         meta[self.rank] = (1.0, round_, push_time, compute_s)
@@ -303,16 +303,20 @@ class RoundExchange:
                     payload = masked
                 elif mine:
                     if stamp != round_:
-                        raise RuntimeError(f"tfsync: rank {self.rank} was accepted for round {round_} "
-                                           f"but its outbox holds a contribution to round {stamp}")
+                        raise RuntimeError(
+                            f"tfsync: rank {self.rank} was accepted for round {round_} "
+                            f"but its outbox holds a contribution to round {stamp}"
+                        )
                     payload = masked
                     meta[self.rank] = (1.0, stamp, push_time, compute_s)
                     with self._cond:
                         self._outbox = None
                         self.counts["applied"] += 1
             if mine and meta[self.rank, 0] != 1.0:
-                raise RuntimeError(f"tfsync: rank {self.rank} was accepted for round {round_} "
-                                   f"but has no contribution to it in its outbox")
+                raise RuntimeError(
+                    f"tfsync: rank {self.rank} was accepted for round {round_} "
+                    f"but has no contribution to it in its outbox"
+                )
             if payload is None:
                 payload = self._absent
         except BaseException as exc:
@@ -338,13 +342,20 @@ class RoundExchange:
                 raise RuntimeError(
                     f"tfsync: round {round_} should aggregate ranks {sorted(accepted)} (the "
                     f"coordinator's decision) but ranks {np.flatnonzero(meta[:, 0]).tolist()} "
-                    f"contributed; the workers disagree about the round")
+                    f"contributed; the workers disagree about the round"
+                )
         except BaseException as exc:  # carried to the training thread by wait()
             return self._fail(exc)
         result = RoundResult(
-            round=round_, total=list(total), present=meta[:, 0], steps=meta[:, 1],
-            push_times=meta[:, 2], compute_s=meta[:, 3], contribution=payload,
-            accepted=accepted)
+            round=round_,
+            total=list(total),
+            present=meta[:, 0],
+            steps=meta[:, 1],
+            push_times=meta[:, 2],
+            compute_s=meta[:, 3],
+            contribution=payload,
+            accepted=accepted,
+        )
         with self._cond:
             self._results[round_] = result
             self._completed = round_

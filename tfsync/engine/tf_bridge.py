@@ -7,6 +7,7 @@ not NumPy copies as ``tf.numpy_function`` would, so the payload goes from the
 gradient to Horovod's allreduce and back to the optimizer without leaving
 TensorFlow.
 """
+
 import tensorflow as tf
 
 from tfsync.engine.protocols import tf_variable
@@ -15,8 +16,10 @@ from tfsync.engine.protocols import tf_variable
 def exchange_gradients(engine, grads):
     """Gradient protocol: the gradients every worker applies this step (the round's mean)."""
     protocol = engine.protocol
-    grads = [tf.zeros(s, d) if g is None else tf.convert_to_tensor(g)  # IndexedSlices become dense
-             for g, s, d in zip(grads, protocol.shapes, protocol.dtypes)]
+    grads = [
+        tf.zeros(s, d) if g is None else tf.convert_to_tensor(g)  # IndexedSlices become dense
+        for g, s, d in zip(grads, protocol.shapes, protocol.dtypes)
+    ]
     out = tf.py_function(lambda *g: engine.sync_step(g), grads, Tout=protocol.dtypes, name="tfsync_step")
     for o, s in zip(out, protocol.shapes):
         o.set_shape(s)
@@ -62,14 +65,12 @@ def skippable_train_step(engine, model, train_step, apply_mean):
     get_engine = engine if callable(engine) else (lambda: engine)
 
     def step(data):
-        compute = tf.py_function(lambda: get_engine().begin_step(), [], Tout=tf.bool,
-                                 name="tfsync_begin_step")
+        compute = tf.py_function(lambda: get_engine().begin_step(), [], Tout=tf.bool, name="tfsync_begin_step")
         compute.set_shape([])
 
         def skip():
             protocol = get_engine().protocol
-            mean = tf.py_function(lambda: get_engine().skip_step(), [], Tout=protocol.dtypes,
-                                  name="tfsync_skip_step")
+            mean = tf.py_function(lambda: get_engine().skip_step(), [], Tout=protocol.dtypes, name="tfsync_skip_step")
             for o, s in zip(mean, protocol.shapes):
                 o.set_shape(s)
             apply_mean(mean)  # stateful: a tf.function runs it (automatic control dependencies)

@@ -6,6 +6,7 @@ optimizer's ``apply_gradients`` for the duration of ``fit`` and retraces the
 train function, so the exchange runs inside the compiled step for any Keras
 optimizer.
 """
+
 import keras
 import numpy as np
 import tensorflow as tf
@@ -54,12 +55,10 @@ class SyncCallback(keras.callbacks.Callback):
                   callbacks=[tfsync.keras.SyncCallback(mode=tfsync.SSP(staleness=3))])
     """
 
-    def __init__(self, mode="bsp", *, stragglers=None, trace_dir=None, wait_timeout_s=None,
-                 average_epoch_logs=True):
+    def __init__(self, mode="bsp", *, stragglers=None, trace_dir=None, wait_timeout_s=None, average_epoch_logs=True):
         super().__init__()
         self.policy = resolve(mode)
-        self._engine_args = dict(stragglers=stragglers, trace_dir=trace_dir,
-                                 wait_timeout_s=wait_timeout_s)
+        self._engine_args = dict(stragglers=stragglers, trace_dir=trace_dir, wait_timeout_s=wait_timeout_s)
         SyncEngine(self.policy, **self._engine_args)  # validates the arguments now
         self.average_epoch_logs = average_epoch_logs
         self.engine = None
@@ -69,8 +68,10 @@ class SyncCallback(keras.callbacks.Callback):
         hvd = _horovod.horovod()
         model = self.model
         if getattr(model, "optimizer", None) is None:
-            raise ValueError("tfsync.keras.SyncCallback: the model has no optimizer; call "
-                             "model.compile(optimizer=..., loss=...) before model.fit")
+            raise ValueError(
+                "tfsync.keras.SyncCallback: the model has no optimizer; call "
+                "model.compile(optimizer=..., loss=...) before model.fit"
+            )
         steps = self.params.get("steps")
         all_steps = hvd.allgather_object(steps, name="tfsync.steps")
         if len(set(all_steps)) != 1 or steps is None:
@@ -78,16 +79,17 @@ class SyncCallback(keras.callbacks.Callback):
                 f"tfsync: the ranks run different or unknown numbers of steps per epoch "
                 f"({all_steps}); every worker must take the same number of steps: shard the data "
                 f"into equal parts (e.g. x[rank::size] with len(x) divisible by size) or pass "
-                f"steps_per_epoch to model.fit")
+                f"steps_per_epoch to model.fit"
+            )
         self._broadcast_weights(hvd, model)
         self.variables = list(model.trainable_variables)
         self.engine = SyncEngine(self.policy, **self._engine_args)
-        self.engine.start(self.variables, extra_config={
-            "steps": steps, "optimizer": type(model.optimizer).__name__})
+        self.engine.start(self.variables, extra_config={"steps": steps, "optimizer": type(model.optimizer).__name__})
         self._wrap_optimizer(model.optimizer)
         if self.policy.skips:
             model.train_step = skippable_train_step(
-                self.engine, model, type(model).train_step.__get__(model), self._apply_mean)
+                self.engine, model, type(model).train_step.__get__(model), self._apply_mean
+            )
         model.make_train_function(force=True)
         train_function, engine = model.train_function, self.engine
 
@@ -128,9 +130,9 @@ class SyncCallback(keras.callbacks.Callback):
             keys = sorted(k for k, v in logs.items() if np.ndim(v) == 0)
             values = np.array([float(logs[k]) for k in keys], np.float64)
             mean = self.engine.exchange.call(
-                lambda: hvd.allreduce(tf.constant(values), op=hvd.Average,
-                                      name="tfsync.epoch_logs").numpy(),
-                timeout_s=self.engine.wait_timeout_s)
+                lambda: hvd.allreduce(tf.constant(values), op=hvd.Average, name="tfsync.epoch_logs").numpy(),
+                timeout_s=self.engine.wait_timeout_s,
+            )
             logs.update({k: float(v) for k, v in zip(keys, mean)})
 
     def on_train_end(self, logs=None):
@@ -169,9 +171,11 @@ class SyncCallback(keras.callbacks.Callback):
             grads = [g for g, _ in grads_and_vars]
             variables = [v for _, v in grads_and_vars]
             if [id(v) for v in variables] != expected:
-                raise ValueError("tfsync: the optimizer was asked to update other variables than the "
-                                 "model's trainable weights at the start of fit; do not change "
-                                 "trainability during fit")
+                raise ValueError(
+                    "tfsync: the optimizer was asked to update other variables than the "
+                    "model's trainable weights at the start of fit; do not change "
+                    "trainability during fit"
+                )
             if engine.protocol.reduces_gradients:
                 return original(zip(exchange_gradients(engine, grads), variables))
             result = original(zip(grads, variables))

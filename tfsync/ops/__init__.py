@@ -17,15 +17,16 @@ Each op has a compiled kernel (``ops/cc``, loaded lazily by
 ops accept float16, bfloat16, float32 and float64 (half and bfloat16 are computed in
 float32) and have no gradient. See ``docs/ops.md``.
 """
-import collections
 
-# First, so that a bad TFSYNC_OPS_IMPL fails before TensorFlow is loaded.
-from tfsync.ops._select import backend as _backend
-from tfsync.ops._select import get_implementation, set_implementation
+import collections
 
 import tensorflow as tf  # noqa: E402
 
 from tfsync.ops._loader import OpLibraryError, load_library  # noqa: E402
+
+# First, so that a bad TFSYNC_OPS_IMPL fails before TensorFlow is loaded.
+from tfsync.ops._select import backend as _backend
+from tfsync.ops._select import get_implementation, set_implementation
 
 __all__ = [
     "MaskStaleResult",
@@ -41,7 +42,8 @@ __all__ = [
 ]
 
 PartialAggregateResult = collections.namedtuple(
-    "PartialAggregateResult", ["aggregate", "num_accepted", "dropped", "min_contributions_met"])
+    "PartialAggregateResult", ["aggregate", "num_accepted", "dropped", "min_contributions_met"]
+)
 PartialAggregateResult.__doc__ = """What :func:`partial_aggregate` returns.
 
 Attributes:
@@ -70,10 +72,10 @@ def _float_tensor(value, arg, dtype=None):
     if tensor.dtype not in _FLOAT_DTYPES:
         raise TypeError(
             f"{arg} must be float16, bfloat16, float32 or float64, got {tensor.dtype.name}; "
-            "cast it first (integer gradients are not supported)")
+            "cast it first (integer gradients are not supported)"
+        )
     if dtype is not None and tensor.dtype != dtype:
-        raise TypeError(f"{arg} must have the dtype of gradient ({dtype.name}), got "
-                        f"{tensor.dtype.name}")
+        raise TypeError(f"{arg} must have the dtype of gradient ({dtype.name}), got " f"{tensor.dtype.name}")
     return tensor
 
 
@@ -84,8 +86,7 @@ def _int64(value, arg):
     return tf.cast(tensor, tf.int64)
 
 
-def partial_aggregate(contributions, timestamps, step, min_contributions, max_staleness=0,
-                      reduction="mean", name=None):
+def partial_aggregate(contributions, timestamps, step, min_contributions, max_staleness=0, reduction="mean", name=None):
     """Aggregates the fresh contributions of one tensor and drops the stale ones.
 
     Contribution ``i`` is accepted when ``step - max_staleness <= timestamps[i] <= step``
@@ -120,9 +121,14 @@ def partial_aggregate(contributions, timestamps, step, min_contributions, max_st
     if reduction not in _REDUCTIONS:
         raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
     result = _backend().partial_aggregate(
-        _float_tensor(contributions, "contributions"), _int64(timestamps, "timestamps"),
-        _int64(step, "step"), _int64(min_contributions, "min_contributions"),
-        _int64(max_staleness, "max_staleness"), reduction, name=name)
+        _float_tensor(contributions, "contributions"),
+        _int64(timestamps, "timestamps"),
+        _int64(step, "step"),
+        _int64(min_contributions, "min_contributions"),
+        _int64(max_staleness, "max_staleness"),
+        reduction,
+        name=name,
+    )
     return PartialAggregateResult(*result)
 
 
@@ -148,8 +154,12 @@ def mask_stale(tensor, timestamp, step, max_staleness=0, name=None):
       tf.errors.InvalidArgumentError: ``timestamp > step`` or ``max_staleness < 0``.
     """
     result = _backend().mask_stale(
-        _float_tensor(tensor, "tensor"), _int64(timestamp, "timestamp"), _int64(step, "step"),
-        _int64(max_staleness, "max_staleness"), name=name)
+        _float_tensor(tensor, "tensor"),
+        _int64(timestamp, "timestamp"),
+        _int64(step, "step"),
+        _int64(max_staleness, "max_staleness"),
+        name=name,
+    )
     return MaskStaleResult(*result)
 
 
@@ -176,13 +186,15 @@ def delay_compensate(gradient, w_now, w_stale, lambda_, name=None):
     """
     gradient = _float_tensor(gradient, "gradient")
     return _backend().delay_compensate(
-        gradient, _float_tensor(w_now, "w_now", gradient.dtype),
+        gradient,
+        _float_tensor(w_now, "w_now", gradient.dtype),
         _float_tensor(w_stale, "w_stale", gradient.dtype),
-        tf.cast(lambda_, tf.float32), name=name)
+        tf.cast(lambda_, tf.float32),
+        name=name,
+    )
 
 
-def delay_compensate_adaptive(gradient, w_now, w_stale, mean_square, lambda0, momentum=0.95,
-                              epsilon=1e-7, name=None):
+def delay_compensate_adaptive(gradient, w_now, w_stale, mean_square, lambda0, momentum=0.95, epsilon=1e-7, name=None):
     """DC-ASGD-a: delay compensation with ``lambda_t = lambda0 / sqrt(v_t + epsilon)``.
 
     Updates ``mean_square`` in place to ``v_t = momentum * v_{t-1} + (1 - momentum) *
@@ -209,15 +221,24 @@ def delay_compensate_adaptive(gradient, w_now, w_stale, mean_square, lambda0, mo
     """
     gradient = _float_tensor(gradient, "gradient")
     if not isinstance(mean_square, tf.Variable):
-        raise TypeError(f"mean_square must be a tf.Variable (the DC-ASGD-a state, updated in "
-                        f"place), got {type(mean_square).__name__}")
+        raise TypeError(
+            f"mean_square must be a tf.Variable (the DC-ASGD-a state, updated in "
+            f"place), got {type(mean_square).__name__}"
+        )
     state_dtype = tf.float64 if gradient.dtype == tf.float64 else tf.float32
     if mean_square.dtype != state_dtype:
-        raise TypeError(f"mean_square must have dtype {state_dtype.name} for "
-                        f"{gradient.dtype.name} gradients (the state is kept in the "
-                        f"accumulation type), got {mean_square.dtype.name}")
+        raise TypeError(
+            f"mean_square must have dtype {state_dtype.name} for "
+            f"{gradient.dtype.name} gradients (the state is kept in the "
+            f"accumulation type), got {mean_square.dtype.name}"
+        )
     return _backend().delay_compensate_adaptive(
-        gradient, _float_tensor(w_now, "w_now", gradient.dtype),
-        _float_tensor(w_stale, "w_stale", gradient.dtype), mean_square,
-        tf.cast(lambda0, tf.float32), tf.cast(momentum, tf.float32),
-        tf.cast(epsilon, tf.float32), name=name)
+        gradient,
+        _float_tensor(w_now, "w_now", gradient.dtype),
+        _float_tensor(w_stale, "w_stale", gradient.dtype),
+        mean_square,
+        tf.cast(lambda0, tf.float32),
+        tf.cast(momentum, tf.float32),
+        tf.cast(epsilon, tf.float32),
+        name=name,
+    )

@@ -5,29 +5,42 @@ already converted and checked by :mod:`tfsync.ops`. The kernels are in
 ``ops/cc/kernels`` (PSP Algorithm 1 / backup-workers Algorithm 4 aggregation,
 DC-ASGD delay compensation).
 """
+
 from tfsync.ops._loader import load_library
 
 
-def partial_aggregate(contributions, timestamps, step, min_contributions, max_staleness,
-                      reduction, name=None):
+def partial_aggregate(contributions, timestamps, step, min_contributions, max_staleness, reduction, name=None):
     return load_library().tf_sync_partial_aggregate(
-        contributions=contributions, timestamps=timestamps, step=step,
-        min_contributions=min_contributions, max_staleness=max_staleness,
-        reduction=reduction, name=name)
+        contributions=contributions,
+        timestamps=timestamps,
+        step=step,
+        min_contributions=min_contributions,
+        max_staleness=max_staleness,
+        reduction=reduction,
+        name=name,
+    )
 
 
 def mask_stale(tensor, timestamp, step, max_staleness, name=None):
     return load_library().tf_sync_mask_stale(
-        tensor=tensor, timestamp=timestamp, step=step, max_staleness=max_staleness, name=name)
+        tensor=tensor, timestamp=timestamp, step=step, max_staleness=max_staleness, name=name
+    )
 
 
 def delay_compensate(gradient, w_now, w_stale, lambda_, name=None):
     return load_library().tf_sync_delay_compensate(
-        gradient=gradient, w_now=w_now, w_stale=w_stale, lambda_=lambda_, name=name)
+        gradient=gradient, w_now=w_now, w_stale=w_stale, lambda_=lambda_, name=name
+    )
 
 
-def delay_compensate_adaptive(gradient, w_now, w_stale, mean_square, lambda0, momentum,
-                              epsilon, name=None):
+def delay_compensate_adaptive(gradient, w_now, w_stale, mean_square, lambda0, momentum, epsilon, name=None):
     return load_library().tf_sync_delay_compensate_adaptive(
-        mean_square=mean_square.handle, gradient=gradient, w_now=w_now, w_stale=w_stale,
-        lambda0=lambda0, momentum=momentum, epsilon=epsilon, name=name)
+        mean_square=mean_square.handle,
+        gradient=gradient,
+        w_now=w_now,
+        w_stale=w_stale,
+        lambda0=lambda0,
+        momentum=momentum,
+        epsilon=epsilon,
+        name=name,
+    )

@@ -10,6 +10,7 @@ the file must exist (it is compiled at install time), and the TensorFlow version
 was compiled against (recorded in ``_build_info.json`` by ``setup.py``) must be the
 running one, since TensorFlow's C++ ABI changes between releases.
 """
+
 import json
 import os
 import threading
@@ -89,6 +90,5 @@ def _load(directory):
         return tf.load_op_library(path)
     except (tf.errors.NotFoundError, OSError) as exc:
         raise OpLibraryError(
-            f"TensorFlow {tf.__version__} could not load {path}: {exc}. Rebuild with "
-            f"{BUILD_COMMAND}."
+            f"TensorFlow {tf.__version__} could not load {path}: {exc}. Rebuild with " f"{BUILD_COMMAND}."
         ) from exc

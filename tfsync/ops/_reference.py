@@ -15,10 +15,14 @@ Errors follow the compiled kernels: in eager mode an ``InvalidArgumentError``; w
 building a graph, a shape error is a ``ValueError`` (as from a shape function) and a
 value error an ``InvalidArgumentError`` when the graph runs.
 """
+
 import tensorflow as tf
 
-_FUTURE = ("is after the current step", "a contribution cannot come from the future; "
-           "stamp each contribution with the step of the weights it was computed on")
+_FUTURE = (
+    "is after the current step",
+    "a contribution cannot come from the future; "
+    "stamp each contribution with the step of the weights it was computed on",
+)
 _STALENESS = "max_staleness must be >= 0 (0 accepts only the current step), got"
 
 
@@ -41,9 +45,7 @@ def _require(condition, *message):
     """
     if tf.executing_eagerly():
         if not bool(condition):
-            text = "".join(
-                str(part.numpy()) if isinstance(part, tf.Tensor) else str(part)
-                for part in message)
+            text = "".join(str(part.numpy()) if isinstance(part, tf.Tensor) else str(part) for part in message)
             raise tf.errors.InvalidArgumentError(None, None, text)
         return []
     return [tf.debugging.Assert(condition, list(message), summarize=16)]
@@ -58,53 +60,73 @@ def _require_same_shape(gradient, other, other_name):
     if not gradient.shape.is_compatible_with(other.shape):
         raise _shape_error(
             f"{other_name} must have the same shape as gradient: gradient has shape "
-            f"{gradient.shape}, {other_name} has shape {other.shape}")
+            f"{gradient.shape}, {other_name} has shape {other.shape}"
+        )
     if tf.executing_eagerly():
         return []
-    return [tf.debugging.assert_equal(
-        tf.shape(gradient), tf.shape(other),
-        message=f"{other_name} must have the same shape as gradient")]
+    return [
+        tf.debugging.assert_equal(
+            tf.shape(gradient), tf.shape(other), message=f"{other_name} must have the same shape as gradient"
+        )
+    ]
 
 
 def _require_finite(value, name):
-    return _require(tf.math.is_finite(value), name, " must be finite, got ", value,
-                    "; check the schedule or config that produced it")
+    return _require(
+        tf.math.is_finite(value),
+        name,
+        " must be finite, got ",
+        value,
+        "; check the schedule or config that produced it",
+    )
 
 
-def partial_aggregate(contributions, timestamps, step, min_contributions, max_staleness,
-                      reduction, name=None):
+def partial_aggregate(contributions, timestamps, step, min_contributions, max_staleness, reduction, name=None):
     with tf.name_scope(name or "partial_aggregate"):
         if contributions.shape.rank is not None and contributions.shape.rank < 1:
             raise _shape_error(
                 "contributions must have rank >= 1 (shape [k, ...], one row per contribution), "
-                f"got shape {contributions.shape}")
+                f"got shape {contributions.shape}"
+            )
         if timestamps.shape.rank is not None and timestamps.shape.rank != 1:
-            raise _shape_error(
-                f"timestamps must be a vector of shape [k], got shape {timestamps.shape}")
+            raise _shape_error(f"timestamps must be a vector of shape [k], got shape {timestamps.shape}")
         if not contributions.shape[:1].is_compatible_with(timestamps.shape):
             raise _shape_error(
                 "timestamps must have one entry per contribution: contributions has shape "
                 f"{contributions.shape} (k = {contributions.shape[0]}), timestamps has shape "
-                f"{timestamps.shape}")
+                f"{timestamps.shape}"
+            )
         _require_scalar(step, "step")
         _require_scalar(min_contributions, "min_contributions")
         _require_scalar(max_staleness, "max_staleness")
         k = tf.shape(timestamps, out_type=tf.int64)[0]
         checks = []
-        checks += _require(min_contributions >= 0, "min_contributions must be >= 0, got ",
-                           min_contributions)
-        checks += _require(min_contributions <= k, "min_contributions must be <= k = ", k,
-                           " (the number of contributions), got ", min_contributions,
-                           "; never wait for more contributions than there are workers")
+        checks += _require(min_contributions >= 0, "min_contributions must be >= 0, got ", min_contributions)
+        checks += _require(
+            min_contributions <= k,
+            "min_contributions must be <= k = ",
+            k,
+            " (the number of contributions), got ",
+            min_contributions,
+            "; never wait for more contributions than there are workers",
+        )
         checks += _require(max_staleness >= 0, _STALENESS, " ", max_staleness)
         future = timestamps > step
         if tf.executing_eagerly() and bool(tf.reduce_any(future)):
             first = int(tf.argmax(tf.cast(future, tf.int32)))
-            checks += _require(False, f"timestamps[{first}] = ", timestamps[first],
-                               f" {_FUTURE[0]} ", step, ": ", _FUTURE[1])
+            checks += _require(
+                False, f"timestamps[{first}] = ", timestamps[first], f" {_FUTURE[0]} ", step, ": ", _FUTURE[1]
+            )
         else:
-            checks += _require(tf.logical_not(tf.reduce_any(future)), "timestamps ", timestamps,
-                               f" {_FUTURE[0]} ", step, ": ", _FUTURE[1])
+            checks += _require(
+                tf.logical_not(tf.reduce_any(future)),
+                "timestamps ",
+                timestamps,
+                f" {_FUTURE[0]} ",
+                step,
+                ": ",
+                _FUTURE[1],
+            )
         with tf.control_dependencies(checks):
             fresh = step - timestamps <= max_staleness
             accepted = tf.boolean_mask(contributions, fresh)
@@ -114,8 +136,7 @@ def partial_aggregate(contributions, timestamps, step, min_contributions, max_st
                 # Nothing accepted: zeros (a sum of nothing), as in the kernel.
                 total = total / tf.cast(tf.maximum(num_accepted, 1), total.dtype)
             aggregate = tf.cast(total, contributions.dtype)
-            return (tf.stop_gradient(aggregate), num_accepted, tf.logical_not(fresh),
-                    num_accepted >= min_contributions)
+            return (tf.stop_gradient(aggregate), num_accepted, tf.logical_not(fresh), num_accepted >= min_contributions)
 
 
 def mask_stale(tensor, timestamp, step, max_staleness, name=None):
@@ -124,8 +145,7 @@ def mask_stale(tensor, timestamp, step, max_staleness, name=None):
         _require_scalar(step, "step")
         _require_scalar(max_staleness, "max_staleness")
         checks = _require(max_staleness >= 0, _STALENESS, " ", max_staleness)
-        checks += _require(timestamp <= step, "timestamp = ", timestamp, f" {_FUTURE[0]} ",
-                           step, ": ", _FUTURE[1])
+        checks += _require(timestamp <= step, "timestamp = ", timestamp, f" {_FUTURE[0]} ", step, ": ", _FUTURE[1])
         with tf.control_dependencies(checks):
             fresh = step - timestamp <= max_staleness
             masked = tf.where(fresh, tensor, tf.zeros_like(tensor))
@@ -146,23 +166,28 @@ def delay_compensate(gradient, w_now, w_stale, lambda_, name=None):
             return tf.stop_gradient(tf.cast(out, gradient.dtype))
 
 
-def delay_compensate_adaptive(gradient, w_now, w_stale, mean_square, lambda0, momentum,
-                              epsilon, name=None):
+def delay_compensate_adaptive(gradient, w_now, w_stale, mean_square, lambda0, momentum, epsilon, name=None):
     with tf.name_scope(name or "delay_compensate_adaptive"):
         checks = _require_same_shape(gradient, w_now, "w_now")
         checks += _require_same_shape(gradient, w_stale, "w_stale")
         for value, arg in ((lambda0, "lambda0"), (momentum, "momentum"), (epsilon, "epsilon")):
             _require_scalar(value, arg)
             checks += _require_finite(value, arg)
-        checks += _require((momentum >= 0.0) & (momentum <= 1.0), "momentum must be in [0, 1], got ",
-                           momentum, " (DC-ASGD-a uses 0.95)")
-        checks += _require(epsilon > 0.0, "epsilon must be > 0 so that lambda0 / sqrt(v + "
-                           "epsilon) stays finite, got ", epsilon)
+        checks += _require(
+            (momentum >= 0.0) & (momentum <= 1.0),
+            "momentum must be in [0, 1], got ",
+            momentum,
+            " (DC-ASGD-a uses 0.95)",
+        )
+        checks += _require(
+            epsilon > 0.0, "epsilon must be > 0 so that lambda0 / sqrt(v + " "epsilon) stays finite, got ", epsilon
+        )
         acc = _accumulator(gradient.dtype)
         if not gradient.shape.is_compatible_with(mean_square.shape):
             raise _shape_error(
                 "mean_square must have the same shape as gradient: gradient has shape "
-                f"{gradient.shape}, mean_square has shape {mean_square.shape}")
+                f"{gradient.shape}, mean_square has shape {mean_square.shape}"
+            )
         with tf.control_dependencies(checks):
             g = tf.cast(gradient, acc)
             gg = g * g

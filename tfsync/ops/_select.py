@@ -6,6 +6,7 @@
 (:mod:`tfsync.ops._reference`). There is no fallback: with ``"compiled"``
 selected and the library missing, the first call raises the loader's error.
 """
+
 from tfsync import _env
 
 IMPLEMENTATIONS = ("compiled", "reference")
@@ -31,8 +32,7 @@ def set_implementation(name):
     global _current
     if name not in IMPLEMENTATIONS:
         raise ValueError(
-            f"unknown tfsync.ops implementation {name!r}; expected one of "
-            f"{', '.join(IMPLEMENTATIONS)}."
+            f"unknown tfsync.ops implementation {name!r}; expected one of " f"{', '.join(IMPLEMENTATIONS)}."
         )
     _current = name
 

@@ -28,6 +28,7 @@ readiness, so rank 0's coordinator evaluates their third question,
 ``close_round``, and tells every worker which contributions round ``r``
 aggregates (see :mod:`tfsync.engine.control`).
 """
+
 import dataclasses
 
 from tfsync.policies.base import Closing, Policy
@@ -87,11 +88,13 @@ class SSP(Policy):
             raise TypeError(
                 f"SSP(staleness={self.staleness!r}): staleness must be an int >= 0 "
                 f"(the number of steps the fastest worker may run ahead), "
-                f"got {type(self.staleness).__name__}; e.g. tfsync.SSP(staleness=3)")
+                f"got {type(self.staleness).__name__}; e.g. tfsync.SSP(staleness=3)"
+            )
         if self.staleness < 0:
             raise ValueError(
                 f"SSP(staleness={self.staleness}): staleness must be >= 0 "
-                f"(0 behaves as BSP); e.g. tfsync.SSP(staleness=3)")
+                f"(0 behaves as BSP); e.g. tfsync.SSP(staleness=3)"
+            )
 
     def required_round(self, step: int) -> int:
         return step - self.staleness - 1
@@ -116,7 +119,8 @@ def resolve(mode) -> Policy:
     raise ValueError(
         f"unknown synchronization mode {mode!r}; expected one of "
         f"{', '.join(repr(k) for k in _BY_NAME)} or a policy object such as "
-        f"tfsync.SSP(staleness=3)")
+        f"tfsync.SSP(staleness=3)"
+    )
 
 
 __all__ = ["Policy", "Closing", "BSP", "SSP", "PSP", "BackupWorkers", "resolve", "PAYLOADS"]

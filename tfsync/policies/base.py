@@ -1,4 +1,5 @@
 """The interface every synchronization mode implements (see :mod:`tfsync.policies`)."""
+
 import abc
 import dataclasses
 

@@ -23,6 +23,7 @@ rejoins at the current one, so a slow worker no longer sets the job's length.
 
 PSP's partial pulling (``b`` of the parameter blocks) is not implemented.
 """
+
 import dataclasses
 import math
 
@@ -35,8 +36,9 @@ ADAPTIVE_PUSH_TIMEOUT_FRACTION = 0.1
 
 def _check_int(owner, name, value, minimum, hint):
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{owner}({name}={value!r}): {name} must be an int >= {minimum}, got "
-                        f"{type(value).__name__}; {hint}")
+        raise TypeError(
+            f"{owner}({name}={value!r}): {name} must be an int >= {minimum}, got " f"{type(value).__name__}; {hint}"
+        )
     if value < minimum:
         raise ValueError(f"{owner}({name}={value}): {name} must be >= {minimum}; {hint}")
 
@@ -87,12 +89,16 @@ class PSP(Policy):
             _check_int("PSP", "min_contributions", self.min_contributions, 1, hint)
         if self.push_timeout_s is not None:
             t = self.push_timeout_s
-            if isinstance(t, bool) or not isinstance(t, (int, float)):
-                raise TypeError(f"PSP(push_timeout_s={t!r}): push_timeout_s must be a number of "
-                                f"seconds >= 0 or None (adaptive), got {type(t).__name__}; {hint}")
+            if isinstance(t, bool) or not isinstance(t, int | float):
+                raise TypeError(
+                    f"PSP(push_timeout_s={t!r}): push_timeout_s must be a number of "
+                    f"seconds >= 0 or None (adaptive), got {type(t).__name__}; {hint}"
+                )
             if not (math.isfinite(t) and t >= 0):
-                raise ValueError(f"PSP(push_timeout_s={t}): push_timeout_s must be a finite number "
-                                 f"of seconds >= 0 or None (adaptive); {hint}")
+                raise ValueError(
+                    f"PSP(push_timeout_s={t}): push_timeout_s must be a finite number "
+                    f"of seconds >= 0 or None (adaptive); {hint}"
+                )
 
     def contributions_needed(self, size: int) -> int:
         """``c`` for ``size`` workers."""
@@ -103,7 +109,8 @@ class PSP(Policy):
             raise ValueError(
                 f"PSP(min_contributions={self.min_contributions}) with {size} workers: a round can "
                 f"never gather more contributions than there are workers; use min_contributions "
-                f"<= {size} (or None for size - 1 = {max(1, size - 1)})")
+                f"<= {size} (or None for size - 1 = {max(1, size - 1)})"
+            )
 
     def required_round(self, step: int) -> int:
         return step
@@ -116,8 +123,11 @@ class PSP(Policy):
         if len(ready) < c:
             return Closing()
         t_c = sorted(t for _, t in ready)[c - 1]
-        timeout = (self.push_timeout_s if self.push_timeout_s is not None
-                   else ADAPTIVE_PUSH_TIMEOUT_FRACTION * max(t_c - opened_s, 0.0))
+        timeout = (
+            self.push_timeout_s
+            if self.push_timeout_s is not None
+            else ADAPTIVE_PUSH_TIMEOUT_FRACTION * max(t_c - opened_s, 0.0)
+        )
         if now_s >= t_c + timeout:
             return Closing(ranks)
         return Closing(None, t_c + timeout)
@@ -158,7 +168,8 @@ class BackupWorkers(Policy):
         if self.backups >= size:
             raise ValueError(
                 f"BackupWorkers(backups={self.backups}) with {size} workers: at least one worker "
-                f"must count in every round; use backups <= {size - 1}")
+                f"must count in every round; use backups <= {size - 1}"
+            )
 
     def required_round(self, step: int) -> int:
         return step

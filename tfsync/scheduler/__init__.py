@@ -20,6 +20,7 @@ Example:
     >>> result.t_sync, result.iterations.tolist(), result.wait
     (9100, [8, 6, 5], 100)
 """
+
 from ._api import ALGORITHMS, EXACT_ALGORITHMS, ZipLineResult, zipline
 from ._backend import ENV_VAR, IMPLEMENTATIONS, implementation_name
 from ._predictor import predict_end_times

@@ -4,6 +4,7 @@ The single entry point the ElasticBSP mode calls at every barrier.  It
 validates and normalizes the predicted end times, hands them to the chosen
 kernels (:mod:`._backend`), and returns a :class:`ZipLineResult`.
 """
+
 import dataclasses
 
 import numpy as np
@@ -74,7 +75,8 @@ def zipline(timestamps, algorithm="optbs", *, implementation=None):
         raise ValueError(
             f"zipline: unknown algorithm {algorithm!r}; expected one of "
             f"{', '.join(map(repr, ALGORITHMS))} ('optbs', ZipLineOptBS, is the default "
-            "and the fastest)")
+            "and the fastest)"
+        )
     kernels = _backend.load(implementation)
     values, offsets = _as_rows(timestamps)
     t_sync, wait, iterations = getattr(kernels, algorithm)(values, offsets)
@@ -91,7 +93,8 @@ def _stamp_dtype(array, where):
     raise TypeError(
         f"zipline: {where} has dtype {array.dtype}; expected integer stamps (e.g. "
         "milliseconds) or floating-point stamps (e.g. seconds); convert with "
-        "np.asarray(timestamps, dtype=np.float64)")
+        "np.asarray(timestamps, dtype=np.float64)"
+    )
 
 
 def _as_rows(timestamps):
@@ -100,13 +103,15 @@ def _as_rows(timestamps):
         if timestamps.ndim != 2:
             raise ValueError(
                 f"zipline: timestamps has shape {timestamps.shape}; expected n x R (one row "
-                "of predicted end times per worker); for a single worker pass [row]")
+                "of predicted end times per worker); for a single worker pass [row]"
+            )
         dtype = _stamp_dtype(timestamps, "timestamps")
         n, width = timestamps.shape
         if n == 0 or width == 0:
             raise ValueError(
                 f"zipline: timestamps has shape {timestamps.shape}; expected at least one "
-                "worker with at least one predicted end time")
+                "worker with at least one predicted end time"
+            )
         rows = [timestamps]
         values = np.ascontiguousarray(timestamps, dtype=dtype).reshape(-1)
         offsets = np.arange(0, n * width + 1, width, dtype=np.int64)
@@ -116,14 +121,16 @@ def _as_rows(timestamps):
         except TypeError:
             raise TypeError(
                 f"zipline: timestamps is a {type(timestamps).__name__}; expected an n x R "
-                "array or a sequence of one-dimensional rows (one per worker)") from None
+                "array or a sequence of one-dimensional rows (one per worker)"
+            ) from None
         if not rows:
             raise ValueError("zipline: no workers; expected at least one row of predicted end times")
         for p, row in enumerate(rows):
             if row.ndim != 1 or row.size == 0:
                 raise ValueError(
                     f"zipline: the row of worker {p} has shape {row.shape}; expected a "
-                    "non-empty one-dimensional row of predicted end times")
+                    "non-empty one-dimensional row of predicted end times"
+                )
         dtypes = {_stamp_dtype(row, f"the row of worker {p}") for p, row in enumerate(rows)}
         dtype = np.float64 if np.float64 in dtypes else np.int64
         values = np.concatenate(rows).astype(dtype, copy=False)
@@ -132,7 +139,8 @@ def _as_rows(timestamps):
     if values.size > _MAX_STAMPS:
         raise ValueError(
             f"zipline: {values.size} stamps; at most {_MAX_STAMPS} are supported; "
-            "predict fewer iterations per worker (smaller R)")
+            "predict fewer iterations per worker (smaller R)"
+        )
     if dtype is np.int64:
         _check_integer_range(rows, values)
     else:
@@ -155,7 +163,8 @@ def _check_finite(values, offsets):
             f"zipline: {bad.size} predicted end time(s) are NaN or infinite, the first at "
             f"worker {worker}, iteration {index + 1} ({values[bad[0]]}); expected finite "
             "stamps; a worker without a usable history must be left out of the decision "
-            "(predict_end_times reports such workers)")
+            "(predict_end_times reports such workers)"
+        )
 
 
 def _check_integer_range(rows, values):
@@ -164,11 +173,13 @@ def _check_integer_range(rows, values):
         if row.dtype.kind == "u" and row.size and row.max() > np.iinfo(np.int64).max:
             raise ValueError(
                 "zipline: an unsigned stamp exceeds the int64 range; expected stamps "
-                "below 2**63; shift them to a recent epoch")
+                "below 2**63; shift them to a recent epoch"
+            )
     if int(values.max()) - int(values.min()) > np.iinfo(np.int64).max:
         raise ValueError(
             "zipline: the stamps span more than 2**63 - 1 units, so their differences "
-            "overflow int64; shift them to a common recent epoch")
+            "overflow int64; shift them to a common recent epoch"
+        )
 
 
 def _check_sorted(values, offsets):
@@ -182,5 +193,5 @@ def _check_sorted(values, offsets):
             f"at {values[first]}, before iteration {index} ({values[first - 1]}); expected "
             "non-decreasing end times of successive iterations (they are not sorted for "
             "you, since a disordered row usually means mixed-up iterations); if the order "
-            "carries no meaning, sort each row first (np.sort(timestamps, axis=1))")
-
+            "carries no meaning, sort each row first (np.sort(timestamps, axis=1))"
+        )

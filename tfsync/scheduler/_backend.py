@@ -5,6 +5,7 @@ explicit ``implementation=`` argument picks the module; the argument wins.
 A missing compiled extension is an error that names the build command, never
 a silent fall back to the (much slower) reference.
 """
+
 import importlib
 
 from tfsync import _env
@@ -25,7 +26,8 @@ def implementation_name(implementation=None):
         raise ValueError(
             f"tfsync.scheduler: {source}{implementation!r} is not an implementation; "
             f"expected one of {', '.join(IMPLEMENTATIONS)} ('compiled' is the default, "
-            "'reference' is the plain-Python twin kept for tests)")
+            "'reference' is the plain-Python twin kept for tests)"
+        )
     return implementation
 
 

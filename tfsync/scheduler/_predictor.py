@@ -7,6 +7,7 @@ iterations, so the k-th future end time is ``t_last + k * interval``.  The
 paper uses the latest interval; ``smoothing`` optionally replaces it with an
 exponentially smoothed one to damp a single noisy interval.
 """
+
 import numbers
 
 import numpy as np
@@ -44,13 +45,16 @@ def predict_end_times(push_timestamps, R, smoothing=None):
         [[200, 300, 400], [245, 365, 485]]
     """
     if isinstance(R, bool) or not isinstance(R, numbers.Integral) or R < 1:
-        raise ValueError(f"predict_end_times: R={R!r}; expected a positive integer (the number "
-                         "of future iterations to predict, e.g. 15)")
+        raise ValueError(
+            f"predict_end_times: R={R!r}; expected a positive integer (the number "
+            "of future iterations to predict, e.g. 15)"
+        )
     if smoothing is not None:
-        if isinstance(smoothing, bool) or not isinstance(smoothing, numbers.Real) \
-                or not 0.0 < float(smoothing) <= 1.0:
-            raise ValueError(f"predict_end_times: smoothing={smoothing!r}; expected None (latest "
-                             "interval, as in the paper) or a weight in (0, 1]")
+        if isinstance(smoothing, bool) or not isinstance(smoothing, numbers.Real) or not 0.0 < float(smoothing) <= 1.0:
+            raise ValueError(
+                f"predict_end_times: smoothing={smoothing!r}; expected None (latest "
+                "interval, as in the paper) or a weight in (0, 1]"
+            )
     histories = _histories(push_timestamps)
     _check_histories(histories)
     integer = all(h.dtype.kind in "iu" for h in histories)
@@ -79,7 +83,8 @@ def _histories(push_timestamps):
         if push_timestamps.ndim != 2:
             raise ValueError(
                 f"predict_end_times: push_timestamps has shape {push_timestamps.shape}; "
-                "expected n x h (one row of push timestamps per worker) or a sequence of rows")
+                "expected n x h (one row of push timestamps per worker) or a sequence of rows"
+            )
         rows = list(push_timestamps)
     else:
         try:
@@ -87,18 +92,23 @@ def _histories(push_timestamps):
         except TypeError:
             raise TypeError(
                 f"predict_end_times: push_timestamps is a {type(push_timestamps).__name__}; "
-                "expected a sequence of per-worker push-timestamp histories") from None
+                "expected a sequence of per-worker push-timestamp histories"
+            ) from None
     if not rows:
         raise ValueError("predict_end_times: no workers; expected one push history per worker")
     histories = []
     for p, row in enumerate(rows):
         history = np.asarray([] if row is None else row)
         if history.ndim != 1:
-            raise ValueError(f"predict_end_times: the history of worker {p} has shape "
-                             f"{history.shape}; expected a one-dimensional sequence of stamps")
+            raise ValueError(
+                f"predict_end_times: the history of worker {p} has shape "
+                f"{history.shape}; expected a one-dimensional sequence of stamps"
+            )
         if history.size and history.dtype.kind not in "iuf":
-            raise TypeError(f"predict_end_times: the history of worker {p} has dtype "
-                            f"{history.dtype}; expected integer or floating-point stamps")
+            raise TypeError(
+                f"predict_end_times: the history of worker {p} has dtype "
+                f"{history.dtype}; expected integer or floating-point stamps"
+            )
         histories.append(history)
     return histories
 
@@ -111,17 +121,21 @@ def _check_histories(histories):
         problems.append(
             f"worker(s) {listed} have fewer than two push timestamps: the monitoring phase "
             "needs at least two pushes per worker to learn its interval; wait until every "
-            "worker has pushed twice, or leave the worker out of the decision")
+            "worker has pushed twice, or leave the worker out of the decision"
+        )
     long_enough = [(p, h) for p, h in enumerate(histories) if h.size >= 2]
     not_finite = [p for p, h in long_enough if h.dtype.kind == "f" and not np.isfinite(h).all()]
     if not_finite:
-        problems.append(f"worker(s) {', '.join(map(str, not_finite))} have NaN or infinite "
-                        "push timestamps; expected finite stamps")
-    not_increasing = [p for p, h in long_enough
-                      if p not in not_finite and not (np.diff(h) > 0).all()]
+        problems.append(
+            f"worker(s) {', '.join(map(str, not_finite))} have NaN or infinite "
+            "push timestamps; expected finite stamps"
+        )
+    not_increasing = [p for p, h in long_enough if p not in not_finite and not (np.diff(h) > 0).all()]
     if not_increasing:
-        problems.append(f"worker(s) {', '.join(map(str, not_increasing))} have push timestamps "
-                        "that do not strictly increase; expected the times of successive "
-                        "pushes, oldest first")
+        problems.append(
+            f"worker(s) {', '.join(map(str, not_increasing))} have push timestamps "
+            "that do not strictly increase; expected the times of successive "
+            "pushes, oldest first"
+        )
     if problems:
         raise ValueError("predict_end_times: " + "; ".join(problems))

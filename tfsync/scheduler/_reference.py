@@ -14,6 +14,7 @@ validates): ``values`` holds all predicted end times row after row (CSR),
 Each kernel returns ``(t_sync, wait, iterations)``; the exact kernels report,
 per worker, the 1-based index of its latest end time at or before ``t_sync``.
 """
+
 import bisect
 
 import numpy as np
@@ -22,7 +23,7 @@ import numpy as np
 def _rows(values, offsets):
     values = values.tolist()  # Python numbers: float stays float, int64 stays int
     offsets = offsets.tolist()
-    return [values[offsets[p]:offsets[p + 1]] for p in range(len(offsets) - 1)]
+    return [values[offsets[p] : offsets[p + 1]] for p in range(len(offsets) - 1)]
 
 
 def _omega(rows):
@@ -131,8 +132,7 @@ def _first_at_or_after(row, anchor):
 
 def _grid_scan_row(rows, designated, best):
     for e, anchor in enumerate(rows[designated]):
-        chosen = [e if p == designated else _first_at_or_after(row, anchor)
-                  for p, row in enumerate(rows)]
+        chosen = [e if p == designated else _first_at_or_after(row, anchor) for p, row in enumerate(rows)]
         stamps = [row[k] for row, k in zip(rows, chosen)]
         wait, t_sync = max(stamps) - min(stamps), max(stamps)
         if best is None or (wait, t_sync) < (best[0], best[1]):

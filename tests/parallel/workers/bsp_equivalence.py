@@ -2,15 +2,14 @@
 
 Same seeds, data and optimizer; weights after the same steps must match.
 """
+
 import sys
 
 import numpy as np
-
 from common import init, write_result
 
 hvd = init()
 import keras  # noqa: E402
-import tensorflow as tf  # noqa: E402
 
 import tfsync  # noqa: E402
 from tfsync.bench.baseline import use_horovod_allreduce  # noqa: E402
@@ -30,8 +29,7 @@ OPTIMIZERS = {
 
 def build():
     keras.utils.set_random_seed(1)
-    return keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="tanh"),
-                             keras.layers.Dense(3)])
+    return keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(3)])
 
 
 def train(variant, opt_name):

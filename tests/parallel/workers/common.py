@@ -1,4 +1,5 @@
 """Helpers shared by the worker scripts (run under horovodrun)."""
+
 import json
 import os
 

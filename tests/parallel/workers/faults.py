@@ -2,12 +2,12 @@
 an error naming it, in bounded time (results written per rank).  Under PSP a
 worker that dies stops the job too, and one that is merely slow (3 s, below
 the 5 s wait bound) stops nobody: the others go on without it."""
+
 import os
 import sys
 import time
 
 import numpy as np
-
 from common import init, write_result
 
 hvd = init()

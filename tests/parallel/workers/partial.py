@@ -4,10 +4,10 @@ and identical replicas with one.
 argv: out_dir part, part "equivalence" (2 workers) or "straggler" (3 workers,
 the last one slow).
 """
+
 import sys
 
 import numpy as np
-
 from common import init, write_result
 
 hvd = init()
@@ -31,8 +31,7 @@ OPTIMIZERS = {
 
 def build():
     keras.utils.set_random_seed(1)
-    return keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="tanh"),
-                             keras.layers.Dense(3)])
+    return keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(3)])
 
 
 def train(mode, opt_name, frontend="callback", **engine_args):
@@ -69,9 +68,11 @@ if part == "equivalence":
         ref, _, _ = train("horovod", opt_name)
         start = build().get_weights()
         row = {"moved": float(np.max(np.abs(flat(ref) - flat(start))))}
-        for name, mode, frontend in (("psp", tfsync.PSP(min_contributions=size), "callback"),
-                                     ("backup", tfsync.BackupWorkers(backups=0), "callback"),
-                                     ("psp_strategy", tfsync.PSP(min_contributions=size), "strategy")):
+        for name, mode, frontend in (
+            ("psp", tfsync.PSP(min_contributions=size), "callback"),
+            ("backup", tfsync.BackupWorkers(backups=0), "callback"),
+            ("psp_strategy", tfsync.PSP(min_contributions=size), "strategy"),
+        ):
             w, counts, _ = train(mode, opt_name, frontend)
             row[name] = float(np.max(np.abs(flat(ref) - flat(w))))
             row[name + "_counts"] = counts
@@ -79,15 +80,19 @@ if part == "equivalence":
 else:
     slow = hvd.size() - 1
     stragglers = tfsync.Stragglers(base_s=0.01, slow_ranks={slow: 0.05})
-    for name, mode, frontend in (("psp", tfsync.PSP(), "callback"),
-                                 ("backup", tfsync.BackupWorkers(backups=1), "callback"),
-                                 ("backup_strategy", tfsync.BackupWorkers(backups=1), "strategy"),
-                                 ("bsp", "bsp", "callback"),
-                                 ("ssp", tfsync.SSP(staleness=1), "callback")):
+    for name, mode, frontend in (
+        ("psp", tfsync.PSP(), "callback"),
+        ("backup", tfsync.BackupWorkers(backups=1), "callback"),
+        ("backup_strategy", tfsync.BackupWorkers(backups=1), "strategy"),
+        ("bsp", "bsp", "callback"),
+        ("ssp", tfsync.SSP(staleness=1), "callback"),
+    ):
         trace_dir = f"{out_dir}/trace_{name}"
         w, counts, logs = train(mode, "adam", frontend, stragglers=stragglers, trace_dir=trace_dir)
         every = hvd.allgather_object(flat(w).tolist(), name=f"test.weights.{name}")
-        result[name] = {"counts": counts, "logs": logs,
-                        "replicas_max_diff": float(max(np.max(np.abs(np.array(e) - np.array(every[0])))
-                                                       for e in every))}
+        result[name] = {
+            "counts": counts,
+            "logs": logs,
+            "replicas_max_diff": float(max(np.max(np.abs(np.array(e) - np.array(every[0]))) for e in every)),
+        }
 write_result(out_dir, hvd.rank(), result)

@@ -6,10 +6,10 @@ checked against "all rounds up to applied_through from everyone, plus all of
 my own" (read-my-writes), and the final weights against the sum of all
 updates (nothing lost).
 """
+
 import sys
 
 import numpy as np
-
 from common import init, write_result
 
 hvd = init()
@@ -33,8 +33,10 @@ keras.utils.set_random_seed(0)
 model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(4, use_bias=False)])
 model.compile(optimizer=keras.optimizers.SGD(LR), loss=linear_loss)
 sync = tfsync.keras.SyncCallback(
-    mode=tfsync.SSP(staleness=staleness), trace_dir=f"{out_dir}/trace",
-    stragglers=tfsync.Stragglers(base_s=0.005, jitter_s=0.03, rare_prob=0.05, rare_s=0.2, seed=7))
+    mode=tfsync.SSP(staleness=staleness),
+    trace_dir=f"{out_dir}/trace",
+    stragglers=tfsync.Stragglers(base_s=0.005, jitter_s=0.03, rare_prob=0.05, rare_s=0.2, seed=7),
+)
 
 
 class Probe(keras.callbacks.Callback):
@@ -46,8 +48,13 @@ class Probe(keras.callbacks.Callback):
 
     def on_train_batch_begin(self, batch, logs=None):
         e = sync.engine
-        self.rows.append({"step": e.step, "applied_through": e._applied_through,
-                          "w": np.asarray(self.model.get_weights()[0], np.float64).reshape(-1).tolist()})
+        self.rows.append(
+            {
+                "step": e.step,
+                "applied_through": e._applied_through,
+                "w": np.asarray(self.model.get_weights()[0], np.float64).reshape(-1).tolist(),
+            }
+        )
 
 
 probe = Probe()
@@ -67,11 +74,16 @@ for row in probe.rows:
 final = np.array(model.get_weights()[0], np.float64).reshape(-1)
 total_steps = STEPS_PER_EPOCH * EPOCHS
 expected_final = probe.w0 - LR / size * total_steps * grads.sum()
-write_result(out_dir, rank, {
-    "read_my_writes_max_error": max(errors), "steps_seen": len(probe.rows),
-    "min_applied_minus_step": min(r["applied_through"] - r["step"] for r in probe.rows),
-    "final_error": float(np.max(np.abs(final - expected_final))),
-    "final_weights_hex": [float(v).hex() for v in final],
-    "history_keys": sorted(history.history),
-    "wait_fraction": history.history["tfsync_wait_fraction"],
-})
+write_result(
+    out_dir,
+    rank,
+    {
+        "read_my_writes_max_error": max(errors),
+        "steps_seen": len(probe.rows),
+        "min_applied_minus_step": min(r["applied_through"] - r["step"] for r in probe.rows),
+        "final_error": float(np.max(np.abs(final - expected_final))),
+        "final_weights_hex": [float(v).hex() for v in final],
+        "history_keys": sorted(history.history),
+        "wait_fraction": history.history["tfsync_wait_fraction"],
+    },
+)
