@@ -9,8 +9,9 @@ machine's copy bandwidth measured in the same run (``np.copyto`` of the same num
 of float32 elements into a preallocated buffer: one read and one write per element).
 Timings are the median of ``--repeats`` calls after warm-up, the implementations
 of an op (and the copy) timed round-robin, with TensorFlow's default thread settings.
-``fused_result_held`` is the fused op called while the caller still holds its previous result, so that its output buffer cannot be reused
-and is freshly allocated on every call. Ops: DC-ASGD-c / DC-ASGD-a delay compensation, PSP partial
+``fused_result_held`` is the fused op called while the caller still holds its
+previous result, so that its output buffer cannot be reused and is freshly
+allocated on every call. Ops: DC-ASGD-c / DC-ASGD-a delay compensation, PSP partial
 aggregation (k contributions, one of them stale), and masking one stale contribution.
 """
 
