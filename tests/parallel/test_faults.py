@@ -5,7 +5,6 @@ seconds (its control stream closes); a hung worker within ``wait_timeout_s``
 (5 s here) plus a second of polling.
 """
 
-
 import pytest
 
 from tests.parallel.launch import read_results, run_workers
