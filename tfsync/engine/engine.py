@@ -172,16 +172,16 @@ class SyncEngine:
             contact = None
         address, token = cluster.broadcast_object(contact, root_rank=0, name="tfsync.control_address")
 
-        self.protocol = protocol_cls(tensors, self.size)
         coordinated = {}
         if self.policy.coordinated:
-            coordinated = dict(absent=self.protocol.absent(), mask=protocols.mask_stale_payload)
+            coordinated = dict(absent=lambda: self.protocol.absent(), mask=protocols.mask_stale_payload)
+        # the exchange first: a frontend may route the protocol's variable creation
+        # (SyncStrategy broadcasts initial values) through it
         self.exchange = RoundExchange(
             cluster.collective(protocol_cls.average), self.rank, self.size, self.t0, **coordinated
         )
-        on_close = None
-        if self.policy.coordinated:
-            on_close = lambda round_, accepted: self.exchange.close_round(round_, accepted, inline=True)
+        self.protocol = protocol_cls(tensors, self.size)
+        on_close = self.exchange.close_round if self.policy.coordinated else None
         self.control = ControlClient(address, self.rank, token, on_close=on_close)
         self._diagnosis = Diagnosis(self.control, self.rank, self.policy.name, self.wait_timeout_s, WAIT_TIMEOUT_ENV)
         self._delays = self.stragglers.for_rank(self.rank)

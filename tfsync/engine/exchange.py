@@ -127,7 +127,8 @@ class RoundExchange:
     def __init__(self, collective, rank: int, size: int, t0: float, *, absent=None, mask=None):
         self._collective = collective
         self.rank, self.size, self.t0 = rank, size, t0
-        # coordinated rounds: the payload of a rank that contributes nothing, the
+        # coordinated rounds: the payload of a rank that contributes nothing (or a
+        # function returning it, called once when first needed), the
         # staleness mask, the outbox and what happened to this rank's contributions
         self._absent, self._mask = absent, mask
         self._outbox = None  # (stamp, payload, push_time, compute_s)
@@ -170,28 +171,17 @@ class RoundExchange:
             self._outbox = (stamp, list(payload), push_time, compute_s)
             self.counts["produced"] += 1
 
-    def close_round(self, round_: int, accepted: tuple, inline: bool = False):
+    def close_round(self, round_: int, accepted: tuple):
         """The coordinator closed ``round_`` accepting ``accepted``: enter its collective (in order).
 
-        With ``inline`` (the engine's control-stream reader, one per worker) the
-        caller runs the collective itself when nothing is queued, as
-        ``submit(inline=True)`` does for the training thread: one thread
-        hand-off less between the decision and the allreduce, in the same order.
+        The collective runs on the communication thread, never on the caller
+        (the control stream's reader): a reader blocked in an allreduce with a
+        dead peer could not deliver the loss notice that names it.
         """
-        accepted = tuple(accepted)
         with self._cond:
             self._closed_through = max(self._closed_through, round_)
             self._cond.notify_all()
-        if inline and self._running.acquire(blocking=False):
-            try:
-                with self._cond:
-                    idle = self._unfinished == 0 and self._error is None
-                if idle:
-                    self._run_closed_round(round_, accepted)
-                    return
-            finally:
-                self._running.release()
-        self._put(("close", round_, accepted))
+        self._put(("close", round_, tuple(accepted)))
 
     def drain_outbox(self) -> int:
         """At the end of training: drop a contribution no round can take any more; how many."""
@@ -318,6 +308,8 @@ class RoundExchange:
                     f"but has no contribution to it in its outbox"
                 )
             if payload is None:
+                if callable(self._absent):  # built on first use
+                    self._absent = self._absent()
                 payload = self._absent
         except BaseException as exc:
             return self._fail(exc)
