@@ -157,6 +157,7 @@ def _check_step(record, path, lineno, file_rank, previous):
         "applied": [tuple(item) for item in applied],
         "applied_through": record.get("applied_through"),
         "dropped": record.get("dropped", 0),
+        "skipped": bool(record.get("skipped", False)),
     }
 
 
@@ -184,7 +185,7 @@ def _check_finish(record, path, lineno, file_rank, previous):
 
 
 def _load_rank_file(path, file_rank):
-    start, steps, finish = None, [], None
+    start, steps, finish, drained = None, [], None, 0
     with open(path, encoding="utf-8") as handle:
         for lineno, line in enumerate(handle, start=1):
             if not line.strip():
@@ -228,6 +229,8 @@ def _load_rank_file(path, file_rank):
                 finish = _check_finish(record, path, lineno, file_rank, steps[-1] if steps else None)
             elif event is None:
                 steps.append(_check_step(record, path, lineno, file_rank, steps[-1] if steps else None))
+            elif event == "drain":  # contributions dropped when training ended
+                drained += int(record.get("dropped", 0))
             # any other event: a newer engine's record this reader does not know; skipped on purpose
     if start is None:
         raise ValueError(
@@ -242,6 +245,7 @@ def _load_rank_file(path, file_rank):
         "t0": start["t0"],
         "steps": steps,
         "finish": finish,
+        "drained": drained,
     }
 
 
@@ -360,7 +364,10 @@ def summarize(trace, start_step=None, end_step=None) -> dict:
         Per rank: ``steps``, ``compute_s`` (sum of t_push - t_start),
         ``wait_s`` (sum of t_end - t_push, plus the final wait),
         ``wait_fraction`` (wait / (compute + wait), 0 when both are 0),
-        ``max_staleness`` (largest staleness among applied contributions).
+        ``max_staleness`` (largest staleness among applied contributions),
+        ``dropped`` (this rank's contributions dropped; with no ``end_step``
+        also those drained when training ended) and ``skipped`` (steps that
+        computed nothing because their round had closed: PSP, backup workers).
         Overall: the same sums over all ranks and ``max_clock_gap``, in SSP's
         sense (a worker's clock is the number of steps it has pushed, so SSP(s)
         keeps it <= s and BSP at 0): at each step's t_end a worker moves to
@@ -389,6 +396,9 @@ def summarize(trace, start_step=None, end_step=None) -> dict:
             "wait_s": wait_s,
             "wait_fraction": wait_s / total if total > 0 else 0.0,
             "max_staleness": max(staleness) if staleness else 0,
+            "dropped": sum(rec["dropped"] for rec in steps)
+            + (trace["ranks"][rank].get("drained", 0) if end_step is None else 0),
+            "skipped": sum(rec["skipped"] for rec in steps),
         }
         for rec in steps:
             for peer, (push_times, push_steps) in pushes.items():
@@ -414,6 +424,8 @@ def summarize(trace, start_step=None, end_step=None) -> dict:
         "wait_s": wait_s,
         "wait_fraction": wait_s / (compute_s + wait_s) if compute_s + wait_s > 0 else 0.0,
         "max_staleness": max(r["max_staleness"] for r in per_rank.values()),
+        "dropped": sum(r["dropped"] for r in per_rank.values()),
+        "skipped": sum(r["skipped"] for r in per_rank.values()),
         "max_clock_gap": max_gap if max_gap is not None else 0,
         "max_clock_gap_at": max_gap_at,
     }
@@ -428,13 +440,16 @@ def summarize(trace, start_step=None, end_step=None) -> dict:
 
 def format_summary(summary) -> str:
     """The summary as a plain-text table (what the command prints)."""
-    header = f"{'rank':>6} {'steps':>7} {'compute_s':>11} {'wait_s':>11} {'wait %':>7} {'max stale':>9}"
+    header = (
+        f"{'rank':>6} {'steps':>7} {'compute_s':>11} {'wait_s':>11} {'wait %':>7} {'max stale':>9} "
+        f"{'dropped':>8} {'skipped':>8}"
+    )
     lines = [f"mode: {summary['mode']}, {summary['size']} workers", header, "-" * len(header)]
 
     def row(label, r):
         return (
             f"{label:>6} {r['steps']:>7d} {r['compute_s']:>11.3f} {r['wait_s']:>11.3f} "
-            f"{100 * r['wait_fraction']:>6.1f}% {r['max_staleness']:>9d}"
+            f"{100 * r['wait_fraction']:>6.1f}% {r['max_staleness']:>9d} {r['dropped']:>8d} {r['skipped']:>8d}"
         )
 
     for rank, r in sorted(summary["ranks"].items()):

@@ -32,7 +32,7 @@ def straggler(tmp_path_factory):
     for path in glob.glob(os.path.join(out, "trace_*", "rank*.jsonl")):
         records = [json.loads(line) for line in open(path)]
         traces[(os.path.basename(os.path.dirname(path))[len("trace_") :], records[0]["rank"])] = records
-    return res, traces
+    return res, traces, out
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "momentum", "adam"])
@@ -49,7 +49,7 @@ def test_full_contribution_settings_give_bsp_weights(equivalence, optimizer, var
 
 @pytest.mark.parametrize("mode", ["psp", "backup", "backup_strategy", "bsp", "ssp"])
 def test_replicas_identical_and_every_contribution_accounted_for(straggler, mode):
-    res, _ = straggler
+    res, _, _ = straggler
     for rank, r in res.items():
         row = r[mode]
         assert row["replicas_max_diff"] == 0.0, (rank, mode, row)
@@ -63,7 +63,7 @@ def test_replicas_identical_and_every_contribution_accounted_for(straggler, mode
 
 @pytest.mark.parametrize("mode", ["psp", "backup", "backup_strategy"])
 def test_the_straggler_skips_and_the_fast_workers_count(straggler, mode):
-    res, _ = straggler
+    res, _, _ = straggler
     slow = max(res)
     assert res[slow][mode]["counts"]["skipped"] > STEPS // 4, res[slow][mode]
     assert res[slow][mode]["counts"]["dropped"] > 0, res[slow][mode]
@@ -76,7 +76,7 @@ def test_the_straggler_skips_and_the_fast_workers_count(straggler, mode):
 
 @pytest.mark.parametrize("mode", ["bsp", "ssp"])
 def test_modes_that_wait_never_skip_or_drop(straggler, mode):
-    res, _ = straggler
+    res, _, _ = straggler
     for r in res.values():
         assert r[mode]["counts"]["skipped"] == 0 and r[mode]["counts"]["dropped"] == 0, r[mode]
 
@@ -85,7 +85,7 @@ def test_modes_that_wait_never_skip_or_drop(straggler, mode):
     "mode,accepted", [("psp", "at_least_c"), ("backup", "exactly_n"), ("backup_strategy", "exactly_n")]
 )
 def test_rounds_aggregate_fresh_contributions_only_and_enough_of_them(straggler, mode, accepted):
-    _, traces = straggler
+    _, traces, _ = straggler
     size = 3
     rounds = {}
     for (name, rank), records in traces.items():
@@ -106,8 +106,19 @@ def test_rounds_aggregate_fresh_contributions_only_and_enough_of_them(straggler,
 
 
 def test_drops_are_in_the_trace_with_their_stamp(straggler):
-    res, traces = straggler
+    res, traces, _ = straggler
     slow = max(res)
     drops = [d for rec in traces[("psp", slow)] for d in rec.get("drops", [])]
     assert len(drops) == res[slow]["psp"]["counts"]["dropped"]
     assert all(stamp < round_ for stamp, round_ in drops if round_ < STEPS), drops
+
+
+def test_the_timeline_shows_what_each_worker_dropped_and_skipped(straggler):
+    from tfsync import timeline
+
+    res, _, out = straggler
+    summary = timeline.summarize(timeline.load_trace(os.path.join(out, "trace_psp")))
+    for rank, r in res.items():
+        counts = r["psp"]["counts"]
+        assert summary["ranks"][rank]["dropped"] == counts["dropped"], (rank, summary["ranks"][rank], counts)
+        assert summary["ranks"][rank]["skipped"] == counts["skipped"], (rank, summary["ranks"][rank], counts)

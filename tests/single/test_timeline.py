@@ -123,10 +123,26 @@ def test_summarize_ssp_with_a_straggler(ssp_dir):
     fast, slow = summary["ranks"][0], summary["ranks"][2]
     # Fast ranks: steps 0 and 1 never wait; from step 2 on each step waits 1 s for the straggler
     # (8 s), and the final wait for round 9 is 2 s (t = 18 -> 20): 10 s waited, 10 s computed.
-    assert fast == {"steps": 10, "compute_s": 10.0, "wait_s": 10.0, "wait_fraction": 0.5, "max_staleness": 1}
+    assert fast == {
+        "steps": 10,
+        "compute_s": 10.0,
+        "wait_s": 10.0,
+        "wait_fraction": 0.5,
+        "max_staleness": 1,
+        "dropped": 0,
+        "skipped": 0,
+    }
     assert summary["ranks"][1] == fast
     # The straggler never waits and always applies its own step's round.
-    assert slow == {"steps": 10, "compute_s": 20.0, "wait_s": 0.0, "wait_fraction": 0.0, "max_staleness": 0}
+    assert slow == {
+        "steps": 10,
+        "compute_s": 20.0,
+        "wait_s": 0.0,
+        "wait_fraction": 0.0,
+        "max_staleness": 0,
+        "dropped": 0,
+        "skipped": 0,
+    }
     overall = summary["overall"]
     assert overall["steps"] == 30
     assert overall["compute_s"] == 40.0 and overall["wait_s"] == 20.0
@@ -159,6 +175,29 @@ def test_summarize_balanced_workers_have_no_wait(tmp_path):
     assert summary["overall"]["max_clock_gap"] == 0
 
 
+def test_summary_shows_drops_skips_and_the_drain(tmp_path):
+    # A PSP-like trace: rank 1 drops its step-1 gradient, skips step 2, and one more
+    # contribution is drained when training ends; rank 0 computes every step.
+    path = write_trace(tmp_path / "psp", staleness=0, mode="bsp", steps=4)
+    rank1 = os.path.join(path, "rank1.jsonl")
+    with open(rank1) as f:
+        lines = f.read().splitlines()
+    records = [json.loads(line) for line in lines if line.strip()]
+    steps = [r for r in records if "step" in r]
+    steps[2]["dropped"], steps[2]["drops"] = 1, [[1, 2]]
+    steps[2]["skipped"] = True
+    records.append({"event": "drain", "rank": 1, "t": steps[-1]["t_end"], "dropped": 1})  # after finish, as written
+    with open(rank1, "w") as f:
+        f.write("\n".join(json.dumps(r) for r in records) + "\n")
+    summary = timeline.summarize(timeline.load_trace(path))
+    assert (summary["ranks"][1]["dropped"], summary["ranks"][1]["skipped"]) == (2, 1)
+    assert (summary["ranks"][0]["dropped"], summary["ranks"][0]["skipped"]) == (0, 0)
+    assert (summary["overall"]["dropped"], summary["overall"]["skipped"]) == (2, 1)
+    # the drain happened at the end: a range that stops earlier does not count it
+    assert timeline.summarize(timeline.load_trace(path), end_step=2)["ranks"][1]["dropped"] == 1
+    assert " dropped  skipped" in timeline.format_summary(summary)
+
+
 def test_summarize_step_range(ssp_dir):
     trace = timeline.load_trace(ssp_dir)
     summary = timeline.summarize(trace, start_step=2, end_step=5)
@@ -169,6 +208,8 @@ def test_summarize_step_range(ssp_dir):
         "wait_s": 4.0,
         "wait_fraction": 0.5,
         "max_staleness": 1,
+        "dropped": 0,
+        "skipped": 0,
     }
     assert summary["ranks"][2]["steps"] == 4 and summary["ranks"][2]["compute_s"] == 8.0
     # Pushes before the range still count, so the gap is not inflated at its edge.
