@@ -49,6 +49,37 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def load_data(batch_size):
+    """This rank's equal shard of digits' training split, and the whole test split (offline)."""
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    import tfsync
+
+    x, y = load_digits(return_X_y=True)
+    x = (x / 16.0).astype("float32")
+    x_train, x_test, y_train, y_test = train_test_split(x, y, test_size=0.2, random_state=0, stratify=y)
+    x_local, y_local = tfsync.shard(x_train, y_train, batch_size=batch_size)
+    return x_local, y_local, x_test, y_test
+
+
+def build_model(lr, momentum):
+    """A compiled 64-64-10 MLP (build it inside ``strategy.scope()`` for SyncStrategy)."""
+    model = keras.Sequential(
+        [
+            keras.Input((64,)),
+            keras.layers.Dense(64, activation="relu"),
+            keras.layers.Dense(10, activation="softmax"),
+        ]
+    )
+    model.compile(
+        optimizer=keras.optimizers.SGD(lr, momentum=momentum),
+        loss="sparse_categorical_crossentropy",
+        metrics=["accuracy"],
+    )
+    return model
+
+
 def main(argv=None):
     args = parse_args(argv)
     import horovod.tensorflow as hvd
@@ -59,30 +90,12 @@ def main(argv=None):
     if gpus:  # one GPU per process, as in Horovod's examples
         tf.config.set_visible_devices(gpus[hvd.local_rank()], "GPU")
         tf.config.experimental.set_memory_growth(gpus[hvd.local_rank()], True)
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
-
     import tfsync
     from tfsync.launch import contribution_totals, describe_mode, mode_from_args, print_result
 
     keras.utils.set_random_seed(args.seed)
-    x, y = load_digits(return_X_y=True)
-    x = (x / 16.0).astype("float32")
-    x_train, x_test, y_train, y_test = train_test_split(x, y, test_size=0.2, random_state=0, stratify=y)
-    x_local, y_local = tfsync.shard(x_train, y_train, batch_size=args.batch_size)
-
-    model = keras.Sequential(
-        [
-            keras.Input((64,)),
-            keras.layers.Dense(64, activation="relu"),
-            keras.layers.Dense(10, activation="softmax"),
-        ]
-    )
-    model.compile(
-        optimizer=keras.optimizers.SGD(args.lr, momentum=args.momentum),
-        loss="sparse_categorical_crossentropy",
-        metrics=["accuracy"],
-    )
+    x_local, y_local, x_test, y_test = load_data(args.batch_size)
+    model = build_model(args.lr, args.momentum)
 
     mode = mode_from_args(args)
     stragglers = tfsync.Stragglers.parse(args.stragglers) if args.stragglers is not None else None

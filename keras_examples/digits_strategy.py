@@ -35,34 +35,18 @@ def main(argv=None):
     gpus = tf.config.list_physical_devices("GPU")
     if gpus:
         tf.config.set_visible_devices(gpus[hvd.local_rank()], "GPU")
-    import keras
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
+    from digits import build_model, load_data  # the callback example beside this one
 
     import tfsync
     from tfsync.launch import contribution_totals, describe_mode, mode_from_args, print_result
 
-    x, y = load_digits(return_X_y=True)
-    x = (x / 16.0).astype("float32")
-    x_train, x_test, y_train, y_test = train_test_split(x, y, test_size=0.2, random_state=0, stratify=y)
-    x_local, y_local = tfsync.shard(x_train, y_train, batch_size=args.batch_size)
+    x_local, y_local, x_test, y_test = load_data(args.batch_size)
 
     mode = mode_from_args(args)
     stragglers = tfsync.Stragglers.parse(args.stragglers) if args.stragglers else None
     strategy = tfsync.distribute.SyncStrategy(mode=mode, stragglers=stragglers)
     with strategy.scope():
-        model = keras.Sequential(
-            [
-                keras.Input((64,)),
-                keras.layers.Dense(64, activation="relu"),
-                keras.layers.Dense(10, activation="softmax"),
-            ]
-        )
-        model.compile(
-            optimizer=keras.optimizers.SGD(args.lr, momentum=args.momentum),
-            loss="sparse_categorical_crossentropy",
-            metrics=["accuracy"],
-        )
+        model = build_model(args.lr, args.momentum)
     start = time.time()
     model.fit(x_local, y_local, batch_size=args.batch_size, epochs=args.epochs, verbose=0)
     engine = strategy.engine

@@ -324,7 +324,8 @@ class SyncEngine:
         for r in range(self._applied_through + 1, last + 1):
             res = self.exchange.pop(r)
             self.protocol.apply_round(res)
-            stamps = [int(res.steps[k]) for k in np.flatnonzero(res.present)]
+            # the contributions' stamps are for the trace only: not computed without one
+            stamps = [int(res.steps[k]) for k in np.flatnonzero(res.present)] if self._trace is not None else None
             applied.append((r, res.contributors, stamps))
             self._own_applied += int(res.present[self.rank] == 1.0)
             self._applied_through = r

@@ -58,7 +58,10 @@ class Policy(abc.ABC):
             now_s: the coordinator's clock; all times are seconds since the job's t0.
             size: the number of workers.
         """
-        raise NotImplementedError(f"{type(self).__name__} closes a round when every worker contributed")
+        raise NotImplementedError(
+            f"{type(self).__name__} closes a round when every worker contributed; the coordinator "
+            "asks only policies with coordinated = True"
+        )
 
     def config(self) -> dict:
         """Plain-data description, compared across ranks and written to traces."""

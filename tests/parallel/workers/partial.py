@@ -8,30 +8,15 @@ the last one slow).
 import sys
 
 import numpy as np
-from common import init, write_result
+from common import OPTIMIZER_NAMES, build_regression_model, init, make_optimizer, regression_shard, write_result
 
 hvd = init()
-import keras  # noqa: E402
 
 import tfsync  # noqa: E402
 from tfsync.bench.baseline import use_horovod_allreduce  # noqa: E402
 
 out_dir, part = sys.argv[1], sys.argv[2]
-rng = np.random.default_rng(0)
-x = rng.normal(size=(384, 8)).astype("float32")
-y = (x @ rng.normal(size=(8, 3))).astype("float32")
-xl, yl = tfsync.shard(x, y, batch_size=8)
-
-OPTIMIZERS = {
-    "sgd": lambda: keras.optimizers.SGD(0.05),
-    "momentum": lambda: keras.optimizers.SGD(0.05, momentum=0.9),
-    "adam": lambda: keras.optimizers.Adam(0.01),
-}
-
-
-def build():
-    keras.utils.set_random_seed(1)
-    return keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(3)])
+xl, yl = regression_shard(384)
 
 
 def train(mode, opt_name, frontend="callback", **engine_args):
@@ -39,14 +24,14 @@ def train(mode, opt_name, frontend="callback", **engine_args):
     if frontend == "strategy":
         strategy = tfsync.distribute.SyncStrategy(mode=mode, **engine_args)
         with strategy.scope():
-            model = build()
-            model.compile(optimizer=OPTIMIZERS[opt_name](), loss="mse")
+            model = build_regression_model()
+            model.compile(optimizer=make_optimizer(opt_name), loss="mse")
         model.fit(xl, yl, batch_size=8, epochs=2, shuffle=False, verbose=0)
         engine = strategy.engine
         strategy.finish()
         return model.get_weights(), dict(engine.counts), {}
-    model = build()
-    model.compile(optimizer=OPTIMIZERS[opt_name](), loss="mse")
+    model = build_regression_model()
+    model.compile(optimizer=make_optimizer(opt_name), loss="mse")
     if mode == "horovod":
         use_horovod_allreduce(model, hvd)
         model.fit(xl, yl, batch_size=8, epochs=2, shuffle=False, verbose=0)
@@ -64,9 +49,9 @@ def flat(weights):
 result = {}
 if part == "equivalence":
     size = hvd.size()
-    for opt_name in OPTIMIZERS:
+    for opt_name in OPTIMIZER_NAMES:
         ref, _, _ = train("horovod", opt_name)
-        start = build().get_weights()
+        start = build_regression_model().get_weights()
         row = {"moved": float(np.max(np.abs(flat(ref) - flat(start))))}
         for name, mode, frontend in (
             ("psp", tfsync.PSP(min_contributions=size), "callback"),
