@@ -6,7 +6,8 @@ One process per worker, as Horovod's examples do::
         --stragglers "base=0.02,slow=3:0.04"
 
 ``--mode`` is ``bsp``, ``ssp`` (``--staleness``), ``psp`` (``--min-contributions``,
-``--push-timeout-s``) or ``backup`` (``--backups``).
+``--push-timeout-s``), ``backup`` (``--backups``) or ``dcs3gd`` (``--dc-lambda``,
+``--dc-adaptive``).
 
 Each worker pins one GPU by local rank when GPUs are present, trains on its
 equal shard of the training set and, on rank 0, prints a JSON summary line

@@ -3,7 +3,8 @@
 Public API::
 
     tfsync.BSP(), tfsync.SSP(staleness=3)       # modes (or the strings "bsp", "ssp",
-    tfsync.PSP(), tfsync.BackupWorkers()         #   "psp", "backup")
+    tfsync.PSP(), tfsync.BackupWorkers()         #   "psp", "backup", "dcs3gd")
+    tfsync.DCS3GD(compensation=tfsync.DelayCompensation(lam=0.04))
     tfsync.Stragglers(...)                       # simulated device time and stragglers
     tfsync.keras.SyncCallback(mode=...)          # model.fit(..., callbacks=[...])
     tfsync.distribute.SyncStrategy(mode=...)     # with strategy.scope(): ...
@@ -12,7 +13,7 @@ Public API::
 
 import importlib
 
-from tfsync.policies import BSP, PSP, SSP, BackupWorkers, Policy
+from tfsync.policies import BSP, DCS3GD, PSP, SSP, BackupWorkers, DelayCompensation, Policy
 from tfsync.stragglers import Stragglers
 
 __version__ = "0.1.0"
@@ -31,4 +32,17 @@ def __getattr__(name):
     raise AttributeError(f"module 'tfsync' has no attribute {name!r}")
 
 
-__all__ = ["BSP", "SSP", "PSP", "BackupWorkers", "Policy", "Stragglers", "shard", "keras", "distribute", "__version__"]
+__all__ = [
+    "BSP",
+    "SSP",
+    "PSP",
+    "BackupWorkers",
+    "DCS3GD",
+    "DelayCompensation",
+    "Policy",
+    "Stragglers",
+    "shard",
+    "keras",
+    "distribute",
+    "__version__",
+]

@@ -1,10 +1,11 @@
 """``python -m tfsync.demo``: the README's main job.
 
 Trains ``keras_examples/digits.py`` on 4 local workers over Gloo under BSP,
-SSP, PSP and backup workers, in two straggler scenarios, and prints one
-comparison table (samples/s, effective samples/s, i.e. those whose gradients
-were applied, dropped contributions and skipped steps, wait fraction, time to
-target test accuracies, final accuracy):
+SSP, PSP, backup workers and DC-S3GD, in two straggler scenarios, and prints
+one comparison table (samples/s, effective samples/s, i.e. those whose
+gradients were applied, as they were or delay-compensated; compensated and
+dropped contributions and skipped steps, wait fraction, time to target test
+accuracies, final accuracy):
 
 * ``straggler``: rank 3 is 40 ms slower on every step (a persistently slow GPU);
 * ``jitter``: every step of every worker takes up to 40 ms longer, at random
@@ -21,7 +22,7 @@ import sys
 from tfsync.launch import REPO_ROOT, horovodrun
 
 EXAMPLE = os.path.join(REPO_ROOT, "keras_examples", "digits.py")
-MODES = ("bsp", "ssp", "psp", "backup")
+MODES = ("bsp", "ssp", "psp", "backup", "dcs3gd")
 SCENARIOS = {"straggler": "base=0.02,slow=3:0.04,seed=1", "jitter": "base=0.02,jitter=0.04,seed=1"}
 
 
@@ -80,10 +81,10 @@ def format_table(rows, args):
     lines = [
         f"digits, {args.workers} workers, {args.epochs} epochs; "
         + "; ".join(sorted({f"{r['scenario']}: {r['stragglers']}" for r in rows})),
-        "| scenario | mode | samples/s | effective samples/s | dropped | skipped | wait fraction | "
+        "| scenario | mode | samples/s | effective samples/s | compensated | dropped | skipped | wait fraction | "
         + " | ".join(f"time to {t} test accuracy" for t in targets)
         + " | final test accuracy | replicas identical |",
-        "|---|---|---:|---:|---:|---:|---:|" + "---:|" * len(targets) + "---:|---|",
+        "|---|---|---:|---:|---:|---:|---:|---:|" + "---:|" * len(targets) + "---:|---|",
     ]
     for r in rows:
         reached = [
@@ -92,7 +93,8 @@ def format_table(rows, args):
         ]
         lines.append(
             f"| {r['scenario']} | {r['mode']} | {r['samples_per_s']:.0f} | "
-            f"{r['effective_samples_per_s']:.0f} | {r['dropped']} | {r['skipped']} | {r['wait_fraction']:.2f} | "
+            f"{r['effective_samples_per_s']:.0f} | {r['compensated']} | {r['dropped']} | {r['skipped']} | "
+            f"{r['wait_fraction']:.2f} | "
             + " | ".join(reached)
             + f" | {r['final_accuracy']:.3f} | {r['replicas_identical']} |"
         )

@@ -78,7 +78,7 @@ def print_result(result):
     print(RESULT_PREFIX + json.dumps(result), flush=True)
 
 
-MODES = ("bsp", "ssp", "psp", "backup")
+MODES = ("bsp", "ssp", "psp", "backup", "dcs3gd")
 
 
 def add_mode_arguments(parser, baselines=()):
@@ -102,6 +102,13 @@ def add_mode_arguments(parser, baselines=()):
         help="PSP's tau1 in seconds (--mode psp; default: a tenth of the round's " "iteration time)",
     )
     parser.add_argument("--backups", type=int, default=1, help="backup workers b (--mode backup)")
+    parser.add_argument(
+        "--dc-lambda",
+        type=float,
+        default=None,
+        help="delay compensation's lambda (--mode dcs3gd; default 0.04, or 2.0 with --dc-adaptive)",
+    )
+    parser.add_argument("--dc-adaptive", action="store_true", help="adaptive lambda, DC-ASGD-a (--mode dcs3gd)")
     return parser
 
 
@@ -115,13 +122,23 @@ def mode_from_args(args):
         return tfsync.PSP(min_contributions=args.min_contributions, push_timeout_s=args.push_timeout_s)
     if args.mode == "backup":
         return tfsync.BackupWorkers(backups=args.backups)
+    if args.mode == "dcs3gd":
+        return tfsync.DCS3GD(tfsync.DelayCompensation(lam=args.dc_lambda, adaptive=args.dc_adaptive))
     return tfsync.BSP()
 
 
 def describe_mode(policy):
     """``"ssp(s=3)"``, ``"psp(c=3)"``, ``"backup(b=1)"``: a short label for tables
     (settings left at an adaptive default, ``None``, are not shown)."""
-    options = {k: v for k, v in policy.config().items() if k != "mode" and v is not None}
+    options = {}
+    for k, v in policy.config().items():
+        if k == "compensation":  # DelayCompensation: λ in effect, and whether adaptive
+            comp = getattr(policy, k)
+            options["lambda"] = comp.strength
+            if comp.adaptive:
+                options["adaptive"] = True
+        elif k != "mode" and v is not None:
+            options[k] = v
     short = {"staleness": "s", "min_contributions": "c", "push_timeout_s": "timeout", "backups": "b"}
     return policy.name + (
         "(" + ", ".join(f"{short.get(k, k)}={v}" for k, v in options.items()) + ")" if options else ""
@@ -132,5 +149,5 @@ def contribution_totals(hvd, counts, batch_size, wall_s):
     """Every worker's counts summed (collective), and the samples/s whose gradients were applied."""
     every = hvd.allgather_object(dict(counts), name="tfsync.example.counts")
     total = {k: sum(int(c[k]) for c in every) for k in counts}
-    total["effective_samples_per_s"] = total["applied"] * batch_size / wall_s
+    total["effective_samples_per_s"] = (total["applied"] + total.get("compensated", 0)) * batch_size / wall_s
     return total

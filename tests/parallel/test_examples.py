@@ -36,13 +36,17 @@ def result_of(out):
         ("psp.sh", 12),
         ("backup.sh", 12),
         ("strategy_psp.sh", 12),
+        ("dcs3gd.sh", 12),
+        ("strategy_dcs3gd.sh", 12),
     ],
 )
 def test_digits_reaches_90_percent_on_4_workers(script, epochs):
     res = result_of(run(["bash", os.path.join(ROOT, "horovodrun_scripts", script), "--epochs", str(epochs)]))
     assert res["final_accuracy"] >= 0.90, res
     assert res["replicas_identical"], res
-    assert res["produced"] == res["applied"] + res["dropped"], res
+    assert res["produced"] == res["applied"] + res["compensated"] + res["dropped"], res
+    if "dcs3gd" in script:  # every gradient after each worker's first is corrected, none dropped
+        assert res["applied"] == 4 and res["compensated"] == res["produced"] - 4 and res["dropped"] == 0, res
     if script.startswith("backup"):  # exactly workers - 1 contributions per round
         assert res["applied"] == (res["produced"] + res["skipped"]) * 3 // 4, res
 
@@ -63,10 +67,12 @@ def test_demo_prints_the_comparison_table(tmp_path):
             str(tmp_path / "demo.json"),
         ]
     )
-    assert "| scenario | mode | samples/s | effective samples/s | dropped | skipped | wait fraction |" in out
+    assert (
+        "| scenario | mode | samples/s | effective samples/s | compensated | dropped | skipped | wait fraction |" in out
+    )
     assert "| custom | bsp |" in out and "| custom | ssp(s=3) |" in out and "| custom | psp |" in out
     rows = json.loads((tmp_path / "demo.json").read_text())
-    assert [r["mode"] for r in rows] == ["bsp", "ssp(s=3)", "psp", "backup(b=1)"]
+    assert [r["mode"] for r in rows] == ["bsp", "ssp(s=3)", "psp", "backup(b=1)", "dcs3gd(lambda=0.04)"]
     assert all(r["samples_per_s"] > 0 and 0 <= r["wait_fraction"] < 1 for r in rows)
 
 
@@ -80,6 +86,7 @@ def test_training_benchmark_writes_records(tmp_path):
         "tfsync SSP(s=3)",
         "tfsync PSP",
         "tfsync backup(b=1)",
+        "tfsync DC-S3GD",
     ]
     for r in records:
         assert {
@@ -88,10 +95,11 @@ def test_training_benchmark_writes_records(tmp_path):
             "samples_per_s",
             "wait_fraction",
             "effective_samples_per_s",
+            "compensated",
             "dropped",
             "skipped",
         } <= set(r) and r["samples_per_s"] > 0
-        assert r["produced"] == r["applied"] + r["dropped"], r
+        assert r["produced"] == r["applied"] + r["compensated"] + r["dropped"], r
         assert r["effective_samples_per_s"] <= r["samples_per_s"] * (1 + 1e-9), r
     assert records[0]["wait_fraction"] is None and 0 <= records[1]["wait_fraction"] < 1
     assert "| straggler | tfsync BSP |" in out

@@ -71,7 +71,8 @@ def main():
     model.fit(x, y, batch_size=batch_size, epochs=1, shuffle=False, verbose=0, callbacks=callbacks)
     wall = hvd.allgather_object(clock.elapsed_s())
     peak_rss_mb = hvd.allgather_object(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
-    wait, counts = None, {"produced": total * size, "applied": total * size, "dropped": 0, "skipped": 0}
+    wait = None
+    counts = {"produced": total * size, "applied": total * size, "compensated": 0, "dropped": 0, "skipped": 0}
     if sync is not None:
         totals = sync.engine.totals
         wait = hvd.allgather_object(totals["wait_s"] / (totals["wait_s"] + totals["compute_s"]))
@@ -80,7 +81,7 @@ def main():
     samples_per_s = size * args.steps * batch_size / max(wall)
     if rank == 0:
         # samples whose gradients reached the model: the applied share of every worker's steps
-        applied_share = counts["applied"] / (total * size)
+        applied_share = (counts["applied"] + counts["compensated"]) / (total * size)
         print_result(
             {
                 "samples_per_s": samples_per_s,

@@ -16,8 +16,9 @@ against.  Scenarios:
   six events in a 4-worker run of 150 steps).
 
 ``effective_samples_per_s`` counts only the samples whose gradients were
-applied (PSP and backup workers drop some and skip steps); ``dropped`` and
-``skipped`` are summed over the workers.
+applied, as they were or delay-compensated (PSP and backup workers drop some
+and skip steps); ``compensated``, ``dropped`` and ``skipped`` are summed over
+the workers.
 
 Each configuration is launched ``--repeats`` times, round-robin across the
 modes, and its median run is reported (the machine is shared and noisy).
@@ -32,7 +33,7 @@ import sys
 
 from tfsync.launch import horovodrun
 
-MODES = ("local", "horovod", "bsp", "ssp", "psp", "backup")
+MODES = ("local", "horovod", "bsp", "ssp", "psp", "backup", "dcs3gd")
 MODELS = ("small", "medium", "large")
 SCENARIOS = ("none", "straggler", "jitter", "rare")
 MODE_LABELS = {
@@ -42,6 +43,7 @@ MODE_LABELS = {
     "ssp": "tfsync SSP(s={s})",
     "psp": "tfsync PSP",
     "backup": "tfsync backup(b=1)",
+    "dcs3gd": "tfsync DC-S3GD",
 }
 
 
@@ -70,7 +72,7 @@ def parse_args(argv):
     p.add_argument(
         "--modes",
         nargs="+",
-        default=["horovod", "bsp", "ssp", "psp", "backup"],
+        default=["horovod", "bsp", "ssp", "psp", "backup", "dcs3gd"],
         choices=MODES,
         help="'local' (no synchronization) is the compute floor the overhead is measured against",
     )
@@ -167,9 +169,9 @@ def run_configuration(worker, model, scenario, args):
 
 def format_table(records):
     lines = [
-        "| model | scenario | mode | samples/s | effective samples/s | dropped | skipped | ms/step "
+        "| model | scenario | mode | samples/s | effective samples/s | compensated | dropped | skipped | ms/step "
         "| sync overhead ms/step | wait fraction | vs plain Horovod | vs tfsync BSP | peak RSS MiB |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in records:
         same = {
@@ -185,7 +187,8 @@ def format_table(records):
         vs_bsp = "—" if not bsp else f"{r['samples_per_s'] / bsp:.2f}×"
         lines.append(
             f"| {r.get('model', 'small')} | {r['scenario']} | {r['mode']} | {r['samples_per_s']:.0f} | "
-            f"{effective:.0f} | {r.get('dropped', 0)} | {r.get('skipped', 0)} | {r['ms_per_step']:.1f} | "
+            f"{effective:.0f} | {r.get('compensated', 0)} | {r.get('dropped', 0)} | {r.get('skipped', 0)} | "
+            f"{r['ms_per_step']:.1f} | "
             f"{overhead} | {wait} | {vs_hvd} | {vs_bsp} | "
             f"{r['peak_rss_mb']:.0f} |"
         )

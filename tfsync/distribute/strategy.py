@@ -12,14 +12,15 @@ CPU), so Keras 3 sees and uses a real strategy.  Across processes:
   update protocol (SSP) the local gradient is applied as is, the variables
   the optimizer updates are observed through ``extended.update``, and after
   the step the engine pushes their share and moves them to the next step's
-  weights;
+  weights; DC-S3GD's protocol does the same with the gradient the engine
+  corrected (:meth:`SyncEngine.correct_gradients`) in place of the local one;
 * the engine starts when the first train step is traced.
 
 A single-device strategy never calls its ``cross_device_ops`` under Keras 3
 fit, which is why the hooks sit on the replica all-reduce and the update
 path instead.
 
-With an update-protocol mode, in-flight rounds are drained and every replica
+With an update-protocol mode (SSP, DC-S3GD), in-flight rounds are drained and every replica
 loads the identical final weights at :meth:`SyncStrategy.finish` and,
 automatically, before the first evaluation or prediction step that follows
 training.  Call ``finish()`` after ``fit`` before saving a model.
@@ -34,7 +35,13 @@ from tensorflow.python.distribute import one_device_strategy
 from tfsync import _horovod
 from tfsync.engine import SyncEngine
 from tfsync.engine.protocols import for_policy
-from tfsync.engine.tf_bridge import exchange_gradients, exchange_updates, finish_in_graph, skippable_train_step
+from tfsync.engine.tf_bridge import (
+    correct_gradients,
+    exchange_gradients,
+    exchange_updates,
+    finish_in_graph,
+    skippable_train_step,
+)
 from tfsync.policies import resolve
 
 
@@ -42,7 +49,8 @@ class SyncStrategy(tf.distribute.OneDeviceStrategy):
     """A tf.distribute strategy that synchronizes Horovod workers with tfsync.
 
     Args:
-        mode: ``"bsp"`` (default), ``"ssp"`` or a policy such as ``tfsync.SSP(staleness=3)``.
+        mode: ``"bsp"`` (default), ``"ssp"``, ``"psp"``, ``"backup"``, ``"dcs3gd"`` or a policy
+            such as ``tfsync.SSP(staleness=3)``.
         stragglers: ``tfsync.Stragglers`` (default: from ``TFSYNC_STRAGGLERS``).
         trace_dir: JSON-lines trace directory (default: none).
         wait_timeout_s: bound on one wait for peers (default 120 s).
@@ -90,7 +98,9 @@ class _SyncExtended(one_device_strategy.OneDeviceExtended):
         super().__init__(container_strategy, device)
         SyncEngine(policy, **engine_args)  # validate the arguments now
         self._policy, self._engine_args = policy, engine_args
-        self._reduces_gradients = for_policy(policy).reduces_gradients
+        protocol = for_policy(policy)
+        self._reduces_gradients = protocol.reduces_gradients
+        self._corrects_gradients = protocol.corrects_gradients
         self._engine = None
         self._variables = None
         self._var_count = 0
@@ -153,6 +163,8 @@ class _SyncExtended(one_device_strategy.OneDeviceExtended):
             if self._engine is None:
                 self._start(values)
             return exchange_gradients(self._engine, values)
+        if self._corrects_gradients:  # the engine starts once the step has been traced
+            return correct_gradients(lambda: self._engine, values)
         return values
 
     def _update(self, var, fn, args, kwargs, group):

@@ -1,7 +1,7 @@
 """The sync engine: rounds over Horovod allreduce, clocks, control path, waits, metrics."""
 
 from tfsync.engine.diagnosis import SyncTimeoutError
-from tfsync.engine.engine import SyncEngine
+from tfsync.engine.engine import COUNTS, SyncEngine
 from tfsync.engine.exchange import WorkerLostError
 
-__all__ = ["SyncEngine", "SyncTimeoutError", "WorkerLostError"]
+__all__ = ["COUNTS", "SyncEngine", "SyncTimeoutError", "WorkerLostError"]

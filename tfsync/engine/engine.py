@@ -58,7 +58,7 @@ from tfsync.policies import resolve
 from tfsync.stragglers import Stragglers
 
 # What happened to this worker's contributions (and steps), in totals, logs and trace.
-COUNTS = ("produced", "applied", "dropped", "skipped")
+COUNTS = ("produced", "applied", "compensated", "dropped", "skipped")
 
 WAIT_TIMEOUT_ENV = _env.WAIT_TIMEOUT_S.name
 DEFAULT_WAIT_TIMEOUT_S = float(_env.WAIT_TIMEOUT_S.default)
@@ -180,13 +180,15 @@ class SyncEngine:
         self.exchange = RoundExchange(
             cluster.collective(protocol_cls.average), self.rank, self.size, self.t0, **coordinated
         )
-        self.protocol = protocol_cls(tensors, self.size)
+        self.protocol = protocol_cls(tensors, self.size, self.policy)
         on_close = self.exchange.close_round if self.policy.coordinated else None
         self.control = ControlClient(address, self.rank, token, on_close=on_close)
         self._diagnosis = Diagnosis(self.control, self.rank, self.policy.name, self.wait_timeout_s, WAIT_TIMEOUT_ENV)
         self._delays = self.stragglers.for_rank(self.rank)
         self.step = 0
-        self._produced = self._own_applied = 0  # not yet moved into the totals
+        self._produced = self._own_applied = self._own_compensated = 0  # not yet moved into the totals
+        self._corrected_rounds = set()  # own contributions whose gradient was delay-compensated
+        self._corrected_wait = None  # (wait_s, applied) of this step's correction, until its push
         self._last_pushed = -1
         self._applied_through = -1
         self._trace = None
@@ -222,10 +224,11 @@ class SyncEngine:
                 )
         self.protocol.finish()
         c = self.counts
-        if c["produced"] != c["applied"] + c["dropped"]:
+        if c["produced"] != c["applied"] + c["compensated"] + c["dropped"]:
             raise RuntimeError(
                 f"tfsync: rank {self.rank} lost track of contributions: produced {c['produced']}, "
-                f"applied {c['applied']}, dropped {c['dropped']} after every round was drained"
+                f"applied {c['applied']}, compensated {c['compensated']}, dropped {c['dropped']} "
+                f"after every round was drained"
             )
 
     def close(self):
@@ -269,6 +272,22 @@ class SyncEngine:
             self.error = exc
             raise
 
+    def correct_gradients(self, grads):
+        """Protocols that correct gradients (DC-S3GD), before the optimizer runs: wait for
+        the round this step's gradients are applied after, apply it, return them corrected.
+
+        :meth:`sync_step` follows after the optimizer, and pushes its update.
+        """
+        with self._keep_error():
+            self._check_started()
+            self._delays.sleep()
+            t = self._now()
+            applied = self._wait_and_apply(self.protocol.sync_round(self.policy, self.step))
+            self._corrected_wait = (self._now() - t, applied)
+            if self._applied_through >= 0:  # w̄ moved past the weights the gradients were computed at
+                self._corrected_rounds.add(self.step)
+            return self.protocol.correct(list(grads))
+
     def begin_step(self) -> bool:
         """Whether this step computes: False when its round already closed without this
         worker (policies that skip), and the frontend then calls :meth:`skip_step`."""
@@ -291,7 +310,14 @@ class SyncEngine:
 
     def _step(self, inputs):
         self._check_started()
-        self._delays.sleep()
+        corrected, self._corrected_wait = self._corrected_wait, None
+        if self.protocol.corrects_gradients and corrected is None:
+            raise RuntimeError(
+                f"tfsync: policy {self.policy.name!r} corrects each step's gradients before the "
+                f"optimizer runs: call SyncEngine.correct_gradients before sync_step"
+            )
+        if corrected is None:
+            self._delays.sleep()  # (correct_gradients slept already)
         step, t_start = self.step, self._t_step_start
         payload = self.protocol.contribution(list(inputs))
         t_push = self._now()
@@ -306,7 +332,11 @@ class SyncEngine:
         self._last_pushed = step
         self.control.report(step)
         applied = self._wait_and_apply(required)
-        self._end_step(step, t_start, t_push, applied)
+        if corrected is not None:  # waited before the optimizer, not after the push
+            waited_s, applied_before = corrected
+            self._end_step(step, t_start, t_push, applied_before + applied, waited_before_push_s=waited_s)
+        else:
+            self._end_step(step, t_start, t_push, applied)
         return self.protocol.result()
 
     # ------------------------------------------------------------------ internals
@@ -327,17 +357,27 @@ class SyncEngine:
             # the contributions' stamps are for the trace only: not computed without one
             stamps = [int(res.steps[k]) for k in np.flatnonzero(res.present)] if self._trace is not None else None
             applied.append((r, res.contributors, stamps))
-            self._own_applied += int(res.present[self.rank] == 1.0)
+            if res.present[self.rank] == 1.0:
+                if r in self._corrected_rounds:
+                    self._corrected_rounds.discard(r)
+                    self._own_compensated += 1
+                else:
+                    self._own_applied += 1
             self._applied_through = r
         return applied
 
     def _count_drops(self):
         """This worker's contributions dropped since the last call, counted; ``[[stamp, round]]``."""
         drops = [[int(s), int(r)] for s, r in self.exchange.take_drops()]
-        for key, n in (("produced", self._produced), ("applied", self._own_applied), ("dropped", len(drops))):
+        for key, n in (
+            ("produced", self._produced),
+            ("applied", self._own_applied),
+            ("compensated", self._own_compensated),
+            ("dropped", len(drops)),
+        ):
             self.totals[key] += n
             self.counts[key] += n
-        self._produced = self._own_applied = 0
+        self._produced = self._own_applied = self._own_compensated = 0
         return drops
 
     def _wait_round(self, round_):
@@ -351,9 +391,10 @@ class SyncEngine:
                 return
             self._diagnosis.check_while_waiting(round_, self._last_pushed, deadline)
 
-    def _end_step(self, step, t_start, t_push, applied, skipped=False):
+    def _end_step(self, step, t_start, t_push, applied, skipped=False, waited_before_push_s=0.0):
         t_end = self._now()
-        compute_s, wait_s = t_push - t_start, t_end - t_push
+        compute_s = t_push - t_start - waited_before_push_s
+        wait_s = t_end - t_push + waited_before_push_s
         # staleness of a contribution: steps between its round and the step that next uses it
         staleness = [step - r for r, _, _ in applied]
         drops = self._count_drops()

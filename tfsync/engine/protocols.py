@@ -1,4 +1,4 @@
-"""The two step protocols a policy can name, and the Horovod collective they use.
+"""The step protocols a policy can name, and the Horovod collective they use.
 
 A policy names its protocol by ``policy.payload``; the engine builds the
 protocol object once, when it starts, as Horovod's ``DistributedOptimizer``
@@ -13,6 +13,10 @@ factory decides its exchange once.  Nothing else compares payload strings.
   at ``w̄ + Σ own pending shares``, where ``w̄`` (the sum of every completed
   round, identical on every worker) and the pending sum live in TensorFlow
   variables on the worker's device.
+* :class:`CompensatedUpdateProtocol` (``"compensated_updates"``, DC-S3GD): the
+  gradient is corrected for the one round it is late
+  (:func:`tfsync.ops.delay_compensate`) before the optimizer runs; the change
+  the optimizer then made, ``Δ``, is pushed and averaged into ``w̄``.
 
 The payload never leaves TensorFlow: the frontends hand the tensors to the
 engine through ``tf.py_function`` (which passes the tensors themselves, not
@@ -96,6 +100,7 @@ class GradientProtocol:
     payload = "gradients"
     average = True
     reduces_gradients = True  # the frontends exchange before the optimizer runs
+    corrects_gradients = False
     one_round_per_step = True  # step r's optimizer applies round r's mean, and only it
 
     @staticmethod
@@ -103,7 +108,7 @@ class GradientProtocol:
         """The round that must be complete before step ``step``'s gradient is applied."""
         return policy.required_round(step)
 
-    def __init__(self, tensors, size):
+    def __init__(self, tensors, size, policy=None):
         self.shapes = [tuple(t.shape) for t in tensors]
         self.dtypes = [tf.as_dtype(t.dtype) for t in tensors]
         self._zeros = None
@@ -135,6 +140,7 @@ class UpdateProtocol:
     payload = "updates"
     average = False
     reduces_gradients = False  # the frontends exchange after the optimizer ran
+    corrects_gradients = False
     one_round_per_step = False  # every complete round is added to w̄ at once
 
     @staticmethod
@@ -142,7 +148,7 @@ class UpdateProtocol:
         """The round that must be complete before step ``step + 1`` is computed."""
         return policy.required_round(step + 1)
 
-    def __init__(self, variables, size):
+    def __init__(self, variables, size, policy=None):
         self.variables = [tf_variable(v) for v in variables]
         with tf.init_scope():
             self.w_bar = [
@@ -197,6 +203,118 @@ def _apply_round(variables, w_bar, pending, totals, own_shares):
         v.assign_add(p)
 
 
+class CompensatedUpdateProtocol:
+    """DC-S3GD's step (:class:`tfsync.DCS3GD`): correct the gradient, push the update.
+
+    Two calls per step.  Before the optimizer, :meth:`correct` (after the
+    engine applied round ``t - 1``, the mean update, to ``w̄``) returns
+    ``g̃ = g + λ·g⊙g⊙(w̄ − w_local)``, ``w_local`` being the weights ``g`` was
+    computed at.  After the optimizer moved the variables to
+    ``w_local + U(g̃)``, :meth:`contribution` takes ``Δ = U(g̃)``, moves the
+    variables to ``w̄ + Δ`` and pushes ``Δ``; Horovod averages the round.
+
+    The correction runs after any change the optimizer makes before its
+    exchange hook (a Keras strategy's weight decay), so ``Δ`` is measured from
+    ``w_local``, the weights at the step's start, and never from a read taken
+    mid-step.  State in device variables: ``w̄`` and ``w_local`` (plus ``v``,
+    adaptive): two or three copies of the parameters, and the update in flight.
+    """
+
+    payload = "compensated_updates"
+    average = True  # the round's result is the mean update (1/N) Σ_j Δ_j
+    reduces_gradients = False  # the update is pushed after the optimizer ran ...
+    corrects_gradients = True  # ... on the gradient corrected before it
+    one_round_per_step = True  # step t applies round t - 1: one round per step
+
+    @staticmethod
+    def sync_round(policy, step):
+        """The round that must be complete before step ``step``'s gradient is corrected."""
+        return policy.required_round(step)
+
+    def __init__(self, variables, size, policy):
+        self.variables = [tf_variable(v) for v in variables]
+        self.compensation = policy.compensation
+        with tf.init_scope():
+            self.w_bar = [_state_variable(tf.identity(v)) for v in self.variables]
+            self.w_local = [_state_variable(tf.identity(v)) for v in self.variables]
+            self.mean_square = (
+                [_state_variable(tf.zeros(v.shape, _accumulation_dtype(v.dtype))) for v in self.variables]
+                if self.compensation.adaptive
+                else None
+            )
+            self._lam = tf.constant(self.compensation.strength, tf.float32)
+
+    def correct(self, grads):
+        """``g̃`` for this step's gradients (the engine applied round ``t - 1`` to ``w̄``)."""
+        grads = [tf.convert_to_tensor(g) for g in grads]
+        c = self.compensation
+        if c.adaptive:
+            out = _correct_adaptive(grads, self.w_bar, self.w_local, self.mean_square, self._lam, c.momentum, c.epsilon)
+        else:
+            out = _correct(grads, self.w_bar, self.w_local, self._lam)
+        return out
+
+    def contribution(self, _inputs):
+        """The optimizer moved the variables to ``w_local + Δ``: push ``Δ``, move to ``w̄ + Δ``."""
+        return _push_update(self.variables, self.w_bar, self.w_local)
+
+    def apply_round(self, result):
+        _add_mean(self.w_bar, result.total)
+
+    def result(self):
+        return []
+
+    def finish(self):
+        """Every round applied: the weights become ``w̄``, identical on every worker."""
+        for v, w, local in zip(self.variables, self.w_bar, self.w_local):
+            v.assign(w)
+            local.assign(w)
+
+
+def _state_variable(initial):
+    return tf.Variable(initial, trainable=False, synchronization=tf.VariableSynchronization.NONE)
+
+
+def _accumulation_dtype(dtype):
+    return tf.float64 if dtype == tf.float64 else tf.float32
+
+
+# autograph=False: straight-line code; conversion would only trip over the op loader
+@tf.function(autograph=False)
+def _correct(grads, w_bar, w_local, lam):
+    from tfsync import ops
+
+    return [ops.delay_compensate(g, w, local, lam) for g, w, local in zip(grads, w_bar, w_local)]
+
+
+@tf.function(autograph=False)
+def _correct_adaptive(grads, w_bar, w_local, mean_square, lam0, momentum, epsilon):
+    from tfsync import ops
+
+    return [
+        ops.delay_compensate_adaptive(g, w, local, v, lam0, momentum, epsilon)
+        for g, w, local, v in zip(grads, w_bar, w_local, mean_square)
+    ]
+
+
+@tf.function(jit_compile=True)
+def _push_update(variables, w_bar, w_local):
+    updates = []
+    for v, w, local in zip(variables, w_bar, w_local):
+        update = v - local
+        moved = w + update
+        v.assign(moved)
+        local.assign(moved)
+        updates.append(update)
+    return updates
+
+
+@tf.function
+def _add_mean(w_bar, means):
+    for w, m in zip(w_bar, means):
+        w.assign_add(m)
+
+
 def mask_stale_payload(payload, stamp, round_):
     """A contribution as it enters round ``round_``: ``(payload, True)`` if it was computed
     for that round, else ``(zeros, False)``, by :func:`tfsync.ops.mask_stale`.
@@ -213,7 +331,7 @@ def mask_stale_payload(payload, stamp, round_):
     return [first] + [ops.mask_stale(t, stamp, round_).masked for t in payload[1:]], False
 
 
-PROTOCOLS = {p.payload: p for p in (GradientProtocol, UpdateProtocol)}
+PROTOCOLS = {p.payload: p for p in (GradientProtocol, UpdateProtocol, CompensatedUpdateProtocol)}
 
 
 def for_policy(policy):
@@ -235,4 +353,4 @@ def dense(tensors, shapes, dtypes):
     return out
 
 
-__all__ = ["GradientProtocol", "UpdateProtocol", "for_policy", "horovod_collective"]
+__all__ = ["GradientProtocol", "UpdateProtocol", "CompensatedUpdateProtocol", "for_policy", "horovod_collective"]

@@ -26,6 +26,23 @@ def exchange_gradients(engine, grads):
     return out
 
 
+def correct_gradients(engine, grads):
+    """Protocols that correct gradients (DC-S3GD): this step's gradients, corrected for
+    the weights they will be applied at (:meth:`SyncEngine.correct_gradients`).
+
+    ``engine`` may be a callable returning the engine, for frontends that
+    start it after the step is traced.
+    """
+    get_engine = engine if callable(engine) else (lambda: engine)
+    grads = [tf.convert_to_tensor(g) for g in grads]  # IndexedSlices become dense
+    out = tf.py_function(
+        lambda *g: get_engine().correct_gradients(g), grads, Tout=[g.dtype for g in grads], name="tfsync_correct"
+    )
+    for o, g in zip(out, grads):
+        o.set_shape(g.shape)
+    return out
+
+
 def exchange_updates(engine, variables):
     """Update protocol: after the local optimizer step, push its share and move the weights.
 

@@ -12,9 +12,9 @@ import numpy as np
 import tensorflow as tf
 
 from tfsync import _horovod
-from tfsync.engine import SyncEngine
+from tfsync.engine import COUNTS, SyncEngine
 from tfsync.engine.protocols import tf_variable
-from tfsync.engine.tf_bridge import exchange_gradients, exchange_updates, skippable_train_step
+from tfsync.engine.tf_bridge import correct_gradients, exchange_gradients, exchange_updates, skippable_train_step
 from tfsync.policies import resolve
 
 
@@ -30,7 +30,7 @@ class SyncCallback(keras.callbacks.Callback):
     replicas end with identical weights.  State is reset at every ``fit``.
 
     Args:
-        mode: ``"bsp"`` (default), ``"ssp"``, ``"psp"``, ``"backup"`` or a policy
+        mode: ``"bsp"`` (default), ``"ssp"``, ``"psp"``, ``"backup"``, ``"dcs3gd"`` or a policy
             object such as ``tfsync.SSP(staleness=3)`` or ``tfsync.PSP(min_contributions=3)``.
         stragglers: ``tfsync.Stragglers`` to inject simulated delays; default:
             from the ``TFSYNC_STRAGGLERS`` environment variable (off if unset).
@@ -42,7 +42,8 @@ class SyncCallback(keras.callbacks.Callback):
 
     Logs added: per batch ``tfsync_wait_s``, ``tfsync_staleness``; per epoch
     ``tfsync_wait_fraction`` and this worker's contributions: ``tfsync_produced``
-    = ``tfsync_applied`` + ``tfsync_dropped`` (the last epoch's counts include
+    = ``tfsync_applied`` + ``tfsync_compensated`` (applied after a delay
+    compensation, DC-S3GD) + ``tfsync_dropped`` (the last epoch's counts include
     the contributions drained at its end), and ``tfsync_skipped`` steps (PSP,
     backup workers: steps whose round closed before this worker computed it).
     Averaged over workers with ``average_epoch_logs``.
@@ -123,7 +124,7 @@ class SyncCallback(keras.callbacks.Callback):
         tot = self.engine.totals
         busy = tot["wait_s"] + tot["compute_s"]
         logs["tfsync_wait_fraction"] = tot["wait_s"] / busy if busy else 0.0
-        for key in ("produced", "applied", "dropped", "skipped"):
+        for key in COUNTS:
             logs[f"tfsync_{key}"] = float(tot[key])
         if self.average_epoch_logs:
             hvd = _horovod.horovod()
@@ -178,6 +179,8 @@ class SyncCallback(keras.callbacks.Callback):
                 )
             if engine.protocol.reduces_gradients:
                 return original(zip(exchange_gradients(engine, grads), variables))
+            if engine.protocol.corrects_gradients:
+                grads = correct_gradients(engine, grads)
             result = original(zip(grads, variables))
             exchange_updates(engine, variables)
             return result

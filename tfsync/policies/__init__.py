@@ -11,6 +11,9 @@ contributions.  A policy answers two questions:
   (exactly what ``hvd.allreduce`` + optimizer does).  ``"updates"``: the change
   the local optimizer made, ``Δ = U(g)``, exchanged *after* it was applied locally
   (additive updates, as in SSP's parameter-server model, Ho et al. 2013).
+  ``"compensated_updates"`` (DC-S3GD, :mod:`tfsync.policies.compensation`):
+  the gradient is corrected for the round it is late before the optimizer
+  runs, and the change the optimizer made is averaged.
 * ``required_round(step)``: the newest round that must be complete before the
   worker passes the synchronization point of ``step``.  For ``"gradients"``
   that point is before applying step ``step``'s gradient; for ``"updates"``
@@ -32,9 +35,10 @@ aggregates (see :mod:`tfsync.engine.control`).
 import dataclasses
 
 from tfsync.policies.base import Closing, Policy
+from tfsync.policies.compensation import DCS3GD, DelayCompensation
 from tfsync.policies.partial import PSP, BackupWorkers
 
-PAYLOADS = ("gradients", "updates")
+PAYLOADS = ("gradients", "updates", "compensated_updates")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,7 +104,7 @@ class SSP(Policy):
         return step - self.staleness - 1
 
 
-_BY_NAME = {"bsp": BSP, "ssp": SSP, "psp": PSP, "backup": BackupWorkers}
+_BY_NAME = {"bsp": BSP, "ssp": SSP, "psp": PSP, "backup": BackupWorkers, "dcs3gd": DCS3GD}
 
 
 def resolve(mode) -> Policy:
@@ -123,4 +127,15 @@ def resolve(mode) -> Policy:
     )
 
 
-__all__ = ["Policy", "Closing", "BSP", "SSP", "PSP", "BackupWorkers", "resolve", "PAYLOADS"]
+__all__ = [
+    "Policy",
+    "Closing",
+    "BSP",
+    "SSP",
+    "PSP",
+    "BackupWorkers",
+    "DCS3GD",
+    "DelayCompensation",
+    "resolve",
+    "PAYLOADS",
+]

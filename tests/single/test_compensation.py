@@ -1,0 +1,208 @@
+"""Delay compensation and DC-S3GD: settings, and real engines on in-process ranks.
+
+The DC-S3GD jobs run N real ``SyncEngine`` s on threads over the fake cluster
+(:mod:`fake_cluster`); each rank's loop is a tiny training loop with plain SGD
+as the optimizer: compute a gradient at its weights, ``correct_gradients``,
+``w -= lr * g̃``, ``sync_step``.  The test keeps its own record of what every
+rank computed and received and works out from it, with NumPy, what the
+engine must have used and produced; the values the correction actually
+consumed are read off the protocol's variables at the moment it runs.
+"""
+
+import random
+import threading
+import time
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from fake_cluster import FakeCluster
+
+import tfsync
+from tfsync.engine import SyncEngine
+from tfsync.policies import DCS3GD, DelayCompensation, resolve
+from tfsync.stragglers import Stragglers
+
+WIDTH = 4
+LR = 0.1
+JOIN_S = 45.0
+
+
+@pytest.fixture(autouse=True, scope="module")
+def control_on_localhost():
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TFSYNC_CONTROL_HOST", "localhost")
+        mp.delenv("TFSYNC_STRAGGLERS", raising=False)
+        yield
+
+
+# ------------------------------------------------------------------- settings
+
+
+def test_defaults_are_dc_asgds():
+    assert DelayCompensation().strength == 0.04
+    assert DelayCompensation(adaptive=True).strength == 2.0
+    assert DelayCompensation(lam=0).strength == 0.0
+    assert resolve("dcs3gd") == DCS3GD()
+    assert tfsync.DCS3GD().compensation == DelayCompensation()
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, words",
+    [
+        (dict(lam=-0.1), ValueError, ">= 0"),
+        (dict(lam=float("nan")), ValueError, "finite"),
+        (dict(lam="big"), TypeError, "number"),
+        (dict(adaptive=True, momentum=1.0), ValueError, "< 1"),
+        (dict(adaptive=True, momentum=-0.5), ValueError, ">= 0"),
+        (dict(adaptive="yes"), TypeError, "True or False"),
+        (dict(epsilon=0.0), ValueError, "> 0"),
+    ],
+)
+def test_bad_compensation_settings_say_what_and_how(kwargs, error, words):
+    with pytest.raises(error) as info:
+        DelayCompensation(**kwargs)
+    message = str(info.value)
+    assert words in message and "e.g. tfsync.DelayCompensation(" in message, message
+
+
+def test_dcs3gd_takes_only_a_delay_compensation():
+    with pytest.raises(TypeError, match="must be a tfsync.DelayCompensation"):
+        DCS3GD(compensation=0.04)
+
+
+# ------------------------------------------------------------------ DC-S3GD jobs
+
+
+def gradient_at(rank, step, w):
+    """A gradient that depends on the weights it was computed at (so staleness matters)."""
+    return (np.array([1.0, -0.5, 0.25, 2.0], np.float32) * (rank + 1) + 0.3 * step + 0.8 * w).astype(np.float32)
+
+
+class DCJob:
+    def __init__(self, policy, size=3, steps=8, seed=0, max_delay_s=0.02):
+        rng = random.Random(seed)
+        self.policy, self.size, self.steps = policy, size, steps
+        self.delays = [[rng.uniform(0.0, max_delay_s) for _ in range(steps)] for _ in range(size)]
+        self.w0 = np.linspace(-1.0, 1.0, WIDTH).astype(np.float32)
+        self.cluster = FakeCluster(size, timeout_s=15.0)
+        self.records = [[] for _ in range(size)]  # (step, w, g, g̃, w_bar used, w_local used)
+        self.counts, self.final = [None] * size, [None] * size
+
+    def _train(self, rank):
+        engine = SyncEngine(self.policy, stragglers=Stragglers(), wait_timeout_s=15.0, cluster=self.cluster.rank(rank))
+        var = tf.Variable(self.w0)
+        engine.start([var])
+        protocol, used = engine.protocol, {}
+        original = protocol.correct
+
+        def recording_correct(grads):  # what the op reads, at the moment it runs
+            used["w_bar"] = protocol.w_bar[0].numpy().copy()
+            used["w_local"] = protocol.w_local[0].numpy().copy()
+            return original(grads)
+
+        protocol.correct = recording_correct
+        for step in range(self.steps):
+            w = var.numpy().copy()
+            time.sleep(self.delays[rank][step])
+            g = gradient_at(rank, step, w)
+            (corrected,) = engine.correct_gradients([tf.constant(g)])
+            corrected = corrected.numpy()
+            var.assign_sub(LR * corrected)  # the optimizer: plain SGD
+            engine.sync_step([])
+            self.records[rank].append((step, w, g, corrected, used["w_bar"], used["w_local"]))
+        engine.finish()
+        self.counts[rank], self.final[rank] = dict(engine.counts), var.numpy()
+        engine.close()
+
+    def run(self):
+        errors = [None] * self.size
+
+        def guarded(rank):
+            try:
+                self._train(rank)
+            except BaseException as exc:  # noqa: BLE001 - re-raised below
+                errors[rank] = exc
+
+        threads = [threading.Thread(target=guarded, args=(r,), daemon=True) for r in range(self.size)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + JOIN_S
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        assert not any(t.is_alive() for t in threads), f"ranks hung; errors: {errors}"
+        for exc in errors:
+            if exc is not None:
+                raise exc
+        return self
+
+    def expected_w_bar(self):
+        """``w̄`` before each step, from the updates the ranks made: ``w0 + Σ_{k<t} mean_j Δ_j^k``."""
+        w_bar = [self.w0.astype(np.float64)]
+        for step in range(self.steps):
+            mean_update = np.mean([-LR * self.records[r][step][3].astype(np.float64) for r in range(self.size)], axis=0)
+            w_bar.append(w_bar[-1] + mean_update)
+        return w_bar
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_dcs3gd_corrects_each_gradient_with_the_average_and_its_own_weights(seed):
+    lam = 0.5
+    job = DCJob(DCS3GD(DelayCompensation(lam=lam)), seed=seed).run()
+    w_bar = job.expected_w_bar()
+    for rank in range(job.size):
+        for step, w, g, corrected, used_bar, used_local in job.records[rank]:
+            # w_stale: the weights this rank computed the gradient at
+            np.testing.assert_allclose(used_local, w, rtol=0, atol=1e-6)
+            # w_now: the average after every round of the steps before this one (staleness 1)
+            np.testing.assert_allclose(used_bar, w_bar[step], rtol=0, atol=1e-5)
+            expected = g + lam * g * g * (used_bar.astype(np.float64) - used_local)
+            np.testing.assert_allclose(corrected, expected, rtol=1e-5, atol=1e-6)
+            if step == 0:  # nothing in flight yet: w̄ is the initial weights, no correction
+                np.testing.assert_array_equal(corrected, g)
+        # the local weights: w_i = w̄ + Δ_i (equation 12) at every step after the first
+        for (step, w, *_), prev in zip(job.records[rank][1:], job.records[rank]):
+            np.testing.assert_allclose(w, w_bar[step - 1] - LR * prev[3], rtol=0, atol=1e-5)
+    for rank in range(job.size):
+        np.testing.assert_array_equal(job.final[rank], job.final[0])
+        assert job.counts[rank] == {
+            "produced": job.steps,
+            "applied": 1,  # step 0: computed at w̄ itself
+            "compensated": job.steps - 1,
+            "dropped": 0,
+            "skipped": 0,
+        }, job.counts[rank]
+    np.testing.assert_allclose(job.final[0], w_bar[-1], rtol=0, atol=1e-5)
+
+
+def test_dcs3gd_with_lambda_zero_applies_the_gradients_uncorrected():
+    job = DCJob(DCS3GD(DelayCompensation(lam=0.0)), seed=2).run()
+    for rank in range(job.size):
+        for _, _, g, corrected, _, _ in job.records[rank]:
+            np.testing.assert_array_equal(corrected, g)
+    np.testing.assert_allclose(job.final[0], job.expected_w_bar()[-1], rtol=0, atol=1e-5)
+
+
+def test_dcs3gd_adaptive_follows_dc_asgd_a():
+    comp = DelayCompensation(lam=1.5, adaptive=True, momentum=0.9, epsilon=1e-7)
+    job = DCJob(DCS3GD(comp), size=2, steps=6, seed=3).run()
+    for rank in range(job.size):
+        v = np.zeros(WIDTH, np.float64)
+        for _, _, g, corrected, used_bar, used_local in job.records[rank]:
+            g64 = g.astype(np.float64)
+            v = comp.momentum * v + (1 - comp.momentum) * g64 * g64
+            lam_t = comp.lam / np.sqrt(v + comp.epsilon)
+            expected = g64 + lam_t * g64 * g64 * (used_bar.astype(np.float64) - used_local)
+            np.testing.assert_allclose(corrected, expected, rtol=1e-4, atol=1e-5)
+    np.testing.assert_array_equal(job.final[1], job.final[0])
+
+
+def test_sync_step_before_the_correction_is_refused():
+    cluster = FakeCluster(1, timeout_s=5.0)
+    engine = SyncEngine("dcs3gd", stragglers=Stragglers(), wait_timeout_s=5.0, cluster=cluster.rank(0))
+    engine.start([tf.Variable(np.zeros(WIDTH, np.float32))])
+    try:
+        with pytest.raises(RuntimeError, match="call SyncEngine.correct_gradients before sync_step"):
+            engine.sync_step([])
+    finally:
+        engine.close()
