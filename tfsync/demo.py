@@ -1,7 +1,8 @@
 """``python -m tfsync.demo``: the README's main job.
 
 Trains ``keras_examples/digits.py`` on 4 local workers over Gloo under BSP,
-SSP, PSP, backup workers and DC-S3GD, in two straggler scenarios, and prints
+SSP, PSP, backup workers (dropping late gradients, and compensating them:
+backup+dc) and DC-S3GD, in two straggler scenarios, and prints
 one comparison table (samples/s, effective samples/s, i.e. those whose
 gradients were applied, as they were or delay-compensated; compensated and
 dropped contributions and skipped steps, wait fraction, time to target test
@@ -22,7 +23,15 @@ import sys
 from tfsync.launch import REPO_ROOT, horovodrun
 
 EXAMPLE = os.path.join(REPO_ROOT, "keras_examples", "digits.py")
-MODES = ("bsp", "ssp", "psp", "backup", "dcs3gd")
+# mode -> the example's flags (psp+dc, backup+dc: late gradients compensated instead of dropped)
+MODES = {
+    "bsp": ["--mode", "bsp"],
+    "ssp": ["--mode", "ssp"],
+    "psp": ["--mode", "psp"],
+    "backup": ["--mode", "backup"],
+    "backup+dc": ["--mode", "backup", "--compensate"],
+    "dcs3gd": ["--mode", "dcs3gd"],
+}
 SCENARIOS = {"straggler": "base=0.02,slow=3:0.04,seed=1", "jitter": "base=0.02,jitter=0.04,seed=1"}
 
 
@@ -54,8 +63,7 @@ def main(argv=None):
             row = horovodrun(
                 EXAMPLE,
                 [
-                    "--mode",
-                    mode,
+                    *MODES[mode],
                     "--staleness",
                     args.staleness,
                     "--epochs",

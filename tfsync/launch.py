@@ -103,12 +103,19 @@ def add_mode_arguments(parser, baselines=()):
     )
     parser.add_argument("--backups", type=int, default=1, help="backup workers b (--mode backup)")
     parser.add_argument(
+        "--compensate",
+        action="store_true",
+        help="correct and apply late contributions instead of dropping them (--mode psp or backup)",
+    )
+    parser.add_argument(
         "--dc-lambda",
         type=float,
         default=None,
-        help="delay compensation's lambda (--mode dcs3gd; default 0.04, or 2.0 with --dc-adaptive)",
+        help="delay compensation's lambda (--mode dcs3gd, --compensate; default 0.04, or 2.0 with --dc-adaptive)",
     )
-    parser.add_argument("--dc-adaptive", action="store_true", help="adaptive lambda, DC-ASGD-a (--mode dcs3gd)")
+    parser.add_argument(
+        "--dc-adaptive", action="store_true", help="adaptive lambda, DC-ASGD-a (--mode dcs3gd, --compensate)"
+    )
     return parser
 
 
@@ -116,33 +123,50 @@ def mode_from_args(args):
     """The policy object the parsed ``--mode`` flags describe."""
     import tfsync
 
+    dc_flags = args.dc_lambda is not None or args.dc_adaptive
+    if args.compensate and args.mode not in ("psp", "backup"):
+        raise SystemExit(
+            f"--compensate: mode {args.mode!r} never applies a contribution that missed its round, so "
+            f"there is nothing to compensate; use it with --mode psp or --mode backup "
+            f"(--mode dcs3gd compensates always)"
+        )
+    if dc_flags and not (args.compensate or args.mode == "dcs3gd"):
+        raise SystemExit(
+            "--dc-lambda and --dc-adaptive set delay compensation: add --compensate (with --mode psp "
+            "or backup) or use --mode dcs3gd"
+        )
+    compensation = tfsync.DelayCompensation(lam=args.dc_lambda, adaptive=args.dc_adaptive)
+    compensate = compensation if args.compensate else None
     if args.mode == "ssp":
         return tfsync.SSP(staleness=args.staleness)
     if args.mode == "psp":
-        return tfsync.PSP(min_contributions=args.min_contributions, push_timeout_s=args.push_timeout_s)
+        return tfsync.PSP(
+            min_contributions=args.min_contributions, push_timeout_s=args.push_timeout_s, compensate=compensate
+        )
     if args.mode == "backup":
-        return tfsync.BackupWorkers(backups=args.backups)
+        return tfsync.BackupWorkers(backups=args.backups, compensate=compensate)
     if args.mode == "dcs3gd":
-        return tfsync.DCS3GD(tfsync.DelayCompensation(lam=args.dc_lambda, adaptive=args.dc_adaptive))
+        return tfsync.DCS3GD(compensation)
     return tfsync.BSP()
 
 
 def describe_mode(policy):
-    """``"ssp(s=3)"``, ``"psp(c=3)"``, ``"backup(b=1)"``: a short label for tables
-    (settings left at an adaptive default, ``None``, are not shown)."""
-    options = {}
-    for k, v in policy.config().items():
-        if k == "compensation":  # DelayCompensation: λ in effect, and whether adaptive
-            comp = getattr(policy, k)
-            options["lambda"] = comp.strength
-            if comp.adaptive:
-                options["adaptive"] = True
-        elif k != "mode" and v is not None:
-            options[k] = v
+    """``"ssp(s=3)"``, ``"psp(c=3)"``, ``"backup(b=1)+dc(lambda=0.04)"``, ``"dcs3gd(lambda=0.04)"``:
+    a short label for tables (settings left at an adaptive default, ``None``, are not shown)."""
+
+    def compensation(comp):
+        return f"lambda={comp.strength}" + (", adaptive" if comp.adaptive else "")
+
+    options, suffix = [], ""
     short = {"staleness": "s", "min_contributions": "c", "push_timeout_s": "timeout", "backups": "b"}
-    return policy.name + (
-        "(" + ", ".join(f"{short.get(k, k)}={v}" for k, v in options.items()) + ")" if options else ""
-    )
+    for k, v in policy.config().items():
+        if k == "compensation":  # DC-S3GD's own
+            options.append(compensation(policy.compensation))
+        elif k == "compensate":  # PSP's and backup workers' late gradients
+            suffix = "" if policy.compensate is None else f"+dc({compensation(policy.compensate)})"
+        elif k != "mode" and v is not None:
+            options.append(f"{short.get(k, k)}={v}")
+    return policy.name + (f"({', '.join(options)})" if options else "") + suffix
 
 
 def contribution_totals(hvd, counts, batch_size, wall_s):

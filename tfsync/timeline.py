@@ -157,6 +157,7 @@ def _check_step(record, path, lineno, file_rank, previous):
         "applied": [tuple(item) for item in applied],
         "applied_through": record.get("applied_through"),
         "dropped": record.get("dropped", 0),
+        "compensated": record.get("compensated", 0),
         "skipped": bool(record.get("skipped", False)),
     }
 
@@ -181,7 +182,7 @@ def _check_finish(record, path, lineno, file_rank, previous):
             f"the finish event at t={t} is before the last step ended (t={previous['t_end']})",
             "the finish event after the last step",
         )
-    return {"rank": rank, "t": t, "wait_s": wait_s}
+    return {"rank": rank, "t": t, "wait_s": wait_s, "compensated": record.get("compensated", 0)}
 
 
 def _load_rank_file(path, file_rank):
@@ -396,6 +397,7 @@ def summarize(trace, start_step=None, end_step=None) -> dict:
             "wait_s": wait_s,
             "wait_fraction": wait_s / total if total > 0 else 0.0,
             "max_staleness": max(staleness) if staleness else 0,
+            "compensated": sum(rec["compensated"] for rec in steps) + (finish["compensated"] if finish else 0),
             "dropped": sum(rec["dropped"] for rec in steps)
             + (trace["ranks"][rank].get("drained", 0) if end_step is None else 0),
             "skipped": sum(rec["skipped"] for rec in steps),
@@ -424,6 +426,7 @@ def summarize(trace, start_step=None, end_step=None) -> dict:
         "wait_s": wait_s,
         "wait_fraction": wait_s / (compute_s + wait_s) if compute_s + wait_s > 0 else 0.0,
         "max_staleness": max(r["max_staleness"] for r in per_rank.values()),
+        "compensated": sum(r["compensated"] for r in per_rank.values()),
         "dropped": sum(r["dropped"] for r in per_rank.values()),
         "skipped": sum(r["skipped"] for r in per_rank.values()),
         "max_clock_gap": max_gap if max_gap is not None else 0,
@@ -442,14 +445,15 @@ def format_summary(summary) -> str:
     """The summary as a plain-text table (what the command prints)."""
     header = (
         f"{'rank':>6} {'steps':>7} {'compute_s':>11} {'wait_s':>11} {'wait %':>7} {'max stale':>9} "
-        f"{'dropped':>8} {'skipped':>8}"
+        f"{'compensated':>11} {'dropped':>8} {'skipped':>8}"
     )
     lines = [f"mode: {summary['mode']}, {summary['size']} workers", header, "-" * len(header)]
 
     def row(label, r):
         return (
             f"{label:>6} {r['steps']:>7d} {r['compute_s']:>11.3f} {r['wait_s']:>11.3f} "
-            f"{100 * r['wait_fraction']:>6.1f}% {r['max_staleness']:>9d} {r['dropped']:>8d} {r['skipped']:>8d}"
+            f"{100 * r['wait_fraction']:>6.1f}% {r['max_staleness']:>9d} {r['compensated']:>11d} "
+            f"{r['dropped']:>8d} {r['skipped']:>8d}"
         )
 
     for rank, r in sorted(summary["ranks"].items()):

@@ -72,7 +72,14 @@ def test_demo_prints_the_comparison_table(tmp_path):
     )
     assert "| custom | bsp |" in out and "| custom | ssp(s=3) |" in out and "| custom | psp |" in out
     rows = json.loads((tmp_path / "demo.json").read_text())
-    assert [r["mode"] for r in rows] == ["bsp", "ssp(s=3)", "psp", "backup(b=1)", "dcs3gd(lambda=0.04)"]
+    assert [r["mode"] for r in rows] == [
+        "bsp",
+        "ssp(s=3)",
+        "psp",
+        "backup(b=1)",
+        "backup(b=1)+dc(lambda=0.04)",
+        "dcs3gd(lambda=0.04)",
+    ]
     assert all(r["samples_per_s"] > 0 and 0 <= r["wait_fraction"] < 1 for r in rows)
 
 
@@ -87,6 +94,8 @@ def test_training_benchmark_writes_records(tmp_path):
         "tfsync PSP",
         "tfsync backup(b=1)",
         "tfsync DC-S3GD",
+        "tfsync PSP+DC",
+        "tfsync backup(b=1)+DC",
     ]
     for r in records:
         assert {

@@ -206,3 +206,115 @@ def test_sync_step_before_the_correction_is_refused():
             engine.sync_step([])
     finally:
         engine.close()
+
+
+# ---------------------------------------------- PSP and backup workers with compensate=
+
+
+class LateJob:
+    """Coordinated rounds with ``compensate=``: rank ``slow`` takes ``slow_s`` per step, the
+    others ``fast_s``; every rank applies each round's mean with plain SGD."""
+
+    def __init__(self, policy, size=3, steps=14, slow=2, fast_s=0.01, slow_s=0.045):
+        self.policy, self.size, self.steps = policy, size, steps
+        self.delays = [[slow_s if r == slow else fast_s for _ in range(steps)] for r in range(size)]
+        self.w0 = np.linspace(-1.0, 1.0, WIDTH).astype(np.float32)
+        self.cluster = FakeCluster(size, timeout_s=15.0)
+        self.pushed = [{} for _ in range(size)]  # step -> (weights it was computed at, gradient)
+        self.offers = [[] for _ in range(size)]  # (step offered at, weights then, w_now, w_stale, g, g̃)
+        self.means = [{} for _ in range(size)]  # step -> the mean this rank applied
+        self.counts, self.final, self.engines = [None] * size, [None] * size, [None] * size
+
+    def _train(self, rank):
+        engine = SyncEngine(self.policy, stragglers=Stragglers(), wait_timeout_s=15.0, cluster=self.cluster.rank(rank))
+        self.engines[rank] = engine
+        var = tf.Variable(self.w0)
+        engine.start([var])
+        protocol, original = engine.protocol, engine.protocol.compensate
+        state = {}
+
+        def recording_compensate(grads):  # what the op reads, at the moment it runs
+            out = original(grads)
+            self.offers[rank].append(
+                (
+                    state["step"],
+                    state["w"],
+                    protocol.variables[0].numpy().copy(),
+                    protocol.w_stale[0].numpy().copy(),
+                    grads[0].numpy().copy(),
+                    out[0].numpy().copy(),
+                )
+            )
+            return out
+
+        protocol.compensate = recording_compensate
+        for step in range(self.steps):
+            state["step"], state["w"] = step, var.numpy().copy()
+            if engine.begin_step():
+                w = var.numpy().copy()
+                time.sleep(self.delays[rank][step])
+                g = gradient_at(rank, step, w)
+                self.pushed[rank][step] = (w, g)
+                (mean,) = engine.sync_step([tf.constant(g)])
+            else:
+                (mean,) = engine.skip_step()
+            self.means[rank][step] = mean.numpy()
+            var.assign_sub(LR * mean)
+        engine.finish()
+        self.counts[rank], self.final[rank] = dict(engine.counts), var.numpy()
+        engine.close()
+
+    def run(self):
+        DCJob.run(self)
+        self.closed = self.engines[0]._server.closed
+        return self
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [
+        tfsync.BackupWorkers(backups=1, compensate=DelayCompensation(lam=0.5)),
+        tfsync.PSP(min_contributions=2, push_timeout_s=0.0, compensate=DelayCompensation(lam=0.5)),
+    ],
+    ids=["backup", "psp"],
+)
+def test_late_contributions_are_compensated_not_dropped(policy):
+    job = LateJob(policy).run()
+    slow = 2
+    assert [c[0] for c in job.closed] == list(range(job.steps))
+    late_rounds = {c[0]: c[2] for c in job.closed if len(c) > 2}
+    assert late_rounds and set().union(*late_rounds.values()) == {slow}, job.closed
+
+    offered = {}  # round -> the corrected gradient rank `slow` sent in it
+    for step, w_then, w_now, w_stale, g, corrected in job.offers[slow]:
+        stamp = next(s for s, (_, pushed_g) in job.pushed[slow].items() if np.array_equal(pushed_g, g))
+        # w_stale: the weights the gradient was computed at; w_now: this step's weights
+        np.testing.assert_array_equal(w_stale, job.pushed[slow][stamp][0])
+        np.testing.assert_array_equal(w_now, w_then)
+        expected = g + 0.5 * g.astype(np.float64) * g * (w_now.astype(np.float64) - w_stale)
+        np.testing.assert_allclose(corrected, expected, rtol=1e-5, atol=1e-6)
+        if step in late_rounds:
+            offered[step] = corrected
+    assert set(offered) == set(late_rounds), (sorted(offered), sorted(late_rounds))
+
+    # every round's mean: the accepted fresh gradients and the late corrected ones, over d
+    for entry in job.closed:
+        r, accepted = entry[0], entry[1]
+        parts = [job.pushed[k][r][1].astype(np.float64) for k in accepted]
+        parts += [offered[r].astype(np.float64)] if len(entry) > 2 else []
+        for k in range(job.size):
+            np.testing.assert_allclose(job.means[k][r], np.mean(parts, axis=0), rtol=1e-5, atol=1e-6)
+
+    for k in range(job.size):
+        np.testing.assert_array_equal(job.final[k], job.final[0])
+        c = job.counts[k]
+        assert c["produced"] == c["applied"] + c["compensated"] + c["dropped"], c
+        assert c["dropped"] <= 1, c  # at most the one still held when training ends
+    assert job.counts[slow]["compensated"] == len(late_rounds) > 0
+
+
+def test_compensation_with_lambda_zero_applies_the_late_gradient_as_it_was():
+    job = LateJob(tfsync.BackupWorkers(backups=1, compensate=DelayCompensation(lam=0.0))).run()
+    assert job.offers[2]
+    for *_, g, corrected in job.offers[2]:
+        np.testing.assert_array_equal(corrected, g)

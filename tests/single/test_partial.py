@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 from tfsync.engine.control import ControlClient, ControlServer
 from tfsync.engine.exchange import RoundExchange, decode_meta, encode_meta
-from tfsync.policies import BSP, PSP, SSP, BackupWorkers, Closing, Policy
+from tfsync.policies import BSP, PSP, SSP, BackupWorkers, Closing, DelayCompensation, Policy
 from tfsync.policies.partial import ADAPTIVE_PUSH_TIMEOUT_FRACTION
 
 TOKEN = "p" * 32
@@ -218,8 +218,19 @@ def test_full_psp_and_zero_backups_close_only_when_all_are_ready(case, later):
 
 
 def test_partial_policies_describe_themselves():
-    assert PSP(min_contributions=3).config() == {"mode": "psp", "min_contributions": 3, "push_timeout_s": None}
-    assert BackupWorkers().config() == {"mode": "backup", "backups": 1}
+    assert PSP(min_contributions=3).config() == {
+        "mode": "psp",
+        "min_contributions": 3,
+        "push_timeout_s": None,
+        "compensate": None,
+    }
+    assert BackupWorkers().config() == {"mode": "backup", "backups": 1, "compensate": None}
+    assert BackupWorkers(compensate=DelayCompensation(lam=0.1)).config()["compensate"] == {
+        "lam": 0.1,
+        "adaptive": False,
+        "momentum": 0.95,
+        "epsilon": 1e-7,
+    }
     for policy in (PSP(), BackupWorkers()):
         assert (policy.payload, policy.coordinated, policy.skips) == ("gradients", True, True)
         assert [policy.required_round(s) for s in range(3)] == [0, 1, 2]
@@ -535,7 +546,12 @@ def test_random_schedules_apply_the_same_mean_of_exactly_the_accepted(seed):
         pushed = sorted(kinds)
         applied = [r for r in pushed if k in coordinator.closed[r]]
         missed = [r for r in pushed if k not in coordinator.closed[r]]
-        assert ex.counts == {"produced": len(pushed), "applied": len(applied), "dropped": len(missed)}
+        assert ex.counts == {
+            "produced": len(pushed),
+            "applied": len(applied),
+            "compensated": 0,
+            "dropped": len(missed),
+        }
         assert ex.counts["produced"] == ex.counts["applied"] + ex.counts["dropped"]
         # A contribution that missed its round is dropped at the next round this rank's thread
         # enters, or by its next push, or at the drain.  Pushed before the close (and not
@@ -563,7 +579,7 @@ def test_a_contribution_that_missed_its_round_is_dropped_at_the_next_or_at_the_d
             ex.close_round(0, (0,))
         ex1.push(0, contribution(1, 0), 0.5, 0.5)  # too late for round 0: it waits, fresh, in the outbox
         assert ex0.wait(0, WAIT_S) and ex1.wait(0, WAIT_S)
-        assert ex1.counts == {"produced": 1, "applied": 0, "dropped": 0} and ex1.take_drops() == []
+        assert ex1.counts == {"produced": 1, "applied": 0, "compensated": 0, "dropped": 0} and ex1.take_drops() == []
 
         ex0.push(1, contribution(0, 1), 1.0, 0.1)
         for ex in (ex0, ex1):
@@ -577,9 +593,9 @@ def test_a_contribution_that_missed_its_round_is_dropped_at_the_next_or_at_the_d
         assert ex1.closed_through == 1
         assert ex1.drain_outbox() == 1 and ex1.drain_outbox() == 0
         assert ex1.take_drops() == [(2, 2)]
-        assert ex1.counts == {"produced": 2, "applied": 0, "dropped": 2}
+        assert ex1.counts == {"produced": 2, "applied": 0, "compensated": 0, "dropped": 2}
         assert ex0.drain_outbox() == 0
-        assert ex0.counts == {"produced": 2, "applied": 2, "dropped": 0}
+        assert ex0.counts == {"produced": 2, "applied": 2, "compensated": 0, "dropped": 0}
     finally:
         ex0.close()
         ex1.close()
@@ -598,7 +614,7 @@ def test_a_newer_push_drops_the_contribution_still_waiting():
         ex.push(3, [np.ones(3, np.float32)], 0.0, 0.0)
         ex.push(5, [np.ones(3, np.float32)], 0.0, 0.0)
         assert ex.take_drops() == [(3, 5)]
-        assert ex.counts == {"produced": 2, "applied": 0, "dropped": 1}
+        assert ex.counts == {"produced": 2, "applied": 0, "compensated": 0, "dropped": 1}
     finally:
         ex.close()
 
@@ -660,7 +676,8 @@ def test_a_round_whose_contributors_differ_from_the_decision_fails():
         ex.push(0, [np.ones(3, np.float32)], 0.0, 0.0)
         ex.close_round(0, (0, 1))
         with pytest.raises(
-            RuntimeError, match=r"should aggregate ranks \[0, 1\].*ranks \[1\] " r"contributed; the workers disagree"
+            RuntimeError,
+            match=r"should aggregate ranks \[0, 1\].*ranks \[1\] and late \[\] contributed; the workers disagree",
         ):
             ex.wait(0, timeout_s=WAIT_S)
     finally:
@@ -694,9 +711,9 @@ class Closes:
     def __init__(self):
         self.seen, self._cond = [], threading.Condition()
 
-    def __call__(self, round_, accepted):
+    def __call__(self, round_, accepted, late=()):
         with self._cond:
-            self.seen.append((round_, accepted))
+            self.seen.append((round_, accepted) + ((late,) if late else ()))
             self._cond.notify_all()
 
     def wait_for(self, n, timeout_s=WAIT_S):
@@ -841,3 +858,20 @@ def test_a_failing_policy_stops_the_job_with_its_reason(coordinated):
     (stopped,) = clients[1].known_stopped
     assert "_Broken.close_round failed on round 0: ZeroDivisionError: bad rule" in stopped["message"]
     assert server.closed == []
+
+
+def test_coordinator_takes_a_late_offer_only_into_the_open_round(coordinated):
+    server, clients, closes = coordinated(BackupWorkers(backups=1, compensate=DelayCompensation()))
+    ready(clients[2], 0)
+    ready(clients[0], 0)
+    assert _closed(server, 1) == [[0, [0, 2]]]
+    assert not clients[1].join_late(0)  # round 0 is closed: refused
+    assert clients[1].join_late(1) and clients[1].join_late(1)  # round 1 is open: taken (once)
+    assert not clients[1].join_late(2)  # not the open round
+    ready(clients[0], 1)
+    time.sleep(0.2)
+    assert server.closed == [[0, [0, 2]]]  # an extra: it does not count toward N = 2
+    ready(clients[2], 1)
+    assert _closed(server, 2) == [[0, [0, 2]], [1, [0, 2], [1]]]
+    for c in closes:
+        assert c.wait_for(2) == [(0, (0, 2)), (1, (0, 2), (1,))]

@@ -112,8 +112,8 @@ def test_load_trace_reads_every_rank_and_skips_unknown_events(ssp_dir):
     for rank, data in trace["ranks"].items():
         assert [rec["step"] for rec in data["steps"]] == list(range(10))
         assert data["file"].endswith(f"rank{rank}.jsonl")
-    assert trace["ranks"][0]["finish"] == {"rank": 0, "t": 18.0, "wait_s": 2.0}
-    assert trace["ranks"][2]["finish"] == {"rank": 2, "t": 20.0, "wait_s": 0.0}
+    assert trace["ranks"][0]["finish"] == {"rank": 0, "t": 18.0, "wait_s": 2.0, "compensated": 0}
+    assert trace["ranks"][2]["finish"] == {"rank": 2, "t": 20.0, "wait_s": 0.0, "compensated": 0}
 
 
 # ---------------------------------------------------------------------------- summary
@@ -129,6 +129,7 @@ def test_summarize_ssp_with_a_straggler(ssp_dir):
         "wait_s": 10.0,
         "wait_fraction": 0.5,
         "max_staleness": 1,
+        "compensated": 0,
         "dropped": 0,
         "skipped": 0,
     }
@@ -140,6 +141,7 @@ def test_summarize_ssp_with_a_straggler(ssp_dir):
         "wait_s": 0.0,
         "wait_fraction": 0.0,
         "max_staleness": 0,
+        "compensated": 0,
         "dropped": 0,
         "skipped": 0,
     }
@@ -208,6 +210,7 @@ def test_summarize_step_range(ssp_dir):
         "wait_s": 4.0,
         "wait_fraction": 0.5,
         "max_staleness": 1,
+        "compensated": 0,
         "dropped": 0,
         "skipped": 0,
     }

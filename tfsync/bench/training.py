@@ -33,7 +33,9 @@ import sys
 
 from tfsync.launch import horovodrun
 
-MODES = ("local", "horovod", "bsp", "ssp", "psp", "backup", "dcs3gd")
+MODES = ("local", "horovod", "bsp", "ssp", "psp", "backup", "dcs3gd", "psp+dc", "backup+dc")
+# the worker's flags for each mode (the delay-compensated variants of PSP and backup workers)
+MODE_FLAGS = {"psp+dc": ["--mode", "psp", "--compensate"], "backup+dc": ["--mode", "backup", "--compensate"]}
 MODELS = ("small", "medium", "large")
 SCENARIOS = ("none", "straggler", "jitter", "rare")
 MODE_LABELS = {
@@ -44,6 +46,8 @@ MODE_LABELS = {
     "psp": "tfsync PSP",
     "backup": "tfsync backup(b=1)",
     "dcs3gd": "tfsync DC-S3GD",
+    "psp+dc": "tfsync PSP+DC",
+    "backup+dc": "tfsync backup(b=1)+DC",
 }
 
 
@@ -72,7 +76,7 @@ def parse_args(argv):
     p.add_argument(
         "--modes",
         nargs="+",
-        default=["horovod", "bsp", "ssp", "psp", "backup", "dcs3gd"],
+        default=["horovod", "bsp", "ssp", "psp", "backup", "dcs3gd", "psp+dc", "backup+dc"],
         choices=MODES,
         help="'local' (no synchronization) is the compute floor the overhead is measured against",
     )
@@ -118,8 +122,7 @@ def run_configuration(worker, model, scenario, args):
             result = horovodrun(
                 worker,
                 [
-                    "--mode",
-                    mode,
+                    *MODE_FLAGS.get(mode, ["--mode", mode]),
                     "--model",
                     model,
                     "--staleness",

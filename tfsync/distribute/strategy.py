@@ -137,6 +137,10 @@ class _SyncExtended(one_device_strategy.OneDeviceExtended):
             try:
                 flush = [] if step_kind == "train_step" else self._flush_before_non_training_step()
                 if step_kind == "train_step" and self._policy.skips:
+                    if self._engine is None and getattr(self._policy, "compensate", None) is not None:
+                        # late gradients are corrected against the weights: start from the
+                        # variables, before the step's branches are traced
+                        self._start(list(self._model_of(fn).trainable_variables))
                     fn = self._skippable(fn)
                 with tf.control_dependencies(flush):
                     out = super()._call_for_each_replica(fn, args, kwargs)
@@ -173,8 +177,7 @@ class _SyncExtended(one_device_strategy.OneDeviceExtended):
             state.updates.append(var)
         return super()._update(var, fn, args, kwargs, group)
 
-    def _skippable(self, train_step):
-        """Keras' bound ``train_step``, skipped when its round closed without this worker."""
+    def _model_of(self, train_step):
         # strategy.run hands over Keras' bound method behind autograph's functools wrapper
         model = getattr(inspect.unwrap(train_step), "__self__", None)
         if model is None or not hasattr(model, "get_metrics_result"):
@@ -183,6 +186,11 @@ class _SyncExtended(one_device_strategy.OneDeviceExtended):
                 f"slow worker and needs Keras' Model.train_step to do so; got "
                 f"{train_step!r}. Train with model.fit"
             )
+        return model
+
+    def _skippable(self, train_step):
+        """Keras' bound ``train_step``, skipped when its round closed without this worker."""
+        model = self._model_of(train_step)
         state = self._local
 
         def apply_mean(mean):

@@ -32,7 +32,11 @@ round ``r`` is in its outbox sends ``Ready(rank, r)``; rank 0's coordinator
 thread evaluates the policy's pure ``close_round`` on the ready notices of
 the oldest open round and the clock, and when it closes, appends
 ``[r, accepted ranks]`` to the closed list, which every worker's ``Attach``
-stream carries in order.  Each worker's communication thread enters the
+stream carries in order.  A worker whose contribution missed its round and
+was delay-compensated (``compensate=``) offers it with ``Late(rank, r)`` for
+the round ``r`` it is about to compute; the coordinator takes it if ``r`` is
+still open, as an extra the policy's rule does not count, and the closing
+names it: ``[r, accepted, late]``.  Each worker's communication thread enters the
 round's allreduce on that notice (see ``exchange.py``), so the decision, not
 any worker's local clock, fixes what every replica applies.  BSP and SSP
 need no coordinator: their rounds close when every worker has contributed,
@@ -65,6 +69,7 @@ SERVER_STOP_WAIT_S = 2.0  # how long ControlServer.stop waits for the gRPC serve
 REJECTION_LOG_INTERVAL_S = 1.0  # at most one logged warning about refused calls per this
 REJECTIONS_KEPT = 100  # ControlServer.rejected keeps the first this many
 READY_TIMEOUT_S = 5.0  # deadline of one (fire-and-forget) ready notice
+LATE_TIMEOUT_S = 5.0  # deadline of one late-contribution offer (the worker waits for the answer)
 COORDINATOR_WAKE_S = 0.5  # the coordinator rechecks shutdown at least this often
 
 log = logging.getLogger("tfsync.control")
@@ -125,7 +130,8 @@ class ControlServer:
         self._stopping = threading.Event()
         self._policy = policy if policy is not None and policy.coordinated else None
         self._ready = {}  # open round -> [(rank, ready_s)] in arrival order
-        self._closed = []  # [round, [accepted ranks]] in round order
+        self._closed = []  # [round, [accepted ranks]] (+ [late ranks] when any) in round order
+        self._late = {}  # round -> ranks whose late, compensated contribution it takes
         self._opened_s = time.time() - t0  # when the oldest open round opened (the previous close)
         self._recheck_s = None  # when the policy asked to be asked again (a timeout), if it did
         self._policy_failed = False
@@ -144,6 +150,7 @@ class ControlServer:
                         ),
                         "Report": unary("Report", self._report),
                         "Ready": unary("Ready", self._ready_notice),
+                        "Late": unary("Late", self._late_notice),
                         "Leave": unary("Leave", self._leave),
                         "Stop": unary("Stop", self._stop),
                         "Table": unary("Table", self._table),
@@ -293,6 +300,19 @@ class ControlServer:
                 # no notify_all otherwise: the streams care only about closings (and losses)
         return {"ok": 1}
 
+    def _late_notice(self, request, context):
+        """A worker offers a delay-compensated contribution to the round it is about to compute
+        (its weights are that round's): taken if the round is still open."""
+        rank, round_ = int(request["rank"]), int(request["round"])
+        with self._lock:
+            next_open = self._closed[-1][0] + 1 if self._closed else 0
+            if self._policy is None or round_ != next_open:
+                return {"joined": 0}
+            late = self._late.setdefault(round_, [])
+            if rank not in late:
+                late.append(rank)
+        return {"joined": 1}
+
     def _decide_locked(self, now):
         """Apply the policy to the oldest open round (lock held); the recheck time, or None.
 
@@ -325,7 +345,11 @@ class ControlServer:
                 self._recheck_s = decision.recheck_s
                 self._coordinator_wake.notify()
             return decision.recheck_s
-        self._closed.append([round_, [int(r) for r in decision.accepted]])
+        entry = [round_, [int(r) for r in decision.accepted]]
+        late = self._late.pop(round_, None)
+        if late:  # extras: a policy's rule counts only the fresh contributions
+            entry.append(sorted(late))
+        self._closed.append(entry)
         self._ready.pop(round_, None)
         self._opened_s, self._recheck_s = now, None
         self._changed.notify_all()
@@ -346,7 +370,8 @@ class ControlServer:
 
     @property
     def closed(self):
-        """``[round, [accepted ranks]]`` for every closed round so far (coordinated policies)."""
+        """``[round, [accepted ranks]]`` for every closed round so far (coordinated policies),
+        with a third item, the ranks whose late compensated contribution it took, when any."""
         with self._lock:
             return [list(c) for c in self._closed]
 
@@ -406,7 +431,7 @@ class ControlClient:
             f"/{SERVICE}/{name}", request_serializer=_encode, response_deserializer=_decode
         )
         self._report, self._leave, self._table = method("Report"), method("Leave"), method("Table")
-        self._ready = method("Ready")
+        self._ready, self._late = method("Ready"), method("Late")
         self._stop = method("Stop")
         self._closing = False
         self.host_lost = None
@@ -445,9 +470,10 @@ class ControlClient:
                 if "lost" in message:
                     self.known_lost = message["lost"]
                     self.known_stopped = message["stopped"]
-                for round_, accepted in message.get("closed", ()):
+                for entry in message.get("closed", ()):
+                    round_, accepted, late = entry[0], entry[1], entry[2] if len(entry) > 2 else ()
                     if self._on_close is not None:
-                        self._on_close(int(round_), tuple(int(r) for r in accepted))
+                        self._on_close(int(round_), tuple(int(r) for r in accepted), tuple(int(r) for r in late))
                     self._closes_seen += 1
                 first.set()
         except grpc.RpcError as exc:
@@ -476,6 +502,12 @@ class ControlClient:
         self._ready_calls.append(
             self._ready.future({"rank": self.rank, "round": round_}, timeout=READY_TIMEOUT_S, metadata=self._metadata)
         )
+
+    def join_late(self, round_: int) -> bool:
+        """Offer a late, compensated contribution to ``round_``; whether the coordinator took it
+        (False: the round had closed).  Blocks for at most ``LATE_TIMEOUT_S``."""
+        reply = self._late({"rank": self.rank, "round": round_}, timeout=LATE_TIMEOUT_S, metadata=self._metadata)
+        return bool(reply.get("joined"))
 
     def announce_stop(self, kind: str, message: str):
         """Tell every worker (through rank 0) why this one stops, so they can say so too."""

@@ -31,12 +31,20 @@ and the frontends skip that step's computation (:meth:`SyncEngine.skip_step`
 applies the round's mean all the same), so a slow worker keeps pace with the
 rounds instead of setting the job's length.
 
+With ``compensate=`` (PSP, backup workers), a contribution that missed its
+round is withdrawn from the outbox with a snapshot of the weights it was
+computed on, corrected at the worker's next computed step (whose weights
+are those its round applies to) and offered to that round
+(:meth:`SyncEngine.begin_step`).  DC-S3GD's protocol corrects every gradient
+before the optimizer runs (:meth:`SyncEngine.correct_gradients`) and pushes
+the optimizer's update after it (:meth:`SyncEngine.sync_step`).
+
 Every contribution is accounted for, per worker: ``produced`` = ``applied`` +
-``dropped`` (checked when training finishes, after the last one in flight
-is drained); steps that computed nothing are ``skipped``.  All four are in
-the totals, the Keras logs and the trace.  BSP and SSP accept every
-contribution (SSP bounds staleness by waiting, not by dropping) and never
-skip.
+``compensated`` + ``dropped`` (checked when training finishes, after the
+last one in flight is drained); steps that computed nothing are
+``skipped``.  All five are in the totals, the Keras logs and the trace.
+BSP and SSP accept every contribution (SSP bounds staleness by waiting, not
+by dropping) and never skip.
 """
 
 import contextlib
@@ -173,8 +181,11 @@ class SyncEngine:
         address, token = cluster.broadcast_object(contact, root_rank=0, name="tfsync.control_address")
 
         coordinated = {}
+        self._compensates = getattr(self.policy, "compensate", None) is not None
         if self.policy.coordinated:
-            coordinated = dict(absent=lambda: self.protocol.absent(), mask=protocols.mask_stale_payload)
+            coordinated = dict(
+                absent=lambda: self.protocol.absent(), mask=protocols.mask_stale_payload, keep_stale=self._compensates
+            )
         # the exchange first: a frontend may route the protocol's variable creation
         # (SyncStrategy broadcasts initial values) through it
         self.exchange = RoundExchange(
@@ -189,6 +200,7 @@ class SyncEngine:
         self._produced = self._own_applied = self._own_compensated = 0  # not yet moved into the totals
         self._corrected_rounds = set()  # own contributions whose gradient was delay-compensated
         self._corrected_wait = None  # (wait_s, applied) of this step's correction, until its push
+        self._held = None  # (stamp, payload): a contribution that missed its round, to compensate
         self._last_pushed = -1
         self._applied_through = -1
         self._trace = None
@@ -216,7 +228,11 @@ class SyncEngine:
             t = self._now()
             applied = self._wait_and_apply(self.step - 1)
             self._record_extra_wait(t, applied)
-        if self.policy.coordinated and self.exchange.drain_outbox():
+        drained = self.policy.coordinated and self.exchange.drain_outbox()
+        if self._held is not None:  # no round is left to take it
+            self.exchange.drop(self._held[0], self.exchange.closed_through + 1)
+            self._held, drained = None, True
+        if drained:
             drops = self._count_drops()
             if self._trace is not None:
                 self._write(
@@ -293,7 +309,26 @@ class SyncEngine:
         worker (policies that skip), and the frontend then calls :meth:`skip_step`."""
         with self._keep_error():
             self._check_started()
-            return not (self.policy.skips and self.exchange.closed_through >= self.step)
+            if self.policy.skips and self.exchange.closed_through >= self.step:
+                return False
+            if self._held is not None:
+                return self._offer_late()
+            return True
+
+    def _offer_late(self) -> bool:
+        """Compensate the held contribution for this step's round and offer it there.
+
+        This step's weights are the ones its round's mean will be applied to
+        (every earlier round is applied), i.e. ``w_now``.  False when the round
+        closed meanwhile: the step is skipped and the offer made again at the next.
+        """
+        stamp, payload = self._held
+        self.exchange.set_late(self.step, stamp, self.protocol.compensate(payload))
+        if not self.control.join_late(self.step):
+            self.exchange.clear_late()
+            return False
+        self._held = None
+        return True
 
     def skip_step(self):
         """A skipped step: no contribution; wait for its round and return its result."""
@@ -353,9 +388,14 @@ class SyncEngine:
             last = min(last, required_round)
         for r in range(self._applied_through + 1, last + 1):
             res = self.exchange.pop(r)
+            if self._compensates and r == self._last_pushed and self.rank not in res.accepted:
+                self._hold_late(r)  # before its mean moves the weights it was computed on
             self.protocol.apply_round(res)
             # the contributions' stamps are for the trace only: not computed without one
-            stamps = [int(res.steps[k]) for k in np.flatnonzero(res.present)] if self._trace is not None else None
+            stamps = None
+            if self._trace is not None:
+                stamps = [int(res.steps[k]) for k in np.flatnonzero(res.present)]
+                stamps += [int(res.late_steps[k]) for k in np.flatnonzero(res.late)]
             applied.append((r, res.contributors, stamps))
             if res.present[self.rank] == 1.0:
                 if r in self._corrected_rounds:
@@ -363,8 +403,21 @@ class SyncEngine:
                     self._own_compensated += 1
                 else:
                     self._own_applied += 1
+            if res.late[self.rank] == 1.0:
+                self._own_compensated += 1
             self._applied_through = r
         return applied
+
+    def _hold_late(self, round_):
+        """This worker's contribution to ``round_`` missed it: keep it, and the weights it was
+        computed on, for compensation (a worker holds one at most: an older one is dropped)."""
+        payload = self.exchange.withdraw(round_)
+        if payload is None:
+            return
+        if self._held is not None:
+            self.exchange.drop(self._held[0], round_)
+        self._held = (round_, payload)
+        self.protocol.keep_weights()
 
     def _count_drops(self):
         """This worker's contributions dropped since the last call, counted; ``[[stamp, round]]``."""
@@ -397,6 +450,7 @@ class SyncEngine:
         wait_s = t_end - t_push + waited_before_push_s
         # staleness of a contribution: steps between its round and the step that next uses it
         staleness = [step - r for r, _, _ in applied]
+        compensated = self._own_compensated  # (moved into the totals by _count_drops)
         drops = self._count_drops()
         self.last = {
             "wait_s": wait_s,
@@ -404,6 +458,7 @@ class SyncEngine:
             "staleness": max(staleness) if staleness else 0,
             "applied": sum(n for _, n, _ in applied),
             "dropped": len(drops),
+            "compensated": compensated,
             "skipped": int(skipped),
         }
         tot = self.totals
@@ -427,6 +482,7 @@ class SyncEngine:
                     "applied_through": self._applied_through,
                     "dropped": len(drops),
                     "drops": drops,
+                    "compensated": compensated,
                     "skipped": skipped,
                 }
             )
@@ -436,6 +492,7 @@ class SyncEngine:
     def _record_extra_wait(self, t, applied):
         wait_s = self._now() - t
         self.totals["wait_s"] += wait_s
+        compensated = self._own_compensated
         drops = self._count_drops()
         if self._trace is not None:
             self._write(
@@ -449,6 +506,7 @@ class SyncEngine:
                     "applied_through": self._applied_through,
                     "dropped": len(drops),
                     "drops": drops,
+                    "compensated": compensated,
                 }
             )
 

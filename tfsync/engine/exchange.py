@@ -53,19 +53,23 @@ import time
 
 import numpy as np
 
-META_FIELDS = ("present", "step", "push_time", "compute_s")
+META_FIELDS = ("present", "step", "push_time", "compute_s", "late", "late_step")
 _K = len(META_FIELDS)
 # wire digits per field: present 1, step 2 (< 2^32), push time and compute time in
-# microseconds 3 each (< 2^48 us, 8.9 years)
-_DIGITS = (1, 2, 3, 3)
+# microseconds 3 each (< 2^48 us, 8.9 years), late 1, late step 2
+_DIGITS = (1, 2, 3, 3, 1, 2)
+_TIMES = (2, 3)  # the fields in seconds, sent as microseconds
 META_WIDTH = sum(_DIGITS)
 _BASE = 1 << 16
 
 
 def encode_meta(meta: np.ndarray) -> np.ndarray:
-    """``[size, 4]`` float64 rows -> flat float32 base-2^16 digits (``size * META_WIDTH``)."""
+    """``[size, len(META_FIELDS)]`` float64 rows (missing trailing fields are 0) -> flat
+    float32 base-2^16 digits (``size * META_WIDTH``)."""
     meta = np.asarray(meta, np.float64)
-    ints = np.stack([meta[:, 0], meta[:, 1], meta[:, 2] * 1e6, meta[:, 3] * 1e6], axis=1)
+    ints = np.zeros((meta.shape[0], _K), np.float64)
+    ints[:, : meta.shape[1]] = meta
+    ints[:, _TIMES] *= 1e6
     ints = np.rint(np.maximum(ints, 0.0)).astype(np.int64)
     digits = []
     for field, n in enumerate(_DIGITS):
@@ -89,7 +93,7 @@ def decode_meta(wire, size: int, mean: bool = False, divisor: int = None) -> np.
             value += digits[:, col + k] << (16 * k)
         out[:, field] = value
         col += n
-    out[:, 2:] /= 1e6
+    out[:, _TIMES] /= 1e6
     return out
 
 
@@ -105,10 +109,13 @@ class RoundResult:
     compute_s: np.ndarray  # [size]
     contribution: list = None  # this worker's own payload for the round
     accepted: tuple = None  # coordinated rounds: the ranks the coordinator accepted
+    late: np.ndarray = None  # [size] 1.0 where that rank added a late, delay-compensated contribution
+    late_steps: np.ndarray = None  # [size] the step that late contribution was computed for
 
     @property
     def contributors(self) -> int:
-        return int(round(float(self.present.sum())))
+        late = 0.0 if self.late is None else float(self.late.sum())
+        return int(round(float(self.present.sum()) + late))
 
 
 class WorkerLostError(RuntimeError):
@@ -124,16 +131,20 @@ class RoundExchange:
     e.g. a mean of gradients).
     """
 
-    def __init__(self, collective, rank: int, size: int, t0: float, *, absent=None, mask=None):
+    def __init__(self, collective, rank: int, size: int, t0: float, *, absent=None, mask=None, keep_stale=False):
         self._collective = collective
         self.rank, self.size, self.t0 = rank, size, t0
         # coordinated rounds: the payload of a rank that contributes nothing (or a
         # function returning it, called once when first needed), the
         # staleness mask, the outbox and what happened to this rank's contributions
         self._absent, self._mask = absent, mask
+        # keep_stale: a contribution that missed its round stays for the engine to
+        # withdraw (and delay-compensate) instead of being dropped here
+        self._keep_stale = keep_stale
         self._outbox = None  # (stamp, payload, push_time, compute_s)
+        self._late = None  # (round, stamp, payload): a compensated contribution the coordinator took for round
         self._closed_through = -1
-        self.counts = {"produced": 0, "applied": 0, "dropped": 0}
+        self.counts = {"produced": 0, "applied": 0, "compensated": 0, "dropped": 0}
         self._drops = []  # (stamp, round at which it was found stale) not yet taken
         self._queue = queue.Queue()
         self._results = {}
@@ -171,8 +182,9 @@ class RoundExchange:
             self._outbox = (stamp, list(payload), push_time, compute_s)
             self.counts["produced"] += 1
 
-    def close_round(self, round_: int, accepted: tuple):
-        """The coordinator closed ``round_`` accepting ``accepted``: enter its collective (in order).
+    def close_round(self, round_: int, accepted: tuple, late: tuple = ()):
+        """The coordinator closed ``round_`` accepting ``accepted`` (and the late, compensated
+        contributions of ``late``): enter its collective (in order).
 
         The collective runs on the communication thread, never on the caller
         (the control stream's reader): a reader blocked in an allreduce with a
@@ -181,7 +193,7 @@ class RoundExchange:
         with self._cond:
             self._closed_through = max(self._closed_through, round_)
             self._cond.notify_all()
-        self._put(("close", round_, tuple(accepted)))
+        self._put(("close", round_, tuple(accepted), tuple(late)))
 
     def drain_outbox(self) -> int:
         """At the end of training: drop a contribution no round can take any more; how many."""
@@ -190,6 +202,31 @@ class RoundExchange:
                 return 0
             self._drop_locked(self._outbox[0], self._closed_through + 1)
             return 1
+
+    def withdraw(self, stamp: int):
+        """Take the contribution stamped ``stamp`` back out of the outbox (it missed its round);
+        ``None`` if the outbox holds no such contribution."""
+        with self._cond:
+            if self._outbox is None or self._outbox[0] != stamp:
+                return None
+            payload, self._outbox = self._outbox[1], None
+            return payload
+
+    def drop(self, stamp: int, round_: int):
+        """Count a withdrawn contribution as dropped (no round will take it)."""
+        with self._cond:
+            self.counts["dropped"] += 1
+            self._drops.append((stamp, round_))
+
+    def set_late(self, round_: int, stamp: int, payload: list):
+        """Put a delay-compensated contribution computed for ``stamp`` up for round ``round_``."""
+        with self._cond:
+            self._late = (round_, stamp, list(payload))
+
+    def clear_late(self):
+        """The coordinator refused the late contribution (its round had closed)."""
+        with self._cond:
+            self._late = None
 
     def take_drops(self) -> list:
         """``(stamp, round)`` of every contribution dropped since the last call."""
@@ -205,7 +242,7 @@ class RoundExchange:
     def submit(self, round_: int, payload: list, push_time: float, compute_s: float, inline: bool = False):
         """Queue round ``round_``; with ``inline``, run it now on this thread if nothing is queued."""
         meta = np.zeros((self.size, _K), np.float64)
-        meta[self.rank] = (1.0, round_, push_time, compute_s)
+        meta[self.rank, :4] = (1.0, round_, push_time, compute_s)
         item = (round_, list(payload), meta)
         if inline and self._running.acquire(blocking=False):
             try:
@@ -267,7 +304,7 @@ class RoundExchange:
                         except BaseException as exc:
                             future.set_exception(exc)
                     elif item[0] == "close":
-                        if not self._run_closed_round(item[1], item[2]):
+                        if not self._run_closed_round(*item[1:]):
                             return
                     elif not self._run_round(item):
                         return
@@ -275,8 +312,9 @@ class RoundExchange:
                     with self._cond:
                         self._unfinished -= 1
 
-    def _run_closed_round(self, round_, accepted) -> bool:
-        """A coordinated round: enter with the outbox (if accepted) or zeros, divide by ``d``."""
+    def _run_closed_round(self, round_, accepted, late=()) -> bool:
+        """A coordinated round: enter with the outbox (if accepted), plus the late contribution
+        (if taken), or zeros; divide by ``d``, the number of contributions."""
         mine = self.rank in accepted
         with self._cond:
             item = self._outbox
@@ -288,7 +326,7 @@ class RoundExchange:
                 masked, fresh = self._mask(contribution, stamp, round_)
                 if not fresh:  # it missed its round: the mask's zeros go out instead
                     with self._cond:
-                        if self._outbox is item:
+                        if self._outbox is item and not self._keep_stale:
                             self._drop_locked(stamp, round_)
                     payload = masked
                 elif mine:
@@ -298,7 +336,7 @@ class RoundExchange:
                             f"but its outbox holds a contribution to round {stamp}"
                         )
                     payload = masked
-                    meta[self.rank] = (1.0, stamp, push_time, compute_s)
+                    meta[self.rank, :4] = (1.0, stamp, push_time, compute_s)
                     with self._cond:
                         self._outbox = None
                         self.counts["applied"] += 1
@@ -307,13 +345,27 @@ class RoundExchange:
                     f"tfsync: rank {self.rank} was accepted for round {round_} "
                     f"but has no contribution to it in its outbox"
                 )
+            if self.rank in late:
+                with self._cond:
+                    taken, self._late = self._late, None
+                if taken is None or taken[0] != round_:
+                    raise RuntimeError(
+                        f"tfsync: the coordinator took a late contribution of rank {self.rank} into "
+                        f"round {round_} but none is waiting for that round"
+                    )
+                _, late_stamp, late_payload = taken
+                meta[self.rank, 4:6] = (1.0, late_stamp)
+                # a fresh contribution in the same round: one row, both summed
+                payload = late_payload if not mine else [a + b for a, b in zip(payload, late_payload)]
+                with self._cond:
+                    self.counts["compensated"] += 1
             if payload is None:
                 if callable(self._absent):  # built on first use
                     self._absent = self._absent()
                 payload = self._absent
         except BaseException as exc:
             return self._fail(exc)
-        return self._run_round((round_, payload, meta), accepted=accepted)
+        return self._run_round((round_, payload, meta), accepted=accepted, late=late)
 
     def _fail(self, exc) -> bool:
         with self._cond:
@@ -321,20 +373,24 @@ class RoundExchange:
             self._cond.notify_all()
         return False
 
-    def _run_round(self, item, accepted=None) -> bool:
+    def _run_round(self, item, accepted=None, late=()) -> bool:
         """One round's collective; False (and the error kept for ``wait``) if it failed."""
         round_, payload, meta = item
         try:
             if accepted is None:
                 total, meta = self._collective(payload, meta)
             else:
-                total, meta = self._collective(payload, meta, divisor=len(accepted))
+                total, meta = self._collective(payload, meta, divisor=len(accepted) + len(late))
             meta = np.asarray(meta, np.float64).reshape(self.size, _K)
-            if accepted is not None and sorted(np.flatnonzero(meta[:, 0]).tolist()) != sorted(accepted):
+            if accepted is not None and (
+                sorted(np.flatnonzero(meta[:, 0]).tolist()) != sorted(accepted)
+                or sorted(np.flatnonzero(meta[:, 4]).tolist()) != sorted(late)
+            ):
                 raise RuntimeError(
-                    f"tfsync: round {round_} should aggregate ranks {sorted(accepted)} (the "
-                    f"coordinator's decision) but ranks {np.flatnonzero(meta[:, 0]).tolist()} "
-                    f"contributed; the workers disagree about the round"
+                    f"tfsync: round {round_} should aggregate ranks {sorted(accepted)} and the late "
+                    f"contributions of {sorted(late)} (the coordinator's decision) but ranks "
+                    f"{np.flatnonzero(meta[:, 0]).tolist()} and late "
+                    f"{np.flatnonzero(meta[:, 4]).tolist()} contributed; the workers disagree about the round"
                 )
         except BaseException as exc:  # carried to the training thread by wait()
             return self._fail(exc)
@@ -347,6 +403,8 @@ class RoundExchange:
             compute_s=meta[:, 3],
             contribution=payload,
             accepted=accepted,
+            late=meta[:, 4],
+            late_steps=meta[:, 5],
         )
         with self._cond:
             self._results[round_] = result

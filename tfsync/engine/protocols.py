@@ -112,6 +112,31 @@ class GradientProtocol:
         self.shapes = [tuple(t.shape) for t in tensors]
         self.dtypes = [tf.as_dtype(t.dtype) for t in tensors]
         self._zeros = None
+        self.compensation = getattr(policy, "compensate", None)
+        if self.compensation is not None:
+            # a late gradient is corrected against the weights: they, not gradients, start the engine
+            self.variables = [tf_variable(v) for v in tensors]
+            with tf.init_scope():
+                self.w_stale = [_state_variable(tf.zeros_like(v)) for v in self.variables]
+                self.mean_square = (
+                    [_state_variable(tf.zeros(v.shape, _accumulation_dtype(v.dtype))) for v in self.variables]
+                    if self.compensation.adaptive
+                    else None
+                )
+                self._lam = tf.constant(self.compensation.strength, tf.float32)
+
+    def keep_weights(self):
+        """Snapshot the weights a late gradient was computed on (its ``w_stale``)."""
+        _copy(self.variables, self.w_stale)
+
+    def compensate(self, grads):
+        """A late gradient corrected for the current weights: ``w_now`` = the variables now."""
+        c = self.compensation
+        if c.adaptive:
+            return _correct_adaptive(
+                grads, self.variables, self.w_stale, self.mean_square, self._lam, c.momentum, c.epsilon
+            )
+        return _correct(grads, self.variables, self.w_stale, self._lam)
 
     def absent(self):
         """What a rank that contributes nothing to a coordinated round sends (built once)."""
@@ -275,25 +300,31 @@ def _state_variable(initial):
     return tf.Variable(initial, trainable=False, synchronization=tf.VariableSynchronization.NONE)
 
 
+@tf.function
+def _copy(sources, targets):
+    for s, t in zip(sources, targets):
+        t.assign(s)
+
+
 def _accumulation_dtype(dtype):
     return tf.float64 if dtype == tf.float64 else tf.float32
 
 
 # autograph=False: straight-line code; conversion would only trip over the op loader
 @tf.function(autograph=False)
-def _correct(grads, w_bar, w_local, lam):
+def _correct(grads, w_now, w_stale, lam):
     from tfsync import ops
 
-    return [ops.delay_compensate(g, w, local, lam) for g, w, local in zip(grads, w_bar, w_local)]
+    return [ops.delay_compensate(g, now, stale, lam) for g, now, stale in zip(grads, w_now, w_stale)]
 
 
 @tf.function(autograph=False)
-def _correct_adaptive(grads, w_bar, w_local, mean_square, lam0, momentum, epsilon):
+def _correct_adaptive(grads, w_now, w_stale, mean_square, lam0, momentum, epsilon):
     from tfsync import ops
 
     return [
-        ops.delay_compensate_adaptive(g, w, local, v, lam0, momentum, epsilon)
-        for g, w, local, v in zip(grads, w_bar, w_local, mean_square)
+        ops.delay_compensate_adaptive(g, now, stale, v, lam0, momentum, epsilon)
+        for g, now, stale, v in zip(grads, w_now, w_stale, mean_square)
     ]
 
 

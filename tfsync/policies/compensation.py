@@ -8,8 +8,10 @@ corrected to first order instead of used as it is.
   DC-ASGD-a, ``λ_t = λ0 / sqrt(v_t + ε)`` with ``v_t = m · v_{t−1} + (1 − m) · g ⊙ g``
   kept per parameter.  Both run as one fused pass of :mod:`tfsync.ops`.
 * :class:`DCS3GD`: decentralized stale-synchronous SGD with delay compensation
-  (``dcs3gd_delay_compensation.txt``, Section III-C and Algorithm 1), the
-  first mode that uses it.
+  (``dcs3gd_delay_compensation.txt``, Section III-C and Algorithm 1).
+* ``compensate=`` of PSP and backup workers (:mod:`tfsync.policies.partial`): a
+  contribution that missed its round is corrected and joins a later one
+  instead of being dropped.
 """
 
 import dataclasses
@@ -87,6 +89,16 @@ class DelayCompensation:
         if self.lam is not None:
             return float(self.lam)
         return DEFAULT_ADAPTIVE_LAMBDA if self.adaptive else DEFAULT_LAMBDA
+
+
+def check_compensate(owner: str, value) -> None:
+    """``compensate=`` of a mode that applies late contributions: ``None`` or a DelayCompensation."""
+    if value is not None and not isinstance(value, DelayCompensation):
+        raise TypeError(
+            f"{owner}(compensate={value!r}): compensate must be None (drop late contributions) or "
+            f"a tfsync.DelayCompensation (correct and apply them), got {type(value).__name__}; e.g. "
+            f"tfsync.{owner}(compensate=tfsync.DelayCompensation(lam=0.04))"
+        )
 
 
 @dataclasses.dataclass(frozen=True)

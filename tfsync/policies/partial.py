@@ -21,6 +21,19 @@ stale from then on and dropped (:func:`tfsync.ops.mask_stale`, counted);
 the worker that produced it skips the steps whose rounds have closed and
 rejoins at the current one, so a slow worker no longer sets the job's length.
 
+With ``compensate=tfsync.DelayCompensation(...)`` a contribution that missed
+its round is not dropped but corrected (DC-ASGD, Zheng et al. 2017) and
+applied in a later round: its worker keeps it with a snapshot of the weights
+it was computed on (``w_stale``); at its next computed step, its weights are
+those of the round that step joins (``w_now``), so it corrects the
+contribution there, ``g̃ = g + λ·g⊙g⊙(w_now − w_stale)``, offers it to that
+round, and the coordinator takes it as an extra that the policy's rule does
+not count (``d`` then counts it: the mean is over every contribution the
+round aggregates).  Counted as ``compensated``.  Memory on the worker that
+holds one: the snapshot and the contribution, two copies of the parameters,
+plus ``v`` with ``adaptive=True``; a worker holds at most one late
+contribution at a time.
+
 PSP's partial pulling (``b`` of the parameter blocks) is not implemented.
 """
 
@@ -28,6 +41,7 @@ import dataclasses
 import math
 
 from tfsync.policies.base import Closing, Policy
+from tfsync.policies.compensation import DelayCompensation, check_compensate
 
 # push_timeout_s=None: wait this fraction of the round's own iteration time
 # (previous close to the c-th ready contribution) for more contributions.
@@ -56,10 +70,11 @@ class PSP(Policy):
     its round is dropped and counted (``dropped``); its worker skips the steps
     whose rounds closed meanwhile (``skipped``) and computes the next open one.
 
-    Guarantees (tested): every applied gradient was computed on the weights
-    of the round before the one it joins (staleness 0); ``d >= c`` in every
-    round; ``PSP(min_contributions=size)`` gives BSP's weights; per worker,
-    produced = applied + dropped.
+    Guarantees (tested): without ``compensate``, every applied gradient was
+    computed on the weights of the round before the one it joins (staleness
+    0); ``d >= c`` fresh contributions in every round;
+    ``PSP(min_contributions=size)`` gives BSP's weights; per worker,
+    produced = applied + compensated + dropped.
 
     Args:
         min_contributions: ``c``, an int in ``[1, size]``; default ``None``:
@@ -70,6 +85,9 @@ class PSP(Policy):
             ``None``: a tenth of the round's own iteration time (from the
             previous round's close to the ``c``-th contribution), so a worker
             slower than the others by less than that still counts.
+        compensate: ``None`` (default): a late gradient is dropped.  A
+            :class:`tfsync.DelayCompensation`: it is corrected and applied in
+            the next round its worker computes for (counted as ``compensated``).
 
     Example::
 
@@ -78,6 +96,7 @@ class PSP(Policy):
 
     min_contributions: int = None
     push_timeout_s: float = None
+    compensate: DelayCompensation = None
     name = "psp"
     payload = "gradients"
     coordinated = True
@@ -85,6 +104,7 @@ class PSP(Policy):
 
     def __post_init__(self):
         hint = "e.g. tfsync.PSP(min_contributions=3, push_timeout_s=0.0)"
+        check_compensate("PSP", self.compensate)
         if self.min_contributions is not None:
             _check_int("PSP", "min_contributions", self.min_contributions, 1, hint)
         if self.push_timeout_s is not None:
@@ -143,12 +163,17 @@ class BackupWorkers(Policy):
     optimizer.  The other ``b`` are dropped and counted (``dropped``), and
     their workers skip the steps whose rounds closed meanwhile (``skipped``).
 
-    Guarantees (tested): exactly ``N`` contributions per round, none stale;
-    ``BackupWorkers(0)`` gives BSP's weights; per worker, produced = applied +
+    Guarantees (tested): exactly ``N`` fresh contributions per round (plus,
+    with ``compensate``, the late ones taken as extras); ``BackupWorkers(0)``
+    gives BSP's weights; per worker, produced = applied + compensated +
     dropped.
 
     Args:
         backups: ``b``, an int in ``[0, size)``. Default 1.
+        compensate: ``None`` (default): the ``b`` late gradients are dropped.
+            A :class:`tfsync.DelayCompensation`: each is corrected and applied
+            in the next round its worker computes for (counted as
+            ``compensated``), so no worker's computation is wasted.
 
     Example::
 
@@ -156,6 +181,7 @@ class BackupWorkers(Policy):
     """
 
     backups: int = 1
+    compensate: DelayCompensation = None
     name = "backup"
     payload = "gradients"
     coordinated = True
@@ -163,6 +189,7 @@ class BackupWorkers(Policy):
 
     def __post_init__(self):
         _check_int("BackupWorkers", "backups", self.backups, 0, "e.g. tfsync.BackupWorkers(backups=1)")
+        check_compensate("BackupWorkers", self.compensate)
 
     def validate(self, size: int) -> None:
         if self.backups >= size:

@@ -1,0 +1,55 @@
+"""Delay compensation under horovodrun, as a user runs it (the digits examples).
+
+DC-S3GD against BSP on the same data and seed; backup workers with
+``--compensate`` under a persistent straggler, through both frontends.
+"""
+
+import os
+import sys
+
+import pytest
+
+from tests.parallel.launch import ROOT
+from tests.parallel.test_examples import result_of, run
+
+pytestmark = pytest.mark.parallel
+EXAMPLES = os.path.join(ROOT, "keras_examples")
+
+
+def digits(script, *args):
+    return result_of(
+        run(
+            [
+                "horovodrun",
+                "-np",
+                "4",
+                "-H",
+                "localhost:4",
+                "--gloo",
+                sys.executable,
+                os.path.join(EXAMPLES, script),
+                *map(str, args),
+            ]
+        )
+    )
+
+
+def test_dcs3gd_ends_within_one_point_of_bsp():
+    bsp = digits("digits.py", "--mode", "bsp", "--epochs", 12)
+    dc = digits("digits.py", "--mode", "dcs3gd", "--epochs", 12)
+    assert dc["replicas_identical"] and bsp["replicas_identical"], (dc, bsp)
+    assert abs(dc["final_accuracy"] - bsp["final_accuracy"]) <= 0.01, (dc, bsp)
+    assert dc["dropped"] == 0 and dc["skipped"] == 0, dc
+
+
+@pytest.mark.parametrize("script", ["digits.py", "digits_strategy.py"])
+def test_backup_workers_with_compensation_waste_no_gradient(script):
+    res = digits(
+        script, "--mode", "backup", "--compensate", "--epochs", 4, "--stragglers", "base=0.005,slow=3:0.02,seed=1"
+    )
+    assert res["replicas_identical"], res
+    assert res["produced"] == res["applied"] + res["compensated"] + res["dropped"], res
+    assert res["compensated"] > 0 and res["skipped"] > 0, res
+    assert res["dropped"] <= 4, res  # at most each worker's one held when training ends
+    if "final_accuracy" in res:
+        assert res["final_accuracy"] >= 0.85, res
