@@ -96,10 +96,11 @@ class DCJob:
         protocol, used = engine.protocol, {}
         original = protocol.correct
 
-        def recording_correct(grads):  # what the op reads, at the moment it runs
+        def recording_correct(grads, mean):  # what the op read: w̄ after the mean was added
+            out = original(grads, mean)
             used["w_bar"] = protocol.w_bar[0].numpy().copy()
             used["w_local"] = protocol.w_local[0].numpy().copy()
-            return original(grads)
+            return out
 
         protocol.correct = recording_correct
         for step in range(self.steps):

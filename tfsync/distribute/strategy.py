@@ -34,7 +34,7 @@ from tensorflow.python.distribute import one_device_strategy
 
 from tfsync import _horovod
 from tfsync.engine import SyncEngine
-from tfsync.engine.protocols import for_policy
+from tfsync.engine.protocols import for_policy, tf_variable
 from tfsync.engine.tf_bridge import (
     correct_gradients,
     exchange_gradients,
@@ -101,6 +101,7 @@ class _SyncExtended(one_device_strategy.OneDeviceExtended):
         protocol = for_policy(policy)
         self._reduces_gradients = protocol.reduces_gradients
         self._corrects_gradients = protocol.corrects_gradients
+        self._starts_from_variables = protocol.corrects_gradients or getattr(policy, "compensate", None) is not None
         self._engine = None
         self._variables = None
         self._var_count = 0
@@ -136,11 +137,12 @@ class _SyncExtended(one_device_strategy.OneDeviceExtended):
             step_kind = getattr(fn, "__name__", "")
             try:
                 flush = [] if step_kind == "train_step" else self._flush_before_non_training_step()
+                if step_kind == "train_step" and self._engine is None and self._starts_from_variables:
+                    # gradients are corrected against the weights: start from the model's
+                    # variables, before the step (and its branches) are traced
+                    self._variables = list(self._model_of(fn).trainable_variables)
+                    self._start(self._variables)
                 if step_kind == "train_step" and self._policy.skips:
-                    if self._engine is None and getattr(self._policy, "compensate", None) is not None:
-                        # late gradients are corrected against the weights: start from the
-                        # variables, before the step's branches are traced
-                        self._start(list(self._model_of(fn).trainable_variables))
                     fn = self._skippable(fn)
                 with tf.control_dependencies(flush):
                     out = super()._call_for_each_replica(fn, args, kwargs)
@@ -167,8 +169,8 @@ class _SyncExtended(one_device_strategy.OneDeviceExtended):
             if self._engine is None:
                 self._start(values)
             return exchange_gradients(self._engine, values)
-        if self._corrects_gradients:  # the engine starts once the step has been traced
-            return correct_gradients(lambda: self._engine, values)
+        if self._corrects_gradients:
+            return correct_gradients(self._engine, values)
         return values
 
     def _update(self, var, fn, args, kwargs, group):
@@ -182,9 +184,9 @@ class _SyncExtended(one_device_strategy.OneDeviceExtended):
         model = getattr(inspect.unwrap(train_step), "__self__", None)
         if model is None or not hasattr(model, "get_metrics_result"):
             raise ValueError(
-                f"tfsync.SyncStrategy(mode={self._policy.name!r}) skips the steps of a "
-                f"slow worker and needs Keras' Model.train_step to do so; got "
-                f"{train_step!r}. Train with model.fit"
+                f"tfsync.SyncStrategy(mode={self._policy.name!r}) reaches the model through "
+                f"Keras' Model.train_step (to skip a slow worker's steps, or to start from the "
+                f"model's weights); got {train_step!r}. Train with model.fit"
             )
         return model
 
@@ -213,7 +215,7 @@ class _SyncExtended(one_device_strategy.OneDeviceExtended):
         if self._engine is None:
             self._variables = list(variables)
             self._start(self._variables)
-        elif [id(v) for v in variables] != [id(v) for v in self._variables]:
+        elif [id(tf_variable(v)) for v in variables] != [id(tf_variable(v)) for v in self._variables]:
             raise ValueError(
                 "tfsync.SyncStrategy: a train step updated other variables than the "
                 "first one did; tfsync needs one fixed set of trainable variables"

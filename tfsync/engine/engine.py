@@ -293,7 +293,15 @@ class SyncEngine:
         the round this step's gradients are applied after, apply it, return them corrected.
 
         :meth:`sync_step` follows after the optimizer, and pushes its update.
+        The frontends build the correction into the compiled step instead
+        (:func:`tfsync.engine.tf_bridge.correct_gradients`) and call only
+        :meth:`round_mean` from it.
         """
+        with self._keep_error():
+            return self.protocol.correct(grads, self.round_mean())
+
+    def round_mean(self):
+        """The wait of :meth:`correct_gradients`: the mean update its correction adds to ``w̄``."""
         with self._keep_error():
             self._check_started()
             self._delays.sleep()
@@ -302,7 +310,7 @@ class SyncEngine:
             self._corrected_wait = (self._now() - t, applied)
             if self._applied_through >= 0:  # w̄ moved past the weights the gradients were computed at
                 self._corrected_rounds.add(self.step)
-            return self.protocol.correct(list(grads))
+            return self.protocol.take_mean()
 
     def begin_step(self) -> bool:
         """Whether this step computes: False when its round already closed without this

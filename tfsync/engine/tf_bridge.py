@@ -28,19 +28,21 @@ def exchange_gradients(engine, grads):
 
 def correct_gradients(engine, grads):
     """Protocols that correct gradients (DC-S3GD): this step's gradients, corrected for
-    the weights they will be applied at (:meth:`SyncEngine.correct_gradients`).
+    the weights they will be applied at.
 
-    ``engine`` may be a callable returning the engine, for frontends that
-    start it after the step is traced.
+    One ``tf.py_function`` waits for the round the correction needs and returns
+    its mean (:meth:`SyncEngine.round_mean`); the correction itself is built
+    into the compiled step (``protocol.correct_in_graph``: the fused
+    :func:`tfsync.ops.delay_compensate`).  ``engine`` may be a callable
+    returning the engine, for frontends that start it while the step is traced.
     """
     get_engine = engine if callable(engine) else (lambda: engine)
+    protocol = get_engine().protocol
     grads = [tf.convert_to_tensor(g) for g in grads]  # IndexedSlices become dense
-    out = tf.py_function(
-        lambda *g: get_engine().correct_gradients(g), grads, Tout=[g.dtype for g in grads], name="tfsync_correct"
-    )
-    for o, g in zip(out, grads):
-        o.set_shape(g.shape)
-    return out
+    mean = tf.py_function(lambda: get_engine().round_mean(), [], Tout=protocol.dtypes, name="tfsync_round_mean")
+    for m, s in zip(mean, protocol.shapes):
+        m.set_shape(s)
+    return protocol.correct_in_graph(grads, mean)
 
 
 def exchange_updates(engine, variables):
@@ -53,6 +55,10 @@ def exchange_updates(engine, variables):
     does not take the values: a live read would make the engine's in-place
     writes copy the buffer first.)
     """
+    push_in_graph = getattr(engine.protocol, "push_in_graph", None)
+    if push_in_graph is not None:  # DC-S3GD: the update is computed in the step, the engine pushes it
+        updates = push_in_graph()
+        return tf.py_function(lambda *u: engine.sync_step(u), updates, Tout=[], name="tfsync_step")
     after_update = [tf.raw_ops.VariableShape(input=tf_variable(v).handle) for v in variables]
     return tf.py_function(lambda *_: engine.sync_step([]), after_update, Tout=[], name="tfsync_step")
 
