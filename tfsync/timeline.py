@@ -186,7 +186,7 @@ def _check_finish(record, path, lineno, file_rank, previous):
 
 
 def _load_rank_file(path, file_rank):
-    start, steps, finish, drained = None, [], None, 0
+    start, steps, finish, drained, final_compensated = None, [], None, 0, 0
     with open(path, encoding="utf-8") as handle:
         for lineno, line in enumerate(handle, start=1):
             if not line.strip():
@@ -232,6 +232,8 @@ def _load_rank_file(path, file_rank):
                 steps.append(_check_step(record, path, lineno, file_rank, steps[-1] if steps else None))
             elif event == "drain":  # contributions dropped when training ended
                 drained += int(record.get("dropped", 0))
+            elif event == "final_round":  # late gradients compensated after the last step
+                final_compensated += int(record.get("compensated", 0))
             # any other event: a newer engine's record this reader does not know; skipped on purpose
     if start is None:
         raise ValueError(
@@ -247,6 +249,7 @@ def _load_rank_file(path, file_rank):
         "steps": steps,
         "finish": finish,
         "drained": drained,
+        "final_compensated": final_compensated,
     }
 
 
@@ -397,7 +400,9 @@ def summarize(trace, start_step=None, end_step=None) -> dict:
             "wait_s": wait_s,
             "wait_fraction": wait_s / total if total > 0 else 0.0,
             "max_staleness": max(staleness) if staleness else 0,
-            "compensated": sum(rec["compensated"] for rec in steps) + (finish["compensated"] if finish else 0),
+            "compensated": sum(rec["compensated"] for rec in steps)
+            + (finish["compensated"] if finish else 0)
+            + (trace["ranks"][rank].get("final_compensated", 0) if end_step is None else 0),
             "dropped": sum(rec["dropped"] for rec in steps)
             + (trace["ranks"][rank].get("drained", 0) if end_step is None else 0),
             "skipped": sum(rec["skipped"] for rec in steps),

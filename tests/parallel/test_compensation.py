@@ -50,6 +50,6 @@ def test_backup_workers_with_compensation_waste_no_gradient(script):
     assert res["replicas_identical"], res
     assert res["produced"] == res["applied"] + res["compensated"] + res["dropped"], res
     assert res["compensated"] > 0 and res["skipped"] > 0, res
-    assert res["dropped"] <= 4, res  # at most each worker's one held when training ends
+    assert res["dropped"] == 0, res  # those held when training ends go into one final round
     if "final_accuracy" in res:
         assert res["final_accuracy"] >= 0.85, res

@@ -216,8 +216,9 @@ class LateJob:
     """Coordinated rounds with ``compensate=``: rank ``slow`` takes ``slow_s`` per step, the
     others ``fast_s``; every rank applies each round's mean with plain SGD."""
 
-    def __init__(self, policy, size=3, steps=14, slow=2, fast_s=0.01, slow_s=0.045):
+    def __init__(self, policy, size=3, steps=14, slow=2, fast_s=0.01, slow_s=0.045, final_round=True):
         self.policy, self.size, self.steps = policy, size, steps
+        self.final_round = final_round  # finish(apply_mean=...), as the frontends call it
         self.delays = [[slow_s if r == slow else fast_s for _ in range(steps)] for r in range(size)]
         self.w0 = np.linspace(-1.0, 1.0, WIDTH).astype(np.float32)
         self.cluster = FakeCluster(size, timeout_s=15.0)
@@ -261,7 +262,13 @@ class LateJob:
                 (mean,) = engine.skip_step()
             self.means[rank][step] = mean.numpy()
             var.assign_sub(LR * mean)
-        engine.finish()
+        state["step"], state["w"] = self.steps, var.numpy().copy()
+
+        def apply_final(mean):
+            self.means[rank][self.steps] = mean[0].numpy()
+            var.assign_sub(LR * mean[0])
+
+        engine.finish(apply_mean=apply_final if self.final_round else None)
         self.counts[rank], self.final[rank] = dict(engine.counts), var.numpy()
         engine.close()
 
@@ -287,6 +294,11 @@ def test_late_contributions_are_compensated_not_dropped(policy):
     assert late_rounds and set().union(*late_rounds.values()) == {slow}, job.closed
 
     offered = {}  # round -> the corrected gradient rank `slow` sent in it
+    final = {}  # rank -> the corrected gradient it sent in the final round
+    for k in range(job.size):
+        for step, _, _, _, _, corrected in job.offers[k]:
+            if step == job.steps:
+                final[k] = corrected
     for step, w_then, w_now, w_stale, g, corrected in job.offers[slow]:
         stamp = next(s for s, (_, pushed_g) in job.pushed[slow].items() if np.array_equal(pushed_g, g))
         # w_stale: the weights the gradient was computed at; w_now: this step's weights
@@ -297,6 +309,10 @@ def test_late_contributions_are_compensated_not_dropped(policy):
         if step in late_rounds:
             offered[step] = corrected
     assert set(offered) == set(late_rounds), (sorted(offered), sorted(late_rounds))
+    if final:  # after the last step: the late gradients still held, corrected at the final weights
+        for k in range(job.size):
+            want = np.mean([c.astype(np.float64) for c in final.values()], axis=0)
+            np.testing.assert_allclose(job.means[k][job.steps], want, rtol=1e-5, atol=1e-6)
 
     # every round's mean: the accepted fresh gradients and the late corrected ones, over d
     for entry in job.closed:
@@ -310,8 +326,17 @@ def test_late_contributions_are_compensated_not_dropped(policy):
         np.testing.assert_array_equal(job.final[k], job.final[0])
         c = job.counts[k]
         assert c["produced"] == c["applied"] + c["compensated"] + c["dropped"], c
-        assert c["dropped"] <= 1, c  # at most the one still held when training ends
-    assert job.counts[slow]["compensated"] == len(late_rounds) > 0
+        assert c["dropped"] == 0, c  # the ones held at the end went into the final round
+        assert c["compensated"] == (k == slow) * len(late_rounds) + (k in final), (k, c)
+    assert late_rounds
+
+
+def test_without_a_final_round_the_gradient_held_at_the_end_is_dropped_and_counted():
+    job = LateJob(tfsync.BackupWorkers(backups=1, compensate=DelayCompensation()), final_round=False).run()
+    for k in range(job.size):
+        c = job.counts[k]
+        assert c["produced"] == c["applied"] + c["compensated"] + c["dropped"] and c["dropped"] <= 1, c
+        np.testing.assert_array_equal(job.final[k], job.final[0])
 
 
 def test_compensation_with_lambda_zero_applies_the_late_gradient_as_it_was():

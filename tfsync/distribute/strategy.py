@@ -202,6 +202,8 @@ class _SyncExtended(one_device_strategy.OneDeviceExtended):
             finally:
                 state.skipping = False
 
+        self._apply_mean = apply_mean  # also for the final round of late gradients (finish)
+
         return skippable_train_step(lambda: self._engine, model, train_step, apply_mean)
 
     # ------------------------------------------------------------------ engine
@@ -229,6 +231,6 @@ class _SyncExtended(one_device_strategy.OneDeviceExtended):
     def _finish(self):
         if self._engine is None:
             return
-        self._engine.finish()
+        self._engine.finish(apply_mean=getattr(self, "_apply_mean", None))
         self._engine.close()
         self._engine = None

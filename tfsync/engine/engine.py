@@ -218,16 +218,25 @@ class SyncEngine:
         """Zero the totals (per epoch); ``counts`` keeps the whole run's."""
         self.totals = {"steps": 0, "compute_s": 0.0, "wait_s": 0.0, **dict.fromkeys(COUNTS, 0)}
 
-    def finish(self):
+    def finish(self, apply_mean=None):
         """Wait for every pushed round and apply it (eager; identical weights on every rank).
 
-        Then every contribution this worker produced has been applied or dropped:
-        checked, so nothing is lost silently.
+        Then every contribution this worker produced has been applied,
+        compensated or dropped: checked, so nothing is lost silently.
+
+        ``apply_mean``: with ``compensate=``, how to apply one more mean
+        gradient through the optimizer (the frontends pass it; collective:
+        pass it on every rank or on none).  Late gradients still held then
+        are corrected against the final weights and averaged in one last
+        round (:meth:`RoundExchange.final_round`) that every replica applies;
+        without it they are dropped.
         """
         if self._applied_through < self.step - 1:
             t = self._now()
             applied = self._wait_and_apply(self.step - 1)
             self._record_extra_wait(t, applied)
+        if self._compensates and apply_mean is not None:
+            self._final_round(apply_mean)
         drained = self.policy.coordinated and self.exchange.drain_outbox()
         if self._held is not None:  # no round is left to take it
             self.exchange.drop(self._held[0], self.exchange.closed_through + 1)
@@ -415,6 +424,38 @@ class SyncEngine:
                 self._own_compensated += 1
             self._applied_through = r
         return applied
+
+    def _final_round(self, apply_mean):
+        """The late gradients held when training ends, compensated and applied everywhere."""
+        holders = self.exchange.call(
+            lambda: self.cluster.allgather_object(self._held is not None, name="tfsync.final_round"),
+            timeout_s=self.wait_timeout_s,
+        )
+        holders = [r for r, holds in enumerate(holders) if holds]
+        if not holders:
+            return
+        round_, late = self.step, None
+        if self._held is not None:
+            stamp, payload = self._held
+            late = (stamp, self.protocol.compensate(payload))  # w_now: the final weights
+        total = self.exchange.final_round(round_, late, holders, self.protocol.absent(), self.wait_timeout_s)
+        apply_mean(total)
+        if self._held is not None:
+            self._held = None
+            self._own_compensated += 1
+        compensated = self._own_compensated
+        self._count_drops()
+        if self._trace is not None:
+            self._write(
+                {
+                    "event": "final_round",
+                    "rank": self.rank,
+                    "t": self._now(),
+                    "round": round_,
+                    "late": holders,
+                    "compensated": compensated,
+                }
+            )
 
     def _hold_late(self, round_):
         """This worker's contribution to ``round_`` missed it: keep it, and the weights it was

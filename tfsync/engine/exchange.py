@@ -228,6 +228,36 @@ class RoundExchange:
         with self._cond:
             self._late = None
 
+    def final_round(self, round_: int, late, holders: list, absent: list, timeout_s: float) -> list:
+        """One more round after the last step, for the late contributions still held.
+
+        ``late``: ``(stamp, compensated payload)`` of this rank, or ``None``;
+        ``holders``: every rank that has one (each rank learned it from the same
+        allgather), so every rank enters, and the sum is divided by their number.
+        Returns the mean (collective; on the communication thread, bounded).
+        """
+        meta = np.zeros((self.size, _K), np.float64)
+        payload = absent
+        if late is not None:
+            meta[self.rank, 4:6] = (1.0, late[0])
+            payload = late[1]
+
+        def run():
+            total, out = self._collective(payload, meta, divisor=len(holders))
+            took = sorted(np.flatnonzero(np.asarray(out, np.float64).reshape(self.size, _K)[:, 4]).tolist())
+            if took != sorted(holders):
+                raise RuntimeError(
+                    f"tfsync: the final round should take the late contributions of ranks "
+                    f"{sorted(holders)} but ranks {took} sent one; the workers disagree"
+                )
+            return list(total)
+
+        total = self.call(run, timeout_s)
+        if late is not None:
+            with self._cond:
+                self.counts["compensated"] += 1
+        return total
+
     def take_drops(self) -> list:
         """``(stamp, round)`` of every contribution dropped since the last call."""
         with self._cond:

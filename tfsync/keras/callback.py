@@ -151,7 +151,8 @@ class SyncCallback(keras.callbacks.Callback):
     # ---------------------------------------------------------------- internals
     def _drain(self):
         """Wait for every round in flight and load the final weights (identical on all ranks)."""
-        self.engine.finish()
+        # compensate=: the late gradients still held get one last round, applied by the optimizer
+        self.engine.finish(apply_mean=self._apply_mean)
 
     @staticmethod
     def _broadcast_weights(hvd, model):

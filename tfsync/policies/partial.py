@@ -32,7 +32,9 @@ not count (``d`` then counts it: the mean is over every contribution the
 round aggregates).  Counted as ``compensated``.  Memory on the worker that
 holds one: the snapshot and the contribution, two copies of the parameters,
 plus ``v`` with ``adaptive=True``; a worker holds at most one late
-contribution at a time.
+contribution at a time.  Those still held when training ends are corrected
+against the final weights and averaged in one final round that every
+replica applies (:meth:`tfsync.engine.SyncEngine.finish`).
 
 PSP's partial pulling (``b`` of the parameter blocks) is not implemented.
 """
