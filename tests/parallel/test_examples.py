@@ -77,7 +77,7 @@ def test_demo_prints_the_comparison_table(tmp_path):
         "ssp(s=3)",
         "psp",
         "backup(b=1)",
-        "backup(b=1)+dc(lambda=2.0, adaptive)",
+        "backup(b=1)+dc(lambda=0.04)",
         "dcs3gd(lambda=0.04)",
     ]
     assert all(r["samples_per_s"] > 0 and 0 <= r["wait_fraction"] < 1 for r in rows)
