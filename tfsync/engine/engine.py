@@ -35,7 +35,8 @@ With ``compensate=`` (PSP, backup workers), a contribution that missed its
 round is withdrawn from the outbox with a snapshot of the weights it was
 computed on, corrected at the worker's next computed step (whose weights
 are those its round applies to) and offered to that round
-(:meth:`SyncEngine.begin_step`).  DC-S3GD's protocol corrects every gradient
+(:meth:`SyncEngine.begin_step`); those still held when training ends go into
+one final round (:meth:`SyncEngine.finish`).  DC-S3GD's protocol corrects every gradient
 before the optimizer runs (:meth:`SyncEngine.correct_gradients`) and pushes
 the optimizer's update after it (:meth:`SyncEngine.sync_step`).
 

@@ -43,6 +43,14 @@ counted; a fresh one that arrived after its round closed waits, and is
 stale at the next round.  The sum is divided by ``d = |A|`` inside Horovod
 (a post-scale), so every replica receives the same mean of exactly the
 accepted contributions.
+
+With delay compensation (``keep_stale``) a contribution that missed its
+round is not dropped here: the engine withdraws it (:meth:`RoundExchange.withdraw`),
+corrects it and puts it up for a later round (:meth:`RoundExchange.set_late`);
+when the coordinator's closing names this rank as late, its row carries that
+contribution (added to a fresh one, if accepted too) and its ``late`` field,
+and ``d`` counts it.  :meth:`RoundExchange.final_round` takes the ones still
+held when training ends.
 """
 
 import concurrent.futures
