@@ -19,6 +19,7 @@ import tensorflow as tf
 from fake_cluster import FakeCluster
 
 import tfsync
+from tfsync import timeline
 from tfsync.engine import SyncEngine
 from tfsync.policies import DCS3GD, DelayCompensation, resolve
 from tfsync.stragglers import Stragglers
@@ -216,8 +217,8 @@ class LateJob:
     """Coordinated rounds with ``compensate=``: rank ``slow`` takes ``slow_s`` per step, the
     others ``fast_s``; every rank applies each round's mean with plain SGD."""
 
-    def __init__(self, policy, size=3, steps=14, slow=2, fast_s=0.01, slow_s=0.045, final_round=True):
-        self.policy, self.size, self.steps = policy, size, steps
+    def __init__(self, policy, size=3, steps=14, slow=2, fast_s=0.01, slow_s=0.045, final_round=True, trace_dir=None):
+        self.policy, self.size, self.steps, self.trace_dir = policy, size, steps, trace_dir
         self.final_round = final_round  # finish(apply_mean=...), as the frontends call it
         self.delays = [[slow_s if r == slow else fast_s for _ in range(steps)] for r in range(size)]
         self.w0 = np.linspace(-1.0, 1.0, WIDTH).astype(np.float32)
@@ -228,7 +229,13 @@ class LateJob:
         self.counts, self.final, self.engines = [None] * size, [None] * size, [None] * size
 
     def _train(self, rank):
-        engine = SyncEngine(self.policy, stragglers=Stragglers(), wait_timeout_s=15.0, cluster=self.cluster.rank(rank))
+        engine = SyncEngine(
+            self.policy,
+            stragglers=Stragglers(),
+            wait_timeout_s=15.0,
+            cluster=self.cluster.rank(rank),
+            trace_dir=self.trace_dir,
+        )
         self.engines[rank] = engine
         var = tf.Variable(self.w0)
         engine.start([var])
@@ -344,3 +351,16 @@ def test_compensation_with_lambda_zero_applies_the_late_gradient_as_it_was():
     assert job.offers[2]
     for *_, g, corrected in job.offers[2]:
         np.testing.assert_array_equal(corrected, g)
+
+
+def test_the_timeline_counts_what_the_engine_counted(tmp_path):
+    job = LateJob(tfsync.BackupWorkers(backups=1, compensate=DelayCompensation()), trace_dir=str(tmp_path)).run()
+    summary = timeline.summarize(timeline.load_trace(str(tmp_path)))
+    for k in range(job.size):
+        row, counts = summary["ranks"][k], job.counts[k]
+        assert (row["compensated"], row["dropped"], row["skipped"]) == (
+            counts["compensated"],
+            counts["dropped"],
+            counts["skipped"],
+        ), (k, row, counts)
+    assert summary["overall"]["compensated"] == sum(c["compensated"] for c in job.counts) > 0
