@@ -31,7 +31,9 @@ round, and the coordinator takes it as an extra that the policy's rule does
 not count (``d`` then counts it: the mean is over every contribution the
 round aggregates).  Counted as ``compensated``.  Memory on the worker that
 holds one: the snapshot and the contribution, two copies of the parameters,
-plus ``v`` with ``adaptive=True``; a worker holds at most one late
+plus ``v`` with ``adaptive=True`` (there, the moving average of the
+squares of this worker's late gradients, the ones it corrects); a worker
+holds at most one late
 contribution at a time.  Those still held when training ends are corrected
 against the final weights and averaged in one final round that every
 replica applies (:meth:`tfsync.engine.SyncEngine.finish`).
