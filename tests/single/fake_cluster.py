@@ -153,3 +153,26 @@ class FakeRank:
         return self._cluster.meet(
             self._rank, "grouped_allreduce", name, arrays, reduce, detail=(op, float(postscale_factor), dtypes, shapes)
         )
+
+
+def on_threads(fns, timeout_s):
+    """Run ``fns`` (one per rank) on threads; ``(results, errors)`` per rank.
+
+    Bounded: a thread still running after ``timeout_s`` fails the test ("a rank hung").
+    """
+    results, errors = [None] * len(fns), [None] * len(fns)
+
+    def guarded(i):
+        try:
+            results[i] = fns[i]()
+        except BaseException as exc:  # noqa: BLE001 - returned to the test
+            errors[i] = exc
+
+    threads = [threading.Thread(target=guarded, args=(i,), daemon=True) for i in range(len(fns))]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + timeout_s
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    assert not any(t.is_alive() for t in threads), f"a rank hung (errors elsewhere: {[e for e in errors if e]})"
+    return results, errors

@@ -10,13 +10,12 @@ consumed are read off the protocol's variables at the moment it runs.
 """
 
 import random
-import threading
 import time
 
 import numpy as np
 import pytest
 import tensorflow as tf
-from fake_cluster import FakeCluster
+from fake_cluster import FakeCluster, on_threads
 
 import tfsync
 from tfsync import timeline
@@ -118,21 +117,7 @@ class DCJob:
         engine.close()
 
     def run(self):
-        errors = [None] * self.size
-
-        def guarded(rank):
-            try:
-                self._train(rank)
-            except BaseException as exc:  # noqa: BLE001 - re-raised below
-                errors[rank] = exc
-
-        threads = [threading.Thread(target=guarded, args=(r,), daemon=True) for r in range(self.size)]
-        for t in threads:
-            t.start()
-        deadline = time.monotonic() + JOIN_S
-        for t in threads:
-            t.join(max(0.0, deadline - time.monotonic()))
-        assert not any(t.is_alive() for t in threads), f"ranks hung; errors: {errors}"
+        _, errors = on_threads([lambda r=r: self._train(r) for r in range(self.size)], JOIN_S)
         for exc in errors:
             if exc is not None:
                 raise exc

@@ -24,7 +24,7 @@ import time
 import numpy as np
 import pytest
 import tensorflow as tf
-from fake_cluster import FakeCluster
+from fake_cluster import FakeCluster, on_threads
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
@@ -442,22 +442,7 @@ def test_a_rank_that_dies_stops_the_others_naming_it(tmp_path, policy):
 
 
 def _on_threads(fns, timeout_s=JOIN_S):
-    results, errors = [None] * len(fns), [None] * len(fns)
-
-    def guarded(i):
-        try:
-            results[i] = fns[i]()
-        except BaseException as exc:  # noqa: BLE001 - returned to the test
-            errors[i] = exc
-
-    threads = [threading.Thread(target=guarded, args=(i,), daemon=True) for i in range(len(fns))]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + timeout_s
-    for t in threads:
-        t.join(max(0.0, deadline - time.monotonic()))
-    assert not any(t.is_alive() for t in threads), "a rank hung"
-    return results, errors
+    return on_threads(fns, timeout_s)
 
 
 @pytest.mark.parametrize("average,divisor", [(True, None), (False, None), (True, 2), (True, 3)])

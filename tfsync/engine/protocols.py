@@ -118,12 +118,7 @@ class GradientProtocol:
             self.variables = [tf_variable(v) for v in tensors]
             with tf.init_scope():
                 self.w_stale = [_state_variable(tf.zeros_like(v)) for v in self.variables]
-                self.mean_square = (
-                    [_state_variable(tf.zeros(v.shape, _accumulation_dtype(v.dtype))) for v in self.variables]
-                    if self.compensation.adaptive
-                    else None
-                )
-                self._lam = tf.constant(self.compensation.strength, tf.float32)
+            self._compensator = Compensator(self.compensation, self.variables)
 
     def keep_weights(self):
         """Snapshot the weights a late gradient was computed on (its ``w_stale``)."""
@@ -131,12 +126,7 @@ class GradientProtocol:
 
     def compensate(self, grads):
         """A late gradient corrected for the current weights: ``w_now`` = the variables now."""
-        c = self.compensation
-        if c.adaptive:
-            return _correct_adaptive(
-                grads, self.variables, self.w_stale, self.mean_square, self._lam, c.momentum, c.epsilon
-            )
-        return _correct(grads, self.variables, self.w_stale, self._lam)
+        return _run(self._compensator, grads, self.variables, self.w_stale)
 
     def absent(self):
         """What a rank that contributes nothing to a coordinated round sends (built once)."""
@@ -273,13 +263,8 @@ class CompensatedUpdateProtocol:
         with tf.init_scope():
             self.w_bar = [_state_variable(tf.identity(v)) for v in self.variables]
             self.w_local = [_state_variable(tf.identity(v)) for v in self.variables]
-            self.mean_square = (
-                [_state_variable(tf.zeros(v.shape, _accumulation_dtype(v.dtype))) for v in self.variables]
-                if self.compensation.adaptive
-                else None
-            )
-            self._lam = tf.constant(self.compensation.strength, tf.float32)
             self._no_round = [tf.zeros(v.shape, v.dtype) for v in self.variables]
+        self._compensator = Compensator(self.compensation, self.variables)
         self._pending = []  # round results applied by the engine, not yet added to w̄
 
     def apply_round(self, result):
@@ -294,18 +279,9 @@ class CompensatedUpdateProtocol:
 
     def correct_in_graph(self, grads, mean):
         """``w̄ += mean``; the gradients corrected with ``w_now = w̄``, ``w_stale = w_local``."""
-        from tfsync import ops
-
-        c, out = self.compensation, []
-        for i, (g, w, local) in enumerate(zip(grads, self.w_bar, self.w_local)):
-            w.assign_add(mean[i])
-            if c.adaptive:
-                out.append(
-                    ops.delay_compensate_adaptive(g, w, local, self.mean_square[i], self._lam, c.momentum, c.epsilon)
-                )
-            else:
-                out.append(ops.delay_compensate(g, w, local, self._lam))
-        return out
+        for w, m in zip(self.w_bar, mean):
+            w.assign_add(m)
+        return self._compensator(grads, self.w_bar, self.w_local)
 
     def push_in_graph(self):
         """The optimizer moved the variables to ``w_local + Δ``: move them to ``w̄ + Δ``; ``Δ``."""
@@ -344,6 +320,35 @@ def _run(fn, *args):
     return fn(*args)
 
 
+class Compensator:
+    """DC-ASGD's correction with a :class:`tfsync.DelayCompensation`'s settings, over a model's
+    tensors: ``compensator(grads, w_now, w_stale)``, as TensorFlow ops (eager or in a graph),
+    one fused :func:`tfsync.ops.delay_compensate` (or ``_adaptive``) per tensor.  With
+    ``adaptive=True`` it keeps ``v`` per parameter in variables of the accumulation dtype.
+    """
+
+    def __init__(self, compensation, variables):
+        self.compensation = compensation
+        with tf.init_scope():
+            self.mean_square = (
+                [_state_variable(tf.zeros(v.shape, _accumulation_dtype(v.dtype))) for v in variables]
+                if compensation.adaptive
+                else None
+            )
+            self.lam = tf.constant(compensation.strength, tf.float32)
+
+    def __call__(self, grads, w_now, w_stale):
+        from tfsync import ops
+
+        c = self.compensation
+        if c.adaptive:
+            return [
+                ops.delay_compensate_adaptive(g, now, stale, v, self.lam, c.momentum, c.epsilon)
+                for g, now, stale, v in zip(grads, w_now, w_stale, self.mean_square)
+            ]
+        return [ops.delay_compensate(g, now, stale, self.lam) for g, now, stale in zip(grads, w_now, w_stale)]
+
+
 def _state_variable(initial):
     return tf.Variable(initial, trainable=False, synchronization=tf.VariableSynchronization.NONE)
 
@@ -356,24 +361,6 @@ def _copy(sources, targets):
 
 def _accumulation_dtype(dtype):
     return tf.float64 if dtype == tf.float64 else tf.float32
-
-
-# autograph=False: straight-line code; conversion would only trip over the op loader
-@tf.function(autograph=False)
-def _correct(grads, w_now, w_stale, lam):
-    from tfsync import ops
-
-    return [ops.delay_compensate(g, now, stale, lam) for g, now, stale in zip(grads, w_now, w_stale)]
-
-
-@tf.function(autograph=False)
-def _correct_adaptive(grads, w_now, w_stale, mean_square, lam0, momentum, epsilon):
-    from tfsync import ops
-
-    return [
-        ops.delay_compensate_adaptive(g, now, stale, v, lam0, momentum, epsilon)
-        for g, now, stale, v in zip(grads, w_now, w_stale, mean_square)
-    ]
 
 
 def mask_stale_payload(payload, stamp, round_):
