@@ -173,5 +173,5 @@ def contribution_totals(hvd, counts, batch_size, wall_s):
     """Every worker's counts summed (collective), and the samples/s whose gradients were applied."""
     every = hvd.allgather_object(dict(counts), name="tfsync.example.counts")
     total = {k: sum(int(c[k]) for c in every) for k in counts}
-    total["effective_samples_per_s"] = (total["applied"] + total.get("compensated", 0)) * batch_size / wall_s
+    total["effective_samples_per_s"] = (total["applied"] + total["compensated"]) * batch_size / wall_s
     return total

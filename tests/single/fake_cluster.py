@@ -78,8 +78,8 @@ class FakeCluster:
                 if left <= 0:
                     missing = sorted(set(range(self.size)) - set(self._slots.get(k, {})))
                     raise TimeoutError(
-                        f"fake cluster: rank {rank} waited {self.timeout_s:g} s in "
-                        f"{kind} {name!r} (collective {k}) for ranks {missing}"
+                        f"fake cluster: rank {rank} waited {self.timeout_s:g} s for ranks {missing} "
+                        f"in {kind} {name!r} (collective {k})"
                     )
                 self._cond.wait(left)
             entry = self._out[k]

@@ -28,12 +28,8 @@ LR = 0.1
 JOIN_S = 45.0
 
 
-@pytest.fixture(autouse=True, scope="module")
-def control_on_localhost():
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TFSYNC_CONTROL_HOST", "localhost")
-        mp.delenv("TFSYNC_STRAGGLERS", raising=False)
-        yield
+# real engines on localhost, without stragglers from the environment (conftest.py)
+pytestmark = pytest.mark.usefixtures("engines_on_localhost")
 
 
 # ------------------------------------------------------------------- settings

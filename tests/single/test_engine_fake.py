@@ -47,12 +47,8 @@ EXAMPLES = settings(
 )
 
 
-@pytest.fixture(autouse=True, scope="module")
-def control_on_localhost():
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TFSYNC_CONTROL_HOST", "localhost")
-        mp.delenv("TFSYNC_STRAGGLERS", raising=False)
-        yield
+# real engines on localhost, without stragglers from the environment (conftest.py)
+pytestmark = pytest.mark.usefixtures("engines_on_localhost")
 
 
 def contribution(rank, step):

@@ -19,6 +19,7 @@ import time
 
 import numpy as np
 import pytest
+from fake_cluster import FakeCluster
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -321,65 +322,39 @@ def mask_twin(payload, stamp, round_):
 
 
 class FakeAllreduce:
-    """N ranks' collectives on threads, as Horovod runs them: the k-th call of every rank
-    meets the k-th call of every other; the payload is summed and post-scaled by
-    ``1 / divisor`` in float32, the metadata travels as :func:`encode_meta` digits in the
-    same reduction.  A rank that never comes makes the others fail after ``timeout_s``."""
+    """N ranks' collectives on threads, as Horovod runs them (:meth:`FakeCluster.meet`: the
+    k-th call of every rank meets the k-th call of every other, bounded by ``timeout_s``);
+    the payload is summed and post-scaled by ``1 / divisor`` in float32, the metadata
+    travels as :func:`encode_meta` digits in the same reduction."""
 
     def __init__(self, size, timeout_s=WAIT_S):
-        self.size, self.timeout_s = size, timeout_s
-        self._cond = threading.Condition()
-        self._calls = [0] * size
-        self._slots = {}  # call index -> {rank: (payload, wire, divisor)}
-        self._out = {}  # call index -> [result or exception, ranks yet to read it]
+        self.size = size
+        self._cluster = FakeCluster(size, timeout_s=timeout_s)
         self.divisors = {}  # call index -> divisor every rank passed
 
     def for_rank(self, rank):
         return lambda payload, meta, divisor=None: self._enter(rank, payload, meta, divisor)
 
     def _enter(self, rank, payload, meta, divisor):
-        wire = encode_meta(meta)
-        with self._cond:
-            k = self._calls[rank]
-            self._calls[rank] += 1
-            slot = self._slots.setdefault(k, {})
-            slot[rank] = ([np.asarray(p, np.float32) for p in payload], wire, divisor)
-            if len(slot) == self.size:
-                self._out[k] = [self._reduce(k, slot), self.size]
-                del self._slots[k]
-                self._cond.notify_all()
-            deadline = time.monotonic() + self.timeout_s
-            while k not in self._out:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(
-                        f"fake allreduce {k}: rank {rank} waited {self.timeout_s} s for "
-                        f"ranks {sorted(set(range(self.size)) - set(slot))}"
-                    )
-                self._cond.wait(left)
-            out = self._out[k]
-            out[1] -= 1
-            if out[1] == 0:
-                del self._out[k]
-        if isinstance(out[0], Exception):
-            raise out[0]
-        total, wire = out[0]
+        value = ([np.asarray(p, np.float32) for p in payload], encode_meta(meta), divisor)
+        total, wire = self._cluster.meet(rank, "allreduce", "round", value, self._reduce)
         return [t.copy() for t in total], decode_meta(wire, self.size, divisor=divisor)
 
-    def _reduce(self, k, slot):
-        divisors = {d for _, _, d in slot.values()}
+    def _reduce(self, per_rank):
+        k = len(self.divisors)  # calls complete in order: every rank makes call k before k + 1
+        divisors = {d for _, _, d in per_rank}
         if len(divisors) != 1:
-            return RuntimeError(f"fake allreduce {k}: the ranks disagree about the divisor: {divisors}")
+            raise RuntimeError(f"fake allreduce {k}: the ranks disagree about the divisor: {divisors}")
         (divisor,) = divisors
         self.divisors[k] = divisor
-        parts = [slot[r][0] for r in range(self.size)]
+        parts = [p for p, _, _ in per_rank]
         total = [np.sum([p[i] for p in parts], axis=0, dtype=np.float32) for i in range(len(parts[0]))]
-        wire = np.sum([slot[r][1] for r in range(self.size)], axis=0, dtype=np.float32)
+        wire = np.sum([w for _, w, _ in per_rank], axis=0, dtype=np.float32)
         if divisor is not None:
             scale = np.float32(1.0 / divisor)
             total = [(t * scale).astype(np.float32) for t in total]
             wire = (wire * scale).astype(np.float32)
-        return total, wire
+        return [(total, wire)] * self.size
 
 
 SHAPES = ((3,), (2, 2))

@@ -259,12 +259,11 @@ class CompensatedUpdateProtocol:
         self.variables = [tf_variable(v) for v in variables]
         self.dtypes = [v.dtype for v in self.variables]
         self.shapes = [tuple(v.shape) for v in self.variables]
-        self.compensation = policy.compensation
         with tf.init_scope():
             self.w_bar = [_state_variable(tf.identity(v)) for v in self.variables]
             self.w_local = [_state_variable(tf.identity(v)) for v in self.variables]
             self._no_round = [tf.zeros(v.shape, v.dtype) for v in self.variables]
-        self._compensator = Compensator(self.compensation, self.variables)
+        self._compensator = Compensator(policy.compensation, self.variables)
         self._pending = []  # round results applied by the engine, not yet added to w̄
 
     def apply_round(self, result):

@@ -33,13 +33,11 @@ def correct_gradients(engine, grads):
     One ``tf.py_function`` waits for the round the correction needs and returns
     its mean (:meth:`SyncEngine.round_mean`); the correction itself is built
     into the compiled step (``protocol.correct_in_graph``: the fused
-    :func:`tfsync.ops.delay_compensate`).  ``engine`` may be a callable
-    returning the engine, for frontends that start it while the step is traced.
+    :func:`tfsync.ops.delay_compensate`), so the engine must be started.
     """
-    get_engine = engine if callable(engine) else (lambda: engine)
-    protocol = get_engine().protocol
+    protocol = engine.protocol
     grads = [tf.convert_to_tensor(g) for g in grads]  # IndexedSlices become dense
-    mean = tf.py_function(lambda: get_engine().round_mean(), [], Tout=protocol.dtypes, name="tfsync_round_mean")
+    mean = tf.py_function(engine.round_mean, [], Tout=protocol.dtypes, name="tfsync_round_mean")
     for m, s in zip(mean, protocol.shapes):
         m.set_shape(s)
     return protocol.correct_in_graph(grads, mean)
