@@ -5,7 +5,8 @@ One process per worker, as Horovod's examples do::
     horovodrun -np 4 -H localhost:4 --gloo python keras_examples/digits.py --mode ssp --staleness 3 \
         --stragglers "base=0.02,slow=3:0.04"
 
-``--mode`` is ``bsp``, ``ssp`` (``--staleness``), ``psp`` (``--min-contributions``,
+``--mode`` is ``bsp``, ``ssp`` (``--staleness``), ``dssp`` (``--low``, ``--high``),
+``elasticbsp`` (``--lookahead``, ``--zipline``), ``psp`` (``--min-contributions``,
 ``--push-timeout-s``), ``backup`` (``--backups``) or ``dcs3gd`` (``--dc-lambda``,
 ``--dc-adaptive``).
 

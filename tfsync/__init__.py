@@ -2,8 +2,10 @@
 
 Public API::
 
-    tfsync.BSP(), tfsync.SSP(staleness=3)       # modes (or the strings "bsp", "ssp",
-    tfsync.PSP(), tfsync.BackupWorkers()         #   "psp", "backup", "dcs3gd")
+    tfsync.BSP(), tfsync.SSP(staleness=3)       # modes (or the strings "bsp", "ssp", "dssp",
+    tfsync.DSSP(low=3, high=15)                  #   "elasticbsp", "psp", "backup", "dcs3gd")
+    tfsync.ElasticBSP(lookahead=15)
+    tfsync.PSP(), tfsync.BackupWorkers()
     tfsync.DCS3GD(compensation=tfsync.DelayCompensation(lam=0.04))
     tfsync.Stragglers(...)                       # simulated device time and stragglers
     tfsync.keras.SyncCallback(mode=...)          # model.fit(..., callbacks=[...])
@@ -13,7 +15,7 @@ Public API::
 
 import importlib
 
-from tfsync.policies import BSP, DCS3GD, PSP, SSP, BackupWorkers, DelayCompensation, Policy
+from tfsync.policies import BSP, DCS3GD, DSSP, PSP, SSP, BackupWorkers, DelayCompensation, ElasticBSP, Policy
 from tfsync.stragglers import Stragglers
 
 __version__ = "0.1.0"
@@ -35,6 +37,8 @@ def __getattr__(name):
 __all__ = [
     "BSP",
     "SSP",
+    "DSSP",
+    "ElasticBSP",
     "PSP",
     "BackupWorkers",
     "DCS3GD",

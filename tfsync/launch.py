@@ -78,7 +78,7 @@ def print_result(result):
     print(RESULT_PREFIX + json.dumps(result), flush=True)
 
 
-MODES = ("bsp", "ssp", "psp", "backup", "dcs3gd")
+MODES = ("bsp", "ssp", "dssp", "elasticbsp", "psp", "backup", "dcs3gd")
 
 
 def add_mode_arguments(parser, baselines=()):
@@ -92,6 +92,16 @@ def add_mode_arguments(parser, baselines=()):
     else:
         parser.add_argument("--mode", default="bsp", choices=MODES)
     parser.add_argument("--staleness", type=int, default=3, help="SSP bound s (--mode ssp)")
+    parser.add_argument("--low", type=int, default=3, help="DSSP's lower bound s_L (--mode dssp)")
+    parser.add_argument("--high", type=int, default=15, help="DSSP's upper bound s_U (--mode dssp)")
+    parser.add_argument(
+        "--lookahead", type=int, default=15, help="ElasticBSP's R, iterations predicted (--mode elasticbsp)"
+    )
+    parser.add_argument(
+        "--zipline",
+        default="optbs",
+        help="ElasticBSP's ZipLine variant: optbs, zipline_opt, zipline, fullgridscan, gridscan (--mode elasticbsp)",
+    )
     parser.add_argument(
         "--min-contributions", type=int, default=None, help="PSP's c (--mode psp; default: workers - 1)"
     )
@@ -139,6 +149,10 @@ def mode_from_args(args):
     compensate = compensation if args.compensate else None
     if args.mode == "ssp":
         return tfsync.SSP(staleness=args.staleness)
+    if args.mode == "dssp":
+        return tfsync.DSSP(low=args.low, high=args.high)
+    if args.mode == "elasticbsp":
+        return tfsync.ElasticBSP(lookahead=args.lookahead, algorithm=args.zipline)
     if args.mode == "psp":
         return tfsync.PSP(
             min_contributions=args.min_contributions, push_timeout_s=args.push_timeout_s, compensate=compensate
@@ -158,7 +172,15 @@ def describe_mode(policy):
         return f"lambda={comp.strength}" + (", adaptive" if comp.adaptive else "")
 
     options, suffix = [], ""
-    short = {"staleness": "s", "min_contributions": "c", "push_timeout_s": "timeout", "backups": "b"}
+    short = {
+        "staleness": "s",
+        "low": "s_L",
+        "high": "s_U",
+        "lookahead": "R",
+        "min_contributions": "c",
+        "push_timeout_s": "timeout",
+        "backups": "b",
+    }
     for k, v in policy.config().items():
         if k == "compensation":  # DC-S3GD's own
             options.append(compensation(policy.compensation))

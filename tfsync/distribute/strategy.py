@@ -132,6 +132,7 @@ class _SyncExtended(one_device_strategy.OneDeviceExtended):
         state = self._local
         state.updates = []
         state.training = False
+        state.exchanged = False
         if not state.__dict__.get("in_step"):
             state.in_step = True
             step_kind = getattr(fn, "__name__", "")
@@ -146,7 +147,7 @@ class _SyncExtended(one_device_strategy.OneDeviceExtended):
                     fn = self._skippable(fn)
                 with tf.control_dependencies(flush):
                     out = super()._call_for_each_replica(fn, args, kwargs)
-                if state.training and not self._reduces_gradients:
+                if state.training and not self._reduces_gradients and not state.__dict__.get("exchanged"):
                     self._ensure_started(state.updates)
                     exchange_updates(self._engine, self._variables)
             finally:
@@ -201,6 +202,17 @@ class _SyncExtended(one_device_strategy.OneDeviceExtended):
                 return model.optimizer.apply_gradients(zip(mean, model.trainable_variables))
             finally:
                 state.skipping = False
+
+        if not self._reduces_gradients:  # ElasticBSP: the update is pushed in the branch that computes
+            def train_and_exchange(data):
+                out = train_step(data)
+                if state.training:
+                    self._ensure_started(state.updates)
+                    exchange_updates(self._engine, self._variables)
+                    state.exchanged = True
+                return out
+
+            return skippable_train_step(lambda: self._engine, model, train_and_exchange, None)
 
         self._apply_mean = apply_mean  # also for the final round of late gradients (finish)
 

@@ -32,7 +32,10 @@ round ``r`` is in its outbox sends ``Ready(rank, r)``; rank 0's coordinator
 thread evaluates the policy's pure ``close_round`` on the ready notices of
 the oldest open round and the clock, and when it closes, appends
 ``[r, accepted ranks]`` to the closed list, which every worker's ``Attach``
-stream carries in order.  A worker whose contribution missed its round and
+stream carries in order.  DSSP's synchronization controller runs here too: every
+worker tells the coordinator of each push (``Pushed``, fire-and-forget), and a
+worker past the lower bound asks for extra iterations (``Grant``, answered at
+once from the table of push counts and times).  A worker whose contribution missed its round and
 was delay-compensated (``compensate=``) offers it with ``Late(rank, r)`` for
 the round ``r`` it is about to compute; the coordinator takes it if ``r`` is
 still open, as an extra the policy's rule does not count, and the closing
@@ -70,6 +73,7 @@ REJECTION_LOG_INTERVAL_S = 1.0  # at most one logged warning about refused calls
 REJECTIONS_KEPT = 100  # ControlServer.rejected keeps the first this many
 READY_TIMEOUT_S = 5.0  # deadline of one (fire-and-forget) ready notice
 LATE_TIMEOUT_S = 5.0  # deadline of one late-contribution offer (the worker waits for the answer)
+GRANT_TIMEOUT_S = 5.0  # deadline of one DSSP grant request (the worker waits for the answer)
 COORDINATOR_WAKE_S = 0.5  # the coordinator rechecks shutdown at least this often
 
 log = logging.getLogger("tfsync.control")
@@ -129,6 +133,9 @@ class ControlServer:
         self._rejections_unlogged = 0
         self._stopping = threading.Event()
         self._policy = policy if policy is not None and policy.coordinated else None
+        # DSSP's synchronization controller: every worker's push count and two latest push times
+        self._controller = policy if policy is not None and hasattr(policy, "grant") else None
+        self._pushes = [(0, None, None)] * size
         self._ready = {}  # open round -> [(rank, ready_s)] in arrival order
         self._closed = []  # [round, [accepted ranks]] (+ [late ranks] when any) in round order
         self._late = {}  # round -> ranks whose late, compensated contribution it takes
@@ -151,6 +158,8 @@ class ControlServer:
                         "Report": unary("Report", self._report),
                         "Ready": unary("Ready", self._ready_notice),
                         "Late": unary("Late", self._late_notice),
+                        "Pushed": unary("Pushed", self._pushed_notice),
+                        "Grant": unary("Grant", self._grant),
                         "Leave": unary("Leave", self._leave),
                         "Stop": unary("Stop", self._stop),
                         "Table": unary("Table", self._table),
@@ -313,6 +322,36 @@ class ControlServer:
                 late.append(rank)
         return {"joined": 1}
 
+    def _record_push_locked(self, rank, step, now):
+        count, latest, _ = self._pushes[rank]
+        if step + 1 > count:  # a notice and a grant request may both carry the same push
+            self._pushes[rank] = (step + 1, now, latest)
+
+    def _pushed_notice(self, request, context):
+        """A worker pushed its update of ``step`` (DSSP: the controller's table)."""
+        rank, step = int(request["rank"]), int(request["step"])
+        with self._lock:
+            if self._controller is not None:
+                self._record_push_locked(rank, step, time.time() - self.t0)
+        return {"ok": 1}
+
+    def _grant(self, request, context):
+        """DSSP: a worker that pushed ``step`` and is past the lower bound asks for extra
+        iterations (Algorithm 1, lines 7-16); ``room``: how many its upper bound allows."""
+        rank, step, room = int(request["rank"]), int(request["step"]), int(request["room"])
+        with self._lock:
+            if self._controller is None:
+                return {"extra": 0, "reason": "no_controller"}
+            self._record_push_locked(rank, step, time.time() - self.t0)
+            pushes = list(self._pushes)
+        grant = self._controller.grant(pushes, rank, room)
+        reply = {"extra": grant.extra, "reason": grant.reason, "counts": [c for c, _, _ in pushes]}
+        if grant.slowest is not None:
+            reply["slowest"] = grant.slowest
+        if grant.predicted_wait_s is not None:
+            reply["predicted_wait_s"] = grant.predicted_wait_s
+        return reply
+
     def _decide_locked(self, now):
         """Apply the policy to the oldest open round (lock held); the recheck time, or None.
 
@@ -432,6 +471,7 @@ class ControlClient:
         )
         self._report, self._leave, self._table = method("Report"), method("Leave"), method("Table")
         self._ready, self._late = method("Ready"), method("Late")
+        self._pushed, self._grant = method("Pushed"), method("Grant")
         self._stop = method("Stop")
         self._closing = False
         self.host_lost = None
@@ -501,6 +541,20 @@ class ControlClient:
         """Tell the coordinator that this worker's contribution to ``round_`` is ready (async)."""
         self._ready_calls.append(
             self._ready.future({"rank": self.rank, "round": round_}, timeout=READY_TIMEOUT_S, metadata=self._metadata)
+        )
+
+    def pushed(self, step: int):
+        """Tell the coordinator of this worker's push of ``step`` (DSSP; async)."""
+        self._ready_calls.append(
+            self._pushed.future({"rank": self.rank, "step": step}, timeout=READY_TIMEOUT_S, metadata=self._metadata)
+        )
+
+    def grant(self, step: int, room: int) -> dict:
+        """DSSP: ask for extra iterations past the lower bound after pushing ``step``;
+        the coordinator's reply (``extra``, ``reason``, ...).  Blocks for at most
+        ``GRANT_TIMEOUT_S``."""
+        return self._grant(
+            {"rank": self.rank, "step": step, "room": room}, timeout=GRANT_TIMEOUT_S, metadata=self._metadata
         )
 
     def join_late(self, round_: int) -> bool:

@@ -202,6 +202,13 @@ class SyncEngine:
         self._corrected_rounds = set()  # own contributions whose gradient was delay-compensated
         self._corrected_wait = None  # (wait_s, applied) of this step's correction, until its push
         self._held = None  # (stamp, payload): a contribution that missed its round, to compensate
+        # DSSP: extra steps granted past the lower bound and not yet used; the steps they cover;
+        # the latest grant decision, until the wait it predicted is known
+        self._dssp = hasattr(self.policy, "grant")
+        self._grant_left, self._granted, self._open_grant, self._closing_grant = 0, set(), None, None
+        # ElasticBSP: the current superstep, and this worker's latest iteration interval
+        self._schedule = self.policy.first_schedule(self.size) if hasattr(self.policy, "next_schedule") else None
+        self._last_interval = 0.0
         self._last_pushed = -1
         self._applied_through = -1
         self._trace = None
@@ -327,6 +334,8 @@ class SyncEngine:
         worker (policies that skip), and the frontend then calls :meth:`skip_step`."""
         with self._keep_error():
             self._check_started()
+            if self._schedule is not None:
+                return self._schedule.computes(self.rank, self.step)
             if self.policy.skips and self.exchange.closed_through >= self.step:
                 return False
             if self._held is not None:
@@ -353,7 +362,15 @@ class SyncEngine:
         with self._keep_error():
             self._check_started()
             step, t_start = self.step, self._t_step_start
-            applied = self._wait_and_apply(self.protocol.sync_round(self.policy, step))
+            if self._schedule is not None:  # ElasticBSP: zeros in this step's round, which needs every rank
+                self.exchange.submit(
+                    step, self.protocol.absent(), self._now(), self._last_interval, inline=False, present=False
+                )
+                self._last_pushed = step
+                required = self._schedule_required(step)
+            else:
+                required = self.protocol.sync_round(self.policy, step)
+            applied = self._wait_and_apply(required)
             self._end_step(step, t_start, t_start, applied, skipped=True)
             return self.protocol.result()
 
@@ -375,12 +392,18 @@ class SyncEngine:
         payload = self.protocol.contribution(list(inputs))
         t_push = self._now()
         required = self.protocol.sync_round(self.policy, step)
+        if self._schedule is not None:
+            required = self._schedule_required(step)
         if self.policy.coordinated:
             self.exchange.push(step, payload, t_push, t_push - t_start)
             self.control.ready(step)
         else:
             # a worker that would wait for this very round anyway runs it on its own thread
-            self.exchange.submit(step, payload, t_push, t_push - t_start, inline=required >= step)
+            # (not one that may be granted extra steps instead)
+            inline = required >= step and not (self._dssp and self.policy.extra_max > 0)
+            self.exchange.submit(step, payload, t_push, t_push - t_start, inline=inline)
+            if self._dssp:
+                required = self._dssp_required(step, required)
         self._produced += 1
         self._last_pushed = step
         self.control.report(step)
@@ -393,6 +416,55 @@ class SyncEngine:
         return self.protocol.result()
 
     # ------------------------------------------------------------------ internals
+    def _schedule_required(self, step):
+        """ElasticBSP: the barrier round at the superstep's last step, else none (-1)."""
+        return self._schedule.barrier if step == self._schedule.barrier else -1
+
+    def _dssp_required(self, step, required):
+        """DSSP, after pushing ``step``: the round step ``step + 1`` waits for.
+
+        The lower bound's (``required``) unless a grant covers the step; a
+        worker past the lower bound without one asks the coordinator.  Any
+        granted step still waits for the upper bound's round.
+        """
+        nxt = step + 1
+        hard = self.policy.hard_round(nxt)
+        if self._grant_left > 0:  # one per push, fastest or not (Algorithm 1, lines 3-5)
+            self._grant_left -= 1
+            self._granted.add(nxt)
+            return hard
+        if self._open_grant is not None:  # used up: the wait that follows is the one it predicted
+            self._closing_grant, self._open_grant = self._open_grant, None
+        if required <= self.exchange.completed or self.policy.extra_max == 0:
+            self.control.pushed(step)
+            return required
+        ahead = nxt - (self.exchange.completed + 1)
+        room = self.policy.high - ahead + 1  # steps computable before the upper bound binds
+        if room <= 0:
+            self.control.pushed(step)
+            return required
+        t = self._now()
+        reply = self.control.grant(step, room)
+        extra = min(int(reply.get("extra", 0)), room)
+        decision = {
+            "step": nxt,
+            "t": t,
+            "extra": extra,
+            "room": room,
+            "ahead": ahead,
+            "reason": reply.get("reason"),
+            "slowest": None if reply.get("slowest") is None else int(reply["slowest"]),
+            "predicted_wait_s": reply.get("predicted_wait_s"),
+            "counts": [int(c) for c in reply.get("counts", ())],
+        }
+        if extra > 0:
+            self._grant_left = extra - 1
+            self._granted.add(nxt)
+            self._open_grant = decision
+            return hard
+        self._closing_grant = decision  # no extra steps: this step's wait is the one predicted
+        return required
+
     def _now(self):
         return time.time() - self.t0
 
@@ -424,7 +496,20 @@ class SyncEngine:
             if res.late[self.rank] == 1.0:
                 self._own_compensated += 1
             self._applied_through = r
+            if self._schedule is not None and r == self._schedule.barrier:
+                self._next_superstep(res)
         return applied
+
+    def _next_superstep(self, res):
+        """ElasticBSP: the barrier round ``res`` is applied; settle and schedule the next superstep
+        from its replicated metadata (the same decision on every worker)."""
+        self.protocol.settle()
+        present = np.flatnonzero(res.present == 1.0)
+        self._schedule = self.policy.next_schedule(
+            res.round, [float(res.push_times[k]) for k in present], [float(c) for c in res.compute_s]
+        )
+        if self._trace is not None:
+            self._write({"event": "barrier", "rank": self.rank, "t": self._now(), **self._schedule.record()})
 
     def _final_round(self, apply_mean):
         """The late gradients held when training ends, compensated and applied everywhere."""
@@ -511,6 +596,10 @@ class SyncEngine:
             "compensated": compensated,
             "skipped": int(skipped),
         }
+        if not skipped:
+            self._last_interval = compute_s
+        granted = step in self._granted
+        self._granted.discard(step)
         tot = self.totals
         tot["steps"] += 1
         tot["compute_s"] += compute_s
@@ -534,8 +623,12 @@ class SyncEngine:
                     "drops": drops,
                     "compensated": compensated,
                     "skipped": skipped,
+                    **({"granted": granted} if self._dssp else {}),
                 }
             )
+            if self._closing_grant is not None:
+                self._write({"event": "grant", "rank": self.rank, **self._closing_grant, "actual_wait_s": wait_s})
+        self._closing_grant = None
         self.step = step + 1
         self._t_step_start = t_end
 

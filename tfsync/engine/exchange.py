@@ -277,10 +277,16 @@ class RoundExchange:
         self.counts["dropped"] += 1
         self._drops.append((stamp, round_))
 
-    def submit(self, round_: int, payload: list, push_time: float, compute_s: float, inline: bool = False):
-        """Queue round ``round_``; with ``inline``, run it now on this thread if nothing is queued."""
+    def submit(
+        self, round_: int, payload: list, push_time: float, compute_s: float, inline: bool = False, present=True
+    ):
+        """Queue round ``round_``; with ``inline``, run it now on this thread if nothing is queued.
+
+        ``present=False``: this worker skipped the step (ElasticBSP) and ``payload`` is
+        zeros; its row still carries ``compute_s``, its latest iteration interval.
+        """
         meta = np.zeros((self.size, _K), np.float64)
-        meta[self.rank, :4] = (1.0, round_, push_time, compute_s)
+        meta[self.rank, :4] = (1.0 if present else 0.0, round_, push_time, compute_s)
         item = (round_, list(payload), meta)
         if inline and self._running.acquire(blocking=False):
             try:

@@ -175,6 +175,22 @@ class UpdateProtocol:
                 for v in self.variables
             ]
         self._size_t = tf.constant(size, tf.float32)
+        self._zeros = None
+
+    def absent(self):
+        """A skipped step's share: zeros (built once)."""
+        if self._zeros is None:
+            with tf.init_scope():
+                self._zeros = [tf.zeros(v.shape, v.dtype) for v in self.variables]
+        return self._zeros
+
+    def settle(self):
+        """Nothing in flight (a barrier): the weights become ``w̄`` exactly.
+
+        ``pending`` is zero up to rounding once every own share is subtracted
+        again; clearing it makes the replicas bit-identical at the barrier.
+        """
+        _settle(self.variables, self.w_bar, self.pending)
 
     def contribution(self, _inputs):
         """The share ``Δ/N`` of the update the optimizer just made; moves to ``w̄ + pending``."""
@@ -205,6 +221,13 @@ def _push_share(variables, w_bar, pending, size):
         v.assign(w + new_pending)
         shares.append(share)
     return shares
+
+
+@tf.function
+def _settle(variables, w_bar, pending):
+    for v, w, p in zip(variables, w_bar, pending):
+        p.assign(tf.zeros_like(p))
+        v.assign(w)
 
 
 @tf.function

@@ -81,7 +81,9 @@ def skippable_train_step(engine, model, train_step, apply_mean):
     optimizer state stay identical to every other replica's, and the metrics
     are returned unchanged (a skipped step adds nothing to them).  ``engine``
     may be a callable returning the engine, for frontends that start it while
-    the first step is traced.
+    the first step is traced.  ``apply_mean=None``: the update protocol
+    (ElasticBSP), whose skipped step contributes zeros and moves the weights
+    in place (the engine applies the rounds), so nothing is applied here.
     """
     get_engine = engine if callable(engine) else (lambda: engine)
 
@@ -90,6 +92,15 @@ def skippable_train_step(engine, model, train_step, apply_mean):
         compute.set_shape([])
 
         def skip():
+            if apply_mean is None:
+                done = tf.py_function(
+                    lambda: (get_engine().skip_step(), tf.constant(True))[1],
+                    [],
+                    Tout=tf.bool,
+                    name="tfsync_skip_step",
+                )
+                with tf.control_dependencies([done]):
+                    return tf.nest.map_structure(tf.identity, model.get_metrics_result())
             protocol = get_engine().protocol
             mean = tf.py_function(lambda: get_engine().skip_step(), [], Tout=protocol.dtypes, name="tfsync_skip_step")
             for o, s in zip(mean, protocol.shapes):

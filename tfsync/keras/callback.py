@@ -88,8 +88,9 @@ class SyncCallback(keras.callbacks.Callback):
         self.engine.start(self.variables, extra_config={"steps": steps, "optimizer": type(model.optimizer).__name__})
         self._wrap_optimizer(model.optimizer)
         if self.policy.skips:
+            apply_mean = self._apply_mean if self.engine.protocol.reduces_gradients else None
             model.train_step = skippable_train_step(
-                self.engine, model, type(model).train_step.__get__(model), self._apply_mean
+                self.engine, model, type(model).train_step.__get__(model), apply_mean
             )
         model.make_train_function(force=True)
         train_function, engine = model.train_function, self.engine

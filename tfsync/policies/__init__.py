@@ -25,6 +25,9 @@ workers agree on every decision without a coordinator.
 BSP and SSP close round ``r`` when every worker has contributed, a rule each
 worker can apply alone: its communication thread enters round ``r`` as soon as
 its own contribution is ready, and Horovod's allreduce is the barrier.  The
+modes timed from measured iteration times (:mod:`tfsync.policies.dynamic`:
+DSSP, ElasticBSP) close rounds the same way and decide, respectively, how far
+past its bound a worker may run and where the next barrier is.  The
 partial modes (:mod:`tfsync.policies.partial`: PSP, backup workers) close a
 round without the slow workers; that needs one observer of every worker's
 readiness, so rank 0's coordinator evaluates their third question,
@@ -36,6 +39,7 @@ import dataclasses
 
 from tfsync.policies.base import Closing, Policy
 from tfsync.policies.compensation import DCS3GD, DelayCompensation
+from tfsync.policies.dynamic import DSSP, ElasticBSP, Grant, Schedule
 from tfsync.policies.partial import PSP, BackupWorkers
 
 PAYLOADS = ("gradients", "updates", "compensated_updates")
@@ -104,7 +108,15 @@ class SSP(Policy):
         return step - self.staleness - 1
 
 
-_BY_NAME = {"bsp": BSP, "ssp": SSP, "psp": PSP, "backup": BackupWorkers, "dcs3gd": DCS3GD}
+_BY_NAME = {
+    "bsp": BSP,
+    "ssp": SSP,
+    "dssp": DSSP,
+    "elasticbsp": ElasticBSP,
+    "psp": PSP,
+    "backup": BackupWorkers,
+    "dcs3gd": DCS3GD,
+}
 
 
 def resolve(mode) -> Policy:
@@ -132,6 +144,10 @@ __all__ = [
     "Closing",
     "BSP",
     "SSP",
+    "DSSP",
+    "ElasticBSP",
+    "Grant",
+    "Schedule",
     "PSP",
     "BackupWorkers",
     "DCS3GD",
