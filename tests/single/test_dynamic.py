@@ -173,12 +173,14 @@ def test_zipline_schedules_the_superstep_from_the_barriers_intervals():
     policy = ElasticBSP(lookahead=5)
     # worker 2 takes twice as long: two steps of the others end with one of its
     s = policy.next_schedule(9, push_times=[1.0, 1.0, 1.0], intervals=[0.1, 0.1, 0.2])
-    assert (s.start, s.barrier, s.last) == (10, 11, (11, 11, 10))
+    assert (s.start, s.barrier, s.iterations) == (10, 11, (2, 2, 1))
     assert s.predicted_t_sync_s == pytest.approx(1.2) and s.predicted_wait_s == pytest.approx(0.0)
+    # worker 2 skips step 10 and computes step 11, the barrier step, with the others
+    assert [[s.computes(k, c) for c in (10, 11)] for k in range(3)] == [[True, True], [True, True], [False, True]]
     # the monitoring phase: the first steps are barriers, whatever the intervals
-    assert policy.next_schedule(-1 + 1, [0.1], [5.0]).last == (1,)
+    assert policy.next_schedule(0, [0.1], [5.0]).iterations == (1,)
     # R = 1: every worker's next step is the barrier (BSP)
-    assert ElasticBSP(lookahead=1).next_schedule(9, [1.0] * 3, [0.1, 0.3, 0.2]).last == (10, 10, 10)
+    assert ElasticBSP(lookahead=1).next_schedule(9, [1.0] * 3, [0.1, 0.3, 0.2]).iterations == (1, 1, 1)
 
 
 def check_elastic(job, policy):
@@ -198,10 +200,10 @@ def check_elastic(job, policy):
         assert s["barrier"] == start + max(its) - 1, s
         start = s["barrier"] + 1
     assert start >= steps  # the last schedule reaches past the end of training
-    # each rank computes its chosen first steps of a superstep and skips the rest
+    # each rank skips the first steps of a superstep and computes its chosen number, up to the barrier
     for k, w in enumerate(job.workers):
         want_computed = [
-            c for s in supersteps for c in range(s["start"], s["start"] + s["iterations"][k]) if c < steps
+            c for s in supersteps for c in range(s["barrier"] - s["iterations"][k] + 1, s["barrier"] + 1) if c < steps
         ]
         assert w.computed == want_computed, k
         assert sorted(w.computed + w.skipped) == list(range(steps))

@@ -73,7 +73,7 @@ class Worker:
     def __init__(self):
         self.computed, self.skipped = [], []  # steps
         self.means = {}  # step -> the mean gradients it received (gradient protocol)
-        self.views = []  # (step, weights it computed that step on) (update protocol)
+        self.views = []  # (step, weights it computed that step on, or found it skipped) (update protocol)
         self.counts = self.weights = None
 
 
@@ -135,6 +135,8 @@ class Job:
                     result = engine.sync_step([tf.constant(g * (i + 1), d) for i, d in enumerate(self.dtypes)])
                 me.computed.append(step)
             else:
+                if self.updates:  # ElasticBSP: the weights a skipped step found
+                    me.views.append((step, var.numpy().copy()))
                 result = engine.skip_step()
                 me.skipped.append(step)
             if not self.updates:

@@ -71,13 +71,21 @@ def main():
     model.fit(x, y, batch_size=batch_size, epochs=1, shuffle=False, verbose=0, callbacks=callbacks)
     wall = hvd.allgather_object(clock.elapsed_s())
     peak_rss_mb = hvd.allgather_object(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
-    wait = None
+    wait = waits = barriers = None
     counts = {"produced": total * size, "applied": total * size, "compensated": 0, "dropped": 0, "skipped": 0}
     if sync is not None:
         totals = sync.engine.totals
         wait = hvd.allgather_object(totals["wait_s"] / (totals["wait_s"] + totals["compute_s"]))
         every = hvd.allgather_object(dict(sync.engine.counts))
         counts = {k: sum(c[k] for c in every) for k in counts}
+        # the mean wait per step and, for ElasticBSP, per barrier (and the barrier decisions'
+        # time against a computed iteration's)
+        waits = hvd.allgather_object(totals["wait_s"] / max(totals["steps"], 1))
+        computed = max(totals["steps"] - totals["skipped"], 1)
+        b = sync.engine.barriers
+        barriers = hvd.allgather_object(
+            {**b, "iteration_s": totals["compute_s"] / computed} if b["count"] else None
+        )
     samples_per_s = size * args.steps * batch_size / max(wall)
     if rank == 0:
         # samples whose gradients reached the model: the applied share of every worker's steps
@@ -92,8 +100,26 @@ def main():
                 "peak_rss_mb": max(peak_rss_mb),
                 "num_params": model.count_params(),
                 "wait_fraction": float(np.mean(wait)) if wait is not None else None,
+                "mean_wait_per_step_s": float(np.mean(waits)) if waits is not None else None,
+                **barrier_summary(barriers),
             }
         )
+
+
+def barrier_summary(barriers):
+    """ElasticBSP's barriers over the workers: mean wait per barrier, and the decisions' mean
+    time as a fraction of a computed iteration's."""
+    barriers = [b for b in barriers or () if b]
+    if not barriers:
+        return {}
+    count = barriers[0]["count"]
+    decision_s = float(np.mean([b["decision_s"] / b["count"] for b in barriers]))
+    return {
+        "barriers": count,
+        "mean_wait_per_barrier_s": float(np.mean([b["wait_s"] / b["count"] for b in barriers])),
+        "mean_decision_s": decision_s,
+        "decision_per_iteration": decision_s / float(np.mean([b["iteration_s"] for b in barriers])),
+    }
 
 
 class SleepEachStep(keras.callbacks.Callback):

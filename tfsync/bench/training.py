@@ -9,6 +9,8 @@ against.  Scenarios:
 
 * ``none``: every worker spends ``--base-s`` of simulated device time per step;
 * ``straggler``: the last rank spends ``--slow-s`` more on every step;
+* ``heterogeneous``: the last rank spends twice ``--base-s`` on every step (a
+  slower GPU: the DSSP paper's mixed cluster);
 * ``jitter``: every worker spends an extra ``uniform(0, --jitter-s)`` per step
   (transient stragglers: a different worker is slowest at each step);
 * ``rare``: a step is delayed by ``--rare-s`` with probability ``--rare-prob``
@@ -33,16 +35,18 @@ import sys
 
 from tfsync.launch import horovodrun
 
-MODES = ("local", "horovod", "bsp", "ssp", "psp", "backup", "dcs3gd", "psp+dc", "backup+dc")
+MODES = ("local", "horovod", "bsp", "ssp", "dssp", "elasticbsp", "psp", "backup", "dcs3gd", "psp+dc", "backup+dc")
 # the worker's flags for each mode (the delay-compensated variants of PSP and backup workers)
 MODE_FLAGS = {"psp+dc": ["--mode", "psp", "--compensate"], "backup+dc": ["--mode", "backup", "--compensate"]}
 MODELS = ("small", "medium", "large")
-SCENARIOS = ("none", "straggler", "jitter", "rare")
+SCENARIOS = ("none", "straggler", "heterogeneous", "jitter", "rare")
 MODE_LABELS = {
     "local": "no synchronization",
     "horovod": "plain Horovod BSP",
     "bsp": "tfsync BSP",
     "ssp": "tfsync SSP(s={s})",
+    "dssp": "tfsync DSSP",
+    "elasticbsp": "tfsync ElasticBSP",
     "psp": "tfsync PSP",
     "backup": "tfsync backup(b=1)",
     "dcs3gd": "tfsync DC-S3GD",
@@ -56,6 +60,8 @@ def scenario_spec(name, args):
         return f"base={args.base_s},seed=1"
     if name == "straggler":
         return f"base={args.base_s},slow={args.workers - 1}:{args.slow_s},seed=1"
+    if name == "heterogeneous":  # a slower device: twice the base time on every step
+        return f"base={args.base_s},slow={args.workers - 1}:{args.base_s},seed=1"
     if name == "jitter":
         return f"base={args.base_s},jitter={args.jitter_s},seed=1"
     if name == "rare":
@@ -76,7 +82,7 @@ def parse_args(argv):
     p.add_argument(
         "--modes",
         nargs="+",
-        default=["horovod", "bsp", "ssp", "psp", "backup", "dcs3gd", "psp+dc", "backup+dc"],
+        default=["horovod", "bsp", "ssp", "dssp", "elasticbsp", "psp", "backup", "dcs3gd", "psp+dc", "backup+dc"],
         choices=MODES,
         help="'local' (no synchronization) is the compute floor the overhead is measured against",
     )
@@ -195,4 +201,38 @@ def format_table(records):
             f"{overhead} | {wait} | {vs_hvd} | {vs_bsp} | "
             f"{r['peak_rss_mb']:.0f} |"
         )
+    lines += barrier_table(records)
     return "\n".join(lines)
+
+
+def barrier_table(records):
+    """ElasticBSP's barriers against BSP's steps: mean wait, and the decisions' cost."""
+    rows = []
+    for r in records:
+        if "mean_wait_per_barrier_s" not in r:
+            continue
+        bsp = next(
+            (
+                x
+                for x in records
+                if x["mode"] == MODE_LABELS["bsp"] and x["scenario"] == r["scenario"] and x.get("model") == r.get("model")
+            ),
+            None,
+        )
+        bsp_wait = None if bsp is None else bsp.get("mean_wait_per_step_s")
+        ratio = "—" if not bsp_wait else f"{r['mean_wait_per_barrier_s'] / bsp_wait:.2f}"
+        rows.append(
+            f"| {r.get('model', 'small')} | {r['scenario']} | {r['barriers']} | "
+            f"{r['mean_wait_per_barrier_s'] * 1e3:.1f} | "
+            f"{'—' if bsp_wait is None else f'{bsp_wait * 1e3:.1f}'} | {ratio} | "
+            f"{r['mean_decision_s'] * 1e3:.3f} | {r['decision_per_iteration'] * 100:.2f}% |"
+        )
+    if not rows:
+        return []
+    return [
+        "",
+        "| model | scenario | ElasticBSP barriers | mean wait per barrier ms | BSP mean wait per step ms "
+        "| ratio | decision ms | decision / iteration |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+        *rows,
+    ]

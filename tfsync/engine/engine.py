@@ -208,7 +208,10 @@ class SyncEngine:
         self._grant_left, self._granted, self._open_grant, self._closing_grant = 0, set(), None, None
         # ElasticBSP: the current superstep, and this worker's latest iteration interval
         self._schedule = self.policy.first_schedule(self.size) if hasattr(self.policy, "next_schedule") else None
-        self._last_interval = 0.0
+        self._intervals = []  # ElasticBSP: this superstep's computed iterations' times
+        self._at_barrier = None  # the step whose sync waits for the barrier round
+        # ElasticBSP's barriers on this worker: how many, the waits at them, the decisions' time
+        self.barriers = {"count": 0, "wait_s": 0.0, "decision_s": 0.0}
         self._last_pushed = -1
         self._applied_through = -1
         self._trace = None
@@ -363,9 +366,7 @@ class SyncEngine:
             self._check_started()
             step, t_start = self.step, self._t_step_start
             if self._schedule is not None:  # ElasticBSP: zeros in this step's round, which needs every rank
-                self.exchange.submit(
-                    step, self.protocol.absent(), self._now(), self._last_interval, inline=False, present=False
-                )
+                self.exchange.submit(step, self.protocol.absent(), self._now(), 0.0, inline=False, present=False)
                 self._last_pushed = step
                 required = self._schedule_required(step)
             else:
@@ -394,14 +395,18 @@ class SyncEngine:
         required = self.protocol.sync_round(self.policy, step)
         if self._schedule is not None:
             required = self._schedule_required(step)
+        compute_s = t_push - t_start
+        if self._schedule is not None:  # ElasticBSP's rows carry the interval its predictor uses
+            self._intervals.append(compute_s)
+            compute_s = sum(self._intervals) / len(self._intervals)
         if self.policy.coordinated:
-            self.exchange.push(step, payload, t_push, t_push - t_start)
+            self.exchange.push(step, payload, t_push, compute_s)
             self.control.ready(step)
         else:
             # a worker that would wait for this very round anyway runs it on its own thread
             # (not one that may be granted extra steps instead)
             inline = required >= step and not (self._dssp and self.policy.extra_max > 0)
-            self.exchange.submit(step, payload, t_push, t_push - t_start, inline=inline)
+            self.exchange.submit(step, payload, t_push, compute_s, inline=inline)
             if self._dssp:
                 required = self._dssp_required(step, required)
         self._produced += 1
@@ -418,7 +423,10 @@ class SyncEngine:
     # ------------------------------------------------------------------ internals
     def _schedule_required(self, step):
         """ElasticBSP: the barrier round at the superstep's last step, else none (-1)."""
-        return self._schedule.barrier if step == self._schedule.barrier else -1
+        if step != self._schedule.barrier:
+            return -1
+        self._at_barrier = step
+        return step
 
     def _dssp_required(self, step, required):
         """DSSP, after pushing ``step``: the round step ``step + 1`` waits for.
@@ -508,6 +516,8 @@ class SyncEngine:
         self._schedule = self.policy.next_schedule(
             res.round, [float(res.push_times[k]) for k in present], [float(c) for c in res.compute_s]
         )
+        self._intervals = []
+        self.barriers["decision_s"] += self._schedule.decision_s
         if self._trace is not None:
             self._write({"event": "barrier", "rank": self.rank, "t": self._now(), **self._schedule.record()})
 
@@ -596,8 +606,10 @@ class SyncEngine:
             "compensated": compensated,
             "skipped": int(skipped),
         }
-        if not skipped:
-            self._last_interval = compute_s
+        if self._at_barrier == step:
+            self._at_barrier = None
+            self.barriers["count"] += 1
+            self.barriers["wait_s"] += wait_s
         granted = step in self._granted
         self._granted.discard(step)
         tot = self.totals

@@ -165,29 +165,33 @@ class DSSP(Policy):
 
 @dataclasses.dataclass(frozen=True)
 class Schedule:
-    """One ElasticBSP superstep: from the barrier round ``start - 1`` to ``barrier``.
+    """One ElasticBSP superstep: the steps ``start`` to ``barrier`` (its barrier round).
 
-    ``last``: per rank, the last step it computes (``start - 1 + iterations``);
-    the steps after it up to ``barrier`` it skips.  ``predicted_t_sync_s`` and
-    ``predicted_wait_s`` are ZipLine's (seconds since the job's t0), and
-    ``decision_s`` how long the decision took on this worker.
+    ``iterations``: per rank, how many of them it computes: the *last* ones,
+    after skipping the others.  Skipping first lets a worker's communication
+    thread enter the skipped steps' rounds (with zeros) while the others
+    compute, so that the barrier round waits only for the last computations
+    and not for a burst of rounds queued behind them.
+    ``predicted_t_sync_s`` and ``predicted_wait_s`` are ZipLine's (seconds
+    since the job's t0), and ``decision_s`` how long the decision took on this
+    worker.
     """
 
     start: int
     barrier: int
-    last: tuple
+    iterations: tuple
     predicted_t_sync_s: float = None
     predicted_wait_s: float = 0.0
     decision_s: float = 0.0
 
     def computes(self, rank: int, step: int) -> bool:
-        return step <= self.last[rank]
+        return step > self.barrier - self.iterations[rank]
 
     def record(self) -> dict:
         return {
             "start": self.start,
             "barrier": self.barrier,
-            "iterations": [last - self.start + 1 for last in self.last],
+            "iterations": list(self.iterations),
             "predicted_t_sync_s": self.predicted_t_sync_s,
             "predicted_wait_s": self.predicted_wait_s,
             "decision_s": self.decision_s,
@@ -209,9 +213,10 @@ class ElasticBSP(Policy):
     replica holds the same weights, ``w̄``.
 
     The schedule of the next superstep is decided at the barrier, on every
-    worker, from the barrier round's replicated metadata: each worker's latest
-    iteration interval (from the end of its previous wait to its push, so no
-    wait is counted as work) and the barrier's time.  Each worker's next ``R``
+    worker, from the barrier round's replicated metadata: each worker's
+    iteration interval (its mean over the iterations it computed since the
+    previous barrier, each from the end of its previous wait to its push, so
+    no wait is counted as work) and the barrier's time.  Each worker's next ``R``
     end times are predicted (:func:`tfsync.scheduler.predict_end_times`, the
     paper's Section 4) and ZipLine (:func:`tfsync.scheduler.zipline`) chooses
     one per worker with the smallest spread, the earliest on ties.  Every
@@ -219,19 +224,21 @@ class ElasticBSP(Policy):
     needed.  Worker ``p`` then computes its chosen ``k_p`` steps; Keras gives
     every worker the same number of steps, so the superstep lasts
     ``max_p k_p`` steps and the others skip the difference (counted as
-    ``skipped``): the fast workers set the pace.
+    ``skipped``), first (see :class:`Schedule`): the fast workers set the pace.
 
     The monitoring phase (every worker pushes twice before its interval is
     predicted, Fig. 5) is the job's first ``MONITORING_STEPS`` steps, which are
     barriers.  After that, a worker's interval is measured by its latest push
     itself, with the barrier's wait excluded, so the next barrier is decided at
     the barrier rather than two iterations later; this is the paper's latest
-    interval without its wait, and it makes ``lookahead=1`` a barrier at
-    every step, i.e. BSP's waiting.
+    interval without its wait, averaged over the superstep (one interval of a
+    shared machine is noisy, and an error in it grows with every predicted
+    iteration), and it makes ``lookahead=1`` a barrier at every step, i.e.
+    BSP's waiting.
 
     Guarantees (tested): after every barrier, identical weights on every
     replica; every worker computes at least one step per superstep and skips
-    only after its chosen last step; ``ElasticBSP(lookahead=1)`` waits where
+    only before its chosen steps; ``ElasticBSP(lookahead=1)`` waits where
     BSP waits; every decision (iterations, predicted barrier time and wait,
     the decision's own time) is in the trace (``"barrier"`` events).
 
@@ -268,32 +275,37 @@ class ElasticBSP(Policy):
         return step
 
     def first_schedule(self, size: int) -> Schedule:
-        return Schedule(start=0, barrier=0, last=(0,) * size)
+        """The job's first superstep (a monitoring barrier); loads the scheduler's kernels now,
+        so that the first decision's time is the decision's own."""
+        from tfsync.scheduler import zipline
+
+        zipline([[1.0], [1.0]], self.algorithm)
+        return Schedule(start=0, barrier=0, iterations=(1,) * size)
 
     def next_schedule(self, barrier: int, push_times, intervals) -> Schedule:
         """The superstep after barrier round ``barrier``: a pure function of its metadata.
 
-        ``push_times``: the barrier round's push times of the workers that
-        computed it (the barrier is imposed at the latest); ``intervals``:
-        each worker's latest iteration interval, seconds.
+        ``push_times``: the barrier round's push times (every worker computes
+        the barrier step; the barrier is imposed at the latest); ``intervals``:
+        each worker's iteration interval, seconds.
         """
         from tfsync.scheduler import predict_end_times, zipline
 
         size = len(intervals)
         start = barrier + 1
         if start < MONITORING_STEPS:
-            return Schedule(start=start, barrier=start, last=(start,) * size)
+            return Schedule(start=start, barrier=start, iterations=(1,) * size)
         t_start = float(max(push_times))
         t = time.perf_counter()
         intervals = [max(float(i), MIN_INTERVAL_S) if math.isfinite(i) else MIN_INTERVAL_S for i in intervals]
         ends = predict_end_times([[t_start - i, t_start] for i in intervals], R=self.lookahead)
         result = zipline(ends, self.algorithm)
         decision_s = time.perf_counter() - t
-        last = tuple(barrier + int(k) for k in result.iterations)
+        iterations = tuple(int(k) for k in result.iterations)
         return Schedule(
             start=start,
-            barrier=max(last),
-            last=last,
+            barrier=barrier + max(iterations),
+            iterations=iterations,
             predicted_t_sync_s=float(result.t_sync),
             predicted_wait_s=float(result.wait),
             decision_s=decision_s,
