@@ -1,14 +1,16 @@
 """``python -m tfsync.demo``: the README's main job.
 
 Trains ``keras_examples/digits.py`` on 4 local workers over Gloo under BSP,
-SSP, PSP, backup workers (dropping late gradients, and compensating them:
-backup+dc) and DC-S3GD, in two straggler scenarios, and prints
+SSP (s = 3 and 15), DSSP (s in [3, 15]), ElasticBSP, PSP, backup workers
+(dropping late gradients, and compensating them: backup+dc) and DC-S3GD, in
+three straggler scenarios, and prints
 one comparison table (samples/s, effective samples/s, i.e. those whose
 gradients were applied, as they were or delay-compensated; compensated and
 dropped contributions and skipped steps, wait fraction, time to target test
 accuracies, final accuracy):
 
 * ``straggler``: rank 3 is 40 ms slower on every step (a persistently slow GPU);
+* ``heterogeneous``: rank 3 takes twice as long on every step (a slower GPU);
 * ``jitter``: every step of every worker takes up to 40 ms longer, at random
   (transient stragglers: noisy neighbours, network hiccups).
 
@@ -27,12 +29,19 @@ EXAMPLE = os.path.join(REPO_ROOT, "keras_examples", "digits.py")
 MODES = {
     "bsp": ["--mode", "bsp"],
     "ssp": ["--mode", "ssp"],
+    "ssp(s=15)": ["--mode", "ssp", "--staleness", "15"],
+    "dssp": ["--mode", "dssp", "--low", "3", "--high", "15"],
+    "elasticbsp": ["--mode", "elasticbsp"],
     "psp": ["--mode", "psp"],
     "backup": ["--mode", "backup"],
     "backup+dc": ["--mode", "backup", "--compensate"],
     "dcs3gd": ["--mode", "dcs3gd"],
 }
-SCENARIOS = {"straggler": "base=0.02,slow=3:0.04,seed=1", "jitter": "base=0.02,jitter=0.04,seed=1"}
+SCENARIOS = {
+    "straggler": "base=0.02,slow=3:0.04,seed=1",
+    "heterogeneous": "base=0.02,slow=3:0.02,seed=1",
+    "jitter": "base=0.02,jitter=0.04,seed=1",
+}
 
 
 def main(argv=None):
@@ -41,6 +50,7 @@ def main(argv=None):
     p.add_argument("--epochs", type=int, default=12)
     p.add_argument("--staleness", type=int, default=3)
     p.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=list(SCENARIOS))
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     p.add_argument("--stragglers", default=None, help="run one custom scenario with this straggler spec instead")
     p.add_argument("--target-accuracy", type=float, nargs="+", default=[0.9, 0.95])
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
@@ -53,7 +63,7 @@ def main(argv=None):
     scenarios = {"custom": args.stragglers} if args.stragglers else {k: SCENARIOS[k] for k in args.scenarios}
     rows = []
     for scenario, spec in scenarios.items():
-        for mode in MODES:
+        for mode in args.modes:
             print(
                 f"tfsync.demo: training digits with {mode.upper()} on {args.workers} workers "
                 f"({scenario}: {spec})...",
@@ -63,9 +73,9 @@ def main(argv=None):
             row = horovodrun(
                 EXAMPLE,
                 [
-                    *MODES[mode],
-                    "--staleness",
+                    "--staleness",  # before the mode's own flags, which win (ssp(s=15))
                     args.staleness,
+                    *MODES[mode],
                     "--epochs",
                     args.epochs,
                     "--stragglers",

@@ -187,6 +187,7 @@ def _check_finish(record, path, lineno, file_rank, previous):
 
 def _load_rank_file(path, file_rank):
     start, steps, finish, drained, final_compensated = None, [], None, 0, 0
+    barriers, grants = [], []  # ElasticBSP's barrier decisions, DSSP's grant decisions
     with open(path, encoding="utf-8") as handle:
         for lineno, line in enumerate(handle, start=1):
             if not line.strip():
@@ -234,6 +235,10 @@ def _load_rank_file(path, file_rank):
                 drained += int(record.get("dropped", 0))
             elif event == "final_round":  # late gradients compensated after the last step
                 final_compensated += int(record.get("compensated", 0))
+            elif event == "barrier" and _is_number(record.get("t")):
+                barriers.append(record)
+            elif event == "grant" and _is_number(record.get("t")):
+                grants.append(record)
             # any other event: a newer engine's record this reader does not know; skipped on purpose
     if start is None:
         raise ValueError(
@@ -250,6 +255,8 @@ def _load_rank_file(path, file_rank):
         "finish": finish,
         "drained": drained,
         "final_compensated": final_compensated,
+        "barriers": barriers,
+        "grants": grants,
     }
 
 
@@ -555,6 +562,7 @@ def plot_timeline(trace, path, title=None, start_step=None, end_step=None):
                     color="white" if rec["step"] % 2 == 0 else "#1b3a5c",
                     clip_on=True,
                 )
+    marks = _mark_decisions(ax, trace, ranks, t_lo, t_hi)
     span = max(t_hi - t_lo, 1e-9)
     ax.set_xlim(t_lo - 0.01 * span, t_hi + 0.01 * span)
     ax.set_ylim(n - 0.5, -0.5)  # rank 0 on top
@@ -597,11 +605,45 @@ def plot_timeline(trace, path, title=None, start_step=None, end_step=None):
         Patch(facecolor=_COMPUTE_COLORS[1], label="compute (odd step)"),
         Patch(facecolor=wait_face, edgecolor=_WAIT_HATCH, hatch=wait_hatch, linewidth=0, label="wait for peers"),
     ]
-    fig.legend(handles=handles, loc="outside lower center", ncol=3, frameon=False, fontsize=9)
+    handles += marks
+    fig.legend(handles=handles, loc="outside lower center", ncol=len(handles), frameon=False, fontsize=9)
     fmt = None if os.path.splitext(path)[1] else "png"
     fig.savefig(path, format=fmt, bbox_inches="tight")
     plt.close(fig)
     return summary
+
+
+def _mark_decisions(ax, trace, ranks, t_lo, t_hi):
+    """ElasticBSP's barriers (when each was reached, solid; where ZipLine predicted the
+    next, dotted) and DSSP's grants (a triangle on the worker's lane: the extra steps);
+    the legend entries for what was drawn."""
+    from matplotlib.lines import Line2D
+
+    handles = []
+    first = trace["ranks"][ranks[0]] if ranks else None
+    barriers = [b for b in (first or {}).get("barriers", ()) if t_lo <= b["t"] <= t_hi]
+    for b in barriers:
+        ax.axvline(b["t"], color="#444444", linewidth=0.9, zorder=3)
+        t_sync = b.get("predicted_t_sync_s")
+        if _is_number(t_sync) and t_lo <= t_sync <= t_hi:
+            ax.axvline(t_sync, color="#444444", linewidth=0.9, linestyle=":", zorder=3)
+    if barriers:
+        handles += [
+            Line2D([], [], color="#444444", linewidth=0.9, label="barrier (ElasticBSP)"),
+            Line2D([], [], color="#444444", linewidth=0.9, linestyle=":", label="predicted barrier"),
+        ]
+    granted = False
+    for lane, rank in enumerate(ranks):
+        for g in trace["ranks"][rank].get("grants", ()):
+            if g.get("extra") and t_lo <= g["t"] <= t_hi:
+                granted = True
+                ax.plot([g["t"]], [lane - 0.42], marker="v", color="#2a7d2a", markersize=6, zorder=4)
+                ax.text(g["t"], lane - 0.5, f"+{g['extra']}", fontsize=7, color="#2a7d2a", ha="center", va="bottom")
+    if granted:
+        handles.append(
+            Line2D([], [], color="#2a7d2a", marker="v", linestyle="", label="DSSP grant (+extra steps)")
+        )
+    return handles
 
 
 # ---------------------------------------------------------------------------- command line

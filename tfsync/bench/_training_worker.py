@@ -37,6 +37,7 @@ def main():
     p.add_argument("--stragglers", default="none")
     p.add_argument("--steps", type=int, default=150)
     p.add_argument("--warmup-steps", type=int, default=10)
+    p.add_argument("--trace-dir", default=None, help="write the engine's trace here (tfsync modes)")
     args = p.parse_args()
     width, _, batch_size = MODELS[args.model]
 
@@ -66,7 +67,9 @@ def main():
             use_horovod_allreduce(model, hvd)
         callbacks = [SleepEachStep(stragglers.for_rank(rank)), clock]
     else:
-        sync = tfsync.keras.SyncCallback(mode=mode_from_args(args), stragglers=stragglers, average_epoch_logs=False)
+        sync = tfsync.keras.SyncCallback(
+            mode=mode_from_args(args), stragglers=stragglers, average_epoch_logs=False, trace_dir=args.trace_dir
+        )
         callbacks = [sync, clock]
     model.fit(x, y, batch_size=batch_size, epochs=1, shuffle=False, verbose=0, callbacks=callbacks)
     wall = hvd.allgather_object(clock.elapsed_s())

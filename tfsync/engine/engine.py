@@ -73,6 +73,7 @@ WAIT_TIMEOUT_ENV = _env.WAIT_TIMEOUT_S.name
 DEFAULT_WAIT_TIMEOUT_S = float(_env.WAIT_TIMEOUT_S.default)
 
 
+POST_PUSH_SMOOTHING = 0.2  # ElasticBSP: weight of the newest step in the post-push time's average
 WAIT_POLL_S = 1.0  # a waiting worker checks the control path (losses, stops, its deadline) this often
 
 
@@ -209,6 +210,7 @@ class SyncEngine:
         # ElasticBSP: the current superstep, and this worker's latest iteration interval
         self._schedule = self.policy.first_schedule(self.size) if hasattr(self.policy, "next_schedule") else None
         self._intervals = []  # ElasticBSP: this superstep's computed iterations' times
+        self._post_push_s = 0.0  # ElasticBSP: mean time from a push to the next step (no barrier)
         self._at_barrier = None  # the step whose sync waits for the barrier round
         # ElasticBSP's barriers on this worker: how many, the waits at them, the decisions' time
         self.barriers = {"count": 0, "wait_s": 0.0, "decision_s": 0.0}
@@ -396,9 +398,10 @@ class SyncEngine:
         if self._schedule is not None:
             required = self._schedule_required(step)
         compute_s = t_push - t_start
-        if self._schedule is not None:  # ElasticBSP's rows carry the interval its predictor uses
+        if self._schedule is not None:  # ElasticBSP's rows carry the interval its predictor uses:
+            # push to push, i.e. the computation and the engine's own work after a push
             self._intervals.append(compute_s)
-            compute_s = sum(self._intervals) / len(self._intervals)
+            compute_s = sum(self._intervals) / len(self._intervals) + self._post_push_s
         if self.policy.coordinated:
             self.exchange.push(step, payload, t_push, compute_s)
             self.control.ready(step)
@@ -610,6 +613,8 @@ class SyncEngine:
             self._at_barrier = None
             self.barriers["count"] += 1
             self.barriers["wait_s"] += wait_s
+        elif self._schedule is not None and not skipped:  # a moving average: recent steps count most
+            self._post_push_s += POST_PUSH_SMOOTHING * (t_end - t_push - self._post_push_s)
         granted = step in self._granted
         self._granted.discard(step)
         tot = self.totals
