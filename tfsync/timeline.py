@@ -640,9 +640,7 @@ def _mark_decisions(ax, trace, ranks, t_lo, t_hi):
                 ax.plot([g["t"]], [lane - 0.42], marker="v", color="#2a7d2a", markersize=6, zorder=4)
                 ax.text(g["t"], lane - 0.5, f"+{g['extra']}", fontsize=7, color="#2a7d2a", ha="center", va="bottom")
     if granted:
-        handles.append(
-            Line2D([], [], color="#2a7d2a", marker="v", linestyle="", label="DSSP grant (+extra steps)")
-        )
+        handles.append(Line2D([], [], color="#2a7d2a", marker="v", linestyle="", label="DSSP grant (+extra steps)"))
     return handles
 
 

@@ -91,7 +91,10 @@ def check_dssp(job, policy):
     """DSSP's promises from what the ranks did and traced; returns (widest gap, grants)."""
     widest = check_ssp(job, policy.high)  # the upper bound, read-my-writes, identical end
     granted = {
-        (k, r["step"]): r.get("granted", False) for k in range(job.size) for r in job.trace(k) if "step" in r and "event" not in r
+        (k, r["step"]): r.get("granted", False)
+        for k in range(job.size)
+        for r in job.trace(k)
+        if "step" in r and "event" not in r
     }
     pushes = [0] * job.size
     for kind, rank, step in job.events:
@@ -153,7 +156,12 @@ def test_dssp_runs_ten_thousand_steps_within_its_bounds(tmp_path):
     policy = DSSP(low=1, high=4)
     job = Job(policy, delays, str(tmp_path)).run()
     pushes, widest = [0] * job.size, 0
-    granted = {(k, r["step"]): r.get("granted") for k in range(job.size) for r in job.trace(k) if "step" in r and "event" not in r}
+    granted = {
+        (k, r["step"]): r.get("granted")
+        for k in range(job.size)
+        for r in job.trace(k)
+        if "step" in r and "event" not in r
+    }
     for kind, rank, step in job.events:
         if kind == "push":
             pushes[rank] += 1

@@ -86,9 +86,7 @@ def main():
         waits = hvd.allgather_object(totals["wait_s"] / max(totals["steps"], 1))
         computed = max(totals["steps"] - totals["skipped"], 1)
         b = sync.engine.barriers
-        barriers = hvd.allgather_object(
-            {**b, "iteration_s": totals["compute_s"] / computed} if b["count"] else None
-        )
+        barriers = hvd.allgather_object({**b, "iteration_s": totals["compute_s"] / computed} if b["count"] else None)
     samples_per_s = size * args.steps * batch_size / max(wall)
     if rank == 0:
         # samples whose gradients reached the model: the applied share of every worker's steps

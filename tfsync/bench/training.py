@@ -215,7 +215,9 @@ def barrier_table(records):
             (
                 x
                 for x in records
-                if x["mode"] == MODE_LABELS["bsp"] and x["scenario"] == r["scenario"] and x.get("model") == r.get("model")
+                if x["mode"] == MODE_LABELS["bsp"]
+                and x["scenario"] == r["scenario"]
+                and x.get("model") == r.get("model")
             ),
             None,
         )

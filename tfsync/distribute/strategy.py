@@ -204,6 +204,7 @@ class _SyncExtended(one_device_strategy.OneDeviceExtended):
                 state.skipping = False
 
         if not self._reduces_gradients:  # ElasticBSP: the update is pushed in the branch that computes
+
             def train_and_exchange(data):
                 out = train_step(data)
                 if state.training:
