@@ -23,7 +23,9 @@ def test_strings_resolve_to_policies():
 @pytest.mark.parametrize("bad", ["asp", "", None, 3, "backups", "psp1"])
 def test_unknown_mode_names_the_accepted_values(bad):
     with pytest.raises(
-        ValueError, match=r"unknown synchronization mode .*'bsp', 'ssp', 'psp', " r"'backup'.*tfsync.SSP\(staleness=3\)"
+        ValueError,
+        match=r"unknown synchronization mode .*'bsp', 'ssp', 'dssp', 'elasticbsp', 'psp', "
+        r"'backup'.*tfsync.SSP\(staleness=3\)",
     ):
         resolve(bad)
 
