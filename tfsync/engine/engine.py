@@ -441,6 +441,7 @@ class SyncEngine:
         nxt = step + 1
         hard = self.policy.hard_round(nxt)
         if self._grant_left > 0:  # one per push, fastest or not (Algorithm 1, lines 3-5)
+            self.control.pushed(step)
             self._grant_left -= 1
             self._granted.add(nxt)
             return hard
