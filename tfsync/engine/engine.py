@@ -209,7 +209,7 @@ class SyncEngine:
         self._grant_left, self._granted, self._open_grant, self._closing_grant = 0, set(), None, None
         # ElasticBSP: the current superstep, and this worker's latest iteration interval
         self._schedule = self.policy.first_schedule(self.size) if hasattr(self.policy, "next_schedule") else None
-        self._intervals = []  # ElasticBSP: this superstep's computed iterations' times
+        self._superstep_compute = [0.0, 0]  # ElasticBSP: this superstep's computation time and steps
         self._post_push_s = 0.0  # ElasticBSP: mean time from a push to the next step (no barrier)
         self._at_barrier = None  # the step whose sync waits for the barrier round
         # ElasticBSP's barriers on this worker: how many, the waits at them, the decisions' time
@@ -395,13 +395,15 @@ class SyncEngine:
         payload = self.protocol.contribution(list(inputs))
         t_push = self._now()
         required = self.protocol.sync_round(self.policy, step)
+        compute_s = t_push - t_start
         if self._schedule is not None:
             required = self._schedule_required(step)
-        compute_s = t_push - t_start
-        if self._schedule is not None:  # ElasticBSP's rows carry the interval its predictor uses:
-            # push to push, i.e. the computation and the engine's own work after a push
-            self._intervals.append(compute_s)
-            compute_s = sum(self._intervals) / len(self._intervals) + self._post_push_s
+            # its rows carry the interval the predictor uses: push to push, i.e. the mean
+            # computation of the superstep and the engine's own work after a push
+            total = self._superstep_compute
+            total[0] += compute_s
+            total[1] += 1
+            compute_s = total[0] / total[1] + self._post_push_s
         if self.policy.coordinated:
             self.exchange.push(step, payload, t_push, compute_s)
             self.control.ready(step)
@@ -440,20 +442,18 @@ class SyncEngine:
         """
         nxt = step + 1
         hard = self.policy.hard_round(nxt)
-        if self._grant_left > 0:  # one per push, fastest or not (Algorithm 1, lines 3-5)
+        ahead = nxt - (self.exchange.completed + 1)
+        room = self.policy.high - ahead + 1  # steps computable before the upper bound binds
+        asks = self._grant_left == 0 and required > self.exchange.completed and room > 0
+        if not asks:  # (a grant request carries the push itself)
             self.control.pushed(step)
+        if self._grant_left > 0:  # one per push, fastest or not (Algorithm 1, lines 3-5)
             self._grant_left -= 1
             self._granted.add(nxt)
             return hard
         if self._open_grant is not None:  # used up: the wait that follows is the one it predicted
             self._closing_grant, self._open_grant = self._open_grant, None
-        if required <= self.exchange.completed or self.policy.extra_max == 0:
-            self.control.pushed(step)
-            return required
-        ahead = nxt - (self.exchange.completed + 1)
-        room = self.policy.high - ahead + 1  # steps computable before the upper bound binds
-        if room <= 0:
-            self.control.pushed(step)
+        if not asks:
             return required
         t = self._now()
         reply = self.control.grant(step, room)
@@ -520,7 +520,7 @@ class SyncEngine:
         self._schedule = self.policy.next_schedule(
             res.round, [float(res.push_times[k]) for k in present], [float(c) for c in res.compute_s]
         )
-        self._intervals = []
+        self._superstep_compute = [0.0, 0]
         self.barriers["decision_s"] += self._schedule.decision_s
         if self._trace is not None:
             self._write({"event": "barrier", "rank": self.rank, "t": self._now(), **self._schedule.record()})

@@ -28,20 +28,12 @@ import time
 import numpy as np
 
 from tfsync.policies.base import Policy
+from tfsync.policies.partial import _check_int
 
 # ElasticBSP's monitoring phase: the first steps are barriers, so that every worker has
 # pushed twice (the paper's minimum, Fig. 5) before the first prediction
 MONITORING_STEPS = 2
 MIN_INTERVAL_S = 1e-6  # an iteration measured shorter than this is predicted at this length
-
-
-def _check_int(owner, name, value, minimum, hint):
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(
-            f"{owner}({name}={value!r}): {name} must be an int >= {minimum}, got {type(value).__name__}; {hint}"
-        )
-    if value < minimum:
-        raise ValueError(f"{owner}({name}={value}): {name} must be >= {minimum}; {hint}")
 
 
 @dataclasses.dataclass(frozen=True)
