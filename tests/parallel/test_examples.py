@@ -55,6 +55,25 @@ def test_digits_reaches_90_percent_on_4_workers(script, epochs):
         assert res["applied"] == (res["produced"] + res["skipped"]) * 3 // 4, res
 
 
+@pytest.mark.parametrize("mode", ["ssp", "backup"])
+def test_keras_cv_resnet_example_trains_under_tfsync(mode):
+    # a tiny ResNet (two stacks of 8 and 16 filters), 2 workers, 3 epochs: it must learn, and the
+    # replicas must end identical, BatchNormalization's moving statistics included (averaged at the
+    # end of fit).  Its test accuracy after 3 epochs swings with the lagging moving statistics
+    # (0.2-0.4 here), so learning is judged by the training loss.
+    out = run(
+        ["bash", os.path.join(ROOT, "horovodrun_scripts", "resnet.sh"), "--epochs", "3", "--filters", "8", "16"],
+        env={"NP": "2", "MODE": mode},
+    )
+    res = result_of(out)
+    assert res["mode"].startswith(mode), res
+    losses = res["loss_per_epoch"]
+    assert len(losses) == 3 and losses[-1] < 0.7 * losses[0], res
+    assert res["replicas_identical"], res
+    assert res["produced"] == res["applied"] + res["compensated"] + res["dropped"], res
+    assert res["parameters"] > 10_000, res
+
+
 def test_demo_prints_the_comparison_table(tmp_path):
     out = run(
         [

@@ -63,6 +63,11 @@ def test_bad_mode_fails_when_the_callback_is_built():
     assert rc != 0 and "unknown synchronization mode 'fastest'" in out, out[-2000:]
 
 
+def test_non_bool_averaging_flag_fails_when_the_callback_is_built():
+    rc, out = run_python(MODEL + "tfsync.keras.SyncCallback(average_statistics='yes')")
+    assert rc != 0 and "average_statistics must be True or False, got 'yes'" in out, out[-2000:]
+
+
 def test_model_without_optimizer_is_refused():
     rc, out = run_python(
         """

@@ -24,6 +24,11 @@ With an update-protocol mode (SSP, DC-S3GD), in-flight rounds are drained and ev
 loads the identical final weights at :meth:`SyncStrategy.finish` and,
 automatically, before the first evaluation or prediction step that follows
 training.  Call ``finish()`` after ``fit`` before saving a model.
+
+Non-trainable statistics (``BatchNormalization``'s moving mean and variance)
+follow each worker's own batches, as under plain Horovod; call
+``tfsync.keras.average_statistics(model)`` after ``finish()`` to set them to
+their mean over the workers (``SyncCallback`` does this at the end of ``fit``).
 """
 
 import inspect

@@ -1,5 +1,6 @@
 """Keras 3 integration: ``model.fit(..., callbacks=[tfsync.keras.SyncCallback(mode=...)])``."""
 
 from tfsync.keras.callback import SyncCallback
+from tfsync.keras.statistics import average_statistics
 
-__all__ = ["SyncCallback"]
+__all__ = ["SyncCallback", "average_statistics"]

@@ -15,6 +15,7 @@ from tfsync import _horovod
 from tfsync.engine import COUNTS, SyncEngine
 from tfsync.engine.protocols import tf_variable
 from tfsync.engine.tf_bridge import correct_gradients, exchange_gradients, exchange_updates, skippable_train_step
+from tfsync.keras.statistics import average_statistics
 from tfsync.policies import resolve
 
 
@@ -27,7 +28,8 @@ class SyncCallback(keras.callbacks.Callback):
     On ``on_train_begin`` it broadcasts rank 0's weights, checks that every
     rank runs the same configuration and number of steps, and starts the
     engine; on ``on_train_end`` it waits for every in-flight round, so all
-    replicas end with identical weights.  State is reset at every ``fit``.
+    replicas end with identical weights (and, with ``average_statistics``,
+    identical non-trainable statistics).  State is reset at every ``fit``.
 
     Args:
         mode: ``"bsp"`` (default), ``"ssp"``, ``"psp"``, ``"backup"``, ``"dcs3gd"`` or a policy
@@ -39,6 +41,12 @@ class SyncCallback(keras.callbacks.Callback):
         average_epoch_logs: average the epoch logs over workers, as Horovod's
             ``MetricAverageCallback`` does (default True).  This waits for every
             worker to finish the epoch.
+        average_statistics: at the end of ``fit``, set the model's non-trainable
+            floating-point variables (``BatchNormalization``'s moving mean and
+            variance) to their mean over the workers, so every replica ends
+            identical, statistics included (default True;
+            :func:`tfsync.keras.average_statistics`).  Each worker's statistics
+            follow its own batches during training, as under plain Horovod.
 
     Logs added: per batch ``tfsync_wait_s``, ``tfsync_staleness``; per epoch
     ``tfsync_wait_fraction`` and this worker's contributions: ``tfsync_produced``
@@ -56,12 +64,25 @@ class SyncCallback(keras.callbacks.Callback):
                   callbacks=[tfsync.keras.SyncCallback(mode=tfsync.SSP(staleness=3))])
     """
 
-    def __init__(self, mode="bsp", *, stragglers=None, trace_dir=None, wait_timeout_s=None, average_epoch_logs=True):
+    def __init__(
+        self,
+        mode="bsp",
+        *,
+        stragglers=None,
+        trace_dir=None,
+        wait_timeout_s=None,
+        average_epoch_logs=True,
+        average_statistics=True,
+    ):
         super().__init__()
         self.policy = resolve(mode)
         self._engine_args = dict(stragglers=stragglers, trace_dir=trace_dir, wait_timeout_s=wait_timeout_s)
         SyncEngine(self.policy, **self._engine_args)  # validates the arguments now
         self.average_epoch_logs = average_epoch_logs
+        for flag, value in (("average_epoch_logs", average_epoch_logs), ("average_statistics", average_statistics)):
+            if not isinstance(value, bool):
+                raise TypeError(f"tfsync.keras.SyncCallback: {flag} must be True or False, got {value!r}")
+        self.average_statistics = average_statistics
         self.engine = None
 
     # -------------------------------------------------------------------- train
@@ -148,6 +169,8 @@ class SyncCallback(keras.callbacks.Callback):
                 del self.model.train_step
             self.engine.close()
             self.model.make_train_function(force=True)
+        if self.average_statistics:  # the engine is closed: no other thread issues collectives
+            average_statistics(self.model)
 
     # ---------------------------------------------------------------- internals
     def _drain(self):
