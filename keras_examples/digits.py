@@ -13,7 +13,10 @@ One process per worker, as Horovod's examples do::
 Each worker pins one GPU by local rank when GPUs are present, trains on its
 equal shard of the training set and, on rank 0, prints a JSON summary line
 (``TFSYNC_RESULT {...}``) with samples/s, wait fraction, time to the target
-test accuracy and the final test accuracy.
+test accuracy, the test accuracy after every epoch (``curve``: elapsed s,
+samples, accuracy) and the final test accuracy.  ``--plain-horovod`` trains
+the same job with plain Horovod instead, the anchor of ``python -m tfsync.bench
+convergence``.
 """
 
 import argparse
@@ -46,6 +49,12 @@ def parse_args(argv=None):
         "--stragglers", default=None, help="straggler spec, e.g. 'base=0.02,slow=3:0.04' (default: $TFSYNC_STRAGGLERS)"
     )
     p.add_argument("--trace-dir", default=None, help="write a JSON-lines trace per worker here")
+    p.add_argument(
+        "--plain-horovod",
+        action="store_true",
+        help="train with plain Horovod BSP (in-graph hvd.grouped_allreduce) instead of tfsync: the "
+        "anchor tfsync's modes are compared with (--mode is then ignored; --stragglers still applies)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--verbose", type=int, default=0)
     return p.parse_args(argv)
@@ -99,10 +108,20 @@ def main(argv=None):
     x_local, y_local, x_test, y_test = load_data(args.batch_size)
     model = build_model(args.lr, args.momentum)
 
-    mode = mode_from_args(args)
     stragglers = tfsync.Stragglers.parse(args.stragglers) if args.stragglers is not None else None
-    sync = tfsync.keras.SyncCallback(mode=mode, stragglers=stragglers, trace_dir=args.trace_dir)
-    progress = TargetAccuracy(x_test, y_test, args.target_accuracy)
+    samples_per_epoch = len(x_local) * hvd.size()
+    progress = TargetAccuracy(x_test, y_test, args.target_accuracy, samples_per_epoch)
+    if args.plain_horovod:
+        from tfsync.bench.baseline import SleepEachStep, broadcast_model, use_horovod_allreduce
+
+        broadcast_model(model, hvd)
+        use_horovod_allreduce(model, hvd)
+        delays = (stragglers or tfsync.Stragglers.from_env()).for_rank(hvd.rank())
+        callbacks, label = [SleepEachStep(delays), progress], "horovod"
+    else:
+        mode = mode_from_args(args)
+        sync = tfsync.keras.SyncCallback(mode=mode, stragglers=stragglers, trace_dir=args.trace_dir)
+        callbacks, label = [sync, progress], describe_mode(mode)
     start = time.time()
     history = model.fit(
         x_local,
@@ -111,20 +130,28 @@ def main(argv=None):
         epochs=args.epochs,
         shuffle=True,
         verbose=args.verbose if hvd.rank() == 0 else 0,
-        callbacks=[sync, progress],
+        callbacks=callbacks,
     )
     wall_s = time.time() - start
     final_acc = float(model.evaluate(x_test, y_test, verbose=0)[1])
-    samples = len(x_local) * args.epochs * hvd.size()
-    wait = float(np.mean(history.history["tfsync_wait_fraction"]))
+    samples = samples_per_epoch * args.epochs
+    if args.plain_horovod:
+        steps = len(x_local) // args.batch_size * args.epochs * hvd.size()
+        totals = dict.fromkeys(("compensated", "dropped", "skipped"), 0)
+        totals.update(produced=steps, applied=steps, effective_samples_per_s=samples / wall_s)
+        wait = None
+    else:
+        totals = contribution_totals(hvd, sync.engine.counts, args.batch_size, wall_s)
+        wait = float(np.mean(history.history["tfsync_wait_fraction"]))
     result = {
-        "mode": describe_mode(mode),
+        "mode": label,
         "workers": hvd.size(),
         "samples_per_s": samples / wall_s,
         "wall_s": wall_s,
-        **contribution_totals(hvd, sync.engine.counts, args.batch_size, wall_s),
+        **totals,
         "wait_fraction": wait,
         "time_to_accuracy_s": {str(t): progress.reached_s[t] for t in args.target_accuracy},
+        "curve": progress.curve,
         "final_accuracy": final_acc,
     }
     # every replica must hold the same weights: compare a checksum across ranks
@@ -137,23 +164,30 @@ def main(argv=None):
 
 
 class TargetAccuracy(keras.callbacks.Callback):
-    """Records the wall time at which the test accuracy first reaches each target."""
+    """The test accuracy after every epoch (``curve``: ``[elapsed_s, samples, accuracy]``, samples
+    over all workers), and the wall time at which it first reaches each target."""
 
-    def __init__(self, x_test, y_test, targets):
+    def __init__(self, x_test, y_test, targets, samples_per_epoch):
         super().__init__()
         self.x_test, self.y_test, self.targets = x_test, y_test, targets
+        self.samples_per_epoch = samples_per_epoch
 
     def on_train_begin(self, logs=None):
         self.start = time.time()
         self.reached_s = {t: None for t in self.targets}
+        self.curve = []
+        self.evaluating_s = 0.0  # rank 0's evaluations are not training time
 
     def on_epoch_end(self, epoch, logs=None):
-        if None in self.reached_s.values():
-            pred = np.argmax(self.model.predict_on_batch(self.x_test), axis=1)
-            accuracy = np.mean(pred == self.y_test)
-            for t in self.targets:
-                if self.reached_s[t] is None and accuracy >= t:
-                    self.reached_s[t] = time.time() - self.start
+        now = time.time()
+        elapsed_s = now - self.start - self.evaluating_s
+        pred = np.argmax(self.model.predict_on_batch(self.x_test), axis=1)
+        accuracy = float(np.mean(pred == self.y_test))
+        self.evaluating_s += time.time() - now
+        self.curve.append([elapsed_s, (epoch + 1) * self.samples_per_epoch, accuracy])
+        for t in self.targets:
+            if self.reached_s[t] is None and accuracy >= t:
+                self.reached_s[t] = elapsed_s
 
 
 if __name__ == "__main__":

@@ -133,7 +133,7 @@ def main(argv=None):
     mode = mode_from_args(args)
     stragglers = tfsync.Stragglers.parse(args.stragglers) if args.stragglers is not None else None
     sync = tfsync.keras.SyncCallback(mode=mode, stragglers=stragglers, trace_dir=args.trace_dir)
-    progress = TargetAccuracy(x_test, y_test, args.target_accuracy)
+    progress = TargetAccuracy(x_test, y_test, args.target_accuracy, len(x_local) * hvd.size())
     start = time.time()
     history = model.fit(
         augmented(x_local, y_local, args),

@@ -25,23 +25,31 @@ import sys
 from tfsync.launch import REPO_ROOT, horovodrun
 
 EXAMPLE = os.path.join(REPO_ROOT, "keras_examples", "digits.py")
-# mode -> the example's flags (psp+dc, backup+dc: late gradients compensated instead of dropped)
+# mode -> the example's flags (psp+dc, backup+dc: late gradients compensated instead of dropped;
+# horovod: plain Horovod BSP, the anchor of python -m tfsync.bench convergence)
 MODES = {
+    "horovod": ["--plain-horovod"],
     "bsp": ["--mode", "bsp"],
     "ssp": ["--mode", "ssp"],
     "ssp(s=15)": ["--mode", "ssp", "--staleness", "15"],
     "dssp": ["--mode", "dssp", "--low", "3", "--high", "15"],
     "elasticbsp": ["--mode", "elasticbsp"],
     "psp": ["--mode", "psp"],
+    "psp+dc": ["--mode", "psp", "--compensate"],
     "backup": ["--mode", "backup"],
     "backup+dc": ["--mode", "backup", "--compensate"],
     "dcs3gd": ["--mode", "dcs3gd"],
 }
 SCENARIOS = {
+    "none": "base=0.02,seed=1",
     "straggler": "base=0.02,slow=3:0.04,seed=1",
     "heterogeneous": "base=0.02,slow=3:0.02,seed=1",
     "jitter": "base=0.02,jitter=0.04,seed=1",
+    # the PSP paper's rare large delays: about 4 events per worker in a 12-epoch run of 264 steps
+    "rare": "base=0.02,rare=0.015:0.5,seed=1",
 }
+DEMO_SCENARIOS = ("straggler", "heterogeneous", "jitter")
+DEMO_MODES = ("bsp", "ssp", "ssp(s=15)", "dssp", "elasticbsp", "psp", "backup", "backup+dc", "dcs3gd")
 
 
 def main(argv=None):
@@ -49,8 +57,8 @@ def main(argv=None):
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--epochs", type=int, default=12)
     p.add_argument("--staleness", type=int, default=3)
-    p.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=list(SCENARIOS))
-    p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    p.add_argument("--scenarios", nargs="+", default=list(DEMO_SCENARIOS), choices=list(SCENARIOS))
+    p.add_argument("--modes", nargs="+", default=list(DEMO_MODES), choices=list(MODES))
     p.add_argument("--stragglers", default=None, help="run one custom scenario with this straggler spec instead")
     p.add_argument("--target-accuracy", type=float, nargs="+", default=[0.9, 0.95])
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
@@ -112,7 +120,8 @@ def format_table(rows, args):
         lines.append(
             f"| {r['scenario']} | {r['mode']} | {r['samples_per_s']:.0f} | "
             f"{r['effective_samples_per_s']:.0f} | {r['compensated']} | {r['dropped']} | {r['skipped']} | "
-            f"{r['wait_fraction']:.2f} | "
+            + ("—" if r["wait_fraction"] is None else f"{r['wait_fraction']:.2f}")
+            + " | "
             + " | ".join(reached)
             + f" | {r['final_accuracy']:.3f} | {r['replicas_identical']} |"
         )

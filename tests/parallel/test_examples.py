@@ -74,6 +74,45 @@ def test_keras_cv_resnet_example_trains_under_tfsync(mode):
     assert res["parameters"] > 10_000, res
 
 
+def test_convergence_study_writes_curves_summary_and_plots(tmp_path):
+    out = run(
+        [
+            sys.executable,
+            "-m",
+            "tfsync.bench",
+            "convergence",
+            "--quick",
+            "--modes",
+            "horovod",
+            "ssp",
+            "--scenarios",
+            "jitter",
+            "--target-accuracy",
+            "0.5",
+            "--json",
+            str(tmp_path / "study.json"),
+            "--plots",
+            str(tmp_path / "plots"),
+        ],
+        timeout_s=400,
+    )
+    assert "[2/2] jitter" in out and "fastest to 0.5 is" in out, out[-3000:]
+    study = json.loads((tmp_path / "study.json").read_text())
+    assert study["settings"]["epochs"] == 3 and study["settings"]["workers"] == 2
+    assert [r["study_mode"] for r in study["runs"]] == ["horovod", "ssp"]
+    for r in study["runs"]:
+        curve = r["curve"]
+        assert len(curve) == 3, curve
+        times, samples = [p[0] for p in curve], [p[1] for p in curve]
+        assert times == sorted(times) and samples == [samples[0] * k for k in (1, 2, 3)], curve
+        reached = r["time_to_accuracy_s"]["0.5"]  # digits' MLP passes 0.5 within the first epoch
+        assert reached == next(t for t, _, acc in curve if acc >= 0.5), r
+    assert [s["mode"] for s in study["summary"]] == ["horovod", "ssp"]
+    assert min(s["vs_best"] for s in study["summary"]) == 1.0
+    for name in ("accuracy_vs_time.png", "time_to_target.png", "final_accuracy.png"):
+        assert (tmp_path / "plots" / name).stat().st_size > 10_000, name
+
+
 def test_demo_prints_the_comparison_table(tmp_path):
     out = run(
         [

@@ -1,4 +1,4 @@
-"""Dispatch ``python -m tfsync.bench [training|ops|scheduler] [options]``."""
+"""Dispatch ``python -m tfsync.bench [training|ops|scheduler|convergence] [options]``."""
 
 import importlib
 import sys
@@ -7,6 +7,7 @@ SUBCOMMANDS = {
     "training": "tfsync.bench.training",
     "ops": "tfsync.bench.ops",
     "scheduler": "tfsync.bench.scheduler",
+    "convergence": "tfsync.bench.convergence",
 }
 
 

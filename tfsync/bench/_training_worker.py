@@ -45,7 +45,7 @@ def main():
 
     hvd.init()
     import tfsync
-    from tfsync.bench.baseline import broadcast_model, use_horovod_allreduce
+    from tfsync.bench.baseline import SleepEachStep, broadcast_model, use_horovod_allreduce
     from tfsync.launch import mode_from_args, print_result
 
     rank, size = hvd.rank(), hvd.size()
@@ -121,17 +121,6 @@ def barrier_summary(barriers):
         "mean_decision_s": decision_s,
         "decision_per_iteration": decision_s / float(np.mean([b["iteration_s"] for b in barriers])),
     }
-
-
-class SleepEachStep(keras.callbacks.Callback):
-    """The baseline's simulated device time (tfsync's engine sleeps inside the step)."""
-
-    def __init__(self, delays):
-        super().__init__()
-        self.delays = delays
-
-    def on_train_batch_begin(self, batch, logs=None):
-        self.delays.sleep()
 
 
 class Clock(keras.callbacks.Callback):

@@ -5,6 +5,7 @@
 ``DistributedOptimizer`` does.  That is what :func:`use_horovod_allreduce` does.
 """
 
+import keras
 import tensorflow as tf
 
 
@@ -26,3 +27,17 @@ def broadcast_model(model, hvd):
     """Rank 0's weights on every rank (what ``BroadcastGlobalVariablesCallback`` does)."""
     for i, v in enumerate(model.variables):
         v.assign(hvd.broadcast(tf.convert_to_tensor(v), root_rank=0, name=f"baseline.bcast.{i}"))
+
+
+class SleepEachStep(keras.callbacks.Callback):
+    """The baseline's simulated device time and stragglers (tfsync's engine sleeps inside the step).
+
+    ``delays``: ``tfsync.Stragglers(...).for_rank(rank)``.
+    """
+
+    def __init__(self, delays):
+        super().__init__()
+        self.delays = delays
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.delays.sleep()

@@ -1,0 +1,304 @@
+"""``python -m tfsync.bench convergence``: which mode when, from accuracy against wall time.
+
+Trains ``keras_examples/digits.py`` (scikit-learn's offline digits, a 64-64-10
+MLP, 20 ms of simulated device time per step) to a fixed epoch budget under
+every mode and straggler scenario, and records the test accuracy after every
+epoch against wall time and samples.  Plain Horovod BSP (``horovod``,
+in-graph ``hvd.grouped_allreduce``) is the anchor.  Scenarios (``tfsync.demo``'s
+specs): ``none``; ``straggler`` (rank 3 +40 ms per step, persistent);
+``heterogeneous`` (rank 3 takes twice the base time, a slower GPU); ``jitter``
+(every step +uniform(0, 40 ms)); ``rare`` (a step is delayed 0.5 s with
+probability 1.5%).
+
+Each (scenario, mode) runs ``--repeats`` times, interleaved (repeat, then
+scenario, then mode) so that a slow spell of the shared machine hits every
+mode; the medians are reported and the plots show every run.  A progress
+line per run goes to stderr.  Writes:
+
+* ``--json PATH``: the settings, every run (with its accuracy curve) and the
+  per-(scenario, mode) summary;
+* ``--plots DIR``: ``accuracy_vs_time.png`` (a panel per scenario, a line per
+  run, a colour per mode), ``time_to_target.png`` (grouped bars: the median
+  time to ``--target-accuracy``, whiskers from the fastest to the slowest run;
+  a run that never reached it is drawn at the epoch budget's end, hatched) and
+  ``final_accuracy.png`` (grouped bars with the spread).
+
+The time to the target is measured from the start of ``fit`` on rank 0, with
+rank 0's evaluations after each epoch subtracted; accuracy is sampled once
+per epoch, so it is coarse (about 1.5 s under BSP).
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+from tfsync.demo import EXAMPLE, MODES, SCENARIOS
+from tfsync.launch import horovodrun
+
+STUDY_MODES = (
+    "horovod",
+    "bsp",
+    "ssp",
+    "ssp(s=15)",
+    "dssp",
+    "elasticbsp",
+    "psp",
+    "psp+dc",
+    "backup",
+    "backup+dc",
+    "dcs3gd",
+)
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="python -m tfsync.bench convergence", description=__doc__.splitlines()[0])
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--epochs", type=int, default=12, help="the epoch budget of every run")
+    p.add_argument("--repeats", type=int, default=3, help="runs per (scenario, mode); the median is reported")
+    p.add_argument("--modes", nargs="+", default=list(STUDY_MODES), choices=list(MODES))
+    p.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=list(SCENARIOS))
+    p.add_argument("--target-accuracy", type=float, default=0.95, help="the accuracy the time is measured to")
+    p.add_argument("--json", metavar="PATH", help="write the settings, runs and summary here")
+    p.add_argument("--plots", metavar="DIR", help="write the PNG plots here")
+    p.add_argument("--quick", action="store_true", help="2 workers, 3 epochs, 1 repeat: a smoke test")
+    p.add_argument("--timeout-s", type=int, default=600, help="bound on each launch")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.workers, args.epochs, args.repeats = 2, 3, 1
+    if args.workers < 2:
+        p.error(f"--workers {args.workers}: a synchronization study needs at least 2 workers")
+    if args.repeats < 1 or args.epochs < 1:
+        p.error(f"--repeats {args.repeats} and --epochs {args.epochs} must be at least 1")
+    if not 0.0 < args.target_accuracy <= 1.0:
+        p.error(f"--target-accuracy {args.target_accuracy} is a test accuracy in (0, 1], e.g. 0.95")
+    if args.workers < 4 and any(SCENARIOS[s].count("slow=3") for s in args.scenarios):
+        p.error(
+            f"--workers {args.workers}: the straggler and heterogeneous scenarios slow rank 3; "
+            f"use --workers 4 or more, or --scenarios none jitter rare"
+        )
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if not os.path.exists(EXAMPLE):
+        sys.exit(f"tfsync.bench convergence: {EXAMPLE} not found; run it from a tfsync checkout")
+    runs = run_study(args)
+    summary = summarize(runs, args)
+    print(format_table(summary, args))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"settings": settings(args), "runs": runs, "summary": summary}, f, indent=1)
+    if args.plots:
+        os.makedirs(args.plots, exist_ok=True)
+        for path in plot(runs, summary, args):
+            print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+def settings(args):
+    return {
+        "workers": args.workers,
+        "epochs": args.epochs,
+        "repeats": args.repeats,
+        "target_accuracy": args.target_accuracy,
+        "scenarios": {s: SCENARIOS[s] for s in args.scenarios},
+        "modes": {m: MODES[m] for m in args.modes},
+    }
+
+
+def run_study(args):
+    total = args.repeats * len(args.scenarios) * len(args.modes)
+    start, runs, k = time.time(), [], 0
+    for repeat in range(args.repeats):
+        for scenario in args.scenarios:
+            for mode in args.modes:
+                k += 1
+                result = horovodrun(
+                    EXAMPLE,
+                    [
+                        *MODES[mode],
+                        "--epochs",
+                        args.epochs,
+                        "--stragglers",
+                        SCENARIOS[scenario],
+                        "--target-accuracy",
+                        args.target_accuracy,
+                    ],
+                    workers=args.workers,
+                    timeout_s=args.timeout_s,
+                )
+                reached = result["time_to_accuracy_s"][str(args.target_accuracy)]
+                runs.append({"study_mode": mode, "scenario": scenario, "repeat": repeat, **result})
+                print(
+                    f"[{k}/{total}] {scenario:13s} {mode:10s} run {repeat + 1} of {args.repeats}: "
+                    f"final {result['final_accuracy']:.3f}, "
+                    f"{args.target_accuracy} {'not reached' if reached is None else f'in {reached:.1f} s'}, "
+                    f"{time.time() - start:.0f} s elapsed",
+                    file=sys.stderr,
+                    flush=True,
+                )
+    return runs
+
+
+def median(values):
+    values = sorted(values)
+    n = len(values)
+    return values[n // 2] if n % 2 else (values[n // 2 - 1] + values[n // 2]) / 2
+
+
+def summarize(runs, args):
+    """Per (scenario, mode): medians and spreads; a run that missed the target counts as infinitely slow."""
+    key = str(args.target_accuracy)
+    summary = []
+    for scenario in args.scenarios:
+        rows = []
+        for mode in args.modes:
+            mine = [r for r in runs if r["scenario"] == scenario and r["study_mode"] == mode]
+            times = [r["time_to_accuracy_s"][key] for r in mine]
+            ranked = [float("inf") if t is None else t for t in times]
+            middle = median(ranked)
+            rows.append(
+                {
+                    "scenario": scenario,
+                    "mode": mode,
+                    "label": mine[0]["mode"],
+                    "runs": len(mine),
+                    "time_to_target_s": None if middle == float("inf") else middle,
+                    "time_to_target_runs_s": times,
+                    "reached": sum(t is not None for t in times),
+                    "final_accuracy": median([r["final_accuracy"] for r in mine]),
+                    "final_accuracy_runs": [r["final_accuracy"] for r in mine],
+                    "samples_per_s": median([r["samples_per_s"] for r in mine]),
+                    "effective_samples_per_s": median([r["effective_samples_per_s"] for r in mine]),
+                    "wall_s": median([r["wall_s"] for r in mine]),
+                }
+            )
+        reached = [r["time_to_target_s"] for r in rows if r["time_to_target_s"] is not None]
+        best = min(reached) if reached else None
+        anchor = next((r["time_to_target_s"] for r in rows if r["mode"] == "horovod"), None)
+        for r in rows:
+            t = r["time_to_target_s"]
+            r["vs_best"] = None if t is None or best is None else t / best
+            r["speedup_vs_horovod"] = None if t is None or anchor is None else anchor / t
+        summary += rows
+    return summary
+
+
+def format_table(summary, args):
+    target = args.target_accuracy
+    lines = [
+        f"digits, {args.workers} workers, {args.epochs} epochs, {args.repeats} runs each (medians; "
+        f"a run that missed {target} counts as slowest)",
+        f"| scenario | mode | time to {target} (median) | runs: time to {target} | vs plain Horovod "
+        "| vs the scenario's best | final accuracy (median) | samples/s | effective samples/s |",
+        "|---|---|---:|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in summary:
+        t = r["time_to_target_s"]
+        spread = ", ".join("—" if x is None else f"{x:.1f}" for x in r["time_to_target_runs_s"])
+        vs_hvd = "—" if r["speedup_vs_horovod"] is None else f"{r['speedup_vs_horovod']:.2f}×"
+        vs_best = "—" if r["vs_best"] is None else f"{r['vs_best']:.2f}"
+        lines.append(
+            f"| {r['scenario']} | {r['label']} | {'not reached' if t is None else f'{t:.1f} s'} | {spread} | "
+            f"{vs_hvd} | {vs_best} | {r['final_accuracy']:.3f} | {r['samples_per_s']:.0f} | "
+            f"{r['effective_samples_per_s']:.0f} |"
+        )
+    lines.append("")
+    for scenario in args.scenarios:
+        rows = [r for r in summary if r["scenario"] == scenario and r["time_to_target_s"] is not None]
+        if rows:
+            best = min(rows, key=lambda r: r["time_to_target_s"])
+            lines.append(f"- {scenario}: fastest to {target} is {best['label']} ({best['time_to_target_s']:.1f} s)")
+        else:
+            lines.append(f"- {scenario}: no mode reached {target}")
+    return "\n".join(lines)
+
+
+def plot(runs, summary, args):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    # ten distinct hues first (tab20's dark shades), then the light ones
+    colours = {m: plt.get_cmap("tab20")((2 * i) % 20 + (2 * i) // 20) for i, m in enumerate(args.modes)}
+    label = {r["mode"]: r["label"] for r in summary}
+    paths = []
+
+    # accuracy against wall time: a panel per scenario, every run
+    n = len(args.scenarios)
+    cols = min(n, 3)
+    rows = (n + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 3.8 * rows), squeeze=False)
+    for ax, scenario in zip(axes.flat, args.scenarios):
+        for mode in args.modes:
+            for i, r in enumerate(x for x in runs if x["scenario"] == scenario and x["study_mode"] == mode):
+                t = [p[0] for p in r["curve"]]
+                acc = [p[2] for p in r["curve"]]
+                ax.plot(t, acc, color=colours[mode], lw=1.2, alpha=0.8, label=label[mode] if i == 0 else None)
+        ax.axhline(args.target_accuracy, color="grey", ls=":", lw=1)
+        ax.set_ylim(0.5, 1.0)
+        ax.set_title(f"{scenario}: {SCENARIOS[scenario]}", fontsize=9)
+        ax.set_xlabel("wall time (s)")
+        ax.set_ylabel("test accuracy")
+    for ax in list(axes.flat)[n:]:
+        ax.axis("off")
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 6), fontsize=8)
+    fig.suptitle(f"digits, {args.workers} workers, {args.epochs} epochs; {args.repeats} run(s) per mode, one line each")
+    fig.tight_layout(rect=(0, 0.08, 1, 0.96))
+    paths.append(_save(fig, args.plots, "accuracy_vs_time.png"))
+
+    # time to the target, and final accuracy: grouped bars with the runs' spread
+    for name, field, runs_field, ylabel in (
+        ("time_to_target.png", "time_to_target_s", "time_to_target_runs_s", f"time to {args.target_accuracy} (s)"),
+        ("final_accuracy.png", "final_accuracy", "final_accuracy_runs", "final test accuracy"),
+    ):
+        fig, ax = plt.subplots(figsize=(max(8.0, 1.1 * len(args.scenarios) * len(args.modes) * 0.35), 4.2))
+        width = 0.8 / len(args.modes)
+        ceiling = max((r["wall_s"] for r in summary), default=1.0)
+        for j, mode in enumerate(args.modes):
+            xs, heights, lo, hi, missed = [], [], [], [], []
+            for i, scenario in enumerate(args.scenarios):
+                r = next(x for x in summary if x["scenario"] == scenario and x["mode"] == mode)
+                values = [ceiling if v is None else v for v in r[runs_field]]
+                middle = r[field]
+                xs.append(i - 0.4 + width * (j + 0.5))
+                heights.append(ceiling if middle is None else middle)
+                lo.append(heights[-1] - min(values))
+                hi.append(max(values) - heights[-1])
+                missed.append(middle is None)
+            bars = ax.bar(xs, heights, width, color=colours[mode], label=label[mode], yerr=[lo, hi], capsize=2)
+            for bar, miss in zip(bars, missed):
+                if miss:
+                    bar.set_hatch("//")
+                    bar.set_alpha(0.4)
+        ax.set_xticks(range(len(args.scenarios)))
+        ax.set_xticklabels(args.scenarios)
+        ax.set_ylabel(ylabel)
+        if field == "final_accuracy":
+            ax.set_ylim(0.8, 1.0)
+        ax.legend(fontsize=7, ncol=4)
+        ax.set_title(
+            f"median of {args.repeats} run(s), whiskers: fastest to slowest"
+            + ("; hatched: not reached within the budget" if field == "time_to_target_s" else "")
+        )
+        fig.tight_layout()
+        paths.append(_save(fig, args.plots, name))
+    return paths
+
+
+def _save(fig, directory, name):
+    import matplotlib.pyplot as plt
+
+    path = os.path.join(directory, name)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+if __name__ == "__main__":
+    sys.exit(main())
