@@ -7,8 +7,9 @@ One process per worker, as Horovod's examples do::
 
 ``--mode`` is ``bsp``, ``ssp`` (``--staleness``), ``dssp`` (``--low``, ``--high``),
 ``elasticbsp`` (``--lookahead``, ``--zipline``), ``psp`` (``--min-contributions``,
-``--push-timeout-s``), ``backup`` (``--backups``) or ``dcs3gd`` (``--dc-lambda``,
-``--dc-adaptive``).
+``--push-timeout-s``), ``backup`` (``--backups``), ``dcs3gd`` (``--dc-lambda``,
+``--dc-adaptive``) or ``auto`` (picked from the measured iteration times at
+epoch ends: ``tfsync.Auto``).
 
 Each worker pins one GPU by local rank when GPUs are present, trains on its
 equal shard of the training set and, on rank 0, prints a JSON summary line
@@ -141,7 +142,7 @@ def main(argv=None):
         totals.update(produced=steps, applied=steps, effective_samples_per_s=samples / wall_s)
         wait = None
     else:
-        totals = contribution_totals(hvd, sync.engine.counts, args.batch_size, wall_s)
+        totals = contribution_totals(hvd, sync.counts, args.batch_size, wall_s)
         wait = float(np.mean(history.history["tfsync_wait_fraction"]))
     result = {
         "mode": label,
@@ -154,6 +155,8 @@ def main(argv=None):
         "curve": progress.curve,
         "final_accuracy": final_acc,
     }
+    if not args.plain_horovod and sync.auto is not None:  # which mode auto ran when, and why
+        result["auto_decisions"] = sync.auto_decisions
     # every replica must hold the same weights: compare a checksum across ranks
     checksum = float(sum(np.sum(w.astype(np.float64)) for w in model.get_weights()))
     checksums = hvd.allgather_object(checksum)

@@ -7,6 +7,7 @@ Public API::
     tfsync.ElasticBSP(lookahead=15)
     tfsync.PSP(), tfsync.BackupWorkers()
     tfsync.DCS3GD(compensation=tfsync.DelayCompensation(lam=0.04))
+    tfsync.Auto()                                # "auto": picked from measured times (SyncCallback)
     tfsync.Stragglers(...)                       # simulated device time and stragglers
     tfsync.keras.SyncCallback(mode=...)          # model.fit(..., callbacks=[...])
     tfsync.distribute.SyncStrategy(mode=...)     # with strategy.scope(): ...
@@ -15,7 +16,18 @@ Public API::
 
 import importlib
 
-from tfsync.policies import BSP, DCS3GD, DSSP, PSP, SSP, BackupWorkers, DelayCompensation, ElasticBSP, Policy
+from tfsync.policies import (
+    BSP,
+    DCS3GD,
+    DSSP,
+    PSP,
+    SSP,
+    Auto,
+    BackupWorkers,
+    DelayCompensation,
+    ElasticBSP,
+    Policy,
+)
 from tfsync.stragglers import Stragglers
 
 __version__ = "0.1.0"
@@ -43,6 +55,7 @@ __all__ = [
     "BackupWorkers",
     "DCS3GD",
     "DelayCompensation",
+    "Auto",
     "Policy",
     "Stragglers",
     "shard",

@@ -39,6 +39,7 @@ MODES = {
     "backup": ["--mode", "backup"],
     "backup+dc": ["--mode", "backup", "--compensate"],
     "dcs3gd": ["--mode", "dcs3gd"],
+    "auto": ["--mode", "auto"],
 }
 SCENARIOS = {
     "none": "base=0.02,seed=1",

@@ -78,7 +78,7 @@ def print_result(result):
     print(RESULT_PREFIX + json.dumps(result), flush=True)
 
 
-MODES = ("bsp", "ssp", "dssp", "elasticbsp", "psp", "backup", "dcs3gd")
+MODES = ("bsp", "ssp", "dssp", "elasticbsp", "psp", "backup", "dcs3gd", "auto")
 
 
 def add_mode_arguments(parser, baselines=()):
@@ -161,6 +161,8 @@ def mode_from_args(args):
         return tfsync.BackupWorkers(backups=args.backups, compensate=compensate)
     if args.mode == "dcs3gd":
         return tfsync.DCS3GD(compensation)
+    if args.mode == "auto":  # the profile's modes with their defaults (tfsync.policies.auto)
+        return tfsync.Auto()
     return tfsync.BSP()
 
 
@@ -171,6 +173,8 @@ def describe_mode(policy):
     def compensation(comp):
         return f"lambda={comp.strength}" + (", adaptive" if comp.adaptive else "")
 
+    if getattr(policy, "name", None) == "auto":  # tfsync.Auto: the modes it runs are in its decisions
+        return "auto"
     options, suffix = [], ""
     short = {
         "staleness": "s",

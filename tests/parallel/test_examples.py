@@ -42,6 +42,7 @@ def result_of(out):
         ("strategy_psp.sh", 12),
         ("dcs3gd.sh", 12),
         ("strategy_dcs3gd.sh", 12),
+        ("auto.sh", 12),
     ],
 )
 def test_digits_reaches_90_percent_on_4_workers(script, epochs):

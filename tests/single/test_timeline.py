@@ -321,6 +321,14 @@ def test_directory_without_rank_files(tmp_path):
         timeline.load_trace(tmp_path)
 
 
+def test_an_auto_trace_points_to_its_segments(tmp_path):
+    (tmp_path / "auto.jsonl").write_text("{}\n")
+    (tmp_path / "0-bsp").mkdir()
+    (tmp_path / "1-backup").mkdir()
+    with pytest.raises(ValueError, match=r"mode='auto' run.*\(0-bsp, 1-backup\).*0-bsp"):
+        timeline.load_trace(tmp_path)
+
+
 def test_malformed_json_names_file_and_line(ssp_dir):
     path = os.path.join(ssp_dir, "rank1.jsonl")
     _rewrite_line(path, 3, '{"rank": 1, "step": 1, "t_sta')

@@ -49,6 +49,7 @@ STUDY_MODES = (
     "backup",
     "backup+dc",
     "dcs3gd",
+    "auto",
 )
 
 
@@ -136,7 +137,12 @@ def run_study(args):
                     f"[{k}/{total}] {scenario:13s} {mode:10s} run {repeat + 1} of {args.repeats}: "
                     f"final {result['final_accuracy']:.3f}, "
                     f"{args.target_accuracy} {'not reached' if reached is None else f'in {reached:.1f} s'}, "
-                    f"{time.time() - start:.0f} s elapsed",
+                    f"{time.time() - start:.0f} s elapsed"
+                    + "".join(
+                        f"; epoch {d['epoch']}: {d['profile']} -> {d['mode']}"
+                        for d in result.get("auto_decisions", ())
+                        if d["switched"] or d is result["auto_decisions"][0]
+                    ),
                     file=sys.stderr,
                     flush=True,
                 )

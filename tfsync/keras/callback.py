@@ -7,6 +7,10 @@ train function, so the exchange runs inside the compiled step for any Keras
 optimizer.
 """
 
+import json
+import logging
+import os
+
 import keras
 import numpy as np
 import tensorflow as tf
@@ -16,7 +20,11 @@ from tfsync.engine import COUNTS, SyncEngine
 from tfsync.engine.protocols import tf_variable
 from tfsync.engine.tf_bridge import correct_gradients, exchange_gradients, exchange_updates, skippable_train_step
 from tfsync.keras.statistics import average_statistics
-from tfsync.policies import resolve
+from tfsync.launch import describe_mode
+from tfsync.policies import Auto, resolve_mode
+from tfsync.policies.auto import PROFILES, classify
+
+log = logging.getLogger("tfsync.auto")
 
 
 class SyncCallback(keras.callbacks.Callback):
@@ -32,8 +40,13 @@ class SyncCallback(keras.callbacks.Callback):
     identical non-trainable statistics).  State is reset at every ``fit``.
 
     Args:
-        mode: ``"bsp"`` (default), ``"ssp"``, ``"psp"``, ``"backup"``, ``"dcs3gd"`` or a policy
-            object such as ``tfsync.SSP(staleness=3)`` or ``tfsync.PSP(min_contributions=3)``.
+        mode: ``"bsp"`` (default), ``"ssp"``, ``"dssp"``, ``"elasticbsp"``, ``"psp"``, ``"backup"``,
+            ``"dcs3gd"``, ``"auto"`` or a policy object such as ``tfsync.SSP(staleness=3)`` or
+            ``tfsync.PSP(min_contributions=3)``.  ``"auto"`` (``tfsync.Auto``) classifies the
+            workers' measured iteration times at epoch ends and switches to the mode chosen for
+            the profile; each decision is in ``auto_decisions``, the trace
+            (``trace_dir/auto.jsonl``; each mode's engine traces to ``trace_dir/<k>-<mode>/``)
+            and the epoch logs (``tfsync_auto_profile``, ``tfsync_auto_switches``).
         stragglers: ``tfsync.Stragglers`` to inject simulated delays; default:
             from the ``TFSYNC_STRAGGLERS`` environment variable (off if unset).
         trace_dir: write a JSON-lines trace per worker there (default: none).
@@ -75,9 +88,12 @@ class SyncCallback(keras.callbacks.Callback):
         average_statistics=True,
     ):
         super().__init__()
-        self.policy = resolve(mode)
+        mode = resolve_mode(mode)
+        self.auto = mode if isinstance(mode, Auto) else None
+        self.policy = mode.initial if self.auto else mode
         self._engine_args = dict(stragglers=stragglers, trace_dir=trace_dir, wait_timeout_s=wait_timeout_s)
         SyncEngine(self.policy, **self._engine_args)  # validates the arguments now
+        self.auto_decisions = []
         self.average_epoch_logs = average_epoch_logs
         for flag, value in (("average_epoch_logs", average_epoch_logs), ("average_statistics", average_statistics)):
             if not isinstance(value, bool):
@@ -105,8 +121,27 @@ class SyncCallback(keras.callbacks.Callback):
             )
         self._broadcast_weights(hvd, model)
         self.variables = list(model.trainable_variables)
-        self.engine = SyncEngine(self.policy, **self._engine_args)
-        self.engine.start(self.variables, extra_config={"steps": steps, "optimizer": type(model.optimizer).__name__})
+        self._steps = steps
+        self._earlier_counts = dict.fromkeys(COUNTS, 0)  # of the engines auto mode stopped
+        if self.auto is not None:
+            self.policy = self.auto.initial
+            self.auto_decisions, self._segment, self._switches = [], 0, 0
+            self._window, self._window_steps, self._candidate = [], 0, (None, 0)
+            if hvd.size() < 2:
+                raise ValueError("tfsync.keras.SyncCallback: mode 'auto' compares workers; launch 2 or more")
+            for policy in (self.auto.initial, *self.auto.modes.values()):
+                policy.validate(hvd.size())  # before training, not at a switch
+        self._start_engine()
+
+    def _start_engine(self):
+        model, engine_args = self.model, dict(self._engine_args)
+        if self.auto is not None and engine_args["trace_dir"]:
+            name = f"{self._segment}-{self.policy.name}"
+            engine_args["trace_dir"] = os.path.join(engine_args["trace_dir"], name)
+        self.engine = SyncEngine(self.policy, **engine_args)
+        self.engine.start(
+            self.variables, extra_config={"steps": self._steps, "optimizer": type(model.optimizer).__name__}
+        )
         self._wrap_optimizer(model.optimizer)
         if self.policy.skips:
             apply_mean = self._apply_mean if self.engine.protocol.reduces_gradients else None
@@ -131,10 +166,24 @@ class SyncCallback(keras.callbacks.Callback):
             self.engine.reset_totals()
 
     def on_train_batch_end(self, batch, logs=None):
-        if logs is not None and self.engine is not None:
-            last = self.engine.last
+        if self.engine is None:
+            return
+        last = self.engine.last
+        if logs is not None:
             logs["tfsync_wait_s"] = last.get("wait_s", 0.0)
             logs["tfsync_staleness"] = last.get("staleness", 0)
+        if self.auto is not None:
+            self._window_steps += 1
+            # an epoch's first step also times what ran between epochs (evaluation, callbacks, a
+            # switch's retracing): left out, or it would look like a rare delay
+            if batch > 0 and not last.get("skipped", 0) and "compute_s" in last:
+                self._window.append(last["compute_s"])
+
+    @property
+    def counts(self):
+        """This worker's contributions over the whole ``fit`` (every engine auto mode ran)."""
+        now = self.engine.counts if self.engine is not None else dict.fromkeys(COUNTS, 0)
+        return {k: self._earlier_counts[k] + now[k] for k in COUNTS}
 
     def on_epoch_end(self, epoch, logs=None):
         if logs is None or self.engine is None:
@@ -157,10 +206,76 @@ class SyncCallback(keras.callbacks.Callback):
                 timeout_s=self.engine.wait_timeout_s,
             )
             logs.update({k: float(v) for k, v in zip(keys, mean)})
+        if self.auto is not None and epoch + 1 < self.params.get("epochs", 0):
+            self._auto_decide(epoch, logs)
+
+    def _auto_decide(self, epoch, logs):
+        """Classify the window's step times (every rank the same table, the same answer); switch
+        at the first decision, later only after ``confirm`` consecutive decisions agree."""
+        if self._window_steps < self.auto.window_steps:
+            return
+        hvd = _horovod.horovod()
+        window = self._window
+        every = self.engine.exchange.call(
+            lambda: hvd.allgather_object(window, name="tfsync.auto.window"), timeout_s=self.engine.wait_timeout_s
+        )
+        self._window, self._window_steps = [], 0
+        if min(len(w) for w in every) == 0:
+            return  # a worker computed nothing in the window (it skipped every step): decide later
+        profile = classify(every)
+        current = self.auto_decisions[-1]["profile"] if self.auto_decisions else None
+        in_force, self._candidate = self.auto.in_force(current, self._candidate, profile.name)
+        wanted = self.auto.mode_for(in_force)
+        switch = wanted != self.policy
+        decision = {
+            "epoch": epoch,
+            "profile": in_force,
+            "observed": profile.name,
+            "reason": profile.reason,
+            "slowest_ratio": profile.slowest_ratio,
+            "rare_fraction": profile.rare_fraction,
+            "spread": profile.spread,
+            "steps": profile.steps,
+            "running": describe_mode(self.policy),
+            "mode": describe_mode(wanted),
+            "switched": switch,
+        }
+        self.auto_decisions.append(decision)
+        if switch:
+            self._switch(wanted)
+        if hvd.rank() == 0:
+            log.info("tfsync auto, epoch %d: %s (%s) -> %s", epoch, profile.name, profile.reason, decision["mode"])
+            if self._engine_args["trace_dir"]:
+                with open(os.path.join(self._engine_args["trace_dir"], "auto.jsonl"), "a") as f:
+                    f.write(json.dumps({"event": "auto", **decision}) + "\n")
+        if logs is not None:
+            logs["tfsync_auto_profile"] = float(PROFILES.index(decision["profile"]))
+            logs["tfsync_auto_switches"] = float(self._switches)
+
+    def _switch(self, policy):
+        """Drain the running mode (identical weights on every replica), give every replica rank 0's
+        optimizer state, and start ``policy``'s engine (collective)."""
+        self._stop_engine()
+        for k in COUNTS:
+            self._earlier_counts[k] += self.engine.counts[k]
+        hvd = _horovod.horovod()
+        opt = self.model.optimizer
+        hvd.broadcast_variables([tf_variable(v) for v in self.model.variables + list(opt.variables)], root_rank=0)
+        self.policy = policy
+        self._segment += 1
+        self._switches += 1
+        self._start_engine()
 
     def on_train_end(self, logs=None):
-        if self.engine is None:
+        if self.engine is None or not self.engine.started:
             return
+        self._stop_engine()
+        if self.average_statistics:  # the engine is closed: no other thread issues collectives
+            average_statistics(self.model)
+
+    # ---------------------------------------------------------------- internals
+    def _stop_engine(self):
+        """Drain, unwrap and close the running engine (it stays in ``engine`` for its counts and totals)."""
         try:
             self._drain()
         finally:
@@ -169,10 +284,7 @@ class SyncCallback(keras.callbacks.Callback):
                 del self.model.train_step
             self.engine.close()
             self.model.make_train_function(force=True)
-        if self.average_statistics:  # the engine is closed: no other thread issues collectives
-            average_statistics(self.model)
 
-    # ---------------------------------------------------------------- internals
     def _drain(self):
         """Wait for every round in flight and load the final weights (identical on all ranks)."""
         # compensate=: the late gradients still held get one last round, applied by the optimizer

@@ -37,6 +37,7 @@ aggregates (see :mod:`tfsync.engine.control`).
 
 import dataclasses
 
+from tfsync.policies.auto import Auto
 from tfsync.policies.base import Closing, Policy
 from tfsync.policies.compensation import DCS3GD, DelayCompensation
 from tfsync.policies.dynamic import DSSP, ElasticBSP, Grant, Schedule
@@ -126,6 +127,12 @@ def resolve(mode) -> Policy:
     """
     if isinstance(mode, Policy):
         return mode
+    if isinstance(mode, Auto) or (isinstance(mode, str) and mode.strip().lower() == "auto"):
+        raise ValueError(
+            "mode 'auto' picks and switches modes between epochs, which only tfsync.keras.SyncCallback "
+            "does; use SyncCallback(mode='auto') with model.fit, or pass a mode such as 'bsp' or "
+            "tfsync.SSP(staleness=3) here"
+        )
     if isinstance(mode, type) and issubclass(mode, Policy):
         raise TypeError(f"mode={mode.__name__}: pass an instance, e.g. mode=tfsync.{mode.__name__}()")
     if isinstance(mode, str):
@@ -134,9 +141,18 @@ def resolve(mode) -> Policy:
             return _BY_NAME[key]()
     raise ValueError(
         f"unknown synchronization mode {mode!r}; expected one of "
-        f"{', '.join(repr(k) for k in _BY_NAME)} or a policy object such as "
+        f"{', '.join(repr(k) for k in _BY_NAME)}, 'auto' (SyncCallback) or a policy object such as "
         f"tfsync.SSP(staleness=3)"
     )
+
+
+def resolve_mode(mode):
+    """:func:`resolve`, plus ``"auto"`` or a :class:`Auto` (what ``SyncCallback`` accepts)."""
+    if isinstance(mode, Auto):
+        return mode
+    if isinstance(mode, str) and mode.strip().lower() == "auto":
+        return Auto()
+    return resolve(mode)
 
 
 __all__ = [
@@ -152,6 +168,8 @@ __all__ = [
     "BackupWorkers",
     "DCS3GD",
     "DelayCompensation",
+    "Auto",
     "resolve",
+    "resolve_mode",
     "PAYLOADS",
 ]

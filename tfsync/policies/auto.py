@@ -1,0 +1,221 @@
+"""``mode="auto"``: measure the workers' iteration times, classify the slowness, pick a mode.
+
+:class:`Auto` is not a synchronization rule of its own: ``SyncCallback`` runs
+one of the other modes at a time and, at the end of an epoch, classifies the
+iteration times every worker measured since the last decision
+(:func:`classify`, a pure function of those times) and switches to the mode
+chosen for the profile.  A switch drains the running mode (every in-flight
+round applied, update protocols settled: every replica holds identical
+weights), broadcasts rank 0's optimizer state (SSP-family modes keep it per
+worker), and starts the next mode's engine.
+
+Profiles, from the per-step compute times ``t[i][k]`` of worker ``i`` (its own
+device time, waits excluded); ``m_i`` is worker ``i``'s median, ``M`` the
+fastest worker's (the smallest ``m_i``: with two workers a median of the
+medians would hide the slow one):
+
+* ``straggler``: a persistently slow worker, ``max m_i >= STRAGGLER_RATIO * M``
+  (its work is worth less than the others' wait for it);
+* ``heterogeneous``: a persistently slower device,
+  ``HETEROGENEOUS_RATIO * M <= max m_i < STRAGGLER_RATIO * M``;
+* ``rare``: no persistent difference, and a few steps (at most
+  ``RARE_MAX_FRACTION`` of them) take ``RARE_FACTOR`` times their worker's
+  median or more;
+* ``jitter``: no persistent difference, not rare, and the steps vary around
+  their worker's median: the 10th to 90th percentile spread of ``t[i][k] / m_i``
+  is ``JITTER_SPREAD`` or more (a percentile spread, so that one slow step does
+  not make jitter; frequent large delays do);
+* ``none``: otherwise.
+
+The mode chosen for each profile (:func:`default_modes`) is the tfsync mode
+that reached 0.95 test accuracy first in that scenario in one run of
+``python -m tfsync.bench convergence --repeats 2`` on this project's machine
+(README, "Which mode when"): BSP with no slowness, backup workers (b = 1)
+under every kind of slowness on that task.  The profiles stay distinct so
+that ``modes=`` can choose per profile (e.g. ``{"heterogeneous":
+tfsync.ElasticBSP()}`` where dropping a slower device's work costs accuracy).
+"""
+
+import dataclasses
+import statistics
+
+PROFILES = ("none", "straggler", "heterogeneous", "jitter", "rare")
+STRAGGLER_RATIO = 2.5
+HETEROGENEOUS_RATIO = 1.3
+RARE_FACTOR = 10.0
+RARE_MAX_FRACTION = 0.05
+JITTER_SPREAD = 0.4
+
+
+@dataclasses.dataclass(frozen=True)
+class Profile:
+    """What :func:`classify` found: ``name`` (one of :data:`PROFILES`), a ``reason`` in words
+    with the numbers behind it, and those numbers (``slowest_ratio``, ``rare_fraction``,
+    ``spread``, ``slowest`` rank, ``steps`` per worker)."""
+
+    name: str
+    reason: str
+    slowest_ratio: float
+    slowest: int
+    rare_fraction: float
+    spread: float
+    steps: int
+
+
+def classify(step_times) -> Profile:
+    """The profile of ``step_times``: one list per worker of its per-step compute seconds.
+
+    A pure function: every rank gets the same answer from the same table.
+    """
+    if len(step_times) < 2 or min(len(t) for t in step_times) < 1:
+        raise ValueError(
+            f"tfsync.policies.auto.classify: need the step times of at least 2 workers with at least one "
+            f"step each, got {[len(t) for t in step_times]} steps per worker"
+        )
+    if any(not (x >= 0.0) for t in step_times for x in t):
+        raise ValueError("tfsync.policies.auto.classify: step times must be non-negative seconds")
+    medians = [statistics.median(t) for t in step_times]
+    typical = min(medians)
+    slowest = max(range(len(medians)), key=medians.__getitem__)
+    ratio = medians[slowest] / typical if typical > 0 else 1.0
+    relative = [x / m for t, m in zip(step_times, medians) if m > 0 for x in t]
+    outliers = [r for r in relative if r >= RARE_FACTOR]
+    rare_fraction = len(outliers) / len(relative) if relative else 0.0
+    deciles = statistics.quantiles(relative, n=10) if len(relative) > 1 else [1.0] * 9
+    spread = deciles[-1] - deciles[0]
+    steps = min(len(t) for t in step_times)
+    numbers = dict(slowest_ratio=ratio, slowest=slowest, rare_fraction=rare_fraction, spread=spread, steps=steps)
+    if ratio >= STRAGGLER_RATIO:
+        return Profile(
+            "straggler",
+            f"worker {slowest}'s median step is {ratio:.2f}x the fastest worker's (>= {STRAGGLER_RATIO})",
+            **numbers,
+        )
+    if ratio >= HETEROGENEOUS_RATIO:
+        return Profile(
+            "heterogeneous",
+            f"worker {slowest}'s median step is {ratio:.2f}x the fastest worker's "
+            f"(in [{HETEROGENEOUS_RATIO}, {STRAGGLER_RATIO}))",
+            **numbers,
+        )
+    if outliers and rare_fraction <= RARE_MAX_FRACTION:
+        return Profile(
+            "rare",
+            f"{len(outliers)} of {len(relative)} steps ({rare_fraction:.1%}) took >= {RARE_FACTOR}x their "
+            f"worker's median (at most {RARE_MAX_FRACTION:.0%})",
+            **numbers,
+        )
+    if spread >= JITTER_SPREAD:
+        return Profile(
+            "jitter",
+            f"steps spread {spread:.2f}x their worker's median from the 10th to the 90th percentile "
+            f"(>= {JITTER_SPREAD})",
+            **numbers,
+        )
+    return Profile(
+        "none",
+        f"medians within {ratio:.2f}x, spread {spread:.2f} (< {JITTER_SPREAD}), "
+        f"{len(outliers)} steps >= {RARE_FACTOR}x their median",
+        **numbers,
+    )
+
+
+def default_modes():
+    """Profile -> policy, from one run of the convergence study (module docstring)."""
+    from tfsync.policies import BSP, BackupWorkers
+
+    # python -m tfsync.bench convergence --repeats 2 (docs/convergence.json), median time to 0.95:
+    # none: BSP 9.2 s was tfsync's fastest (plain Horovod 8.6 s); straggler, heterogeneous, jitter
+    # and rare: backup workers (b=1) were the fastest, 8.8, 8.9, 13.4 and 12.4 s, against the
+    # runners-up PSP 10.0 s, PSP 10.4 s, DC-S3GD 14.9 s and PSP 13.4 s
+    return {
+        "none": BSP(),
+        "straggler": BackupWorkers(backups=1),
+        "heterogeneous": BackupWorkers(backups=1),
+        "jitter": BackupWorkers(backups=1),
+        "rare": BackupWorkers(backups=1),
+    }
+
+
+@dataclasses.dataclass(frozen=True)
+class Auto:
+    """Pick the synchronization mode from measured iteration times, and re-pick when they change.
+
+    Args:
+        modes: ``{profile: policy}`` overriding :func:`default_modes` for some profiles
+            (profiles: ``"none"``, ``"straggler"``, ``"heterogeneous"``, ``"jitter"``, ``"rare"``).
+        window_steps: a decision needs at least this many steps per worker since the last
+            one (default 16); decisions are taken at epoch ends.
+        confirm: after the first decision, a switch needs the same new profile at this many
+            consecutive decisions (default 2), so that one unusual epoch does not flip the mode.
+        initial: the mode of the first window (default BSP: plain Horovod's semantics).
+
+    Only ``tfsync.keras.SyncCallback`` runs it (it switches between epochs).  Each
+    decision is logged on rank 0 (logger ``tfsync``), written to the trace
+    (``{"event": "auto", ...}``), kept in ``SyncCallback.auto_decisions``, and put in
+    the epoch logs as ``tfsync_auto_profile`` (an index into ``PROFILES``) and
+    ``tfsync_auto_switches``.
+
+    Example::
+
+        tfsync.keras.SyncCallback(mode="auto")
+        tfsync.keras.SyncCallback(mode=tfsync.Auto(modes={"straggler": tfsync.PSP()}))
+    """
+
+    name = "auto"
+    modes: dict = None
+    window_steps: int = 16
+    confirm: int = 2
+    initial: object = None
+
+    def __post_init__(self):
+        from tfsync.policies import BSP, Policy
+
+        for field, value, low in (("window_steps", self.window_steps, 1), ("confirm", self.confirm, 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"tfsync.Auto: {field}={value!r} must be an integer >= {low}")
+        given = dict(self.modes or {})
+        unknown = sorted(set(given) - set(PROFILES))
+        if unknown:
+            raise ValueError(
+                f"tfsync.Auto: modes has unknown profiles {unknown}; the profiles are {', '.join(PROFILES)}"
+            )
+        chosen = {**default_modes(), **given}
+        initial = BSP() if self.initial is None else self.initial
+        for where, policy in [*((f"modes[{p!r}]", m) for p, m in chosen.items()), ("initial", initial)]:
+            if not isinstance(policy, Policy):
+                raise ValueError(
+                    f"tfsync.Auto: {where}={policy!r} is not a synchronization mode; pass a policy object "
+                    f"such as tfsync.SSP(staleness=3) (not 'auto' or a string)"
+                )
+        object.__setattr__(self, "modes", chosen)
+        object.__setattr__(self, "initial", initial)
+
+    def config(self) -> dict:
+        return {
+            "mode": self.name,
+            "modes": {p: m.config() for p, m in self.modes.items()},
+            "window_steps": self.window_steps,
+            "confirm": self.confirm,
+            "initial": self.initial.config(),
+        }
+
+    def validate(self, size: int) -> None:
+        for policy in (self.initial, *self.modes.values()):
+            policy.validate(size)
+
+    def mode_for(self, profile: str):
+        return self.modes[profile]
+
+    def in_force(self, current, candidate, observed):
+        """The profile in force after a decision that ``observed`` a profile (a pure function).
+
+        ``current``: the profile in force (``None`` before the first decision, which takes
+        ``observed`` at once); ``candidate``: ``(profile, times seen in a row)`` so far.
+        Returns ``(profile in force, new candidate)``: a different profile takes over once it
+        was observed at ``confirm`` consecutive decisions.
+        """
+        name, seen = candidate
+        seen = seen + 1 if observed == name else 1
+        confirmed = current is None or (observed != current and seen >= self.confirm)
+        return (observed if confirmed else current), (observed, seen)
