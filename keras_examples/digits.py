@@ -92,16 +92,23 @@ def build_model(lr, momentum):
     return model
 
 
-def main(argv=None):
-    args = parse_args(argv)
+def init_horovod():
+    """``hvd.init()``, and one GPU per process (its local rank's) when there are GPUs, as in
+    Horovod's examples; returns ``horovod.tensorflow``."""
     import horovod.tensorflow as hvd
     import tensorflow as tf
 
     hvd.init()
     gpus = tf.config.list_physical_devices("GPU")
-    if gpus:  # one GPU per process, as in Horovod's examples
+    if gpus:
         tf.config.set_visible_devices(gpus[hvd.local_rank()], "GPU")
         tf.config.experimental.set_memory_growth(gpus[hvd.local_rank()], True)
+    return hvd
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    hvd = init_horovod()
     import tfsync
     from tfsync.launch import contribution_totals, describe_mode, mode_from_args, print_result
 

@@ -28,14 +28,9 @@ def main(argv=None):
     p.add_argument("--momentum", type=float, default=0.0)
     args = p.parse_args(argv)
 
-    import horovod.tensorflow as hvd
-    import tensorflow as tf
+    from digits import build_model, init_horovod, load_data  # the callback example beside this one
 
-    hvd.init()
-    gpus = tf.config.list_physical_devices("GPU")
-    if gpus:
-        tf.config.set_visible_devices(gpus[hvd.local_rank()], "GPU")
-    from digits import build_model, load_data  # the callback example beside this one
+    hvd = init_horovod()
 
     import tfsync
     from tfsync.launch import contribution_totals, describe_mode, mode_from_args, print_result

@@ -112,15 +112,9 @@ def augmented(x, y, args):
 
 def main(argv=None):
     args = parse_args(argv)
-    import horovod.tensorflow as hvd
-    import tensorflow as tf
+    from digits import TargetAccuracy, init_horovod, load_data  # the digits example, beside this one
 
-    hvd.init()
-    gpus = tf.config.list_physical_devices("GPU")
-    if gpus:  # one GPU per process, as in Horovod's examples
-        tf.config.set_visible_devices(gpus[hvd.local_rank()], "GPU")
-        tf.config.experimental.set_memory_growth(gpus[hvd.local_rank()], True)
-    from digits import TargetAccuracy, load_data
+    hvd = init_horovod()
 
     import tfsync
     from tfsync.launch import contribution_totals, describe_mode, mode_from_args, print_result

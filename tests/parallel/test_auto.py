@@ -3,50 +3,32 @@ switches where every replica is identical, and loses no contribution across the 
 
 import json
 import os
-import sys
 
 import pytest
 
-from tests.parallel.launch import ROOT
-from tests.parallel.test_examples import result_of, run
+from tests.parallel.test_compensation import digits
 
 pytestmark = pytest.mark.parallel
 
 
-def digits(trace_dir, stragglers, epochs):
-    return result_of(
-        run(
-            [
-                "horovodrun",
-                "-np",
-                "4",
-                "-H",
-                "localhost:4",
-                "--gloo",
-                sys.executable,
-                os.path.join(ROOT, "keras_examples", "digits.py"),
-                "--mode",
-                "auto",
-                "--epochs",
-                str(epochs),
-                "--stragglers",
-                stragglers,
-                "--trace-dir",
-                str(trace_dir),
-            ]
-        )
+def auto(trace_dir, stragglers, epochs):
+    return digits(
+        "digits.py", "--mode", "auto", "--epochs", epochs, "--stragglers", stragglers, "--trace-dir", trace_dir
     )
 
 
 def test_a_persistent_straggler_is_recognised_and_its_mode_run(tmp_path):
-    res = digits(tmp_path, "base=0.02,slow=3:0.04,seed=1", epochs=8)
+    res = auto(tmp_path, "base=0.02,slow=3:0.04,seed=1", epochs=8)
     decisions = res["auto_decisions"]
     first = decisions[0]
     assert first["profile"] == "straggler" and first["running"] == "bsp" and first["switched"], decisions
     assert first["mode"] == "backup(b=1)", first
     assert 2.0 < first["slowest_ratio"] < 4.0 and "worker 3" in first["reason"], first
-    # the straggler stays a straggler under backup workers: no switch back
-    assert all(d["profile"] == "straggler" and not d["switched"] for d in decisions[1:]), decisions
+    # the slowness stays persistent under backup workers: no switch back.  (Rank 3 computes few
+    # steps there, so its measured ratio may fall under 2.5 in a window: heterogeneous, same mode.)
+    later = decisions[1:]
+    assert all(d["mode"] == "backup(b=1)" and not d["switched"] for d in later), decisions
+    assert all(d["observed"] in ("straggler", "heterogeneous") for d in later), decisions
     assert res["replicas_identical"], res
     # every contribution of both engines is accounted for, and the straggler's steps were skipped
     assert res["produced"] == res["applied"] + res["compensated"] + res["dropped"], res
@@ -62,7 +44,7 @@ def test_a_persistent_straggler_is_recognised_and_its_mode_run(tmp_path):
 
 
 def test_no_slowness_keeps_bsp(tmp_path):
-    res = digits(tmp_path, "base=0.02,seed=1", epochs=4)
+    res = auto(tmp_path, "base=0.02,seed=1", epochs=4)
     decisions = res["auto_decisions"]
     assert decisions and all(d["profile"] == "none" and not d["switched"] for d in decisions), decisions
     assert all(d["mode"] == "bsp" for d in decisions), decisions

@@ -11,7 +11,7 @@ pytestmark = pytest.mark.parallel
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("statistics")
-    run_workers("statistics.py", 2, [out], timeout_s=240)
+    run_workers("bn_statistics.py", 2, [out], timeout_s=240)
     res = read_results(out)
     assert sorted(res) == [0, 1]
     return res

@@ -1,5 +1,8 @@
 """Non-trainable statistics (BatchNormalization) averaged at the end of fit.
 
+(Not named statistics.py: this directory is first on the workers' sys.path, and that name
+would shadow the standard library's statistics module, which tfsync imports.)
+
 argv: out_dir.  Each rank trains a model with a BatchNormalization layer and a
 frozen Dense layer on its own shard (different batches, so different moving
 statistics) and records, per case: the statistics before and after the
