@@ -7,6 +7,7 @@ import os
 import pytest
 
 from tests.parallel.test_compensation import digits
+from tfsync.policies.auto import STRAGGLER_RATIO
 
 pytestmark = pytest.mark.parallel
 
@@ -18,12 +19,14 @@ def auto(trace_dir, stragglers, epochs):
 
 
 def test_a_persistent_straggler_is_recognised_and_its_mode_run(tmp_path):
-    res = auto(tmp_path, "base=0.02,slow=3:0.04,seed=1", epochs=8)
+    # rank 3 +80 ms on 20 ms: its median step is about 4.5x the others' (the bench's +40 ms gives
+    # 2.75x here, close enough to the 2.5x threshold that CPU contention can blur it)
+    res = auto(tmp_path, "base=0.02,slow=3:0.08,seed=1", epochs=8)
     decisions = res["auto_decisions"]
     first = decisions[0]
     assert first["profile"] == "straggler" and first["running"] == "bsp" and first["switched"], decisions
     assert first["mode"] == "backup(b=1)", first
-    assert 2.0 < first["slowest_ratio"] < 4.0 and "worker 3" in first["reason"], first
+    assert first["slowest_ratio"] >= STRAGGLER_RATIO and "worker 3" in first["reason"], first
     # the slowness stays persistent under backup workers: no switch back.  (Rank 3 computes few
     # steps there, so its measured ratio may fall under 2.5 in a window: heterogeneous, same mode.)
     later = decisions[1:]

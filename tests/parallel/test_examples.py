@@ -56,7 +56,7 @@ def test_digits_reaches_90_percent_on_4_workers(script, epochs):
         assert res["applied"] == (res["produced"] + res["skipped"]) * 3 // 4, res
 
 
-@pytest.mark.parametrize("mode", ["ssp", "backup"])
+@pytest.mark.parametrize("mode", ["ssp", "elasticbsp"])  # elasticbsp: the skippable train step
 def test_keras_cv_resnet_example_trains_under_tfsync(mode):
     # a tiny ResNet (two stacks of 8 and 16 filters), 2 workers, 3 epochs: it must learn, and the
     # replicas must end identical, BatchNormalization's moving statistics included (averaged at the
