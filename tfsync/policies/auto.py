@@ -144,14 +144,15 @@ class Auto:
     Args:
         modes: ``{profile: policy}`` overriding :func:`default_modes` for some profiles
             (profiles: ``"none"``, ``"straggler"``, ``"heterogeneous"``, ``"jitter"``, ``"rare"``).
-        window_steps: a decision needs at least this many steps per worker since the last
-            one (default 16); decisions are taken at epoch ends.
+        window_steps: a decision needs at least this many training steps since the last one
+            (default 16; skipped steps count, each epoch's first step is not measured); decisions
+            are taken at epoch ends, never after the last epoch.
         confirm: after the first decision, a switch needs the same new profile at this many
             consecutive decisions (default 2), so that one unusual epoch does not flip the mode.
         initial: the mode of the first window (default BSP: plain Horovod's semantics).
 
     Only ``tfsync.keras.SyncCallback`` runs it (it switches between epochs).  Each
-    decision is logged on rank 0 (logger ``tfsync``), written to the trace
+    decision is logged on rank 0 (logger ``tfsync.auto``, INFO), written to the trace
     (``{"event": "auto", ...}``), kept in ``SyncCallback.auto_decisions``, and put in
     the epoch logs as ``tfsync_auto_profile`` (an index into ``PROFILES``) and
     ``tfsync_auto_switches``.
