@@ -144,7 +144,7 @@ def main(argv=None):
     final_acc = float(model.evaluate(x_test, y_test, verbose=0)[1])
     samples = samples_per_epoch * args.epochs
     if args.plain_horovod:
-        steps = len(x_local) // args.batch_size * args.epochs * hvd.size()
+        steps = samples // args.batch_size  # the shards hold whole batches
         totals = dict.fromkeys(("compensated", "dropped", "skipped"), 0)
         totals.update(produced=steps, applied=steps, effective_samples_per_s=samples / wall_s)
         wait = None

@@ -288,8 +288,8 @@ def load_trace(trace_dir) -> dict:
         match = _RANK_FILE.match(name)
         if match:
             files[int(match.group(1))] = os.path.join(trace_dir, name)
-    segments = sorted(n for n in os.listdir(trace_dir) if os.path.isdir(os.path.join(trace_dir, n)))
     if not files and os.path.exists(os.path.join(trace_dir, "auto.jsonl")):
+        segments = sorted(n for n in os.listdir(trace_dir) if os.path.isdir(os.path.join(trace_dir, n)))
         raise ValueError(
             f"tfsync.timeline: {trace_dir!r} is the trace of a mode='auto' run: each mode it ran traced to "
             f"its own subdirectory ({', '.join(segments)}); draw one of them, e.g. "

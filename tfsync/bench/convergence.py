@@ -33,6 +33,7 @@ import json
 import os
 import sys
 import time
+from statistics import median
 
 from tfsync.demo import EXAMPLE, MODES, SCENARIOS
 from tfsync.launch import horovodrun
@@ -140,19 +141,13 @@ def run_study(args):
                     f"{time.time() - start:.0f} s elapsed"
                     + "".join(
                         f"; epoch {d['epoch']}: {d['profile']} -> {d['mode']}"
-                        for d in result.get("auto_decisions", ())
-                        if d["switched"] or d is result["auto_decisions"][0]
+                        for i, d in enumerate(result.get("auto_decisions", ()))
+                        if i == 0 or d["switched"]
                     ),
                     file=sys.stderr,
                     flush=True,
                 )
     return runs
-
-
-def median(values):
-    values = sorted(values)
-    n = len(values)
-    return values[n // 2] if n % 2 else (values[n // 2 - 1] + values[n // 2]) / 2
 
 
 def summarize(runs, args):
