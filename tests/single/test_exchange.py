@@ -9,7 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tfsync.engine.control import ControlClient, ControlServer
-from tfsync.engine.exchange import RoundExchange, decode_meta, encode_meta
+from tfsync.engine.diagnosis import Diagnosis, SyncTimeoutError
+from tfsync.engine.exchange import RoundExchange, WorkerLostError, decode_meta, encode_meta
 
 TOKEN = "t" * 32
 
@@ -117,6 +118,31 @@ def test_a_worker_that_leaves_is_not_lost_and_stop_reasons_are_pushed(control):
         time.sleep(0.01)
     assert clients[0].known_stopped[0]["message"] == "waited too long for rank 0"
     assert clients[0].table()["lost"] == []
+
+
+def test_a_rank_that_stops_and_exits_is_reported_by_its_reason_not_as_lost(control):
+    # rank 2's wait for rank 1 timed out: it tells everyone why, then its process ends.  The
+    # others must name the hung rank 1 (rank 2's reason), not "lost rank 2" (a race CI hit).
+    server, clients = control
+    clients[2].announce_stop("SyncTimeoutError", "rank 2 waited 5 s for round 10; ranks [1] have not pushed it")
+    clients[2]._closing = True
+    clients[2]._stream.cancel()
+    deadline = time.time() + 5
+    while not (clients[0].known_lost and clients[0].known_stopped) and time.time() < deadline:
+        time.sleep(0.01)
+    assert [d["rank"] for d in clients[0].known_lost] == [2]  # its connection did end
+    diagnosis = Diagnosis(clients[0], rank=0, mode_name="ssp", wait_timeout_s=5, timeout_env="TFSYNC_WAIT_TIMEOUT_S")
+    with pytest.raises(SyncTimeoutError, match=r"rank 2 stopped the job: .*ranks \[1\] have not pushed it"):
+        diagnosis.check_while_waiting(10, last_pushed=10, deadline=time.monotonic() + 60)
+    error = diagnosis.lost_error(10, RuntimeError("allreduce failed"))
+    assert isinstance(error, SyncTimeoutError) and "ranks [1]" in str(error), error
+    # a loss with no stop notice is still a loss
+    clients[1]._closing = True
+    clients[1]._stream.cancel()
+    while len(clients[0].known_lost) < 2 and time.time() < deadline:
+        time.sleep(0.01)
+    with pytest.raises(WorkerLostError, match=r"lost rank 1 \(its process or connection ended"):
+        diagnosis.check_while_waiting(10, last_pushed=10, deadline=time.monotonic() + 60)
 
 
 def test_unreachable_control_host_reads_as_rank_0_lost():

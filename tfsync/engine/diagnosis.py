@@ -32,11 +32,14 @@ class Diagnosis:
         # make sure rank 0's clock table shows this rank's last push, so a
         # timeout names only the ranks really behind
         self.control.report(last_pushed, min_interval_s=0.0)
-        lost = self.control.known_lost or self.control.table(timeout_s=TABLE_TIMEOUT_S).get("lost", [])
+        lost = self.unexplained(
+            self.control.known_lost or self.control.table(timeout_s=TABLE_TIMEOUT_S).get("lost", [])
+        )
         # checked after the table query: a peer that stopped (rank 0 included)
         # told everyone why before it went, and that beats "rank 0 is unreachable"
+        # and "lost rank k" for that peer
         peer_stop = self.peer_stop()
-        if peer_stop is not None and not self.control.known_lost:
+        if peer_stop is not None and not lost:
             raise peer_stop
         if lost:
             raise self.stop(self.lost_error(round_, None, lost))
@@ -68,6 +71,17 @@ class Diagnosis:
         self.control.announce_stop(type(error).__name__, str(error))
         return error
 
+    def unexplained(self, lost):
+        """The losses not explained by the lost rank's own stop notice.
+
+        A rank that stops (a wait timed out, a peer was lost) tells every
+        worker why and then exits, so its connection ends too: that is not a
+        loss of its own, and naming it would hide the rank that caused the
+        stop (e.g. the hung one its timeout names).
+        """
+        stopped = {int(n["rank"]) for n in self.control.known_stopped}
+        return [d for d in lost if int(d["rank"]) not in stopped]
+
     def peer_stop(self):
         """The error another rank stopped with, if one did (pushed by the control path)."""
         for notice in self.control.known_stopped:
@@ -79,15 +93,18 @@ class Diagnosis:
     def lost_error(self, round_, exc, lost=None):
         """The error for a failed collective (``exc``) or reported losses (``lost``)."""
         deadline = time.monotonic() + LOSS_SETTLE_S
-        while not self.control.known_lost and time.monotonic() < deadline:
-            lost = lost or self.control.table(timeout_s=TABLE_TIMEOUT_S).get("lost", [])
+        while not self.unexplained(self.control.known_lost) and time.monotonic() < deadline:
+            lost = self.unexplained(lost or self.control.table(timeout_s=TABLE_TIMEOUT_S).get("lost", []))
             peer_stop = self.peer_stop()
-            if peer_stop is not None and not self.control.known_lost:
+            if peer_stop is not None and not lost:
                 return peer_stop
             if lost:
                 break
             time.sleep(LOSS_POLL_S)
-        lost = self.control.known_lost or lost
+        lost = self.unexplained(self.control.known_lost) or lost
+        peer_stop = self.peer_stop()
+        if peer_stop is not None and not lost:
+            return peer_stop
         if lost:
             names = ", ".join(
                 f"rank {int(d['rank'])} ({d['reason']}"
