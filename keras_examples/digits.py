@@ -164,6 +164,10 @@ def main(argv=None):
     }
     if not args.plain_horovod and sync.auto is not None:  # which mode auto ran when, and why
         result["auto_decisions"] = sync.auto_decisions
+        # the epoch logs' counts (worker means), summed over the epochs: they must add up to the
+        # totals across every switch, mid-epoch ones included
+        logged = {k: sum(history.history[f"tfsync_{k}"]) * hvd.size() for k in tfsync.engine.COUNTS}
+        result["counts_from_epoch_logs"] = {k: round(v) for k, v in logged.items()}
     # every replica must hold the same weights: compare a checksum across ranks
     checksum = float(sum(np.sum(w.astype(np.float64)) for w in model.get_weights()))
     checksums = hvd.allgather_object(checksum)

@@ -6,6 +6,7 @@ import os
 
 import pytest
 
+from tests.parallel.launch import read_results, run_workers
 from tests.parallel.test_compensation import digits
 from tfsync.policies.auto import STRAGGLER_RATIO
 
@@ -26,6 +27,12 @@ def test_a_persistent_straggler_is_recognised_and_its_mode_run(tmp_path):
     first = decisions[0]
     assert first["profile"] == "straggler" and first["running"] == "bsp" and first["switched"], decisions
     assert first["mode"] == "backup(b=1)", first
+    # decided as soon as the window filled, mid-epoch (22 steps an epoch here), and every 16
+    # steps after; BSP and backup workers share the compiled step: the switch did not retrace
+    steps_per_epoch = 22
+    done = [d["epoch"] * steps_per_epoch + d["batch"] + 1 for d in decisions]
+    assert done == [16 * (k + 1) for k in range(len(decisions))], decisions
+    assert first["batch"] < steps_per_epoch - 1 and first["retraced"] is False and first["switch_s"] > 0, first
     assert first["slowest_ratio"] >= STRAGGLER_RATIO and "worker 3" in first["reason"], first
     # the slowness stays persistent under backup workers: no switch back.  (Rank 3 computes few
     # steps there, so its measured ratio may fall under 2.5 in a window: heterogeneous, same mode.)
@@ -35,6 +42,8 @@ def test_a_persistent_straggler_is_recognised_and_its_mode_run(tmp_path):
     assert res["replicas_identical"], res
     # every contribution of both engines is accounted for, and the straggler's steps were skipped
     assert res["produced"] == res["applied"] + res["compensated"] + res["dropped"], res
+    # the epoch logs count both engines, across the mid-epoch switch
+    assert res["counts_from_epoch_logs"] == {k: res[k] for k in res["counts_from_epoch_logs"]}, res
     assert res["skipped"] > 0 and res["dropped"] > 0, res  # the straggler's late gradients
     assert res["final_accuracy"] >= 0.9, res
     # the trace: one directory per engine, the decisions beside them
@@ -53,3 +62,23 @@ def test_no_slowness_keeps_bsp(tmp_path):
     assert all(d["mode"] == "bsp" for d in decisions), decisions
     assert sorted(os.listdir(tmp_path)) == ["0-bsp", "auto.jsonl"]
     assert res["replicas_identical"] and res["dropped"] == 0 and res["skipped"] == 0, res
+
+
+def test_switches_between_modes_with_different_steps_retrace_and_lose_nothing(tmp_path):
+    # BSP -> SSP(2) while rank 1 straggles, back to BSP once it stops (workers/auto_switch.py)
+    run_workers("auto_switch.py", 2, [tmp_path], timeout_s=240)
+    res = read_results(tmp_path)
+    decisions = res[0]["decisions"]
+    same = ("epoch", "batch", "observed", "profile", "mode", "switched")  # (waits are per rank)
+    assert [[d[k] for k in same] for d in decisions] == [[d[k] for k in same] for d in res[1]["decisions"]]
+    switches = [d for d in decisions if d["switched"]]
+    assert [(d["running"], d["mode"]) for d in switches] == [("bsp", "ssp(s=2)"), ("ssp(s=2)", "bsp")], decisions
+    assert all(d["retraced"] for d in switches), switches  # a gradient and an update protocol: two steps
+    assert switches[0]["profile"] == "straggler" and switches[1]["profile"] in ("none", "jitter", "rare"), switches
+    # identical replicas after both switches, every contribution of the three engines accounted for
+    assert res[0]["weights"] == res[1]["weights"]
+    total = {k: res[0]["counts"][k] + res[1]["counts"][k] for k in res[0]["counts"]}
+    for r in (0, 1):
+        c = res[r]["counts"]
+        assert c["produced"] == c["applied"] + c["compensated"] + c["dropped"] > 0, (r, c)
+    assert {k: round(v * 2) for k, v in res[0]["logged"].items()} == total, (res[0]["logged"], total)

@@ -13,14 +13,26 @@ import tensorflow as tf
 from tfsync.engine.protocols import tf_variable
 
 
+def _getter(engine):
+    """``engine`` or a callable returning the engine (looked up at every step: auto mode
+    swaps the engine under a compiled step) as a callable."""
+    return engine if callable(engine) else (lambda: engine)
+
+
 def exchange_gradients(engine, grads):
-    """Gradient protocol: the gradients every worker applies this step (the round's mean)."""
-    protocol = engine.protocol
+    """Gradient protocol: the gradients every worker applies this step (the round's mean).
+
+    ``engine`` may be a callable returning the engine: the step then serves
+    whichever gradient-protocol engine is current when it runs (the shapes and
+    dtypes, fixed at tracing, are the model's).
+    """
+    get_engine = _getter(engine)
+    protocol = get_engine().protocol
     grads = [
         tf.zeros(s, d) if g is None else tf.convert_to_tensor(g)  # IndexedSlices become dense
         for g, s, d in zip(grads, protocol.shapes, protocol.dtypes)
     ]
-    out = tf.py_function(lambda *g: engine.sync_step(g), grads, Tout=protocol.dtypes, name="tfsync_step")
+    out = tf.py_function(lambda *g: get_engine().sync_step(g), grads, Tout=protocol.dtypes, name="tfsync_step")
     for o, s in zip(out, protocol.shapes):
         o.set_shape(s)
     return out
@@ -85,7 +97,7 @@ def skippable_train_step(engine, model, train_step, apply_mean):
     (ElasticBSP), whose skipped step contributes zeros and moves the weights
     in place (the engine applies the rounds), so nothing is applied here.
     """
-    get_engine = engine if callable(engine) else (lambda: engine)
+    get_engine = _getter(engine)
 
     def step(data):
         compute = tf.py_function(lambda: get_engine().begin_step(), [], Tout=tf.bool, name="tfsync_begin_step")

@@ -10,13 +10,14 @@ optimizer.
 import json
 import logging
 import os
+import time
 
 import keras
 import numpy as np
 import tensorflow as tf
 
 from tfsync import _horovod
-from tfsync.engine import COUNTS, SyncEngine
+from tfsync.engine import COUNTS, SyncEngine, protocols
 from tfsync.engine.protocols import tf_variable
 from tfsync.engine.tf_bridge import correct_gradients, exchange_gradients, exchange_updates, skippable_train_step
 from tfsync.keras.statistics import average_statistics
@@ -43,8 +44,8 @@ class SyncCallback(keras.callbacks.Callback):
         mode: ``"bsp"`` (default), ``"ssp"``, ``"dssp"``, ``"elasticbsp"``, ``"psp"``, ``"backup"``,
             ``"dcs3gd"``, ``"auto"`` or a policy object such as ``tfsync.SSP(staleness=3)`` or
             ``tfsync.PSP(min_contributions=3)``.  ``"auto"`` (``tfsync.Auto``) classifies the
-            workers' measured iteration times at epoch ends and switches to the mode chosen for
-            the profile; each decision is in ``auto_decisions``, the trace
+            workers' measured iteration times every ``window_steps`` steps and switches to the
+            mode chosen for the profile; each decision is in ``auto_decisions``, the trace
             (``trace_dir/auto.jsonl``; each mode's engine traces to ``trace_dir/<k>-<mode>/``)
             and the epoch logs (``tfsync_auto_profile``, ``tfsync_auto_switches``).
         stragglers: ``tfsync.Stragglers`` to inject simulated delays; default:
@@ -123,10 +124,12 @@ class SyncCallback(keras.callbacks.Callback):
         self.variables = list(model.trainable_variables)
         self._steps = steps
         self._earlier_counts = dict.fromkeys(COUNTS, 0)  # of the engines auto mode stopped
+        self._compiled_kind = None  # what the compiled train step serves, if engines can share it
         if self.auto is not None:
             self.policy = self.auto.initial
             self.auto_decisions, self._segment, self._switches = [], 0, 0
             self._window, self._window_steps, self._candidate = [], 0, (None, 0)
+            self._steps_left = steps * self.params.get("epochs", 1)
             if hvd.size() < 2:
                 raise ValueError("tfsync.keras.SyncCallback: mode 'auto' compares workers; launch 2 or more")
             for policy in (self.auto.initial, *self.auto.modes.values()):
@@ -134,6 +137,8 @@ class SyncCallback(keras.callbacks.Callback):
         self._start_engine()
 
     def _start_engine(self):
+        """Start the engine of ``self.policy``; compile a train step for it unless the one
+        compiled already serves it (auto mode between gradient-protocol modes)."""
         model, engine_args = self.model, dict(self._engine_args)
         if self.auto is not None and engine_args["trace_dir"]:
             name = f"{self._segment}-{self.policy.name}"
@@ -142,26 +147,46 @@ class SyncCallback(keras.callbacks.Callback):
         self.engine.start(
             self.variables, extra_config={"steps": self._steps, "optimizer": type(model.optimizer).__name__}
         )
+        kind = self._step_kind(self.policy)
+        if kind is not None and kind == self._compiled_kind:
+            return
+        self._compiled_kind = kind
         self._wrap_optimizer(model.optimizer)
-        if self.policy.skips:
+        if self.policy.skips or kind is not None:
             apply_mean = self._apply_mean if self.engine.protocol.reduces_gradients else None
             model.train_step = skippable_train_step(
-                self.engine, model, type(model).train_step.__get__(model), apply_mean
+                lambda: self.engine, model, type(model).train_step.__get__(model), apply_mean
             )
         model.make_train_function(force=True)
-        train_function, engine = model.train_function, self.engine
+        train_function = model.train_function
 
         def train_function_reraising(iterator):
             try:
                 return train_function(iterator)
             except tf.errors.OpError as exc:
-                if engine.error is not None:  # a tfsync error surfaced through the graph
-                    raise engine.error from exc
+                if self.engine.error is not None:  # a tfsync error surfaced through the graph
+                    raise self.engine.error from exc
                 raise
 
         model.train_function = train_function_reraising
 
+    def _step_kind(self, policy):
+        """What the compiled train step must do for ``policy``, when auto mode can share it
+        between engines; None when each engine needs its own (or auto mode is off).
+
+        Gradient-protocol modes (BSP, PSP, backup workers) share one: the skippable step
+        (under BSP it never skips), whose exchange finds the current engine at every step,
+        so a switch among them costs no retracing.  Update protocols (SSP family,
+        DC-S3GD) keep their state in variables of their own: a step per engine.
+        """
+        if self.auto is None:
+            return None
+        protocol = protocols.for_policy(policy)
+        return "gradients" if protocol.reduces_gradients and not protocol.corrects_gradients else None
+
     def on_epoch_begin(self, epoch, logs=None):
+        self._epoch, self._unmeasured = epoch, True
+        self._switched_totals = None  # the epoch's totals of engines auto mode stopped during it
         if self.engine is not None:
             self.engine.reset_totals()
 
@@ -174,10 +199,16 @@ class SyncCallback(keras.callbacks.Callback):
             logs["tfsync_staleness"] = last.get("staleness", 0)
         if self.auto is not None:
             self._window_steps += 1
-            # an epoch's first step also times what ran between epochs (evaluation, callbacks, a
-            # switch's retracing): left out, or it would look like a rare delay
-            if batch > 0 and not last.get("skipped", 0) and "compute_s" in last:
+            self._steps_left -= 1
+            # an epoch's first step also times what ran between epochs (evaluation, callbacks), and
+            # an engine's first step its retracing: left out, or they would look like rare delays
+            if not self._unmeasured and not last.get("skipped", 0) and "compute_s" in last:
                 self._window.append(last["compute_s"])
+            self._unmeasured = False
+            # decide as soon as the window is full, mid-epoch included (Keras looks its train
+            # function up at every step), unless too few steps remain for a switch to pay
+            if self._window_steps >= self.auto.window_steps and self._steps_left >= self.auto.window_steps:
+                self._auto_decide(self._epoch, batch)
 
     @property
     def counts(self):
@@ -193,6 +224,8 @@ class SyncCallback(keras.callbacks.Callback):
             # contribution (on_train_end drains again if fit stops early)
             self._drain()
         tot = self.engine.totals
+        if self._switched_totals is not None:
+            tot = {k: self._switched_totals[k] + tot[k] for k in tot}
         busy = tot["wait_s"] + tot["compute_s"]
         logs["tfsync_wait_fraction"] = tot["wait_s"] / busy if busy else 0.0
         for key in COUNTS:
@@ -206,19 +239,21 @@ class SyncCallback(keras.callbacks.Callback):
                 timeout_s=self.engine.wait_timeout_s,
             )
             logs.update({k: float(v) for k, v in zip(keys, mean)})
-        if self.auto is not None and epoch + 1 < self.params.get("epochs", 0):
-            self._auto_decide(epoch, logs)
+        if self.auto is not None and self.auto_decisions:
+            logs["tfsync_auto_profile"] = float(PROFILES.index(self.auto_decisions[-1]["profile"]))
+            logs["tfsync_auto_switches"] = float(self._switches)
 
-    def _auto_decide(self, epoch, logs):
+    def _auto_decide(self, epoch, batch):
         """Classify the window's step times (every rank the same table, the same answer); switch
-        at the first decision, later only after ``confirm`` consecutive decisions agree."""
-        if self._window_steps < self.auto.window_steps:
-            return
+        at the first decision, later only after ``confirm`` consecutive decisions agree.
+
+        Every rank calls this after the same step (the same window length and steps left)."""
         hvd = _horovod.horovod()
-        window = self._window
+        window, t = self._window, time.monotonic()
         every = self.engine.exchange.call(
             lambda: hvd.allgather_object(window, name="tfsync.auto.window"), timeout_s=self.engine.wait_timeout_s
         )
+        wait_s = time.monotonic() - t
         self._window, self._window_steps = [], 0
         if min(len(w) for w in every) == 0:
             return  # a worker computed nothing in the window (it skipped every step): decide later
@@ -229,6 +264,7 @@ class SyncCallback(keras.callbacks.Callback):
         switch = wanted != self.policy
         decision = {
             "epoch": epoch,
+            "batch": batch,
             "profile": in_force,
             "observed": profile.name,
             "reason": profile.reason,
@@ -239,25 +275,37 @@ class SyncCallback(keras.callbacks.Callback):
             "running": describe_mode(self.policy),
             "mode": describe_mode(wanted),
             "switched": switch,
+            "wait_s": wait_s,  # this rank's wait for the others to reach the decision
         }
         self.auto_decisions.append(decision)
         if switch:
-            self._switch(wanted)
+            t = time.monotonic()
+            decision["retraced"] = self._switch(wanted)
+            decision["switch_s"] = time.monotonic() - t  # the retracing, if any, is in the next step
         if hvd.rank() == 0:
-            log.info("tfsync auto, epoch %d: %s (%s) -> %s", epoch, profile.name, profile.reason, decision["mode"])
+            log.info(
+                "tfsync auto, epoch %d batch %d: %s (%s) -> %s",
+                epoch,
+                batch,
+                profile.name,
+                profile.reason,
+                decision["mode"],
+            )
             if self._engine_args["trace_dir"]:
                 with open(os.path.join(self._engine_args["trace_dir"], "auto.jsonl"), "a") as f:
                     f.write(json.dumps({"event": "auto", **decision}) + "\n")
-        if logs is not None:
-            logs["tfsync_auto_profile"] = float(PROFILES.index(decision["profile"]))
-            logs["tfsync_auto_switches"] = float(self._switches)
 
     def _switch(self, policy):
         """Drain the running mode (identical weights on every replica), give every replica rank 0's
-        optimizer state, and start ``policy``'s engine (collective)."""
-        self._stop_engine()
+        optimizer state, and start ``policy``'s engine (collective).  Returns whether the train
+        step was compiled again."""
+        keep_step = self._step_kind(policy) is not None and self._step_kind(policy) == self._compiled_kind
+        self._stop_engine(keep_step=keep_step)
         for k in COUNTS:
             self._earlier_counts[k] += self.engine.counts[k]
+        before, now = self._switched_totals, self.engine.totals
+        self._switched_totals = now if before is None else {k: before[k] + now[k] for k in now}
+        self._unmeasured = not keep_step  # the new engine's first step retraces
         hvd = _horovod.horovod()
         opt = self.model.optimizer
         hvd.broadcast_variables([tf_variable(v) for v in self.model.variables + list(opt.variables)], root_rank=0)
@@ -265,6 +313,7 @@ class SyncCallback(keras.callbacks.Callback):
         self._segment += 1
         self._switches += 1
         self._start_engine()
+        return not keep_step
 
     def on_train_end(self, logs=None):
         if self.engine is None or not self.engine.started:
@@ -274,16 +323,20 @@ class SyncCallback(keras.callbacks.Callback):
             average_statistics(self.model)
 
     # ---------------------------------------------------------------- internals
-    def _stop_engine(self):
-        """Drain, unwrap and close the running engine (it stays in ``engine`` for its counts and totals)."""
+    def _stop_engine(self, keep_step=False):
+        """Drain, unwrap and close the running engine (it stays in ``engine`` for its counts and
+        totals); ``keep_step``: the compiled train step stays for the next engine."""
         try:
             self._drain()
         finally:
-            self._unwrap_optimizer()
-            if "train_step" in vars(self.model):
-                del self.model.train_step
+            if not keep_step:
+                self._unwrap_optimizer()
+                if "train_step" in vars(self.model):
+                    del self.model.train_step
+                self._compiled_kind = None
             self.engine.close()
-            self.model.make_train_function(force=True)
+            if not keep_step:
+                self.model.make_train_function(force=True)
 
     def _drain(self):
         """Wait for every round in flight and load the final weights (identical on all ranks)."""
@@ -302,6 +355,7 @@ class SyncCallback(keras.callbacks.Callback):
 
     def _wrap_optimizer(self, optimizer):
         engine, expected = self.engine, [id(v) for v in self.variables]
+        current = engine if self._compiled_kind is None else (lambda: self.engine)
         original = type(optimizer).apply_gradients.__get__(optimizer)
 
         def apply_gradients(grads_and_vars):
@@ -315,7 +369,7 @@ class SyncCallback(keras.callbacks.Callback):
                     "trainability during fit"
                 )
             if engine.protocol.reduces_gradients:
-                return original(zip(exchange_gradients(engine, grads), variables))
+                return original(zip(exchange_gradients(current, grads), variables))
             if engine.protocol.corrects_gradients:
                 grads = correct_gradients(engine, grads)
             result = original(zip(grads, variables))

@@ -1,10 +1,11 @@
 """``mode="auto"``: measure the workers' iteration times, classify the slowness, pick a mode.
 
 :class:`Auto` is not a synchronization rule of its own: ``SyncCallback`` runs
-one of the other modes at a time and, at the end of an epoch, classifies the
-iteration times every worker measured since the last decision
-(:func:`classify`, a pure function of those times) and switches to the mode
-chosen for the profile.  A switch drains the running mode (every in-flight
+one of the other modes at a time and, once ``window_steps`` training steps
+have run since the last decision (mid-epoch too: Keras looks its train
+function up at every step), classifies the iteration times every worker
+measured in them (:func:`classify`, a pure function of those times) and
+switches to the mode chosen for the profile.  A switch drains the running mode (every in-flight
 round applied, update protocols settled: every replica holds identical
 weights), broadcasts rank 0's optimizer state (SSP-family modes keep it per
 worker), and starts the next mode's engine.
@@ -144,14 +145,15 @@ class Auto:
     Args:
         modes: ``{profile: policy}`` overriding :func:`default_modes` for some profiles
             (profiles: ``"none"``, ``"straggler"``, ``"heterogeneous"``, ``"jitter"``, ``"rare"``).
-        window_steps: a decision needs at least this many training steps since the last one
-            (default 16; skipped steps count, each epoch's first step is not measured); decisions
-            are taken at epoch ends, never after the last epoch.
+        window_steps: a decision is taken after every this many training steps (default 16;
+            skipped steps count; the first step of an epoch and of a mode is not measured), on
+            every rank after the same step, mid-epoch included; none when fewer steps than
+            this remain in ``fit`` (a switch there could not pay for itself).
         confirm: after the first decision, a switch needs the same new profile at this many
             consecutive decisions (default 2), so that one unusual epoch does not flip the mode.
         initial: the mode of the first window (default BSP: plain Horovod's semantics).
 
-    Only ``tfsync.keras.SyncCallback`` runs it (it switches between epochs).  Each
+    Only ``tfsync.keras.SyncCallback`` runs it (it switches between two steps).  Each
     decision is logged on rank 0 (logger ``tfsync.auto``, INFO), written to the trace
     (``{"event": "auto", ...}``), kept in ``SyncCallback.auto_decisions``, and put in
     the epoch logs as ``tfsync_auto_profile`` (an index into ``PROFILES``) and
