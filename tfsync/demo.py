@@ -38,6 +38,10 @@ MODES = {
     "psp+dc": ["--mode", "psp", "--compensate"],
     "backup": ["--mode", "backup"],
     "backup+dc": ["--mode", "backup", "--compensate"],
+    # the backup-workers trade-off (the convergence study's sweep): "backup" is b = 1
+    "backup(b=0)": ["--mode", "backup", "--backups", "0"],
+    "backup(b=2)": ["--mode", "backup", "--backups", "2"],
+    "backup(b=3)": ["--mode", "backup", "--backups", "3"],
     "dcs3gd": ["--mode", "dcs3gd"],
     "auto": ["--mode", "auto"],
 }

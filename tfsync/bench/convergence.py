@@ -20,8 +20,17 @@ line per run goes to stderr.  Writes:
 * ``--plots DIR``: ``accuracy_vs_time.png`` (a panel per scenario, a line per
   run, a colour per mode), ``time_to_target.png`` (grouped bars: the median
   time to ``--target-accuracy``, whiskers from the fastest to the slowest run;
-  a run that never reached it is drawn at the epoch budget's end, hatched) and
-  ``final_accuracy.png`` (grouped bars with the spread).
+  a run that never reached it is drawn at the epoch budget's end, hatched),
+  ``final_accuracy.png`` (grouped bars with the spread), and one
+  ``paper_<name>.png`` per paper of :data:`PAPERS` whose scenario and modes the
+  study ran (that paper's comparison: accuracy against time, time to target).
+
+``--from-json PATH`` prints the table and draws the plots of an earlier
+study's JSON without training anything.
+
+The backup-workers trade-off is its own run (``--modes bsp "backup(b=0)"
+backup "backup(b=2)" "backup(b=3)" --scenarios straggler none``): ``backup``
+is b = 1, and b backups of 4 workers aggregate the first 4 - b gradients.
 
 The time to the target is measured from the start of ``fit`` on rank 0, with
 rank 0's evaluations after each epoch subtracted; accuracy is sampled once
@@ -53,6 +62,29 @@ STUDY_MODES = (
     "auto",
 )
 
+# Each paper's comparison, reproduced in shape from the study's runs: (name, title, scenario, modes)
+PAPERS = (
+    ("psp", "PSP (Table 1): rare delays, BSP against partial pushing", "rare", ("bsp", "psp", "psp+dc")),
+    (
+        "dssp",
+        "DSSP (Table I): heterogeneous workers, BSP, SSP at both bounds, DSSP",
+        "heterogeneous",
+        ("bsp", "ssp", "ssp(s=15)", "dssp"),
+    ),
+    (
+        "elasticbsp",
+        "ElasticBSP: heterogeneous workers, against BSP, SSP and DSSP",
+        "heterogeneous",
+        ("bsp", "ssp", "ssp(s=15)", "dssp", "elasticbsp"),
+    ),
+    (
+        "backup",
+        "Backup workers (Section 3.1): b backups of 4 workers, a persistent straggler",
+        "straggler",
+        ("bsp", "backup(b=0)", "backup", "backup(b=2)", "backup(b=3)"),
+    ),
+)
+
 
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m tfsync.bench convergence", description=__doc__.splitlines()[0])
@@ -66,7 +98,10 @@ def parse_args(argv):
     p.add_argument("--plots", metavar="DIR", help="write the PNG plots here")
     p.add_argument("--quick", action="store_true", help="2 workers, 3 epochs, 1 repeat: a smoke test")
     p.add_argument("--timeout-s", type=int, default=600, help="bound on each launch")
+    p.add_argument("--from-json", metavar="PATH", help="table and plots of an earlier study's JSON; no training")
     args = p.parse_args(argv)
+    if args.from_json:
+        return _settings_from(args)
     if args.quick:
         args.workers, args.epochs, args.repeats = 2, 3, 1
     if args.workers < 2:
@@ -83,14 +118,34 @@ def parse_args(argv):
     return args
 
 
+def _settings_from(args):
+    """``args`` with the settings of the study in ``args.from_json`` (its runs in ``args.runs``)."""
+    try:
+        with open(args.from_json) as f:
+            data = json.load(f)
+        saved, runs = data["settings"], data["runs"]
+    except (OSError, ValueError, KeyError) as exc:
+        sys.exit(
+            f"tfsync.bench convergence: --from-json {args.from_json}: cannot read a study from it ({exc}); "
+            "pass a file written by --json"
+        )
+    for key in ("workers", "epochs", "repeats", "target_accuracy"):
+        setattr(args, key, saved[key])
+    args.scenarios, args.modes, args.runs = list(saved["scenarios"]), list(saved["modes"]), runs
+    return args
+
+
 def main(argv=None):
     args = parse_args(argv)
-    if not os.path.exists(EXAMPLE):
-        sys.exit(f"tfsync.bench convergence: {EXAMPLE} not found; run it from a tfsync checkout")
-    runs = run_study(args)
+    if args.from_json:
+        runs = args.runs
+    else:
+        if not os.path.exists(EXAMPLE):
+            sys.exit(f"tfsync.bench convergence: {EXAMPLE} not found; run it from a tfsync checkout")
+        runs = run_study(args)
     summary = summarize(runs, args)
     print(format_table(summary, args))
-    if args.json:
+    if args.json and not args.from_json:
         with open(args.json, "w") as f:
             json.dump({"settings": settings(args), "runs": runs, "summary": summary}, f, indent=1)
     if args.plots:
@@ -289,6 +344,38 @@ def plot(runs, summary, args):
         )
         fig.tight_layout()
         paths.append(_save(fig, args.plots, name))
+
+    # each paper's comparison, where the study ran its scenario and at least two of its modes
+    for name, title, scenario, modes in PAPERS:
+        modes = [m for m in modes if m in args.modes]
+        if scenario not in args.scenarios or len(modes) < 2:
+            continue
+        fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.8), gridspec_kw={"width_ratios": [3, 2]})
+        ceiling = max(r["wall_s"] for r in summary if r["scenario"] == scenario)
+        for j, mode in enumerate(modes):
+            for i, r in enumerate(x for x in runs if x["scenario"] == scenario and x["study_mode"] == mode):
+                t, acc = [p[0] for p in r["curve"]], [p[2] for p in r["curve"]]
+                left.plot(t, acc, color=colours[mode], lw=1.2, alpha=0.8, label=label[mode] if i == 0 else None)
+            row = next(x for x in summary if x["scenario"] == scenario and x["mode"] == mode)
+            values = [ceiling if v is None else v for v in row["time_to_target_runs_s"]]
+            middle = ceiling if row["time_to_target_s"] is None else row["time_to_target_s"]
+            bar = right.bar(
+                j, middle, 0.7, color=colours[mode], yerr=[[middle - min(values)], [max(values) - middle]], capsize=3
+            )[0]
+            if row["time_to_target_s"] is None:
+                bar.set_hatch("//")
+                bar.set_alpha(0.4)
+        left.axhline(args.target_accuracy, color="grey", ls=":", lw=1)
+        left.set_ylim(0.5, 1.0)
+        left.set_xlabel("wall time (s)")
+        left.set_ylabel("test accuracy")
+        left.legend(fontsize=8)
+        right.set_xticks(range(len(modes)))
+        right.set_xticklabels([label[m] for m in modes], rotation=20, fontsize=8)
+        right.set_ylabel(f"time to {args.target_accuracy} (s)")
+        fig.suptitle(f"{title}\n{scenario}: {SCENARIOS[scenario]}; median of {args.repeats} run(s)", fontsize=9)
+        fig.tight_layout()
+        paths.append(_save(fig, args.plots, f"paper_{name}.png"))
     return paths
 
 

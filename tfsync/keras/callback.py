@@ -205,10 +205,14 @@ class SyncCallback(keras.callbacks.Callback):
             if not self._unmeasured and not last.get("skipped", 0) and "compute_s" in last:
                 self._window.append(last["compute_s"])
             self._unmeasured = False
-            # decide as soon as the window is full, mid-epoch included (Keras looks its train
-            # function up at every step), unless too few steps remain for a switch to pay
-            if self._window_steps >= self.auto.window_steps and self._steps_left >= self.auto.window_steps:
+            # the first decision as soon as the window is full, mid-epoch included (Keras looks
+            # its train function up at every step); the later ones at epoch ends (on_epoch_end)
+            if not self.auto_decisions and self._window_full():
                 self._auto_decide(self._epoch, batch)
+
+    def _window_full(self):
+        """A decision is due: a full window, and enough steps left for a switch to pay."""
+        return self._window_steps >= self.auto.window_steps and self._steps_left >= self.auto.window_steps
 
     @property
     def counts(self):
@@ -223,6 +227,11 @@ class SyncCallback(keras.callbacks.Callback):
             # drain the rounds still in flight now, so the last epoch's logs count every
             # contribution (on_train_end drains again if fit stops early)
             self._drain()
+        if self.auto is not None and self.auto_decisions and self._window_full():
+            # at the epoch end, where the epoch logs' averaging waits for every worker anyway: a
+            # decision mid-epoch is one more barrier, which a rare delay makes every worker wait
+            # at.  Before the logs: a switch's drain applies rounds this epoch's counts include.
+            self._auto_decide(epoch, self._steps - 1)
         tot = self.engine.totals
         if self._switched_totals is not None:
             tot = {k: self._switched_totals[k] + tot[k] for k in tot}

@@ -2,10 +2,12 @@
 
 :class:`Auto` is not a synchronization rule of its own: ``SyncCallback`` runs
 one of the other modes at a time and, once ``window_steps`` training steps
-have run since the last decision (mid-epoch too: Keras looks its train
-function up at every step), classifies the iteration times every worker
-measured in them (:func:`classify`, a pure function of those times) and
-switches to the mode chosen for the profile.  A switch drains the running mode (every in-flight
+have run (the first decision: mid-epoch, as soon as they have, since Keras
+looks its train function up at every step; the later ones at the first epoch
+end after ``window_steps`` more, where the epoch logs' averaging waits for
+every worker anyway), classifies the iteration times every worker measured
+in them (:func:`classify`, a pure function of those times) and switches to
+the mode chosen for the profile.  A switch drains the running mode (every in-flight
 round applied, update protocols settled: every replica holds identical
 weights), broadcasts rank 0's optimizer state (SSP-family modes keep it per
 worker), and starts the next mode's engine.
@@ -145,10 +147,11 @@ class Auto:
     Args:
         modes: ``{profile: policy}`` overriding :func:`default_modes` for some profiles
             (profiles: ``"none"``, ``"straggler"``, ``"heterogeneous"``, ``"jitter"``, ``"rare"``).
-        window_steps: a decision is taken after every this many training steps (default 16;
-            skipped steps count; the first step of an epoch and of a mode is not measured), on
-            every rank after the same step, mid-epoch included; none when fewer steps than
-            this remain in ``fit`` (a switch there could not pay for itself).
+        window_steps: the first decision is taken after this many training steps, mid-epoch
+            included, the later ones at the first epoch end with at least this many steps since
+            the last (default 16; skipped steps count; the first step of an epoch and of a newly
+            compiled mode is not measured); every rank decides after the same step; none when
+            fewer steps than this remain in ``fit`` (a switch there could not pay for itself).
         confirm: after the first decision, a switch needs the same new profile at this many
             consecutive decisions (default 2), so that one unusual epoch does not flip the mode.
         initial: the mode of the first window (default BSP: plain Horovod's semantics).

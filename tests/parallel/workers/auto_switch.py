@@ -1,10 +1,11 @@
 """Auto mode switching between modes that need different compiled steps.
 
-argv: out_dir.  Rank 1 is a persistent straggler for the first half of the run
-(a sleep before its steps), then runs at the others' pace.  Auto maps the
+argv: out_dir.  Rank 1 is a persistent straggler for its first 20 steps (a sleep
+before each), then runs at the others' pace.  Auto maps the
 straggler profile to SSP(2) (an update protocol: its own compiled step) and
 "none" to BSP (the gradient protocol), with short windows and confirm=1, so the
-run switches BSP -> SSP -> BSP, retracing at each switch.  Each rank writes its
+run switches BSP -> SSP at step 12 (the first decision, mid-epoch) and back
+to BSP at the end of epoch 0, retracing at each switch.  Each rank writes its
 decisions, counts, the epoch logs' counts and its final weights.
 """
 
@@ -20,8 +21,8 @@ import keras  # noqa: E402
 import tfsync  # noqa: E402
 
 out_dir = sys.argv[1]
-xl, yl = regression_shard(768)  # 48 steps of 8 per epoch on each of 2 workers
-EPOCHS, SLOW_UNTIL = 2, 40  # rank 1 slow for its first 40 steps of 96
+xl, yl = regression_shard(512)  # 32 steps of 8 per epoch on each of 2 workers
+EPOCHS, SLOW_UNTIL = 3, 20  # rank 1 slow for its first 20 steps of 96
 
 
 class Straggle(keras.callbacks.Callback):
