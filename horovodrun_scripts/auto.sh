@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # digits with SyncCallback(mode="auto"): the mode picked from the measured iteration times
-# every 16 steps, on ${NP:-4} local workers.
+# (first after 16 steps, then at epoch ends), on ${NP:-4} local workers.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 NP=${NP:-4}

@@ -8,8 +8,8 @@ One process per worker, as Horovod's examples do::
 ``--mode`` is ``bsp``, ``ssp`` (``--staleness``), ``dssp`` (``--low``, ``--high``),
 ``elasticbsp`` (``--lookahead``, ``--zipline``), ``psp`` (``--min-contributions``,
 ``--push-timeout-s``), ``backup`` (``--backups``), ``dcs3gd`` (``--dc-lambda``,
-``--dc-adaptive``) or ``auto`` (picked from the measured iteration times
-every 16 steps: ``tfsync.Auto``).
+``--dc-adaptive``) or ``auto`` (picked from the measured iteration times,
+first after 16 steps, then at epoch ends: ``tfsync.Auto``).
 
 Each worker pins one GPU by local rank when GPUs are present, trains on its
 equal shard of the training set and, on rank 0, prints a JSON summary line
