@@ -294,16 +294,8 @@ def plot(runs, summary, args):
     rows = (n + cols - 1) // cols
     fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 3.8 * rows), squeeze=False)
     for ax, scenario in zip(axes.flat, args.scenarios):
-        for mode in args.modes:
-            for i, r in enumerate(x for x in runs if x["scenario"] == scenario and x["study_mode"] == mode):
-                t = [p[0] for p in r["curve"]]
-                acc = [p[2] for p in r["curve"]]
-                ax.plot(t, acc, color=colours[mode], lw=1.2, alpha=0.8, label=label[mode] if i == 0 else None)
-        ax.axhline(args.target_accuracy, color="grey", ls=":", lw=1)
-        ax.set_ylim(0.5, 1.0)
+        _curves(ax, runs, scenario, args.modes, colours, label, args.target_accuracy)
         ax.set_title(f"{scenario}: {SCENARIOS[scenario]}", fontsize=9)
-        ax.set_xlabel("wall time (s)")
-        ax.set_ylabel("test accuracy")
     for ax in list(axes.flat)[n:]:
         ax.axis("off")
     handles, labels = axes.flat[0].get_legend_handles_labels()
@@ -321,21 +313,10 @@ def plot(runs, summary, args):
         width = 0.8 / len(args.modes)
         ceiling = max((r["wall_s"] for r in summary), default=1.0)
         for j, mode in enumerate(args.modes):
-            xs, heights, lo, hi, missed = [], [], [], [], []
             for i, scenario in enumerate(args.scenarios):
-                r = next(x for x in summary if x["scenario"] == scenario and x["mode"] == mode)
-                values = [ceiling if v is None else v for v in r[runs_field]]
-                middle = r[field]
-                xs.append(i - 0.4 + width * (j + 0.5))
-                heights.append(ceiling if middle is None else middle)
-                lo.append(heights[-1] - min(values))
-                hi.append(max(values) - heights[-1])
-                missed.append(middle is None)
-            bars = ax.bar(xs, heights, width, color=colours[mode], label=label[mode], yerr=[lo, hi], capsize=2)
-            for bar, miss in zip(bars, missed):
-                if miss:
-                    bar.set_hatch("//")
-                    bar.set_alpha(0.4)
+                row = next(x for x in summary if x["scenario"] == scenario and x["mode"] == mode)
+                x, name_it = i - 0.4 + width * (j + 0.5), label[mode] if i == 0 else None
+                _spread_bar(ax, x, width, row, field, runs_field, ceiling, colours[mode], name_it)
         ax.set_xticks(range(len(args.scenarios)))
         ax.set_xticklabels(args.scenarios)
         ax.set_ylabel(ylabel)
@@ -356,23 +337,10 @@ def plot(runs, summary, args):
             continue
         fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.8), gridspec_kw={"width_ratios": [3, 2]})
         ceiling = max(r["wall_s"] for r in summary if r["scenario"] == scenario)
+        _curves(left, runs, scenario, modes, colours, label, args.target_accuracy)
         for j, mode in enumerate(modes):
-            for i, r in enumerate(x for x in runs if x["scenario"] == scenario and x["study_mode"] == mode):
-                t, acc = [p[0] for p in r["curve"]], [p[2] for p in r["curve"]]
-                left.plot(t, acc, color=colours[mode], lw=1.2, alpha=0.8, label=label[mode] if i == 0 else None)
             row = next(x for x in summary if x["scenario"] == scenario and x["mode"] == mode)
-            values = [ceiling if v is None else v for v in row["time_to_target_runs_s"]]
-            middle = ceiling if row["time_to_target_s"] is None else row["time_to_target_s"]
-            bar = right.bar(
-                j, middle, 0.7, color=colours[mode], yerr=[[middle - min(values)], [max(values) - middle]], capsize=3
-            )[0]
-            if row["time_to_target_s"] is None:
-                bar.set_hatch("//")
-                bar.set_alpha(0.4)
-        left.axhline(args.target_accuracy, color="grey", ls=":", lw=1)
-        left.set_ylim(0.5, 1.0)
-        left.set_xlabel("wall time (s)")
-        left.set_ylabel("test accuracy")
+            _spread_bar(right, j, 0.7, row, "time_to_target_s", "time_to_target_runs_s", ceiling, colours[mode])
         left.legend(fontsize=8)
         right.set_xticks(range(len(modes)))
         right.set_xticklabels([label[m] for m in modes], rotation=20, fontsize=8)
@@ -381,6 +349,30 @@ def plot(runs, summary, args):
         fig.tight_layout()
         paths.append(_save(fig, args.plots, f"paper_{name}.png"))
     return paths
+
+
+def _curves(ax, runs, scenario, modes, colours, label, target):
+    """Accuracy against wall time in ``scenario``: a line per run, a colour per mode."""
+    for mode in modes:
+        for i, r in enumerate(x for x in runs if x["scenario"] == scenario and x["study_mode"] == mode):
+            t, acc = [p[0] for p in r["curve"]], [p[2] for p in r["curve"]]
+            ax.plot(t, acc, color=colours[mode], lw=1.2, alpha=0.8, label=label[mode] if i == 0 else None)
+    ax.axhline(target, color="grey", ls=":", lw=1)
+    ax.set_ylim(0.5, 1.0)
+    ax.set_xlabel("wall time (s)")
+    ax.set_ylabel("test accuracy")
+
+
+def _spread_bar(ax, x, width, row, field, runs_field, ceiling, colour, label=None):
+    """``row[field]`` (the median) as a bar with whiskers from the fastest to the slowest run;
+    a median or run that missed the target stands at ``ceiling``, the bar hatched."""
+    values = [ceiling if v is None else v for v in row[runs_field]]
+    middle = ceiling if row[field] is None else row[field]
+    yerr = [[middle - min(values)], [max(values) - middle]]
+    bar = ax.bar(x, middle, width, color=colour, label=label, yerr=yerr, capsize=2)[0]
+    if row[field] is None:
+        bar.set_hatch("//")
+        bar.set_alpha(0.4)
 
 
 def _save(fig, directory, name):

@@ -95,10 +95,7 @@ class Diagnosis:
         deadline = time.monotonic() + LOSS_SETTLE_S
         while not self.unexplained(self.control.known_lost) and time.monotonic() < deadline:
             lost = self.unexplained(lost or self.control.table(timeout_s=TABLE_TIMEOUT_S).get("lost", []))
-            peer_stop = self.peer_stop()
-            if peer_stop is not None and not lost:
-                return peer_stop
-            if lost:
+            if lost or self.peer_stop() is not None:
                 break
             time.sleep(LOSS_POLL_S)
         lost = self.unexplained(self.control.known_lost) or lost

@@ -148,10 +148,9 @@ class SyncCallback(keras.callbacks.Callback):
         self.engine.start(
             self.variables, extra_config={"steps": self._steps, "optimizer": type(model.optimizer).__name__}
         )
-        kind = self._step_kind(self.policy)
-        if kind is not None and kind == self._compiled_kind:
+        if self._keeps_step(self.policy):
             return
-        self._compiled_kind = kind
+        kind = self._compiled_kind = self._step_kind(self.policy)
         self._wrap_optimizer(model.optimizer)
         if self.policy.skips or kind is not None:
             apply_mean = self._apply_mean if self.engine.protocol.reduces_gradients else None
@@ -184,6 +183,11 @@ class SyncCallback(keras.callbacks.Callback):
             return None
         protocol = protocols.for_policy(policy)
         return "gradients" if protocol.reduces_gradients and not protocol.corrects_gradients else None
+
+    def _keeps_step(self, policy):
+        """Whether the compiled train step serves ``policy``'s engine as it is."""
+        kind = self._step_kind(policy)
+        return kind is not None and kind == self._compiled_kind
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch, self._unmeasured = epoch, True
@@ -309,7 +313,7 @@ class SyncCallback(keras.callbacks.Callback):
         """Drain the running mode (identical weights on every replica), give every replica rank 0's
         optimizer state, and start ``policy``'s engine (collective).  Returns whether the train
         step was compiled again."""
-        keep_step = self._step_kind(policy) is not None and self._step_kind(policy) == self._compiled_kind
+        keep_step = self._keeps_step(policy)
         self._stop_engine(keep_step=keep_step)
         for k in COUNTS:
             self._earlier_counts[k] += self.engine.counts[k]
