@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tfsync.engine.control import ControlClient, ControlServer
+from tfsync.engine.control import STOP_CALL_TIMEOUT_S, STOP_NOTICE_GRACE_S, ControlClient, ControlServer
 from tfsync.engine.diagnosis import Diagnosis, SyncTimeoutError
 from tfsync.engine.exchange import RoundExchange, WorkerLostError, decode_meta, encode_meta
 
@@ -118,6 +118,25 @@ def test_a_worker_that_leaves_is_not_lost_and_stop_reasons_are_pushed(control):
         time.sleep(0.01)
     assert clients[0].known_stopped[0]["message"] == "waited too long for rank 0"
     assert clients[0].table()["lost"] == []
+
+
+def test_a_stop_call_returns_once_every_worker_has_read_the_notice(control):
+    # the stopping rank may exit as soon as Stop answers (rank 0's connections then reset and
+    # can take an unread message with them): by then every other worker holds the reason
+    server, clients = control
+    clients[0].announce_stop("SyncTimeoutError", "rank 0 waited 5 s for round 8; ranks [2] have not pushed it")
+    for client in clients[1:]:
+        assert [n["rank"] for n in client.known_stopped] == [0], client.rank
+
+
+def test_a_worker_that_never_confirms_holds_a_stop_call_only_for_the_grace_period(control, monkeypatch):
+    server, clients = control
+    monkeypatch.setattr(clients[1], "_seen", type("Mute", (), {"future": lambda self, *a, **k: None})())
+    start = time.monotonic()
+    clients[2].announce_stop("WorkerLostError", "lost rank 1")
+    held_s = time.monotonic() - start
+    assert STOP_NOTICE_GRACE_S - 0.1 <= held_s < STOP_CALL_TIMEOUT_S, held_s
+    assert clients[0].known_stopped and clients[1].known_stopped  # rank 1 read it, it only never said so
 
 
 def test_a_rank_that_stops_and_exits_is_reported_by_its_reason_not_as_lost(control):

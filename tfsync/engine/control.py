@@ -44,6 +44,12 @@ round's allreduce on that notice (see ``exchange.py``), so the decision, not
 any worker's local clock, fixes what every replica applies.  BSP and SSP
 need no coordinator: their rounds close when every worker has contributed,
 which each worker's own allreduce enforces.
+
+A worker that stops (a wait timed out, a peer was lost) calls ``Stop`` with
+its reason before it exits; rank 0 pushes the notice on every stream, each
+worker confirms it has read it (``Seen``), and ``Stop`` answers once all have
+(at most ``STOP_NOTICE_GRACE_S``), so the others name the stop's cause, not
+the stopping rank's vanished connection.
 """
 
 import collections
@@ -56,6 +62,8 @@ from concurrent import futures
 import grpc
 from google.protobuf import json_format, struct_pb2
 
+from tfsync.policies.dynamic import PushTable
+
 SERVICE = "tfsync.Control"
 TOKEN_METADATA_KEY = "tfsync-token"
 
@@ -65,8 +73,8 @@ REPORT_TIMEOUT_S = 5.0  # deadline of one (fire-and-forget) clock report
 CONNECT_TIMEOUT_S = 30.0  # how long a worker waits for rank 0's control service
 CALL_TIMEOUT_S = 2.0  # deadline of Leave and Table calls
 STOP_CALL_TIMEOUT_S = 3.0  # deadline of a Stop call (the server holds it up to STOP_NOTICE_GRACE_S)
-STOP_NOTICE_GRACE_S = 2.0  # Stop answers once every stream carried the notice, or after this
-STOP_NOTICE_POLL_S = 0.05  # how often a held Stop call rechecks the streams
+STOP_NOTICE_GRACE_S = 2.0  # Stop answers once every attached worker confirmed the notice, or after this
+STOP_NOTICE_POLL_S = 0.05  # how often a held Stop call rechecks the confirmations
 STREAM_WAKE_S = 0.5  # an Attach stream's condition wait: rechecks end/shutdown this often
 SERVER_STOP_WAIT_S = 2.0  # how long ControlServer.stop waits for the gRPC server to end
 REJECTION_LOG_INTERVAL_S = 1.0  # at most one logged warning about refused calls per this
@@ -125,7 +133,7 @@ class ControlServer:
         self._last_seen = [0.0] * size
         self._lost = {}
         self._stopped = {}
-        self._stops_sent = {}  # attached rank -> how many stop notices its stream has carried
+        self._stops_seen = {}  # attached rank -> how many stop notices its worker confirmed reading
         self._left = set()
         self.rejected = []  # the first REJECTIONS_KEPT refused calls: {"method", "peer", "at_s"}
         self.rejected_count = 0
@@ -135,7 +143,7 @@ class ControlServer:
         self._policy = policy if policy is not None and policy.coordinated else None
         # DSSP's synchronization controller: every worker's push count and two latest push times
         self._controller = policy if policy is not None and hasattr(policy, "grant") else None
-        self._pushes = [(0, None, None)] * size
+        self._pushes = PushTable(size)
         self._ready = {}  # open round -> [(rank, ready_s)] in arrival order
         self._closed = []  # [round, [accepted ranks]] (+ [late ranks] when any) in round order
         self._late = {}  # round -> ranks whose late, compensated contribution it takes
@@ -162,6 +170,7 @@ class ControlServer:
                         "Grant": unary("Grant", self._grant),
                         "Leave": unary("Leave", self._leave),
                         "Stop": unary("Stop", self._stop),
+                        "Seen": unary("Seen", self._seen),
                         "Table": unary("Table", self._table),
                     },
                 )
@@ -255,14 +264,14 @@ class ControlServer:
                             "reason": "its process or connection ended",
                         },
                     )
-                self._stops_sent.pop(rank, None)
+                self._stops_seen.pop(rank, None)
                 ended.set()
                 self._changed.notify_all()
 
         context.add_callback(on_end)
         with self._lock:
             self._last_seen[rank] = time.time() - self.t0
-            self._stops_sent[rank] = 0
+            self._stops_seen[rank] = 0
         yield {"attached": rank}
         # Push every loss to every worker at once: if rank 0 goes down right after
         # (it stops too), the others still know whom they lost first.
@@ -281,11 +290,7 @@ class ControlServer:
                 closed = self._closed[told[2] :]
                 told = (len(self._lost), len(self._stopped), len(self._closed))
                 message = {"lost": list(self._lost.values()), "stopped": list(self._stopped.values()), "closed": closed}
-            yield message  # resumes once gRPC has written it
-            with self._lock:
-                if rank in self._stops_sent:
-                    self._stops_sent[rank] = told[1]
-                self._changed.notify_all()
+            yield message
 
     def _report(self, request, context):
         rank = int(request["rank"])
@@ -322,17 +327,12 @@ class ControlServer:
                 late.append(rank)
         return {"joined": 1}
 
-    def _record_push_locked(self, rank, step, now):
-        count, latest, _ = self._pushes[rank]
-        if step + 1 > count:  # a notice and a grant request may both carry the same push
-            self._pushes[rank] = (step + 1, now, latest)
-
     def _pushed_notice(self, request, context):
         """A worker pushed its update of ``step`` (DSSP: the controller's table)."""
         rank, step = int(request["rank"]), int(request["step"])
         with self._lock:
             if self._controller is not None:
-                self._record_push_locked(rank, step, time.time() - self.t0)
+                self._pushes.record(rank, step, time.time() - self.t0)
         return {"ok": 1}
 
     def _grant(self, request, context):
@@ -342,10 +342,10 @@ class ControlServer:
         with self._lock:
             if self._controller is None:
                 return {"extra": 0, "reason": "no_controller"}
-            self._record_push_locked(rank, step, time.time() - self.t0)
-            pushes = list(self._pushes)
+            self._pushes.record(rank, step, time.time() - self.t0)
+            pushes = self._pushes.copy()
         grant = self._controller.grant(pushes, rank, room)
-        reply = {"extra": grant.extra, "reason": grant.reason, "counts": [c for c, _, _ in pushes]}
+        reply = {"extra": grant.extra, "reason": grant.reason, "counts": pushes.counts.tolist()}
         if grant.slowest is not None:
             reply["slowest"] = grant.slowest
         if grant.predicted_wait_s is not None:
@@ -420,20 +420,32 @@ class ControlServer:
         return {"ok": 1}
 
     def _stop(self, request, context):
-        # Answer only once every attached worker's stream has carried the notice (or
-        # after STOP_NOTICE_GRACE_S): the stopping rank may exit right after, and if it
+        # Answer only once every attached worker has confirmed reading the notice (Seen),
+        # or after STOP_NOTICE_GRACE_S: the stopping rank may exit right after, and if it
         # is rank 0 the others must already know why, not just that rank 0 vanished.
+        # A stream's write is no proof: gRPC finishes a send once the bytes are in the
+        # transport, and when rank 0's process ends its connections reset, which can
+        # take unread messages with them (CI saw "lost rank 0" where rank 0 had said why).
         deadline = time.monotonic() + STOP_NOTICE_GRACE_S
         with self._lock:
             self._stopped.setdefault(int(request["rank"]), dict(request))
             self._changed.notify_all()
             count = len(self._stopped)
             while (
-                any(n < count for n in self._stops_sent.values())
+                any(n < count for n in self._stops_seen.values())
                 and time.monotonic() < deadline
                 and not self._stopping.is_set()
             ):
                 self._changed.wait(STOP_NOTICE_POLL_S)
+        return {"ok": 1}
+
+    def _seen(self, request, context):
+        """A worker has read the first ``stops`` stop notices (what a held Stop call waits for)."""
+        rank = int(request["rank"])
+        with self._lock:
+            if rank in self._stops_seen:
+                self._stops_seen[rank] = max(self._stops_seen[rank], int(request["stops"]))
+                self._changed.notify_all()
         return {"ok": 1}
 
     def _table(self, request, context):
@@ -472,7 +484,7 @@ class ControlClient:
         self._report, self._leave, self._table = method("Report"), method("Leave"), method("Table")
         self._ready, self._late = method("Ready"), method("Late")
         self._pushed, self._grant = method("Pushed"), method("Grant")
-        self._stop = method("Stop")
+        self._stop, self._seen = method("Stop"), method("Seen")
         self._closing = False
         self.host_lost = None
         self.known_lost = []
@@ -508,8 +520,16 @@ class ControlClient:
         try:
             for message in self._stream:
                 if "lost" in message:
+                    stops_before = len(self.known_stopped)
                     self.known_lost = message["lost"]
                     self.known_stopped = message["stopped"]
+                    if len(self.known_stopped) > stops_before:
+                        # confirm only after recording them: the stopping rank waits for this
+                        self._seen.future(
+                            {"rank": self.rank, "stops": len(self.known_stopped)},
+                            timeout=STOP_CALL_TIMEOUT_S,
+                            metadata=self._metadata,
+                        )
                 for entry in message.get("closed", ()):
                     round_, accepted, late = entry[0], entry[1], entry[2] if len(entry) > 2 else ()
                     if self._on_close is not None:
