@@ -31,6 +31,7 @@ from test_engine_fake import (
 import tfsync
 from tfsync.engine import SyncEngine
 from tfsync.policies import DSSP, SSP, ElasticBSP, resolve
+from tfsync.policies.dynamic import PushTable
 from tfsync.stragglers import Stragglers
 
 pytestmark = pytest.mark.usefixtures("engines_on_localhost")
@@ -58,7 +59,7 @@ def events_of(job, kind):
 
 def table(*rows):
     """Push table rows ``(count, latest_s, previous_s)``."""
-    return [tuple(r) for r in rows]
+    return PushTable.from_rows(rows)
 
 
 def test_the_controller_grants_the_extra_steps_algorithm_2_picks():

@@ -369,6 +369,43 @@ def test_predictor_rejects_bad_histories(histories, message):
     assert message in str(error.value)
 
 
+@settings(max_examples=100, deadline=None)
+@given(
+    table=st.integers(1, 6).flatmap(
+        lambda h: st.lists(
+            st.lists(st.integers(-(10**6), 10**6), min_size=h, max_size=h, unique=True).map(sorted),
+            min_size=1,
+            max_size=8,
+        )
+    ),
+    as_float=st.booleans(),
+    smoothing=st.one_of(st.none(), st.floats(0.05, 1.0)),
+)
+def test_predictor_array_and_per_worker_paths_agree(table, as_float, smoothing):
+    # an n x h array takes the path with no loop over workers (ElasticBSP's, 10,000 workers
+    # in ms): it must predict what the per-worker path predicts and reject what it rejects
+    array = np.array(table, np.float64 if as_float else np.int64)
+    rows = [[float(t) if as_float else int(t) for t in r] for r in table]  # the per-worker path
+    try:
+        expected = predict_end_times(rows, R=4, smoothing=smoothing)
+    except ValueError as error:
+        with pytest.raises(ValueError, match="fewer than two push timestamps"):
+            predict_end_times(array, R=4, smoothing=smoothing)
+        assert "fewer than two" in str(error)
+        return
+    got = predict_end_times(array, R=4, smoothing=smoothing)
+    assert got.dtype == expected.dtype
+    np.testing.assert_array_equal(got, expected)
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.uint64, np.int32, np.float32])
+def test_predictor_rejects_decreasing_stamps_of_every_dtype(dtype):
+    # np.diff of unsigned stamps wraps around (3 - 5 = 254 for uint8): compared, not subtracted
+    for histories in (np.array([[5, 3], [1, 2]], dtype), [np.array([5, 3], dtype), np.array([1, 2], dtype)]):
+        with pytest.raises(ValueError, match="worker\\(s\\) 0 have push timestamps that do not strictly increase"):
+            predict_end_times(histories, R=2)
+
+
 @pytest.mark.parametrize("R", [0, -1, 2.5, True, "15"])
 def test_predictor_rejects_bad_lookahead(R):
     with pytest.raises(ValueError, match="expected a positive integer"):

@@ -55,27 +55,57 @@ def predict_end_times(push_timestamps, R, smoothing=None):
                 f"predict_end_times: smoothing={smoothing!r}; expected None (latest "
                 "interval, as in the paper) or a weight in (0, 1]"
             )
-    histories = _histories(push_timestamps)
-    _check_histories(histories)
-    integer = all(h.dtype.kind in "iu" for h in histories)
-    last = np.array([h[-1] for h in histories], dtype=np.int64 if integer else np.float64)
-    if smoothing is None:
-        interval = np.array([h[-1] - h[-2] for h in histories], dtype=last.dtype)
+    table = _valid_table(push_timestamps)
+    if table is not None:  # every worker's history in one array: no loop over workers
+        integer = table.dtype.kind in "iu"
+        table = table.astype(np.int64 if integer else np.float64, copy=False)
+        last = table[:, -1]
+        if smoothing is None:
+            interval = table[:, -1] - table[:, -2]
+        else:
+            interval = _smoothed_intervals(table, float(smoothing))
     else:
-        interval = np.array([_smoothed_interval(h, float(smoothing)) for h in histories])
-        if integer:
-            interval = np.rint(interval)
+        histories = _histories(push_timestamps)
+        _check_histories(histories)
+        integer = all(h.dtype.kind in "iu" for h in histories)
+        last = np.array([h[-1] for h in histories], dtype=np.int64 if integer else np.float64)
+        if smoothing is None:
+            interval = np.array([h[-1] - h[-2] for h in histories], dtype=last.dtype)
+        else:
+            interval = np.concatenate([_smoothed_intervals(h[None, :], float(smoothing)) for h in histories])
+    if smoothing is not None and integer:
+        interval = np.rint(interval)
     steps = np.arange(1, int(R) + 1)
     predicted = last[:, None] + interval[:, None] * steps[None, :]
     return predicted.astype(last.dtype, copy=False)
 
 
-def _smoothed_interval(history, alpha):
-    intervals = np.diff(history.astype(np.float64))
-    smoothed = intervals[0]
-    for interval in intervals[1:]:
-        smoothed = alpha * interval + (1.0 - alpha) * smoothed
+def _smoothed_intervals(table, alpha):
+    """Each row's exponentially smoothed interval (rows of equal length, oldest first)."""
+    intervals = np.diff(table.astype(np.float64), axis=1)
+    smoothed = intervals[:, 0]
+    for column in intervals.T[1:]:
+        smoothed = alpha * column + (1.0 - alpha) * smoothed
     return smoothed
+
+
+def _valid_table(push_timestamps):
+    """``push_timestamps`` itself when it is an ``n x h`` numeric array (``n >= 1``, ``h >= 2``)
+    of finite, strictly increasing rows; else ``None``, and the per-worker path checks it
+    and names every worker that is wrong."""
+    if not (
+        isinstance(push_timestamps, np.ndarray)
+        and push_timestamps.ndim == 2
+        and push_timestamps.dtype.kind in "iuf"
+        and push_timestamps.shape[0] >= 1
+        and push_timestamps.shape[1] >= 2
+    ):
+        return None
+    if push_timestamps.dtype.kind == "f" and not np.isfinite(push_timestamps).all():
+        return None
+    if not (push_timestamps[:, 1:] > push_timestamps[:, :-1]).all():  # np.diff wraps unsigned stamps
+        return None
+    return push_timestamps
 
 
 def _histories(push_timestamps):
@@ -130,7 +160,7 @@ def _check_histories(histories):
             f"worker(s) {', '.join(map(str, not_finite))} have NaN or infinite "
             "push timestamps; expected finite stamps"
         )
-    not_increasing = [p for p, h in long_enough if p not in not_finite and not (np.diff(h) > 0).all()]
+    not_increasing = [p for p, h in long_enough if p not in not_finite and not (h[1:] > h[:-1]).all()]
     if not_increasing:
         problems.append(
             f"worker(s) {', '.join(map(str, not_increasing))} have push timestamps "
