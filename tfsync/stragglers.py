@@ -138,6 +138,19 @@ class RankDelays:
             delay += cfg.rare_s
         return delay
 
+    def next_delays_s(self, count: int) -> np.ndarray:
+        """The next ``count`` delays at once: the values ``count`` calls of
+        :meth:`next_delay_s` would return (same draws, same order)."""
+        cfg = self.config
+        draws_per_step = bool(cfg.jitter_s) + bool(cfg.rare_prob)
+        draws = self._rng.random(count * draws_per_step).reshape(count, draws_per_step)
+        delays = np.full(count, self._fixed_s)
+        if cfg.jitter_s:
+            delays += cfg.jitter_s * draws[:, 0]
+        if cfg.rare_prob:
+            delays += np.where(draws[:, -1] < cfg.rare_prob, cfg.rare_s, 0.0)
+        return delays
+
     def sleep(self) -> float:
         """Sleep for the next step's delay; returns the seconds slept."""
         delay = self.next_delay_s()

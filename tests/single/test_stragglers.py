@@ -54,3 +54,23 @@ def test_same_seed_same_delays_in_every_launch():
 def test_bad_specs_explain_the_syntax(spec, match):
     with pytest.raises(ValueError, match=match):
         Stragglers.parse(spec)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "base=0.02,seed=1",
+        "base=0.02,slow=1:0.04",
+        "base=0.02,jitter=0.04,seed=3",
+        "base=0.02,rare=0.3:0.5,seed=2",
+        "base=0.01,jitter=0.02,rare=0.2:1,slow=1:0.01,seed=5",
+    ],
+)
+def test_delays_at_once_are_the_per_step_sequence(spec):
+    # the simulator draws a rank's delays in one call: the same values, in the same order
+    config = Stragglers.parse(spec)
+    for rank in range(3):
+        one_by_one = config.for_rank(rank)
+        at_once = config.for_rank(rank)
+        expected = [one_by_one.next_delay_s() for _ in range(50)]
+        assert at_once.next_delays_s(20).tolist() + at_once.next_delays_s(30).tolist() == expected
