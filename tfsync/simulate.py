@@ -48,7 +48,7 @@ import time
 
 import numpy as np
 
-from tfsync.bench.training import SCENARIOS, scenario_spec
+from tfsync.bench.training import SCENARIOS, add_scenario_arguments, scenario_spec
 from tfsync.policies import DSSP, ElasticBSP, Policy, resolve
 from tfsync.policies.dynamic import PushTable
 from tfsync.stragglers import Stragglers
@@ -289,11 +289,7 @@ def parse_args(argv):
     p.add_argument("--steps", type=int, default=100, help="Keras steps per worker")
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     p.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=SCENARIOS)
-    p.add_argument("--base-s", type=float, default=0.02, help="iteration time of every worker")
-    p.add_argument("--slow-s", type=float, default=0.04, help="extra time per step of the straggler (the last rank)")
-    p.add_argument("--jitter-s", type=float, default=0.04, help="max extra time per step in 'jitter'")
-    p.add_argument("--rare-prob", type=float, default=0.01, help="probability of a rare delay in 'rare'")
-    p.add_argument("--rare-s", type=float, default=0.5, help="length of a rare delay in 'rare'")
+    add_scenario_arguments(p)
     p.add_argument("--staleness", type=int, default=3, help="SSP's bound")
     p.add_argument("--allreduce-ms", type=float, default=5.0, help="one round's allreduce")
     p.add_argument("--control-ms", type=float, default=1.0, help="one way on the control path (coordinator)")

@@ -69,15 +69,20 @@ def scenario_spec(name, args):
     raise ValueError(name)
 
 
+def add_scenario_arguments(p):
+    """The delays :func:`scenario_spec` reads (the bench's and the simulator's flags)."""
+    p.add_argument("--base-s", type=float, default=0.02, help="simulated device time per step")
+    p.add_argument("--slow-s", type=float, default=0.04, help="extra time per step of the straggler (the last rank)")
+    p.add_argument("--jitter-s", type=float, default=0.04, help="max extra time per step in 'jitter'")
+    p.add_argument("--rare-prob", type=float, default=0.01, help="probability of a rare delay in 'rare'")
+    p.add_argument("--rare-s", type=float, default=0.5, help="length of a rare delay in 'rare'")
+
+
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m tfsync.bench", description=__doc__.splitlines()[0])
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--steps", type=int, default=150, help="timed steps per worker (after 10 warm-up)")
-    p.add_argument("--base-s", type=float, default=0.02, help="simulated device time per step")
-    p.add_argument("--slow-s", type=float, default=0.04, help="extra time per step of the straggler")
-    p.add_argument("--jitter-s", type=float, default=0.04, help="max extra time per step in 'jitter'")
-    p.add_argument("--rare-prob", type=float, default=0.01, help="probability of a rare delay in 'rare'")
-    p.add_argument("--rare-s", type=float, default=0.5, help="length of a rare delay in 'rare'")
+    add_scenario_arguments(p)
     p.add_argument("--staleness", type=int, default=3)
     p.add_argument(
         "--modes",
