@@ -475,7 +475,9 @@ class ControlClient:
         self.address, self.rank = address, rank
         self._on_close = on_close
         self._closes_seen = 0
+        # fire-and-forget calls in flight: gRPC cancels a call whose future is collected
         self._ready_calls = collections.deque(maxlen=4)
+        self._seen_calls = collections.deque(maxlen=8)
         self._metadata = ((TOKEN_METADATA_KEY, _check_token(token)),)
         self._channel = grpc.insecure_channel(address)
         method = lambda name: self._channel.unary_unary(  # noqa: E731
@@ -525,10 +527,12 @@ class ControlClient:
                     self.known_stopped = message["stopped"]
                     if len(self.known_stopped) > stops_before:
                         # confirm only after recording them: the stopping rank waits for this
-                        self._seen.future(
-                            {"rank": self.rank, "stops": len(self.known_stopped)},
-                            timeout=STOP_CALL_TIMEOUT_S,
-                            metadata=self._metadata,
+                        self._seen_calls.append(
+                            self._seen.future(
+                                {"rank": self.rank, "stops": len(self.known_stopped)},
+                                timeout=STOP_CALL_TIMEOUT_S,
+                                metadata=self._metadata,
+                            )
                         )
                 for entry in message.get("closed", ()):
                     round_, accepted, late = entry[0], entry[1], entry[2] if len(entry) > 2 else ()
