@@ -41,6 +41,7 @@ decision, and as a fraction of the mean iteration.
 import argparse
 import collections
 import heapq
+import itertools
 import json
 import statistics
 import sys
@@ -50,6 +51,7 @@ import numpy as np
 
 from tfsync.bench.training import SCENARIOS, add_scenario_arguments, scenario_spec
 from tfsync.policies import DSSP, ElasticBSP, Policy, resolve
+from tfsync.policies.base import decide_round
 from tfsync.policies.dynamic import PushTable
 from tfsync.stragglers import Stragglers
 
@@ -90,8 +92,12 @@ def simulate(policy: Policy, iteration_s: np.ndarray, allreduce_s: float = 0.005
         "mean_iteration_s": mean_iteration,
         **run,
     }
-    assert result["computed"] == result["applied"] + result["dropped"], result  # nothing lost silently
-    assert result["computed"] + result["skipped"] == workers * steps, result
+    # every contribution is applied or dropped, every step computed or skipped: nothing lost silently
+    if (result["applied"] + result["dropped"], result["computed"] + result["skipped"]) != (
+        result["computed"],
+        workers * steps,
+    ):
+        raise RuntimeError(f"tfsync.simulate: contributions lost or double-counted in {policy!r}: {result}")
     if decisions:
         result.update(
             decisions=len(decisions),
@@ -109,7 +115,7 @@ def _bounded(policy, d, allreduce_s, control_s):
     complete_s = np.full(steps, np.inf)  # when each round's allreduce ends; known once all pushed
     pushes = np.zeros(steps, np.int64)
     latest_push = np.zeros(steps)
-    waiting = collections.defaultdict(list)  # round -> [(worker, step it pushed, push time)]
+    waiting = collections.defaultdict(list)  # round -> [(worker, step it pushed, push time, earliest go)]
     wait = np.zeros(workers)
     table, grant_left, decisions = (PushTable(workers), np.zeros(workers, np.int64), []) if dssp else (None,) * 3
     events = [(d[p, 0], p, 0) for p in range(workers)]  # (push time, worker, step)
@@ -126,8 +132,8 @@ def _bounded(policy, d, allreduce_s, control_s):
         latest_push[k] = max(latest_push[k], now)
         if pushes[k] == workers:  # the round's last contribution: its allreduce follows
             complete_s[k] = max(complete_s[k - 1] if k else 0.0, latest_push[k]) + allreduce_s
-            for q, j, at in waiting.pop(k, ()):
-                resume(q, j, at, complete_s[k])
+            for q, j, at, earliest in waiting.pop(k, ()):
+                resume(q, j, at, max(complete_s[k], earliest))
         required, ready_s = policy.required_round(k), now
         if dssp:
             table.record(p, k, now)
@@ -138,7 +144,7 @@ def _bounded(policy, d, allreduce_s, control_s):
         elif np.isfinite(complete_s[required]):
             resume(p, k, now, complete_s[required])
         else:
-            waiting[required].append((p, k, now))
+            waiting[required].append((p, k, now, ready_s))
     return {
         "wall_s": float(complete_s[-1]),
         "computed": workers * steps,
@@ -218,7 +224,7 @@ def _coordinated(policy, d, allreduce_s, control_s):
     decisions = []  # every close_round call: the coordinator's decision on one ready notice
     state = {"open": 0, "opened_s": 0.0}
     events = []  # (time, sequence, kind, worker, step)
-    sequence = iter(range(10**12))
+    sequence = itertools.count()  # breaks ties between events at the same time
 
     def compute(p, k, at_s):
         """Worker ``p`` may go on after round ``k`` at ``at_s``: skip what closed, compute the rest."""
@@ -240,7 +246,7 @@ def _coordinated(policy, d, allreduce_s, control_s):
         while state["open"] < steps:
             r = state["open"]
             start = time.perf_counter()
-            closing = policy.close_round(ready[r], state["opened_s"], now, workers)
+            closing = decide_round(policy, ready[r], state["opened_s"], now, workers)
             decisions.append(time.perf_counter() - start)
             if closing.accepted is None:
                 if closing.recheck_s is not None:

@@ -835,6 +835,23 @@ def test_a_failing_policy_stops_the_job_with_its_reason(coordinated):
     assert server.closed == []
 
 
+class _AcceptsTheAbsent(_Broken):
+    def close_round(self, ready, opened_s, now_s, size):
+        return Closing(tuple(range(size)) if ready else None)  # every rank, whoever is ready
+
+
+def test_a_policy_that_accepts_a_rank_that_is_not_ready_stops_the_job(coordinated):
+    # every replica would divide the round's sum by a count that includes an absent rank
+    server, clients, closes = coordinated(_AcceptsTheAbsent(), size=2)
+    ready(clients[0], 0)
+    deadline = time.monotonic() + WAIT_S
+    while not clients[1].known_stopped and time.monotonic() < deadline:
+        time.sleep(0.01)
+    (stopped,) = clients[1].known_stopped
+    assert "_AcceptsTheAbsent.close_round accepted [0, 1] with ranks [0] ready" in stopped["message"]
+    assert "(not ready: [1])" in stopped["message"] and server.closed == []
+
+
 def test_coordinator_takes_a_late_offer_only_into_the_open_round(coordinated):
     server, clients, closes = coordinated(BackupWorkers(backups=1, compensate=DelayCompensation()))
     ready(clients[2], 0)

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from tfsync import DSSP, PSP, SSP, BackupWorkers, ElasticBSP, Stragglers
 from tfsync import simulate as sim
-from tfsync.policies import resolve
+from tfsync.policies import Closing, resolve
 
 BASE, ALLREDUCE = 0.02, 0.005
 
@@ -156,3 +156,13 @@ def test_bad_arguments_say_what_was_expected(argv, message, capsys):
     with pytest.raises(SystemExit):
         sim.parse_args(argv)
     assert message in capsys.readouterr().err
+
+
+def test_a_policy_that_counts_contributions_that_never_arrived_is_caught():
+    class Greedy(BackupWorkers):
+        def close_round(self, ready, opened_s, now_s, size):
+            return Closing(tuple(range(size)) if ready else None)  # every rank, whoever is ready
+
+    # the coordinator's own check (policies.base.decide_round) refuses the decision
+    with pytest.raises(ValueError, match=r"Greedy.close_round accepted \[0, 1, 2, 3\] .*\(not ready: \["):
+        sim.simulate(Greedy(), _even(), ALLREDUCE, 0.001)

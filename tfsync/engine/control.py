@@ -62,6 +62,7 @@ from concurrent import futures
 import grpc
 from google.protobuf import json_format, struct_pb2
 
+from tfsync.policies.base import decide_round
 from tfsync.policies.dynamic import PushTable
 
 SERVICE = "tfsync.Control"
@@ -362,7 +363,7 @@ class ControlServer:
         if self._policy_failed:
             return None
         try:
-            decision = self._policy.close_round(tuple(self._ready.get(round_, ())), self._opened_s, now, self.size)
+            decision = decide_round(self._policy, tuple(self._ready.get(round_, ())), self._opened_s, now, self.size)
         except Exception as exc:  # a policy bug must stop the job, not hang it
             log.exception("tfsync: the coordinator's policy failed")
             self._policy_failed = True

@@ -66,3 +66,24 @@ class Policy(abc.ABC):
     def config(self) -> dict:
         """Plain-data description, compared across ranks and written to traces."""
         return {"mode": self.name, **dataclasses.asdict(self)}
+
+
+def decide_round(policy: Policy, ready, opened_s: float, now_s: float, size: int) -> Closing:
+    """``policy.close_round``, checked: a closing may accept only ranks whose contribution
+    is ready, each once, and at least one (every replica divides the round's sum by the
+    number accepted, so a rank accepted without a contribution would skew every mean).
+
+    Raises ``ValueError`` naming the ranks, for the coordinator to stop the job with.
+    """
+    closing = policy.close_round(ready, opened_s, now_s, size)
+    if closing.accepted is None:
+        return closing
+    accepted = list(closing.accepted)
+    ready_ranks = {rank for rank, _ in ready}
+    not_ready = sorted(set(accepted) - ready_ranks)
+    if not accepted or not_ready or len(set(accepted)) != len(accepted):
+        raise ValueError(
+            f"{type(policy).__name__}.close_round accepted {accepted} with ranks {sorted(ready_ranks)} ready: "
+            f"expected a non-empty set of ready ranks, each once" + (f" (not ready: {not_ready})" if not_ready else "")
+        )
+    return closing
