@@ -9,7 +9,8 @@ class Closing:
     """A coordinator's decision about one round (:meth:`Policy.close_round`).
 
     ``accepted``: the ranks whose contributions the round aggregates, sorted,
-    or ``None`` while the round stays open.  ``recheck_s``: when to ask again
+    or ``None`` while the round stays open; only ranks whose contribution is
+    ready, each once (:func:`decide_round` checks, and the job stops otherwise).  ``recheck_s``: when to ask again
     if no new contribution arrives before (``None``: only on a new arrival).
     """
 
