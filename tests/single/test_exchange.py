@@ -142,6 +142,26 @@ def test_a_worker_that_never_confirms_holds_a_stop_call_only_for_the_grace_perio
     assert clients[0].known_stopped and clients[1].known_stopped  # rank 1 read it, it only never said so
 
 
+def test_a_rank_that_stops_for_a_peers_reason_says_so_before_it_exits(control):
+    # rank 1 timed out on hung rank 2 and said so; rank 0 stops for that reason and exits.
+    # Rank 0's exit must be explained to the ranks still waiting, or they report "lost
+    # rank 0" instead of the hung rank (a race CI hit twice)
+    server, clients = control
+    clients[1].announce_stop("SyncTimeoutError", "rank 1 waited 5 s for round 8; ranks [2] have not pushed it")
+    diagnosis = Diagnosis(clients[0], rank=0, mode_name="ssp", wait_timeout_s=5, timeout_env="TFSYNC_WAIT_TIMEOUT_S")
+    with pytest.raises(SyncTimeoutError, match=r"rank 1 stopped the job: .*ranks \[2\]"):
+        diagnosis.check_while_waiting(8, last_pushed=10, deadline=time.monotonic() + 60)
+    assert [n["rank"] for n in clients[2].known_stopped] == [1, 0]  # announced, and read, before raising
+    clients[0]._closing = True
+    clients[0]._stream.cancel()  # rank 0's exit
+    deadline = time.time() + 5
+    while not clients[2].known_lost and time.time() < deadline:
+        time.sleep(0.01)
+    waiting = Diagnosis(clients[2], rank=2, mode_name="ssp", wait_timeout_s=5, timeout_env="TFSYNC_WAIT_TIMEOUT_S")
+    with pytest.raises(SyncTimeoutError, match=r"rank 1 stopped the job: .*ranks \[2\]"):
+        waiting.check_while_waiting(8, last_pushed=10, deadline=time.monotonic() + 60)
+
+
 def test_a_rank_that_stops_and_exits_is_reported_by_its_reason_not_as_lost(control):
     # rank 2's wait for rank 1 timed out: it tells everyone why, then its process ends.  The
     # others must name the hung rank 1 (rank 2's reason), not "lost rank 2" (a race CI hit).

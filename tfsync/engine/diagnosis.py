@@ -37,16 +37,19 @@ class Diagnosis:
         )
         # checked after the table query: a peer that stopped (rank 0 included)
         # told everyone why before it went, and that beats "rank 0 is unreachable"
-        # and "lost rank k" for that peer
+        # and "lost rank k" for that peer.  Stopping for a peer's reason is
+        # announced too: this rank's exit must not read as a loss to the ranks
+        # still waiting (CI: rank 1 timed out, rank 0 stopped for its reason and
+        # exited unannounced, and rank 3 reported "lost rank 0")
         peer_stop = self.peer_stop()
         if peer_stop is not None and not lost:
-            raise peer_stop
+            raise self.stop(peer_stop)
         if lost:
             raise self.stop(self.lost_error(round_, None, lost))
         if time.monotonic() >= deadline:
             peer_stop = self.peer_stop()
             if peer_stop is not None:
-                raise peer_stop
+                raise self.stop(peer_stop)
             raise self.stop(
                 SyncTimeoutError(
                     f"tfsync: rank {self.rank} waited {self.wait_timeout_s:.0f} s for round {round_} "
