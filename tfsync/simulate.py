@@ -50,7 +50,7 @@ import time
 import numpy as np
 
 from tfsync.bench.training import SCENARIOS, add_scenario_arguments, scenario_spec
-from tfsync.policies import DSSP, ElasticBSP, Policy, resolve
+from tfsync.policies import DSSP, SSP, ElasticBSP, Policy, resolve
 from tfsync.policies.base import decide_round
 from tfsync.policies.dynamic import PushTable
 from tfsync.stragglers import Stragglers
@@ -320,8 +320,6 @@ def profile(scenario: str, workers: int, args) -> Stragglers:
 
 
 def _policy(mode, args):
-    from tfsync.policies import SSP
-
     return SSP(staleness=args.staleness) if mode == "ssp" else resolve(mode)
 
 
