@@ -134,3 +134,19 @@ def test_a_host_that_is_not_this_machine_says_what_to_set():
 def test_the_token_must_be_a_non_empty_str(token):
     with pytest.raises(ValueError, match="non-empty str"):
         ControlServer(size=1, t0=0.0, token=token)
+
+
+def test_close_ends_the_stream_reader_before_the_channel_and_is_idempotent(server, monkeypatch):
+    client = ControlClient(server.address, 1, TOKEN, connect_timeout_s=5)
+    reader_alive_at_channel_close = []
+    channel_close = client._channel.close
+    monkeypatch.setattr(
+        client._channel,
+        "close",
+        lambda: (reader_alive_at_channel_close.append(client._watcher.is_alive()), channel_close()),
+    )
+    client.close()
+    client.close()  # a second close (engine.close's cleanup path) does nothing
+    assert reader_alive_at_channel_close == [False]
+    assert client.host_lost is None  # leaving is not losing the host
+    assert _wait_until(lambda: 1 in server._left)

@@ -263,7 +263,7 @@ def check_rounds_and_counts(job):
     assert names == (
         ["tfsync.config", "tfsync.t0", "tfsync.control_address"]
         + [f"tfsync.round.{k}" for k in range(groups)] * steps
-        + ["tfsync.close"]
+        + ["tfsync.close", "tfsync.left"]
     )
     if job.policy.coordinated:
         want = [("Sum", 1.0 / len(acc)) for acc in accepted for _ in range(groups)]
@@ -337,6 +337,20 @@ def test_bsp_every_rank_applies_the_mean_of_all(tmp_path_factory, delays):
     accepted = check_rounds_and_counts(job)  # BSP's rounds take every rank
     check_means(job, accepted)
     assert all(w.counts["skipped"] == w.counts["dropped"] == 0 for w in job.workers)
+
+
+def test_rank_0_stops_the_control_server_only_after_every_rank_has_left_it(tmp_path, monkeypatch):
+    # a server that goes away under a worker's open stream races that worker's channel close
+    from tfsync.engine.control import ControlClient, ControlServer
+
+    job = Job(PSP(), [[0.0] * 3, [0.01] * 3, [0.0] * 3], str(tmp_path))
+    left_at_stop = []
+    stop, close = ControlServer.stop, ControlClient.close
+    monkeypatch.setattr(ControlServer, "stop", lambda self: (left_at_stop.append(sorted(self._left)), stop(self))[1])
+    # rank 1 is slow to leave
+    monkeypatch.setattr(ControlClient, "close", lambda self: (time.sleep(0.3 * (self.rank == 1)), close(self))[1])
+    job.run()
+    assert left_at_stop == [[0, 1, 2]]
 
 
 @EXAMPLES
@@ -582,6 +596,8 @@ def test_the_default_cluster_makes_horovods_calls_in_horovods_order(monkeypatch,
         ("size",),  # horovod_collective
         *[("grouped_allreduce", "Average", "tfsync.round.0", ())] * 3,
         ("allreduce", "Sum", "tfsync.close", 0.0),
+        ("allreduce", "Sum", "tfsync.left", 0.0),
     ]
-    # the launch checks ran when the engine started, for the collective, and again at close
-    assert checks == [0, 5, 9]
+    # the launch checks ran when the engine started, for the collective, and again at each
+    # of close's two barriers
+    assert checks == [0, 5, 9, 10]

@@ -78,6 +78,7 @@ STOP_NOTICE_GRACE_S = 2.0  # Stop answers once every attached worker confirmed t
 STOP_NOTICE_POLL_S = 0.05  # how often a held Stop call rechecks the confirmations
 STREAM_WAKE_S = 0.5  # an Attach stream's condition wait: rechecks end/shutdown this often
 SERVER_STOP_WAIT_S = 2.0  # how long ControlServer.stop waits for the gRPC server to end
+WATCHER_JOIN_S = 2.0  # how long ControlClient.close waits for its stream reader to end
 REJECTION_LOG_INTERVAL_S = 1.0  # at most one logged warning about refused calls per this
 REJECTIONS_KEPT = 100  # ControlServer.rejected keeps the first this many
 READY_TIMEOUT_S = 5.0  # deadline of one (fire-and-forget) ready notice
@@ -489,6 +490,7 @@ class ControlClient:
         self._pushed, self._grant = method("Pushed"), method("Grant")
         self._stop, self._seen = method("Stop"), method("Seen")
         self._closing = False
+        self._channel_closed = False
         self.host_lost = None
         self.known_lost = []
         self.known_stopped = []
@@ -619,10 +621,23 @@ class ControlClient:
         }
 
     def close(self):
+        """Leave the control path (idempotent).
+
+        The stream's reader thread is joined (bounded) before the channel
+        closes: closing a gRPC Python channel while another thread is still
+        inside one of its calls is the pattern of gRPC's segfault reports
+        (grpc/grpc#16290, #19235), and a worker once died with SIGSEGV in CI
+        right after rank 0's server went away under its open stream.
+        """
+        if self._channel_closed:
+            return
         self._closing = True
         try:
             self._leave({"rank": self.rank}, timeout=CALL_TIMEOUT_S, metadata=self._metadata)
         except grpc.RpcError:
             pass
         self._stream.cancel()
+        if self._watcher is not threading.current_thread():
+            self._watcher.join(WATCHER_JOIN_S)
+        self._channel_closed = True
         self._channel.close()

@@ -274,12 +274,14 @@ class SyncEngine:
         if not self.started:
             return
         self.started = False
-        barrier = self.cluster.barrier("tfsync.close")
-
-        # Nobody stops the control server before every rank has left it: a
-        # barrier on the exchange thread, after every round, and bounded.
+        # Two barriers on the exchange thread, after every round, each bounded: every
+        # rank is done with the control path before any leaves it, and every rank has
+        # left it (its stream ended, its channel closed) before rank 0 stops the server,
+        # so no server goes away under a worker's open stream.
         try:
-            self.exchange.call(barrier, timeout_s=self.wait_timeout_s)
+            self.exchange.call(self.cluster.barrier("tfsync.close"), timeout_s=self.wait_timeout_s)
+            self.control.close()
+            self.exchange.call(self.cluster.barrier("tfsync.left"), timeout_s=self.wait_timeout_s)
         finally:
             self.exchange.close()
             self.control.close()
