@@ -93,10 +93,8 @@ def simulate(policy: Policy, iteration_s: np.ndarray, allreduce_s: float = 0.005
         **run,
     }
     # every contribution is applied or dropped, every step computed or skipped: nothing lost silently
-    if (result["applied"] + result["dropped"], result["computed"] + result["skipped"]) != (
-        result["computed"],
-        workers * steps,
-    ):
+    applied_or_dropped = result["applied"] + result["dropped"]
+    if applied_or_dropped != result["computed"] or result["computed"] + result["skipped"] != workers * steps:
         raise RuntimeError(f"tfsync.simulate: contributions lost or double-counted in {policy!r}: {result}")
     if decisions:
         result.update(

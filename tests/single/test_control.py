@@ -140,11 +140,12 @@ def test_close_ends_the_stream_reader_before_the_channel_and_is_idempotent(serve
     client = ControlClient(server.address, 1, TOKEN, connect_timeout_s=5)
     reader_alive_at_channel_close = []
     channel_close = client._channel.close
-    monkeypatch.setattr(
-        client._channel,
-        "close",
-        lambda: (reader_alive_at_channel_close.append(client._watcher.is_alive()), channel_close()),
-    )
+
+    def recording_close():
+        reader_alive_at_channel_close.append(client._watcher.is_alive())
+        channel_close()
+
+    monkeypatch.setattr(client._channel, "close", recording_close)
     client.close()
     client.close()  # a second close (engine.close's cleanup path) does nothing
     assert reader_alive_at_channel_close == [False]

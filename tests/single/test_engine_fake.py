@@ -346,9 +346,17 @@ def test_rank_0_stops_the_control_server_only_after_every_rank_has_left_it(tmp_p
     job = Job(PSP(), [[0.0] * 3, [0.01] * 3, [0.0] * 3], str(tmp_path))
     left_at_stop = []
     stop, close = ControlServer.stop, ControlClient.close
-    monkeypatch.setattr(ControlServer, "stop", lambda self: (left_at_stop.append(sorted(self._left)), stop(self))[1])
-    # rank 1 is slow to leave
-    monkeypatch.setattr(ControlClient, "close", lambda self: (time.sleep(0.3 * (self.rank == 1)), close(self))[1])
+
+    def recording_stop(self):
+        left_at_stop.append(sorted(self._left))
+        stop(self)
+
+    def slow_close(self):  # rank 1 is slow to leave
+        time.sleep(0.3 if self.rank == 1 else 0.0)
+        close(self)
+
+    monkeypatch.setattr(ControlServer, "stop", recording_stop)
+    monkeypatch.setattr(ControlClient, "close", slow_close)
     job.run()
     assert left_at_stop == [[0, 1, 2]]
 

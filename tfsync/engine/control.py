@@ -637,7 +637,6 @@ class ControlClient:
         except grpc.RpcError:
             pass
         self._stream.cancel()
-        if self._watcher is not threading.current_thread():
-            self._watcher.join(WATCHER_JOIN_S)
+        self._watcher.join(WATCHER_JOIN_S)
         self._channel_closed = True
         self._channel.close()

@@ -10,8 +10,9 @@ class Closing:
 
     ``accepted``: the ranks whose contributions the round aggregates, sorted,
     or ``None`` while the round stays open; only ranks whose contribution is
-    ready, each once (:func:`decide_round` checks, and the job stops otherwise).  ``recheck_s``: when to ask again
-    if no new contribution arrives before (``None``: only on a new arrival).
+    ready, each once (:func:`decide_round` checks, and the job stops
+    otherwise).  ``recheck_s``: when to ask again if no new contribution
+    arrives before (``None``: only on a new arrival).
     """
 
     accepted: tuple = None
