@@ -75,6 +75,7 @@ class Worker:
         self.means = {}  # step -> the mean gradients it received (gradient protocol)
         self.views = []  # (step, weights it computed that step on, or found it skipped) (update protocol)
         self.counts = self.weights = None
+        self.early_rounds = 0  # coordinated rounds it entered on its ready notice's answer
 
 
 class Job:
@@ -143,6 +144,7 @@ class Job:
                 me.means[step] = [m.numpy() for m in result]
         engine.finish()
         me.counts = dict(engine.counts)
+        me.early_rounds = engine.exchange.early_rounds
         if self.updates:
             me.weights = var.numpy()
         engine.close()
@@ -246,6 +248,10 @@ def check_rounds_and_counts(job):
         }, k
         assert w.counts["produced"] == w.counts["applied"] + w.counts["dropped"]
         assert w.counts["produced"] + w.counts["skipped"] == steps
+        assert w.early_rounds <= applied  # only a contribution a round takes enters early
+    if job.policy.coordinated:
+        # the fast path is taken: a ready notice that closes its round is answered "it counts"
+        assert sum(w.early_rounds for w in job.workers) > 0
 
     # the engine's trace: every round applied once per rank, each contribution stamped with it
     for k in range(size):
@@ -257,7 +263,9 @@ def check_rounds_and_counts(job):
         assert stamps == {r: [r] * len(acc) for r, acc in enumerate(accepted)}, k
 
     # the collectives: the same calls, names and order on every rank (one grouped allreduce
-    # per dtype and round, the metadata in the float32 one); Horovod divides by d
+    # per dtype and round, the metadata in the float32 one); coordinated rounds are Horovod's
+    # plain sum, divided by d from the round's metadata afterwards (a rank that entered on its
+    # ready notice's answer did not know d), BSP's mean is Horovod's Average
     groups = len(set(job.dtypes) | {tf.float32})
     names = [name for _, _, name in job.cluster.log]
     assert names == (
@@ -266,7 +274,7 @@ def check_rounds_and_counts(job):
         + ["tfsync.close", "tfsync.left"]
     )
     if job.policy.coordinated:
-        want = [("Sum", 1.0 / len(acc)) for acc in accepted for _ in range(groups)]
+        want = [("Sum", 1.0) for acc in accepted for _ in range(groups)]
     else:  # BSP's mean by Horovod's Average, SSP's sum of shares
         want = [("Sum" if job.updates else "Average", 1.0)] * (steps * groups)
     assert job.cluster.reductions == want

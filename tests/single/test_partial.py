@@ -367,12 +367,11 @@ def contribution(rank, round_):
 
 
 def expected_mean(accepted, round_):
-    """What Horovod returns: the sum over every rank (zeros from the others) post-scaled by 1/d."""
-    scale = np.float32(1.0 / len(accepted))
+    """What every rank applies: Horovod's sum over every rank (zeros from the others), divided
+    by d afterwards (a rank that entered early did not know d)."""
+    d = np.float32(len(accepted))
     parts = [contribution(r, round_) for r in accepted]
-    return [
-        (np.sum([p[i] for p in parts], axis=0, dtype=np.float32) * scale).astype(np.float32) for i in range(len(SHAPES))
-    ]
+    return [np.sum([p[i] for p in parts], axis=0, dtype=np.float32) / d for i in range(len(SHAPES))]
 
 
 def _exchanges(size, collective_for, t0=0.0, mask=mask_twin):
@@ -500,7 +499,8 @@ def test_random_schedules_apply_the_same_mean_of_exactly_the_accepted(seed):
 
     assert len(coordinator.closed) == rounds
     assert coordinator.late_notices == sum(kind == "late" for p in pushes for _, kind in p)
-    assert allreduce.divisors == {r: len(a) for r, a in enumerate(coordinator.closed)}
+    # every rank asks Horovod for the plain sum and divides by d from the round's metadata
+    assert allreduce.divisors == dict.fromkeys(range(rounds), 1)
     for r, accepted in enumerate(coordinator.closed):
         mean = expected_mean(accepted, r)
         for k in range(size):
@@ -655,6 +655,86 @@ def test_a_round_whose_contributors_differ_from_the_decision_fails():
             match=r"should aggregate ranks \[0, 1\].*ranks \[1\] and late \[\] contributed; the workers disagree",
         ):
             ex.wait(0, timeout_s=WAIT_S)
+    finally:
+        ex.close()
+
+
+def test_ranks_told_that_their_contribution_counts_enter_before_the_closing_reaches_them():
+    size = 3
+    allreduce = FakeAllreduce(size)
+    exchanges = _exchanges(size, allreduce.for_rank)
+    try:
+        for k in (0, 1):
+            exchanges[k].push(0, contribution(k, 0), 0.0, 0.1)
+            exchanges[k].enter_accepted(0)  # the ready notice's answer: round 0 takes it
+        exchanges[2].close_round(0, (0, 1))  # rank 2 contributes nothing: it follows the closing
+        for ex in exchanges:  # complete before ranks 0 and 1 heard the closing
+            assert ex.wait(0, timeout_s=WAIT_S)
+        results = [ex.pop(0) for ex in exchanges]
+        for res in results:
+            assert res.accepted == (0, 1) and res.contributors == 2
+            for got, want in zip(res.total, expected_mean((0, 1), 0)):
+                np.testing.assert_array_equal(got, want)
+        assert [ex.closed_through for ex in exchanges] == [0, 0, 0]  # completing it implies it closed
+        for k in (0, 1):  # the closing comes later: checked against the round, nothing entered again
+            exchanges[k].close_round(0, (0, 1))
+            exchanges[k].call(lambda: None, timeout_s=WAIT_S)
+            assert exchanges[k].error is None
+        assert allreduce.divisors == {0: 1}  # one collective, the plain sum
+        assert [ex.counts["applied"] for ex in exchanges] == [1, 1, 0]
+    finally:
+        for ex in exchanges:
+            ex.close()
+
+
+def test_an_acceptance_that_arrives_after_the_closing_enters_nothing():
+    size = 2
+    allreduce = FakeAllreduce(size)
+    exchanges = _exchanges(size, allreduce.for_rank)
+    try:
+        for k in range(size):
+            exchanges[k].push(0, contribution(k, 0), 0.0, 0.1)
+            exchanges[k].close_round(0, (0, 1))
+        for ex in exchanges:
+            assert ex.wait(0, timeout_s=WAIT_S)
+            ex.enter_accepted(0)  # the answer lost the race against the stream
+            ex.call(lambda: None, timeout_s=WAIT_S)
+            assert ex.error is None
+        assert allreduce.divisors == {0: 1}
+    finally:
+        for ex in exchanges:
+            ex.close()
+
+
+def test_a_closing_that_differs_from_what_an_early_round_aggregated_fails():
+    # rank 1 entered on its acceptance; the collective heard from it alone, the closing names 0 and 1
+    ex, _ = _one_rank(collective=lambda payload, meta, divisor=None: (payload, meta))
+    try:
+        ex.push(0, [np.ones(3, np.float32)], 0.0, 0.0)
+        ex.enter_accepted(0)
+        assert ex.wait(0, timeout_s=WAIT_S)
+        ex.close_round(0, (0, 1))
+        deadline = time.monotonic() + WAIT_S
+        while ex.error is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with pytest.raises(
+            RuntimeError, match=r"round 0 aggregated ranks \[1\].*closing names ranks \[0, 1\].*workers disagree"
+        ):
+            ex.wait(0, timeout_s=WAIT_S)
+    finally:
+        ex.close()
+
+
+def test_an_acceptance_for_a_round_the_outbox_does_not_hold_fails_instead_of_entering():
+    ex, calls = _one_rank()
+    try:
+        ex.push(1, [np.ones(3, np.float32)], 0.0, 0.0)
+        ex.enter_accepted(0)
+        with pytest.raises(
+            RuntimeError, match=r"told that round 0 takes its contribution but its outbox holds one to round 1"
+        ):
+            ex.wait(0, timeout_s=WAIT_S)
+        assert calls == []
     finally:
         ex.close()
 
@@ -850,6 +930,62 @@ def test_a_policy_that_accepts_a_rank_that_is_not_ready_stops_the_job(coordinate
     (stopped,) = clients[1].known_stopped
     assert "_AcceptsTheAbsent.close_round accepted [0, 1] with ranks [0] ready" in stopped["message"]
     assert "(not ready: [1])" in stopped["message"] and server.closed == []
+
+
+def answer(client, round_):
+    """The coordinator's answer to a ready notice: 1 if the round takes the contribution for
+    certain (the worker enters at once), 0 if the worker follows the closing."""
+    client.ready(round_)
+    return client._ready_calls[-1].result(timeout=WAIT_S)["accepted"]
+
+
+def test_psp_coordinator_tells_every_rank_ready_for_the_open_round_that_it_counts(coordinated):
+    server, clients, closes = coordinated(PSP(min_contributions=2, push_timeout_s=0.0))
+    assert answer(clients[1], 1) == 0  # not the oldest open round: it follows the closing
+    assert answer(clients[0], 0) == 1  # open: PSP takes every rank ready when it closes
+    assert answer(clients[2], 0) == 1  # the c-th: closes round 0 with it
+    assert answer(clients[1], 0) == 0  # late: closed without it
+    assert _closed(server, 1)[0] == [0, [0, 2]]
+    assert answer(clients[0], 1) == 1  # closes round 1 with rank 1's early notice
+    assert _closed(server, 2) == [[0, [0, 2]], [1, [0, 1]]]
+
+
+def test_backup_coordinator_tells_the_first_n_and_only_them(coordinated):
+    server, clients, closes = coordinated(BackupWorkers(backups=1))
+    assert [answer(clients[k], 0) for k in (2, 0, 1)] == [1, 1, 0]
+    assert _closed(server, 1) == [[0, [0, 2]]]
+
+
+class _ClosesOnTwo(_Broken):
+    def close_round(self, ready, opened_s, now_s, size):
+        return Closing(tuple(r for r, _ in ready)) if len(ready) >= 2 else Closing()
+
+
+def test_a_policy_that_does_not_promise_to_accept_the_ready_gets_no_early_entries(coordinated):
+    server, clients, closes = coordinated(_ClosesOnTwo(), size=3)
+    assert answer(clients[0], 0) == 0  # open, but the policy made no promise
+    assert answer(clients[1], 0) == 1  # its notice closed the round with it
+    assert _closed(server, 1) == [[0, [0, 1]]]
+
+
+class _BreaksItsPromise(_Broken):
+    accepts_ready = True
+
+    def close_round(self, ready, opened_s, now_s, size):
+        return Closing((ready[-1][0],)) if len(ready) >= 2 else Closing()  # not the first ready rank
+
+
+def test_a_policy_that_breaks_its_promise_to_accept_the_ready_stops_the_job(coordinated):
+    # rank 0 entered the round's allreduce on the promise: a closing without it cannot be run
+    server, clients, closes = coordinated(_BreaksItsPromise(), size=2)
+    assert answer(clients[0], 0) == 1
+    answer(clients[1], 0)
+    deadline = time.monotonic() + WAIT_S
+    while not clients[1].known_stopped and time.monotonic() < deadline:
+        time.sleep(0.01)
+    (stopped,) = clients[1].known_stopped
+    assert "_BreaksItsPromise.close_round accepted [1] on round 0 but ranks [0] were told" in stopped["message"]
+    assert server.closed == []
 
 
 def test_coordinator_takes_a_late_offer_only_into_the_open_round(coordinated):

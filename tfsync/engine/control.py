@@ -41,7 +41,12 @@ the round ``r`` it is about to compute; the coordinator takes it if ``r`` is
 still open, as an extra the policy's rule does not count, and the closing
 names it: ``[r, accepted, late]``.  Each worker's communication thread enters the
 round's allreduce on that notice (see ``exchange.py``), so the decision, not
-any worker's local clock, fixes what every replica applies.  BSP and SSP
+any worker's local clock, fixes what every replica applies.  A worker whose
+notice the round will take for certain (``Policy.accepts_ready``: the round
+is the oldest open one and the policy takes every ready rank when it
+closes, or the notice closed it with that rank) is told so in the answer
+to ``Ready`` and enters at once; the coordinator checks at every closing
+that it took each rank it told so, and stops the job if not.  BSP and SSP
 need no coordinator: their rounds close when every worker has contributed,
 which each worker's own allreduce enforces.
 
@@ -149,6 +154,7 @@ class ControlServer:
         self._ready = {}  # open round -> [(rank, ready_s)] in arrival order
         self._closed = []  # [round, [accepted ranks]] (+ [late ranks] when any) in round order
         self._late = {}  # round -> ranks whose late, compensated contribution it takes
+        self._early = {}  # open round -> ranks told at their ready notice that it takes them
         self._opened_s = time.time() - t0  # when the oldest open round opened (the previous close)
         self._recheck_s = None  # when the policy asked to be asked again (a timeout), if it did
         self._policy_failed = False
@@ -302,8 +308,18 @@ class ControlServer:
         return {"ok": 1}
 
     def _ready_notice(self, request, context):
-        """A worker's contribution to a round is in its outbox (coordinated policies)."""
+        """A worker's contribution to a round is in its outbox (coordinated policies).
+
+        The answer's ``accepted`` is 1 when the round will aggregate it for
+        certain: the notice closed the round with this rank in it, or the
+        round is the oldest open one and the policy accepts every ready rank
+        when it closes (``Policy.accepts_ready``).  The worker then enters the
+        round's allreduce at once, without waiting for the closing on its
+        stream (:meth:`RoundExchange.enter_accepted`); 0 means "follow the
+        closing" (a round not yet the oldest open, or one closed without it).
+        """
         rank, round_ = int(request["rank"]), int(request["round"])
+        accepted = 0
         with self._lock:
             next_open = self._closed[-1][0] + 1 if self._closed else 0
             # a notice for a round already closed is late: that worker drops the contribution
@@ -314,7 +330,13 @@ class ControlServer:
                 if round_ == next_open:  # decide here: one thread hand-off less than the coordinator
                     self._decide_locked(time.time() - self.t0)
                 # no notify_all otherwise: the streams care only about closings (and losses)
-        return {"ok": 1}
+            if round_ == next_open and self._policy is not None and not self._policy_failed:
+                if round_ < len(self._closed):  # this notice closed it (rounds close in order from 0)
+                    accepted = int(rank in self._closed[round_][1])
+                elif getattr(self._policy, "accepts_ready", False) and any(r == rank for r, _ in ready):
+                    self._early.setdefault(round_, set()).add(rank)
+                    accepted = 1
+        return {"ok": 1, "accepted": accepted}
 
     def _late_notice(self, request, context):
         """A worker offers a delay-compensated contribution to the round it is about to compute
@@ -367,19 +389,7 @@ class ControlServer:
             decision = decide_round(self._policy, tuple(self._ready.get(round_, ())), self._opened_s, now, self.size)
         except Exception as exc:  # a policy bug must stop the job, not hang it
             log.exception("tfsync: the coordinator's policy failed")
-            self._policy_failed = True
-            self._stopped.setdefault(
-                0,
-                {
-                    "rank": 0,
-                    "kind": "RuntimeError",
-                    "message": (
-                        f"the coordinator's {type(self._policy).__name__}.close_round failed on "
-                        f"round {round_}: {type(exc).__name__}: {exc}"
-                    ),
-                },
-            )
-            self._changed.notify_all()
+            self._fail_policy(f"failed on round {round_}: {type(exc).__name__}: {exc}")
             return None
         if decision.accepted is None:
             if decision.recheck_s != self._recheck_s:
@@ -387,6 +397,13 @@ class ControlServer:
                 self._coordinator_wake.notify()
             return decision.recheck_s
         entry = [round_, [int(r) for r in decision.accepted]]
+        early = self._early.pop(round_, set())
+        if not early <= set(entry[1]):  # those ranks entered its allreduce already: the job cannot go on
+            self._fail_policy(
+                f"accepted {entry[1]} on round {round_} but ranks {sorted(early)} were told at their ready notice that "
+                f"it would take them (a policy with accepts_ready = True must accept every ready rank)",
+            )
+            return None
         late = self._late.pop(round_, None)
         if late:  # extras: a policy's rule counts only the fresh contributions
             entry.append(sorted(late))
@@ -396,6 +413,19 @@ class ControlServer:
         self._changed.notify_all()
         # the next round may be decidable already (its notices came early)
         return self._decide_locked(now)
+
+    def _fail_policy(self, what):
+        """Stop the job: the policy's decision is unusable (lock held); ``what`` it did."""
+        self._policy_failed = True
+        self._stopped.setdefault(
+            0,
+            {
+                "rank": 0,
+                "kind": "RuntimeError",
+                "message": f"the coordinator's {type(self._policy).__name__}.close_round {what}",
+            },
+        )
+        self._changed.notify_all()
 
     def _coordinate(self):
         """Close rounds whose rule needs the clock (a timeout) rather than a new notice."""
@@ -564,11 +594,24 @@ class ControlClient:
             {"rank": self.rank, "clock": clock}, timeout=REPORT_TIMEOUT_S, metadata=self._metadata
         )
 
-    def ready(self, round_: int):
-        """Tell the coordinator that this worker's contribution to ``round_`` is ready (async)."""
-        self._ready_calls.append(
-            self._ready.future({"rank": self.rank, "round": round_}, timeout=READY_TIMEOUT_S, metadata=self._metadata)
+    def ready(self, round_: int, on_accepted=None):
+        """Tell the coordinator that this worker's contribution to ``round_`` is ready (async).
+
+        ``on_accepted(round_)`` runs (on a gRPC thread) if the answer says the
+        round will aggregate it for certain; a failed call only skips it (the
+        closing on the stream still comes, and a lost coordinator is seen there).
+        """
+        call = self._ready.future(
+            {"rank": self.rank, "round": round_}, timeout=READY_TIMEOUT_S, metadata=self._metadata
         )
+        self._ready_calls.append(call)
+        if on_accepted is not None:
+
+            def answered(done):
+                if not done.cancelled() and done.exception() is None and done.result().get("accepted"):
+                    on_accepted(round_)
+
+            call.add_done_callback(answered)
 
     def pushed(self, step: int):
         """Tell the coordinator of this worker's push of ``step`` (DSSP; async)."""

@@ -408,7 +408,7 @@ class SyncEngine:
             compute_s = total[0] / total[1] + self._post_push_s
         if self.policy.coordinated:
             self.exchange.push(step, payload, t_push, compute_s)
-            self.control.ready(step)
+            self.control.ready(step, on_accepted=self.exchange.enter_accepted)
         else:
             # a worker that would wait for this very round anyway runs it on its own thread
             # (not one that may be granted extra steps instead)

@@ -40,9 +40,20 @@ slow worker's compute.  Before that, the outbox is checked with
 :func:`tfsync.ops.mask_stale` (injected as ``mask``): a contribution stamped
 older than ``r`` missed its round, is dropped (zeros go in its place) and
 counted; a fresh one that arrived after its round closed waits, and is
-stale at the next round.  The sum is divided by ``d = |A|`` inside Horovod
-(a post-scale), so every replica receives the same mean of exactly the
-accepted contributions.
+stale at the next round.
+
+A rank whose contribution the round will take for certain does not wait for
+the closing: the coordinator says so in its answer to the ready notice
+(PSP takes every rank ready when the round closes, backup workers the first
+``N``: :attr:`Policy.accepts_ready`), and the rank enters at once
+(:meth:`RoundExchange.enter_accepted`).  Only the ranks that are not ready
+when the round closes still wait for the closing on their stream, so a
+round in which every rank is ready costs no control-path latency at all,
+and the closing, when it reaches an early rank, is checked against what the
+round aggregated.  An early rank cannot know ``d = |A|`` when it enters, so
+every rank asks Horovod for the plain sum and divides it by ``d`` read from
+the round's metadata, the same way: every replica receives the same mean
+of exactly the accepted contributions.
 
 With delay compensation (``keep_stale``) a contribution that missed its
 round is not dropped here: the engine withdraws it (:meth:`RoundExchange.withdraw`),
@@ -152,6 +163,9 @@ class RoundExchange:
         self._outbox = None  # (stamp, payload, push_time, compute_s)
         self._late = None  # (round, stamp, payload): a compensated contribution the coordinator took for round
         self._closed_through = -1
+        self._entered_through = -1  # newest coordinated round this rank entered (on a closing or early)
+        self._entered_early = {}  # round -> (ranks, late ranks) it aggregated, until its closing is checked
+        self.early_rounds = 0  # coordinated rounds this rank entered on its ready notice's answer
         self.counts = {"produced": 0, "applied": 0, "compensated": 0, "dropped": 0}
         self._drops = []  # (stamp, round at which it was found stale) not yet taken
         self._queue = queue.Queue()
@@ -202,6 +216,17 @@ class RoundExchange:
             self._closed_through = max(self._closed_through, round_)
             self._cond.notify_all()
         self._put(("close", round_, tuple(accepted), tuple(late)))
+
+    def enter_accepted(self, round_: int):
+        """The coordinator answered this rank's ready notice: ``round_`` will aggregate its
+        contribution.  Enter the round's allreduce now, without waiting for the closing on
+        the stream (which, when it comes, is checked against what the round aggregated).
+
+        Every other rank enters on its own acceptance or on the closing, so the
+        collective starts as soon as the last of them does; its divisor comes
+        from the round's metadata, which every rank receives identically.
+        """
+        self._put(("enter", round_))
 
     def drain_outbox(self) -> int:
         """At the end of training: drop a contribution no round can take any more; how many."""
@@ -350,15 +375,58 @@ class RoundExchange:
                     elif item[0] == "close":
                         if not self._run_closed_round(*item[1:]):
                             return
+                    elif item[0] == "enter":
+                        if not self._run_accepted_round(item[1]):
+                            return
                     elif not self._run_round(item):
                         return
                 finally:
                     with self._cond:
                         self._unfinished -= 1
 
-    def _run_closed_round(self, round_, accepted, late=()) -> bool:
+    def _run_accepted_round(self, round_) -> bool:
+        """Enter ``round_`` early (:meth:`enter_accepted`) unless its closing came first."""
+        with self._cond:
+            if self._entered_through >= round_:
+                return True
+            item = self._outbox
+            late = self._late
+        try:
+            if item is None or item[0] != round_:
+                raise RuntimeError(
+                    f"tfsync: rank {self.rank} was told that round {round_} takes its contribution "
+                    f"but its outbox holds {'none' if item is None else 'one to round ' + str(item[0])}"
+                )
+            # a late contribution the coordinator took for this round (Late answered before this
+            # step was computed) rides along, as on the closing
+            late_ranks = (self.rank,) if late is not None and late[0] == round_ else ()
+        except BaseException as exc:
+            return self._fail(exc)
+        return self._run_closed_round(round_, (self.rank,), late_ranks, early=True)
+
+    def _run_closed_round(self, round_, accepted, late=(), early=False) -> bool:
         """A coordinated round: enter with the outbox (if accepted), plus the late contribution
-        (if taken), or zeros; divide by ``d``, the number of contributions."""
+        (if taken), or zeros; divide by ``d``, the number of contributions.
+
+        ``early``: entered on the ready notice's answer, ``accepted``/``late``
+        being this rank's own part only.  A closing for a round entered early
+        enters nothing: it is checked against what the round aggregated.
+        """
+        with self._cond:
+            entered = self._entered_through >= round_
+            if not entered:
+                self._entered_through = round_
+            got = self._entered_early.pop(round_, None) if entered and not early else None
+        if entered:
+            if got is not None and got != (tuple(sorted(accepted)), tuple(sorted(late))):
+                return self._fail(
+                    RuntimeError(
+                        f"tfsync: round {round_} aggregated ranks {list(got[0])} and the late contributions "
+                        f"of {list(got[1])} but the coordinator's closing names ranks {sorted(accepted)} and "
+                        f"late {sorted(late)}; the workers disagree about the round"
+                    )
+                )
+            return True
         mine = self.rank in accepted
         with self._cond:
             item = self._outbox
@@ -409,7 +477,9 @@ class RoundExchange:
                 payload = self._absent
         except BaseException as exc:
             return self._fail(exc)
-        return self._run_round((round_, payload, meta), accepted=accepted, late=late)
+        return self._run_round(
+            (round_, payload, meta), accepted=None if early else accepted, late=late, coordinated=True
+        )
 
     def _fail(self, exc) -> bool:
         with self._cond:
@@ -417,25 +487,35 @@ class RoundExchange:
             self._cond.notify_all()
         return False
 
-    def _run_round(self, item, accepted=None, late=()) -> bool:
-        """One round's collective; False (and the error kept for ``wait``) if it failed."""
+    def _run_round(self, item, accepted=None, late=(), coordinated=False) -> bool:
+        """One round's collective; False (and the error kept for ``wait``) if it failed.
+
+        ``coordinated``: the payload is summed and divided by ``d``, the number of
+        contributions in the round's metadata (a rank that entered early does
+        not know ``d`` yet, so every rank divides after the sum, the same way);
+        ``accepted`` (None: entered early) and ``late`` are then checked against it.
+        """
         round_, payload, meta = item
         try:
-            if accepted is None:
+            if not coordinated:
                 total, meta = self._collective(payload, meta)
             else:
-                total, meta = self._collective(payload, meta, divisor=len(accepted) + len(late))
+                total, meta = self._collective(payload, meta, divisor=1)
             meta = np.asarray(meta, np.float64).reshape(self.size, _K)
-            if accepted is not None and (
-                sorted(np.flatnonzero(meta[:, 0]).tolist()) != sorted(accepted)
-                or sorted(np.flatnonzero(meta[:, 4]).tolist()) != sorted(late)
-            ):
-                raise RuntimeError(
-                    f"tfsync: round {round_} should aggregate ranks {sorted(accepted)} and the late "
-                    f"contributions of {sorted(late)} (the coordinator's decision) but ranks "
-                    f"{np.flatnonzero(meta[:, 0]).tolist()} and late "
-                    f"{np.flatnonzero(meta[:, 4]).tolist()} contributed; the workers disagree about the round"
-                )
+            if coordinated:
+                took = tuple(np.flatnonzero(meta[:, 0]).tolist()), tuple(np.flatnonzero(meta[:, 4]).tolist())
+                total = [t / (len(took[0]) + len(took[1])) for t in total]
+                if accepted is None:  # entered early: the closing, when it comes, is checked against this
+                    accepted = took[0]
+                    with self._cond:
+                        self._entered_early[round_] = took
+                        self.early_rounds += 1
+                elif took != (tuple(sorted(accepted)), tuple(sorted(late))):
+                    raise RuntimeError(
+                        f"tfsync: round {round_} should aggregate ranks {sorted(accepted)} and the late "
+                        f"contributions of {sorted(late)} (the coordinator's decision) but ranks "
+                        f"{list(took[0])} and late {list(took[1])} contributed; the workers disagree about the round"
+                    )
         except BaseException as exc:  # carried to the training thread by wait()
             return self._fail(exc)
         result = RoundResult(
@@ -453,5 +533,7 @@ class RoundExchange:
         with self._cond:
             self._results[round_] = result
             self._completed = round_
+            if coordinated:  # a round that completed was closed, whether or not its closing came yet
+                self._closed_through = max(self._closed_through, round_)
             self._cond.notify_all()
         return True

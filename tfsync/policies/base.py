@@ -35,12 +35,19 @@ class Policy(abc.ABC):
         skips: a worker whose next round closed without it skips that step's
             computation (counted as ``skipped``) instead of computing a
             contribution that could only be dropped.
+        accepts_ready: (coordinated policies) every rank whose ready notice
+            for the oldest open round arrives before :meth:`close_round`
+            closes it is in the accepted set, so the coordinator can tell
+            it so at once and it enters the round's allreduce without
+            waiting for the closing (the coordinator checks the promise at
+            every closing and stops the job if a policy breaks it).
     """
 
     name: str = ""
     payload: str = ""
     coordinated: bool = False
     skips: bool = False
+    accepts_ready: bool = False
 
     @abc.abstractmethod
     def required_round(self, step: int) -> int:

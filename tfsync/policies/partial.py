@@ -16,7 +16,10 @@ The parameter server of the papers becomes rank 0's coordinator
 every worker which ranks round ``t`` aggregates; every worker's communication
 thread then enters the round's allreduce, the accepted ranks with their
 contribution and every other rank with zeros, and divides by ``d``, so every
-replica applies the same mean.  A contribution that misses its round is
+replica applies the same mean.  Both policies take every rank that is ready
+for the oldest open round when it closes (``accepts_ready``), so the
+coordinator's answer to a ready notice tells that rank it counts, and the
+rank enters at once: only the ranks not ready by the closing wait for it.  A contribution that misses its round is
 stale from then on and dropped (:func:`tfsync.ops.mask_stale`, counted);
 the worker that produced it skips the steps whose rounds have closed and
 rejoins at the current one, so a slow worker no longer sets the job's length.
@@ -105,6 +108,7 @@ class PSP(Policy):
     payload = "gradients"
     coordinated = True
     skips = True
+    accepts_ready = True  # every ready rank when it closes (PSP); the first N close it at the N-th (backup)
 
     def __post_init__(self):
         hint = "e.g. tfsync.PSP(min_contributions=3, push_timeout_s=0.0)"
@@ -192,6 +196,7 @@ class BackupWorkers(Policy):
     payload = "gradients"
     coordinated = True
     skips = True
+    accepts_ready = True  # every ready rank when it closes (PSP); the first N close it at the N-th (backup)
 
     def __post_init__(self):
         _check_int("BackupWorkers", "backups", self.backups, 0, "e.g. tfsync.BackupWorkers(backups=1)")
