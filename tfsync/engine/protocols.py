@@ -72,7 +72,8 @@ def horovod_collective(average: bool, hvd=None):
     size = hvd.size()
 
     def collective(payload, meta, divisor=None):
-        # ``divisor``: a coordinated round's d, applied by Horovod as a post-scale of the sum
+        # ``divisor``: a sum post-scaled by ``1 / divisor`` in Horovod's fusion buffer (the final
+        # round's d; coordinated rounds pass 1 and divide by d from the metadata afterwards)
         op = hvd.Average if average and divisor is None else hvd.Sum
         scale = {} if divisor is None else {"postscale_factor": 1.0 / divisor}
         groups = {}
