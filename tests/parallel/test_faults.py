@@ -23,6 +23,9 @@ def _run(tmp_path, scenario):
     [
         ("die", "WorkerLostError", 20.0),
         ("hang", "SyncTimeoutError", 20.0),
+        # BSP's round runs on the training thread, inside Horovod: its watchdog must end that
+        # wait at the bound too (before it, the others waited until the hung rank exited)
+        ("hang_bsp", "SyncTimeoutError", 20.0),
         ("die_psp", "WorkerLostError", 20.0),
     ],
 )

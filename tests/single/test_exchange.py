@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from tfsync.engine.control import STOP_CALL_TIMEOUT_S, STOP_NOTICE_GRACE_S, ControlClient, ControlServer
 from tfsync.engine.diagnosis import Diagnosis, SyncTimeoutError
-from tfsync.engine.exchange import RoundExchange, WorkerLostError, decode_meta, encode_meta
+from tfsync.engine.exchange import INLINE_WATCH_S, RoundExchange, WorkerLostError, decode_meta, encode_meta
 
 TOKEN = "t" * 32
 
@@ -22,6 +22,49 @@ def _doubling(payload, meta):
 
 def _exchange(fn=None, rank=1, size=3):
     return RoundExchange(fn or _doubling, rank=rank, size=size, t0=100.0)
+
+
+def test_an_inline_round_that_outlasts_its_bound_is_aborted_and_named():
+    # BSP runs its round on the training thread; a peer whose process lives but whose training
+    # thread is stuck would hold it in Horovod forever: the watchdog aborts the collective
+    released, aborted, waits = threading.Event(), [], []
+
+    def stuck(payload, meta, divisor=None):
+        released.wait(30.0)
+        raise RuntimeError("Horovod has been shut down")
+
+    def abort():
+        aborted.append(time.monotonic())
+        released.set()
+
+    ex = RoundExchange(stuck, rank=0, size=2, t0=0.0, abort=abort)
+    ex.on_inline_wait = lambda: waits.append(time.monotonic())
+    try:
+        start = time.monotonic()
+        ex.submit(0, [np.ones(3, np.float32)], 0.0, 0.0, inline=True, timeout_s=2.5)
+        assert ex.inline_expired == 0 and len(aborted) == 1
+        assert 2.5 <= aborted[0] - start < 2.5 + INLINE_WATCH_S + 1.0
+        assert waits, "it reported its clock while it waited, as a polling wait does"
+        with pytest.raises(RuntimeError, match="shut down"):
+            ex.wait(0, timeout_s=1.0)
+    finally:
+        ex.close()
+
+
+def test_an_inline_round_within_its_bound_is_not_aborted():
+    aborted = []
+    ex = RoundExchange(_doubling_any, rank=0, size=2, t0=0.0, abort=lambda: aborted.append(1))
+    try:
+        for r in range(3):
+            ex.submit(r, [np.ones(3, np.float32)], 0.0, 0.0, inline=True, timeout_s=1.0)
+        time.sleep(1.0 + 2 * INLINE_WATCH_S)  # the watchdog looked again after every bound
+        assert ex.completed == 2 and aborted == [] and ex.inline_expired is None and ex.error is None
+    finally:
+        ex.close()
+
+
+def _doubling_any(payload, meta, divisor=None):
+    return _doubling(payload, meta)
 
 
 def test_rounds_complete_in_order_with_metadata():

@@ -12,7 +12,11 @@ of everything that talks to the outside world:
   ``collective(payload, meta, divisor=None) -> (total, meta)``;
 * ``barrier(name)``: a function of no arguments that returns once every
   rank has called it; the engine's ``close()`` builds it on the training
-  thread and runs it on the exchange thread, after every round.
+  thread and runs it on the exchange thread, after every round;
+* ``abort()`` (optional): make every pending and later collective of every
+  rank fail at once.  The engine calls it from a watchdog thread when a
+  round that runs on the training thread (BSP's inline round) outlasts the
+  wait bound, so that wait ends as every other one does.
 
 The engine calls them from at most one thread at a time per rank, in the same
 order on every rank.  In production (``cluster=None``) it is
@@ -51,6 +55,12 @@ class HorovodCluster:
     def collective(self, average: bool):
         """One ``hvd.grouped_allreduce`` per round: :func:`tfsync.engine.protocols.horovod_collective`."""
         return protocols.horovod_collective(average)
+
+    def abort(self):
+        """``hvd.shutdown()``: a pending collective on this rank raises at once (Horovod's
+        "has been shut down" error), and Horovod tells the other ranks, whose pending and
+        later collectives fail too (measured here with 3 ranks: all within the same 0.1 s)."""
+        self.hvd.shutdown()
 
     def barrier(self, name):
         """An ``hvd.allreduce`` of a scalar zero, to run later (Horovod is re-checked now)."""

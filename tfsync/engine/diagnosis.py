@@ -47,17 +47,19 @@ class Diagnosis:
         if lost:
             raise self.stop(self.lost_error(round_, None, lost))
         if time.monotonic() >= deadline:
-            peer_stop = self.peer_stop()
-            if peer_stop is not None:
-                raise self.stop(peer_stop)
-            raise self.stop(
-                SyncTimeoutError(
-                    f"tfsync: rank {self.rank} waited {self.wait_timeout_s:.0f} s for round {round_} "
-                    f"(mode {self.mode_name}); {self.behind(round_)}. A worker is hung or far "
-                    f"slower than the others; raise wait_timeout_s (or {self.timeout_env}) if that "
-                    f"is expected"
-                )
-            )
+            raise self.stop(self.timeout_error(round_))
+
+    def timeout_error(self, round_):
+        """The error for a wait for ``round_`` that reached its bound (a peer's stop, if one came)."""
+        peer_stop = self.peer_stop()
+        if peer_stop is not None:
+            return peer_stop
+        return SyncTimeoutError(
+            f"tfsync: rank {self.rank} waited {self.wait_timeout_s:.0f} s for round {round_} "
+            f"(mode {self.mode_name}); {self.behind(round_)}. A worker is hung or far "
+            f"slower than the others; raise wait_timeout_s (or {self.timeout_env}) if that "
+            f"is expected"
+        )
 
     def behind(self, round_):
         """Which ranks have not pushed ``round_``, from rank 0's (or the last known) clock table."""

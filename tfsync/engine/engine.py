@@ -191,11 +191,18 @@ class SyncEngine:
         # the exchange first: a frontend may route the protocol's variable creation
         # (SyncStrategy broadcasts initial values) through it
         self.exchange = RoundExchange(
-            cluster.collective(protocol_cls.average), self.rank, self.size, self.t0, **coordinated
+            cluster.collective(protocol_cls.average),
+            self.rank,
+            self.size,
+            self.t0,
+            abort=getattr(cluster, "abort", None),
+            **coordinated,
         )
         self.protocol = protocol_cls(tensors, self.size, self.policy)
         on_close = self.exchange.close_round if self.policy.coordinated else None
         self.control = ControlClient(address, self.rank, token, on_close=on_close)
+        # an inline round that waits reports this worker's clock, as the polling wait does
+        self.exchange.on_inline_wait = lambda: self.control.report(self._last_pushed, min_interval_s=0.0)
         self._diagnosis = Diagnosis(self.control, self.rank, self.policy.name, self.wait_timeout_s, WAIT_TIMEOUT_ENV)
         self._delays = self.stragglers.for_rank(self.rank)
         self.step = 0
@@ -406,6 +413,7 @@ class SyncEngine:
             total[0] += compute_s
             total[1] += 1
             compute_s = total[0] / total[1] + self._post_push_s
+        self._last_pushed = step  # (before an inline round: its watchdog reports this clock)
         if self.policy.coordinated:
             self.exchange.push(step, payload, t_push, compute_s)
             self.control.ready(step, on_accepted=self.exchange.enter_accepted)
@@ -413,11 +421,10 @@ class SyncEngine:
             # a worker that would wait for this very round anyway runs it on its own thread
             # (not one that may be granted extra steps instead)
             inline = required >= step and not (self._dssp and self.policy.extra_max > 0)
-            self.exchange.submit(step, payload, t_push, compute_s, inline=inline)
+            self.exchange.submit(step, payload, t_push, compute_s, inline=inline, timeout_s=self.wait_timeout_s)
             if self._dssp:
                 required = self._dssp_required(step, required)
         self._produced += 1
-        self._last_pushed = step
         self.control.report(step)
         applied = self._wait_and_apply(required)
         if corrected is not None:  # waited before the optimizer, not after the push
@@ -590,6 +597,9 @@ class SyncEngine:
             try:
                 done = self.exchange.wait(round_, min(WAIT_POLL_S, max(deadline - time.monotonic(), 0.0)))
             except Exception as exc:  # the collective failed: find out who is gone
+                if self.exchange.inline_expired is not None:  # no: its inline wait reached the bound
+                    self.control.report(self._last_pushed, min_interval_s=0.0)
+                    raise self._diagnosis.stop(self._diagnosis.timeout_error(self.exchange.inline_expired)) from exc
                 raise self._diagnosis.stop(self._diagnosis.lost_error(round_, exc)) from exc
             if done:
                 return

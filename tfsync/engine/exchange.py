@@ -80,6 +80,7 @@ _DIGITS = (1, 2, 3, 3, 1, 2)
 _TIMES = (2, 3)  # the fields in seconds, sent as microseconds
 META_WIDTH = sum(_DIGITS)
 _BASE = 1 << 16
+INLINE_WATCH_S = 1.0  # how often the watchdog of inline rounds looks (so an abort comes at most this late)
 
 
 def encode_meta(meta: np.ndarray) -> np.ndarray:
@@ -150,8 +151,17 @@ class RoundExchange:
     e.g. a mean of gradients).
     """
 
-    def __init__(self, collective, rank: int, size: int, t0: float, *, absent=None, mask=None, keep_stale=False):
+    def __init__(
+        self, collective, rank: int, size: int, t0: float, *, absent=None, mask=None, keep_stale=False, abort=None
+    ):
         self._collective = collective
+        # abort(): make the pending collective fail (the cluster's); bounds a round run inline
+        self._abort = abort
+        self.inline_expired = None  # the inline round whose bound ran out (the collective was aborted)
+        self.on_inline_wait = None  # called about once a second while an inline round waits
+        self._inline = None  # (round, started, deadline) of the inline round running, polled by the watchdog
+        self._watchdog = None
+        self._closing = threading.Event()
         self.rank, self.size, self.t0 = rank, size, t0
         # coordinated rounds: the payload of a rank that contributes nothing (or a
         # function returning it, called once when first needed), the
@@ -303,12 +313,27 @@ class RoundExchange:
         self._drops.append((stamp, round_))
 
     def submit(
-        self, round_: int, payload: list, push_time: float, compute_s: float, inline: bool = False, present=True
+        self,
+        round_: int,
+        payload: list,
+        push_time: float,
+        compute_s: float,
+        inline: bool = False,
+        present=True,
+        timeout_s: float = None,
     ):
         """Queue round ``round_``; with ``inline``, run it now on this thread if nothing is queued.
 
         ``present=False``: this worker skipped the step (ElasticBSP) and ``payload`` is
         zeros; its row still carries ``compute_s``, its latest iteration interval.
+
+        ``timeout_s`` bounds an inline round as the caller's wait would be
+        bounded: a watchdog aborts the collective (the cluster's ``abort``)
+        if it has not returned by then, the round fails, and
+        :attr:`inline_expired` names it, so the caller can say that it timed
+        out.  Without it, a peer whose process is alive but whose training
+        thread is stuck would hold this thread in Horovod for as long as it
+        stays stuck (measured: the others waited until the stuck rank exited).
         """
         meta = np.zeros((self.size, _K), np.float64)
         meta[self.rank, :4] = (1.0 if present else 0.0, round_, push_time, compute_s)
@@ -318,11 +343,41 @@ class RoundExchange:
                 with self._cond:
                     idle = self._unfinished == 0
                 if idle:
-                    self._run_round(item)
+                    self._run_inline(item, timeout_s)
                     return
             finally:
                 self._running.release()
         self._put(item)
+
+    def _run_inline(self, item, timeout_s):
+        if timeout_s is None or self._abort is None:
+            self._run_round(item)
+            return
+        if self._watchdog is None:  # one thread for the exchange's life, not one per round
+            self._watchdog = threading.Thread(target=self._watch_inline, name="tfsync-inline-watchdog", daemon=True)
+            self._watchdog.start()
+        now = time.monotonic()
+        # a plain attribute the watchdog polls: no thread is woken on the step's path
+        self._inline = (item[0], now, now + timeout_s)
+        try:
+            self._run_round(item)
+        finally:
+            self._inline = None
+
+    def _watch_inline(self):
+        """Every ``INLINE_WATCH_S``: an inline round running for longer reports this worker's
+        clock (``on_inline_wait``, as a waiting worker does); one past its bound is aborted."""
+        while not self._closing.wait(INLINE_WATCH_S):
+            running = self._inline
+            if running is None:
+                continue
+            round_, started, deadline = running
+            now = time.monotonic()
+            if now >= deadline and self._inline is running:
+                self.inline_expired = round_
+                self._abort()
+            elif now - started >= INLINE_WATCH_S and self.on_inline_wait is not None:
+                self.on_inline_wait()
 
     def _put(self, item):
         with self._cond:
@@ -356,6 +411,7 @@ class RoundExchange:
             return self._results.pop(round_)
 
     def close(self, timeout_s: float = 10.0):
+        self._closing.set()
         self._queue.put(None)
         self._thread.join(timeout_s)
 

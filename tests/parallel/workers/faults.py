@@ -1,5 +1,6 @@
 """A worker dies, hangs, or is configured differently: the others must stop with
-an error naming it, in bounded time (results written per rank).  Under PSP a
+an error naming it, in bounded time (results written per rank), also under BSP,
+whose rounds run on the training thread.  Under PSP a
 worker that dies stops the job too, and one that is merely slow (3 s, below
 the 5 s wait bound) stops nobody: the others go on without it."""
 
@@ -23,7 +24,12 @@ y = x.sum(axis=1, keepdims=True)
 model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
 model.compile(optimizer="sgd", loss="mse")
 staleness = 3 if (scenario == "mismatch" and rank == 1) else 2
-mode = tfsync.PSP() if scenario.endswith("_psp") else tfsync.SSP(staleness=staleness)
+if scenario.endswith("_psp"):
+    mode = tfsync.PSP()
+elif scenario.endswith("_bsp"):  # BSP runs its rounds on the training thread (inline)
+    mode = tfsync.BSP()
+else:
+    mode = tfsync.SSP(staleness=staleness)
 sync = tfsync.keras.SyncCallback(mode=mode, wait_timeout_s=5, stragglers=tfsync.Stragglers(base_s=0.01))
 
 
