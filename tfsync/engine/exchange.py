@@ -21,7 +21,9 @@ worker computes step ``r + 1`` while round ``r`` is in flight.  A caller that
 would only wait for the round it submits (BSP) runs it on its own thread
 instead (``submit(..., inline=True)``) when nothing is queued ahead of it:
 the same collective in the same order, without two thread hand-offs per
-step, which cost milliseconds on a machine whose cores are all busy.  Every other
+step, which cost milliseconds on a machine whose cores are all busy.  That
+wait sits inside Horovod, which never times out a peer that is alive but
+stuck, so a watchdog thread bounds it (``submit``'s ``timeout_s``).  Every other
 collective a worker issues while training (e.g. averaging epoch logs) goes
 through :meth:`RoundExchange.call` on the same thread: Horovod's eager ops
 fail when two threads of one process run collectives at once, and one queue
