@@ -13,6 +13,7 @@ Three layers, each against what it promises:
 Every wait is bounded, so a bug fails instead of hanging.
 """
 
+import contextlib
 import random
 import threading
 import time
@@ -379,6 +380,18 @@ def _exchanges(size, collective_for, t0=0.0, mask=mask_twin):
     return [RoundExchange(collective_for(r), rank=r, size=size, t0=t0, absent=absent, mask=mask) for r in range(size)]
 
 
+@contextlib.contextmanager
+def _fake_ranks(size, timeout_s=WAIT_S):
+    """``(allreduce, exchanges)``: ``size`` ranks' exchanges over one fake allreduce, closed after."""
+    allreduce = FakeAllreduce(size, timeout_s=timeout_s)
+    exchanges = _exchanges(size, allreduce.for_rank)
+    try:
+        yield allreduce, exchanges
+    finally:
+        for ex in exchanges:
+            ex.close()
+
+
 class FakeCoordinator:
     """Rank 0's coordinator, driven by a plan: round r waits for every rank planned on time,
     then accepts a random non-empty subset of the ranks ready by then (those whose push
@@ -660,10 +673,7 @@ def test_a_round_whose_contributors_differ_from_the_decision_fails():
 
 
 def test_ranks_told_that_their_contribution_counts_enter_before_the_closing_reaches_them():
-    size = 3
-    allreduce = FakeAllreduce(size)
-    exchanges = _exchanges(size, allreduce.for_rank)
-    try:
+    with _fake_ranks(3) as (allreduce, exchanges):
         for k in (0, 1):
             exchanges[k].push(0, contribution(k, 0), 0.0, 0.1)
             exchanges[k].enter_accepted(0)  # the ready notice's answer: round 0 takes it
@@ -682,17 +692,11 @@ def test_ranks_told_that_their_contribution_counts_enter_before_the_closing_reac
             assert exchanges[k].error is None
         assert allreduce.divisors == {0: 1}  # one collective, the plain sum
         assert [ex.counts["applied"] for ex in exchanges] == [1, 1, 0]
-    finally:
-        for ex in exchanges:
-            ex.close()
 
 
 def test_an_acceptance_that_arrives_after_the_closing_enters_nothing():
-    size = 2
-    allreduce = FakeAllreduce(size)
-    exchanges = _exchanges(size, allreduce.for_rank)
-    try:
-        for k in range(size):
+    with _fake_ranks(2) as (allreduce, exchanges):
+        for k in range(2):
             exchanges[k].push(0, contribution(k, 0), 0.0, 0.1)
             exchanges[k].close_round(0, (0, 1))
         for ex in exchanges:
@@ -701,9 +705,6 @@ def test_an_acceptance_that_arrives_after_the_closing_enters_nothing():
             ex.call(lambda: None, timeout_s=WAIT_S)
             assert ex.error is None
         assert allreduce.divisors == {0: 1}
-    finally:
-        for ex in exchanges:
-            ex.close()
 
 
 def test_a_closing_that_differs_from_what_an_early_round_aggregated_fails():
@@ -740,9 +741,7 @@ def test_an_acceptance_for_a_round_the_outbox_does_not_hold_fails_instead_of_ent
 
 
 def test_a_failing_rank_makes_the_others_fail_too_not_hang():
-    allreduce = FakeAllreduce(3, timeout_s=0.5)
-    exchanges = _exchanges(3, allreduce.for_rank)
-    try:
+    with _fake_ranks(3, timeout_s=0.5) as (_, exchanges):
         for k in (0, 2):
             exchanges[k].push(0, contribution(k, 0), 0.0, 0.1)
         for ex in exchanges:
@@ -752,9 +751,6 @@ def test_a_failing_rank_makes_the_others_fail_too_not_hang():
         for k in (0, 2):
             with pytest.raises(TimeoutError, match="waited 0.5 s for ranks \\[1\\]"):
                 exchanges[k].wait(0, timeout_s=WAIT_S)
-    finally:
-        for ex in exchanges:
-            ex.close()
 
 
 # ------------------------------------------------------------- rank 0's coordinator

@@ -333,7 +333,7 @@ class ControlServer:
             if round_ == next_open and self._policy is not None and not self._policy_failed:
                 if round_ < len(self._closed):  # this notice closed it (rounds close in order from 0)
                     accepted = int(rank in self._closed[round_][1])
-                elif getattr(self._policy, "accepts_ready", False) and any(r == rank for r, _ in ready):
+                elif getattr(self._policy, "accepts_ready", False):  # (its notice is in ``ready`` now)
                     self._early.setdefault(round_, set()).add(rank)
                     accepted = 1
         return {"ok": 1, "accepted": accepted}
