@@ -111,6 +111,25 @@ def add_mode_arguments(parser, baselines=()):
         default=None,
         help="PSP's tau1 in seconds (--mode psp; default: a tenth of the round's " "iteration time)",
     )
+    parser.add_argument(
+        "--pull-fraction",
+        type=float,
+        default=1.0,
+        help="PSP's b: the share of a round's parameter blocks a worker waits for (--mode psp; "
+        "default 1.0, no partial pulling; the paper used 0.9)",
+    )
+    parser.add_argument(
+        "--pull-timeout-s",
+        type=float,
+        default=None,
+        help="PSP's tau2: go on this long after the first block arrived (--mode psp --pull-fraction)",
+    )
+    parser.add_argument(
+        "--pull-blocks",
+        type=int,
+        default=None,
+        help="PSP's number of parameter blocks B (--mode psp --pull-fraction; default one per weight tensor)",
+    )
     parser.add_argument("--backups", type=int, default=1, help="backup workers b (--mode backup)")
     parser.add_argument(
         "--compensate",
@@ -145,6 +164,12 @@ def mode_from_args(args):
             "--dc-lambda and --dc-adaptive set delay compensation: add --compensate (with --mode psp "
             "or backup) or use --mode dcs3gd"
         )
+    pull = args.pull_fraction != 1.0 or args.pull_timeout_s is not None or args.pull_blocks is not None
+    if pull and args.mode != "psp":
+        raise SystemExit(
+            f"--pull-fraction, --pull-timeout-s and --pull-blocks set PSP's partial pulling; mode "
+            f"{args.mode!r} waits for every block of a round: use them with --mode psp"
+        )
     compensation = tfsync.DelayCompensation(lam=args.dc_lambda, adaptive=args.dc_adaptive)
     compensate = compensation if args.compensate else None
     if args.mode == "ssp":
@@ -155,7 +180,12 @@ def mode_from_args(args):
         return tfsync.ElasticBSP(lookahead=args.lookahead, algorithm=args.zipline)
     if args.mode == "psp":
         return tfsync.PSP(
-            min_contributions=args.min_contributions, push_timeout_s=args.push_timeout_s, compensate=compensate
+            min_contributions=args.min_contributions,
+            push_timeout_s=args.push_timeout_s,
+            compensate=compensate,
+            pull_fraction=args.pull_fraction,
+            pull_timeout_s=args.pull_timeout_s,
+            pull_blocks=args.pull_blocks,
         )
     if args.mode == "backup":
         return tfsync.BackupWorkers(backups=args.backups, compensate=compensate)
@@ -184,12 +214,17 @@ def describe_mode(policy):
         "min_contributions": "c",
         "push_timeout_s": "timeout",
         "backups": "b",
+        "pull_fraction": "pull",
+        "pull_timeout_s": "pull_timeout",
+        "pull_blocks": "B",
     }
     for k, v in policy.config().items():
         if k == "compensation":  # DC-S3GD's own
             options.append(compensation(policy.compensation))
         elif k == "compensate":  # PSP's and backup workers' late gradients
             suffix = "" if policy.compensate is None else f"+dc({compensation(policy.compensate)})"
+        elif k == "pull_fraction" and v == 1.0:  # PSP without partial pulling
+            continue
         elif k != "mode" and v is not None:
             options.append(f"{short.get(k, k)}={v}")
     return policy.name + (f"({', '.join(options)})" if options else "") + suffix

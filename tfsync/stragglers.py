@@ -1,9 +1,14 @@
-"""Built-in straggler injection: simulated device time, slow ranks, rare delays, jitter.
+"""Built-in straggler injection: simulated device time, slow ranks, rare delays, jitter,
+slow pulls.
 
 Off by default.  A delay is a ``time.sleep`` (it frees the CPU, as a slow GPU
 would), drawn from a generator seeded with ``(seed, rank)`` so the same spec
 gives the same delays in every launch.  Rare delays follow the PSP paper's
-simulation (Section 4: 0.16% of responses delayed by 4 s).
+simulation (Section 4: 0.16% of responses delayed by 4 s).  Slow pulls are the
+same paper's delays on the receive side: a block of a round's result reaches
+one worker's training thread late (see :class:`tfsync.PSP`'s partial pulling);
+they are drawn from a stream of their own, so adding them leaves the step
+delays of a spec unchanged.
 
 Set it from code (``tfsync.Stragglers(...)``), from a spec string on the
 command line (``--stragglers "base=0.02,slow=3:0.04"``) or from the environment
@@ -23,6 +28,7 @@ _SPEC_HELP = (
     "comma-separated key=value items: base=SECONDS (simulated device time of every step), "
     "slow=RANK:SECONDS (extra time per step on RANK; repeatable), "
     "rare=PROBABILITY:SECONDS (a rare long delay), jitter=SECONDS (uniform extra 0..SECONDS), "
+    "pull=PROBABILITY:SECONDS (a block of a round's result reaches the worker that late), "
     "seed=INT; e.g. 'base=0.02,slow=3:0.04,rare=0.0016:4,seed=1'"
 )
 
@@ -37,6 +43,9 @@ class Stragglers:
         rare_prob: probability that a step gets a rare delay (default 0).
         rare_s: length of a rare delay in seconds.
         jitter_s: each step gets an extra ``uniform(0, jitter_s)`` seconds.
+        pull_prob: probability that one block of one round's result reaches a
+            worker late (a receive-side delay; drawn per worker, round and block).
+        pull_s: how late, in seconds.
         seed: makes the delays identical across launches (default 0).
 
     Example::
@@ -50,24 +59,34 @@ class Stragglers:
     rare_prob: float = 0.0
     rare_s: float = 0.0
     jitter_s: float = 0.0
+    pull_prob: float = 0.0
+    pull_s: float = 0.0
     seed: int = 0
 
     def __post_init__(self):
         slow = self.slow_ranks.items() if isinstance(self.slow_ranks, dict) else self.slow_ranks
         slow = tuple(sorted((int(r), float(s)) for r, s in slow))
         object.__setattr__(self, "slow_ranks", slow)
-        for name in ("base_s", "rare_s", "jitter_s"):
+        for name in ("base_s", "rare_s", "jitter_s", "pull_s"):
             _check_seconds(name, getattr(self, name))
         for rank, extra in slow:
             if rank < 0:
                 raise ValueError(f"Stragglers: slow rank {rank} is negative; ranks start at 0")
             _check_seconds(f"slow_ranks[{rank}]", extra)
-        if not 0.0 <= self.rare_prob <= 1.0:
-            raise ValueError(f"Stragglers: rare_prob={self.rare_prob} must be a probability in [0, 1]")
+        for name in ("rare_prob", "pull_prob"):
+            value = getattr(self, name)
+            if not 0.0 <= value <= 1.0:
+                raise ValueError(f"Stragglers: {name}={value} must be a probability in [0, 1]")
 
     @property
     def enabled(self) -> bool:
-        return bool(self.base_s or self.slow_ranks or (self.rare_prob and self.rare_s) or self.jitter_s)
+        return bool(
+            self.base_s
+            or self.slow_ranks
+            or (self.rare_prob and self.rare_s)
+            or self.jitter_s
+            or (self.pull_prob and self.pull_s)
+        )
 
     @classmethod
     def parse(cls, spec: str) -> "Stragglers":
@@ -89,6 +108,9 @@ class Stragglers:
                 elif key == "rare":
                     prob, seconds = value.split(":")
                     kwargs["rare_prob"], kwargs["rare_s"] = float(prob), float(seconds)
+                elif key == "pull":
+                    prob, seconds = value.split(":")
+                    kwargs["pull_prob"], kwargs["pull_s"] = float(prob), float(seconds)
                 elif key == "jitter":
                     kwargs["jitter_s"] = float(value)
                 elif key == "seed":
@@ -113,6 +135,8 @@ class Stragglers:
             items.append(f"rare={self.rare_prob}:{self.rare_s}")
         if self.jitter_s:
             items.append(f"jitter={self.jitter_s}")
+        if self.pull_prob:
+            items.append(f"pull={self.pull_prob}:{self.pull_s}")
         items.append(f"seed={self.seed}")
         return ",".join(items) if self.enabled else "none"
 
@@ -128,6 +152,7 @@ class RankDelays:
         self.rank = rank
         self._fixed_s = config.base_s + dict(config.slow_ranks).get(rank, 0.0)
         self._rng = np.random.default_rng([config.seed, rank])
+        self._pull_rng = np.random.default_rng([config.seed, rank, 1])  # its own stream
 
     def next_delay_s(self) -> float:
         delay = self._fixed_s
@@ -150,6 +175,14 @@ class RankDelays:
         if cfg.rare_prob:
             delays += np.where(draws[:, -1] < cfg.rare_prob, cfg.rare_s, 0.0)
         return delays
+
+    def pull_delays_s(self, blocks: int) -> np.ndarray:
+        """How late each of a round's ``blocks`` reaches this worker (seconds, mostly 0);
+        call once per round, in round order."""
+        cfg = self.config
+        if not (cfg.pull_prob and cfg.pull_s):
+            return np.zeros(blocks)
+        return np.where(self._pull_rng.random(blocks) < cfg.pull_prob, cfg.pull_s, 0.0)
 
     def sleep(self) -> float:
         """Sleep for the next step's delay; returns the seconds slept."""

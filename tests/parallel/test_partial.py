@@ -36,7 +36,7 @@ def straggler(tmp_path_factory):
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "momentum", "adam"])
-@pytest.mark.parametrize("variant", ["psp", "backup", "psp_strategy"])
+@pytest.mark.parametrize("variant", ["psp", "backup", "psp_strategy", "psp_pull"])
 def test_full_contribution_settings_give_bsp_weights(equivalence, optimizer, variant):
     # PSP(c = size) and BackupWorkers(0) wait for every worker: plain Horovod's weights
     for rank, res in equivalence.items():
@@ -47,7 +47,7 @@ def test_full_contribution_settings_give_bsp_weights(equivalence, optimizer, var
         assert counts["skipped"] == 0 and counts["dropped"] == 0, counts
 
 
-@pytest.mark.parametrize("mode", ["psp", "backup", "backup_strategy", "bsp", "ssp"])
+@pytest.mark.parametrize("mode", ["psp", "backup", "backup_strategy", "bsp", "ssp", "psp_pull"])
 def test_replicas_identical_and_every_contribution_accounted_for(straggler, mode):
     res, _, _ = straggler
     for rank, r in res.items():
@@ -103,6 +103,30 @@ def test_rounds_aggregate_fresh_contributions_only_and_enough_of_them(straggler,
             assert d == size - 1, (round_, d)
         else:
             assert size - 1 <= d <= size, (round_, d)
+
+
+@pytest.mark.parametrize("mode", ["psp", "psp_pull"])
+def test_optimizer_state_is_identical_on_every_replica(straggler, mode):
+    # Adam's moments and step count: partial pulling applies late blocks with their round's count
+    res, _, _ = straggler
+    for rank, r in res.items():
+        assert r[mode]["optimizer_max_diff"] == 0.0, (rank, r[mode])
+        assert r[mode]["iterations"] == STEPS, (rank, r[mode])  # one per round, late blocks included
+
+
+def test_slow_pulls_leave_blocks_behind_and_every_block_lands(straggler):
+    res, traces, _ = straggler
+    size, late = 3, 0
+    for rank in range(size):
+        records = [rec for rec in traces[("psp_pull", rank)] if "queued_blocks" in rec]
+        last = records[-1]
+        # every round's 4 blocks (the model's 4 weight tensors) applied by the end of fit
+        assert last["blocks"] + last["queued_blocks"] == STEPS * 4, (rank, last)
+        assert last["delayed_blocks"] > 0, (rank, last)  # the simulated slow pulls happened
+        late += last["late_blocks"]
+        logs = res[rank]["psp_pull"]["logs"]
+        assert logs["tfsync_blocks"][-1] == STEPS * 4, (rank, logs)  # drained at the last epoch's end
+    assert late > 0  # a worker went on without a block and applied it when it landed
 
 
 def test_drops_are_in_the_trace_with_their_stamp(straggler):

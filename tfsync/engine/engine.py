@@ -46,6 +46,14 @@ last one in flight is drained); steps that computed nothing are
 ``skipped``.  All five are in the totals, the Keras logs and the trace.
 BSP and SSP accept every contribution (SSP bounds staleness by waiting, not
 by dropping) and never skip.
+
+With PSP's partial pulling (``pull_fraction < 1``) a completed round's mean is
+not returned to the frontend: :class:`tfsync.engine.pull.BlockPull` applies it
+block by block through the applier the frontend set
+(:meth:`SyncEngine.set_block_applier`), and the step goes on once enough of
+its round's blocks have arrived.  Simulated slow pulls
+(``Stragglers(pull_prob=, pull_s=)``) hold a round's blocks back on the
+receive side; a mode without partial pulling waits for all of them.
 """
 
 import contextlib
@@ -63,6 +71,7 @@ from tfsync.engine.cluster import HorovodCluster
 from tfsync.engine.control import ControlClient, ControlServer
 from tfsync.engine.diagnosis import Diagnosis
 from tfsync.engine.exchange import RoundExchange
+from tfsync.engine.pull import BlockPull, partition
 from tfsync.policies import resolve
 from tfsync.stragglers import Stragglers
 
@@ -151,6 +160,7 @@ class SyncEngine:
             )
         shapes = [[int(d) for d in t.shape] for t in tensors]
         self.num_params = int(sum(np.prod(s, dtype=np.int64) for s in shapes))
+        blocks = self._pull_blocks(shapes)
         config = {
             "policy": self.policy.config(),
             "num_params": self.num_params,
@@ -205,6 +215,15 @@ class SyncEngine:
         self.exchange.on_inline_wait = lambda: self.control.report(self._last_pushed, min_interval_s=0.0)
         self._diagnosis = Diagnosis(self.control, self.rank, self.policy.name, self.wait_timeout_s, WAIT_TIMEOUT_ENV)
         self._delays = self.stragglers.for_rank(self.rank)
+        self._pull = None  # PSP's partial pulling: the blocks not applied yet
+        self._pull_blocks_n = len(blocks)  # a mode without it waits for a round's last block
+        if getattr(self.policy, "pulls_partially", False):
+            self._pull = BlockPull(
+                blocks,
+                self.policy.blocks_needed(len(blocks)),
+                self.policy.pull_timeout_s,
+                self._delays.pull_delays_s,
+            )
         self.step = 0
         self._produced = self._own_applied = self._own_compensated = 0  # not yet moved into the totals
         self._corrected_rounds = set()  # own contributions whose gradient was delay-compensated
@@ -234,6 +253,41 @@ class SyncEngine:
         self.started = True
         self._t_step_start = self._now()
 
+    def _pull_blocks(self, shapes):
+        """The parameter blocks of PSP's partial pulling (one per weight tensor without it)."""
+        sizes = [int(np.prod(s, dtype=np.int64)) for s in shapes]
+        count = getattr(self.policy, "pull_blocks", None)
+        if count is not None and count > len(sizes):
+            raise ValueError(
+                f"tfsync: PSP(pull_blocks={count}) with a model of {len(sizes)} weight tensors "
+                f"({self.num_params} parameters): a block is a group of whole weight tensors (the "
+                f"optimizer updates each on its own), so use pull_blocks <= {len(sizes)}, or None "
+                f"for one block per weight tensor"
+            )
+        return partition(sizes, count or len(sizes))
+
+    def set_block_applier(self, applier):
+        """Partial pulling: how this worker applies one block of a round's mean
+        (a :class:`tfsync.engine.pull.Applier`; the frontends set it before the first step)."""
+        if self._pull is None:
+            raise ValueError(f"tfsync: mode {self.policy.name!r} does not pull partially; it has no block applier")
+        self._pull.applier = applier
+
+    @property
+    def pulls_partially(self) -> bool:
+        """Whether rounds are applied by the engine block by block (the step returns nothing)."""
+        return self._pull is not None
+
+    @property
+    def pull_groups(self) -> list:
+        """Partial pulling: the blocks, each a list of indices into the weight tensors."""
+        return self._pull.groups if self._pull is not None else []
+
+    @property
+    def pull_counts(self) -> dict:
+        """Partial pulling: blocks applied, applied after their step went on, delayed (simulated)."""
+        return dict(self._pull.counts) if self._pull is not None else {}
+
     def reset_totals(self):
         """Zero the totals (per epoch); ``counts`` keeps the whole run's."""
         self.totals = {"steps": 0, "compute_s": 0.0, "wait_s": 0.0, **dict.fromkeys(COUNTS, 0)}
@@ -255,6 +309,8 @@ class SyncEngine:
             t = self._now()
             applied = self._wait_and_apply(self.step - 1)
             self._record_extra_wait(t, applied)
+        if self._pull is not None:
+            self._pull.drain(self._now, time.monotonic() + self.wait_timeout_s)
         if self._compensates and apply_mean is not None:
             self._final_round(apply_mean)
         drained = self.policy.coordinated and self.exchange.drain_outbox()
@@ -501,7 +557,11 @@ class SyncEngine:
             res = self.exchange.pop(r)
             if self._compensates and r == self._last_pushed and self.rank not in res.accepted:
                 self._hold_late(r)  # before its mean moves the weights it was computed on
-            self.protocol.apply_round(res)
+            if self._pull is not None:
+                self._pull.land(r, res.total, self._now())
+            else:
+                self.protocol.apply_round(res)
+                self._receive_delay()
             # the contributions' stamps are for the trace only: not computed without one
             stamps = None
             if self._trace is not None:
@@ -519,7 +579,31 @@ class SyncEngine:
             self._applied_through = r
             if self._schedule is not None and r == self._schedule.barrier:
                 self._next_superstep(res)
+        if self._pull is not None:
+            if 0 <= required_round <= self._applied_through:
+                self._wait_blocks(required_round)
+            self._pull.apply_arrived(self._now())
         return applied
+
+    def _wait_blocks(self, round_):
+        """Partial pulling: wait (bounded) until enough of ``round_``'s blocks arrived."""
+        try:
+            self._pull.wait(round_, self._now, time.monotonic() + self.wait_timeout_s)
+        except TimeoutError as exc:
+            raise self._diagnosis.stop(
+                RuntimeError(
+                    f"tfsync: rank {self.rank} waited {self.wait_timeout_s:.0f} s for the blocks of round "
+                    f"{round_} ({exc}); a simulated pull delay (Stragglers.pull_s) longer than "
+                    f"wait_timeout_s cannot end: shorten it or raise {WAIT_TIMEOUT_ENV}"
+                )
+            ) from exc
+
+    def _receive_delay(self):
+        """Simulated slow pulls, without partial pulling: the worker waits for a round's
+        last block (``Stragglers(pull_prob=, pull_s=)``)."""
+        delay = float(np.max(self._delays.pull_delays_s(self._pull_blocks_n)))
+        if delay > 0:
+            time.sleep(delay)
 
     def _next_superstep(self, res):
         """ElasticBSP: the barrier round ``res`` is applied; settle and schedule the next superstep
@@ -654,6 +738,7 @@ class SyncEngine:
                     "compensated": compensated,
                     "skipped": skipped,
                     **({"granted": granted} if self._dssp else {}),
+                    **({"queued_blocks": self._pull.queued, **self._pull.counts} if self._pull is not None else {}),
                 }
             )
             if self._closing_grant is not None:

@@ -113,6 +113,7 @@ class GradientProtocol:
         self.shapes = [tuple(t.shape) for t in tensors]
         self.dtypes = [tf.as_dtype(t.dtype) for t in tensors]
         self._zeros = None
+        self.mean = None  # the applied round's mean until the step returns it (none under partial pulling)
         self.compensation = getattr(policy, "compensate", None)
         if self.compensation is not None:
             # a late gradient is corrected against the weights: they, not gradients, start the engine

@@ -38,6 +38,80 @@ def exchange_gradients(engine, grads):
     return out
 
 
+def exchange_gradients_blockwise(engine, grads):
+    """Gradient protocol with PSP's partial pulling: push this step's gradients; the engine
+    applies the rounds' means block by block through the frontend's applier (in place),
+    so nothing is returned to apply.  Returns the step's op."""
+    get_engine = _getter(engine)
+    protocol = get_engine().protocol
+    grads = [
+        tf.zeros(s, d) if g is None else tf.convert_to_tensor(g)  # IndexedSlices become dense
+        for g, s, d in zip(grads, protocol.shapes, protocol.dtypes)
+    ]
+    return tf.py_function(lambda *g: (get_engine().sync_step(g), [])[1], grads, Tout=[], name="tfsync_step")
+
+
+class OptimizerBlocks:
+    """Partial pulling's applier (:class:`tfsync.engine.pull.Applier`): one block of a
+    round's mean through the optimizer, with ``optimizer.iterations`` at that round's count.
+
+    Keras 3 optimizers update each weight from its gradient, its own slots and
+    the learning rate at ``iterations`` (``update_step``), and count one
+    iteration per ``apply``.  Applying round ``r``'s block with ``iterations``
+    set to ``base + r`` therefore does exactly what round ``r``'s whole apply
+    does to that block's weights and slots, whenever the block lands; after a
+    step, ``iterations`` is left at ``base + rounds`` applied.  Optimizers
+    that couple the weights (``global_clipnorm``, EMA, gradient accumulation,
+    loss scaling) are refused (:func:`check_blockwise_optimizer`).
+
+    ``apply_gradients``: the optimizer's own (unwrapped) ``apply_gradients``.
+    """
+
+    def __init__(self, optimizer, apply_gradients, variables, groups):
+        if not optimizer.built:
+            optimizer.build(variables)
+        self._iterations = optimizer.iterations
+        self._base = int(self._iterations.numpy())
+        self._dtype = tf.as_dtype(self._iterations.dtype)
+        self._fns = [self._compile(apply_gradients, [variables[i] for i in group]) for group in groups]
+
+    def _compile(self, apply_gradients, variables):
+        iterations = self._iterations
+
+        @tf.function(autograph=False)
+        def apply_block(iteration, *grads):
+            iterations.assign(iteration)
+            apply_gradients(zip(grads, variables))
+
+        return apply_block
+
+    def apply(self, block, round_, tensors):
+        self._fns[block](tf.constant(self._base + round_, self._dtype), *tensors)
+
+    def settle(self, rounds):
+        self._iterations.assign(self._base + rounds)
+
+
+def check_blockwise_optimizer(optimizer, policy):
+    """Refuse, before training, an optimizer whose update of one weight reads the others."""
+    problems = []
+    if hasattr(optimizer, "inner_optimizer"):
+        problems.append(f"{type(optimizer).__name__} (loss scaling checks every gradient at once)")
+    if getattr(optimizer, "global_clipnorm", None):
+        problems.append(f"global_clipnorm={optimizer.global_clipnorm} (use clipnorm, per weight)")
+    if getattr(optimizer, "use_ema", False):
+        problems.append("use_ema=True")
+    if getattr(optimizer, "gradient_accumulation_steps", None):
+        problems.append(f"gradient_accumulation_steps={optimizer.gradient_accumulation_steps}")
+    if problems:
+        raise ValueError(
+            f"tfsync: {type(policy).__name__}(pull_fraction={policy.pull_fraction}) applies a round's "
+            f"mean block by block through the optimizer, which needs an optimizer that updates each "
+            f"weight on its own; this one has {'; '.join(problems)}. Change that setting, or use "
+            f"pull_fraction=1.0"
+        )
+
+
 def correct_gradients(engine, grads):
     """Protocols that correct gradients (DC-S3GD): this step's gradients, corrected for
     the weights they will be applied at.

@@ -19,7 +19,15 @@ import tensorflow as tf
 from tfsync import _horovod
 from tfsync.engine import COUNTS, SyncEngine, protocols
 from tfsync.engine.protocols import tf_variable
-from tfsync.engine.tf_bridge import correct_gradients, exchange_gradients, exchange_updates, skippable_train_step
+from tfsync.engine.tf_bridge import (
+    OptimizerBlocks,
+    check_blockwise_optimizer,
+    correct_gradients,
+    exchange_gradients,
+    exchange_gradients_blockwise,
+    exchange_updates,
+    skippable_train_step,
+)
 from tfsync.keras.statistics import average_statistics
 from tfsync.launch import describe_mode
 from tfsync.policies import Auto, resolve_mode
@@ -141,6 +149,8 @@ class SyncCallback(keras.callbacks.Callback):
         """Start the engine of ``self.policy``; compile a train step for it unless the one
         compiled already serves it (auto mode between gradient-protocol modes)."""
         model, engine_args = self.model, dict(self._engine_args)
+        if getattr(self.policy, "pulls_partially", False):
+            check_blockwise_optimizer(model.optimizer, self.policy)
         if self.auto is not None and engine_args["trace_dir"]:
             name = f"{self._segment}-{self.policy.name}"
             engine_args["trace_dir"] = os.path.join(engine_args["trace_dir"], name)
@@ -153,7 +163,9 @@ class SyncCallback(keras.callbacks.Callback):
         kind = self._compiled_kind = self._step_kind(self.policy)
         self._wrap_optimizer(model.optimizer)
         if self.policy.skips or kind is not None:
-            apply_mean = self._apply_mean if self.engine.protocol.reduces_gradients else None
+            # (partial pulling: the engine applies the rounds itself, block by block)
+            blockwise = self.engine.pulls_partially
+            apply_mean = self._apply_mean if self.engine.protocol.reduces_gradients and not blockwise else None
             model.train_step = skippable_train_step(
                 lambda: self.engine, model, type(model).train_step.__get__(model), apply_mean
             )
@@ -244,6 +256,8 @@ class SyncCallback(keras.callbacks.Callback):
         logs["tfsync_wait_fraction"] = tot["wait_s"] / busy if busy else 0.0
         for key in COUNTS:
             logs[f"tfsync_{key}"] = float(tot[key])
+        for key, n in self.engine.pull_counts.items():  # partial pulling, since fit began
+            logs[f"tfsync_{key}"] = float(n)
         if self.average_epoch_logs:
             hvd = _horovod.horovod()
             keys = sorted(k for k, v in logs.items() if np.ndim(v) == 0)
@@ -382,6 +396,8 @@ class SyncCallback(keras.callbacks.Callback):
                     "model's trainable weights at the start of fit; do not change "
                     "trainability during fit"
                 )
+            if engine.pulls_partially:
+                return exchange_gradients_blockwise(current, grads)
             if engine.protocol.reduces_gradients:
                 return original(zip(exchange_gradients(current, grads), variables))
             if engine.protocol.corrects_gradients:
@@ -392,6 +408,8 @@ class SyncCallback(keras.callbacks.Callback):
 
         optimizer.apply_gradients = apply_gradients
         self._wrapped_optimizer = optimizer
+        if engine.pulls_partially:
+            engine.set_block_applier(OptimizerBlocks(optimizer, original, self.variables, engine.pull_groups))
         # a skipped step applies the round's mean without exchanging again
         self._apply_mean = lambda mean: original(zip(mean, self.variables))
 

@@ -41,7 +41,26 @@ contribution at a time.  Those still held when training ends are corrected
 against the final weights and averaged in one final round that every
 replica applies (:meth:`tfsync.engine.SyncEngine.finish`).
 
-PSP's partial pulling (``b`` of the parameter blocks) is not implemented.
+Partial pulling (PSP Algorithm 1, worker lines 10-15), with
+``pull_fraction=b < 1``: the weights are split into ``B`` blocks (groups of
+whole weight tensors) and a round's mean reaches the training thread block by
+block.  The worker applies the blocks that have arrived and starts its next
+step once ``⌈b·B⌉`` of the round's blocks are applied (or ``pull_timeout_s``
+after the first); it keeps its previous values of the others and applies each
+late block when it lands, in round order per block, so no block is ever
+replaced by an older round's (:mod:`tfsync.engine.pull`).  Each block goes
+through the worker's own optimizer with ``optimizer.iterations`` set to the
+block's round, so once every block has landed, weights and optimizer state are
+the same as if every block had come on time (identical on every replica).
+
+On a parameter server a worker's pull of one block can be slow while the
+others' are not.  On an allreduce every block of a round completes on every
+rank at once, so the slowness partial pulling hides is on the receive side of
+one worker: what is late is the hand-off of a block to that worker's
+training thread (simulated by ``tfsync.Stragglers(pull_prob=, pull_s=)``, the
+paper's rare 4 s delays), and the collectives are never held up by it.  One
+grouped allreduce still carries every block of a round: Horovod would fuse
+``B`` calls into one buffer anyway.
 """
 
 import dataclasses
@@ -95,15 +114,32 @@ class PSP(Policy):
         compensate: ``None`` (default): a late gradient is dropped.  A
             :class:`tfsync.DelayCompensation`: it is corrected and applied in
             the next round its worker computes for (counted as ``compensated``).
+        pull_fraction: ``b`` in ``(0, 1]``: the share of a round's parameter
+            blocks a worker must have applied before its next step.  Default
+            ``1.0``: every block (no partial pulling).  The paper used 0.9.
+            Partial pulling needs :class:`tfsync.keras.SyncCallback` and an
+            optimizer that updates each weight on its own (no
+            ``global_clipnorm``, EMA, gradient accumulation or loss scaling);
+            it cannot be combined with ``compensate``.
+        pull_timeout_s: ``τ2`` in seconds (``>= 0``): with fewer than
+            ``⌈b·B⌉`` blocks applied, start the next step this long after the
+            first block arrived.  Default ``None``: wait for ``⌈b·B⌉``.
+        pull_blocks: ``B``, the number of blocks (consecutive weight tensors,
+            balanced by size); at most the number of weight tensors.  Default
+            ``None``: one block per weight tensor.
 
     Example::
 
         tfsync.keras.SyncCallback(mode=tfsync.PSP(min_contributions=3))   # or mode="psp"
+        tfsync.keras.SyncCallback(mode=tfsync.PSP(pull_fraction=0.75))    # partial pulling too
     """
 
     min_contributions: int = None
     push_timeout_s: float = None
     compensate: DelayCompensation = None
+    pull_fraction: float = 1.0
+    pull_timeout_s: float = None
+    pull_blocks: int = None
     name = "psp"
     payload = "gradients"
     coordinated = True
@@ -127,6 +163,50 @@ class PSP(Policy):
                     f"PSP(push_timeout_s={t}): push_timeout_s must be a finite number "
                     f"of seconds >= 0 or None (adaptive); {hint}"
                 )
+        self._check_pull()
+
+    def _check_pull(self):
+        hint = "e.g. tfsync.PSP(pull_fraction=0.75, pull_timeout_s=None, pull_blocks=None)"
+        b = self.pull_fraction
+        if isinstance(b, bool) or not isinstance(b, int | float):
+            raise TypeError(f"PSP(pull_fraction={b!r}): pull_fraction must be a number in (0, 1]; {hint}")
+        if not 0.0 < b <= 1.0:
+            raise ValueError(
+                f"PSP(pull_fraction={b}): pull_fraction is the share of a round's parameter blocks a "
+                f"worker waits for, a number in (0, 1] (1.0: all of them, no partial pulling); {hint}"
+            )
+        t = self.pull_timeout_s
+        if t is not None:
+            if isinstance(t, bool) or not isinstance(t, int | float):
+                raise TypeError(
+                    f"PSP(pull_timeout_s={t!r}): pull_timeout_s must be a number of seconds >= 0 "
+                    f"or None, got {type(t).__name__}; {hint}"
+                )
+            if not (math.isfinite(t) and t >= 0):
+                raise ValueError(f"PSP(pull_timeout_s={t}): pull_timeout_s must be a finite number >= 0; {hint}")
+        if self.pull_blocks is not None:
+            _check_int("PSP", "pull_blocks", self.pull_blocks, 1, hint)
+        if b == 1.0 and (t is not None or self.pull_blocks is not None):
+            raise ValueError(
+                f"PSP(pull_timeout_s={t}, pull_blocks={self.pull_blocks}) with pull_fraction=1.0: "
+                f"these settings act only with partial pulling; set pull_fraction below 1 "
+                f"(e.g. 0.75) or leave them out"
+            )
+        if b < 1.0 and self.compensate is not None:
+            raise ValueError(
+                f"PSP(pull_fraction={b}, compensate=...): partial pulling and delay compensation "
+                f"cannot be combined (a late gradient's correction needs the weights it is applied "
+                f"at, which a late block leaves behind); use one of them"
+            )
+
+    @property
+    def pulls_partially(self) -> bool:
+        """Whether a worker may start a step before every block of its round arrived."""
+        return self.pull_fraction < 1.0
+
+    def blocks_needed(self, blocks: int) -> int:
+        """``⌈b·B⌉``: the blocks of a round a worker applies before its next step."""
+        return max(1, min(blocks, math.ceil(self.pull_fraction * blocks - 1e-9)))
 
     def contributions_needed(self, size: int) -> int:
         """``c`` for ``size`` workers."""

@@ -1,0 +1,180 @@
+"""PSP's partial pulling on the worker: a round's mean applied block by block.
+
+The exchange delivers a round's whole mean when its allreduce completes (on
+every rank at once); what can be late is the hand-off of a block to one
+worker's training thread (the receive side, simulated by
+``tfsync.Stragglers(pull_prob=, pull_s=)``).  :class:`BlockPull` keeps, per
+block, the queue of rounds whose mean for that block has not been applied
+yet, each with the time it lands.  A block's entry is *arrived* once it and
+every older entry of the same block have landed: blocks are applied in round
+order, so a newer round's block never overtakes an older one (the paper's "never
+replaces a block with one from an older round", for summed gradients).
+
+The engine, after a round completes (:meth:`land`), waits (:meth:`wait`)
+until ``⌈b·B⌉`` of the awaited round's blocks have arrived, or
+``pull_timeout_s`` after the first did, applies every arrived entry
+(:meth:`apply_arrived`) and goes on; the rest stay queued and are applied at a
+later step, when they land.  :meth:`drain` applies everything at the end.
+
+How a block is applied is the frontend's (:class:`Applier`): through the
+worker's optimizer, with ``optimizer.iterations`` set to the block's round,
+so every replica applies the same updates per weight in the same order with
+the same step count, and ends identical.
+"""
+
+import collections
+import time
+
+import numpy as np
+
+# a wait for blocks sleeps at most this long between checks (a landing time is known in
+# advance, so the wait normally sleeps exactly until the next one)
+POLL_S = 0.05
+
+
+def partition(sizes, blocks):
+    """``blocks`` groups of consecutive indices into ``sizes``, balanced by total size.
+
+    Every group is non-empty; block ``k`` ends where the running total is
+    nearest ``k/blocks`` of the whole (moved so that each block keeps at least
+    one tensor).
+    """
+    n = len(sizes)
+    if not 1 <= blocks <= n:
+        raise ValueError(f"cannot split {n} weight tensors into {blocks} non-empty blocks")
+    cumulative = np.cumsum(np.asarray(sizes, dtype=np.float64))
+    total = cumulative[-1]
+    bounds, start = [], 0
+    for k in range(1, blocks):
+        target = k * total / blocks
+        i = int(np.searchsorted(cumulative, target, side="left"))  # first reaching it
+        if i > 0 and target - cumulative[i - 1] < cumulative[min(i, n - 1)] - target:
+            i -= 1  # the total just before it is nearer
+        end = i + 1
+        end = max(start + 1, min(end, n - (blocks - k)))
+        bounds.append(end)
+        start = end
+    bounds.append(n)
+    groups, start = [], 0
+    for end in bounds:
+        groups.append(list(range(start, end)))
+        start = end
+    return groups
+
+
+class Applier:
+    """What the frontend gives the engine to apply one block (the interface).
+
+    ``apply(block, round_, tensors)``: apply round ``round_``'s mean gradients
+    for the weights of ``block`` (their order in the block).
+    ``settle(rounds)``: every call of this step is done; ``rounds`` rounds are
+    applied in at least one block (the optimizer's step count to leave).
+    """
+
+    def apply(self, block, round_, tensors):  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def settle(self, rounds):  # pragma: no cover - interface
+        raise NotImplementedError
+
+
+class BlockPull:
+    """One worker's queues of blocks not applied yet (see the module docstring).
+
+    Args:
+        groups: the blocks, each a list of indices into the round's tensors.
+        need: ``⌈b·B⌉``.
+        timeout_s: ``τ2`` or ``None``.
+        delays: ``delays(B)`` -> the seconds each block of the next round lands late.
+    """
+
+    def __init__(self, groups, need, timeout_s, delays):
+        self.groups, self.need, self.timeout_s = groups, need, timeout_s
+        self._delays = delays
+        self.applier = None
+        self._queues = [collections.deque() for _ in groups]  # (round, lands_at, tensors)
+        self._rounds_applied = 0  # rounds applied in at least one block (the newest + 1)
+        # counted: blocks applied; of those, applied after the step that waited for their round
+        self.counts = {"blocks": 0, "late_blocks": 0, "delayed_blocks": 0}
+        self._late = set()  # (round, block) found missing when a step moved on
+
+    def land(self, round_, total, now):
+        """Round ``round_``'s mean: each block lands now or after its receive-side delay."""
+        delays = self._delays(len(self.groups))
+        for j, group in enumerate(self.groups):
+            self._queues[j].append((round_, now + float(delays[j]), [total[i] for i in group]))
+            self.counts["delayed_blocks"] += bool(delays[j] > 0)
+
+    def _arrival(self, j, round_):
+        """When block ``j`` of ``round_`` (landed already) has arrived: once it and every
+        older entry of block ``j`` landed; ``-inf`` if it was applied already."""
+        t = -np.inf
+        for r, lands_at, _ in self._queues[j]:
+            t = max(t, lands_at)
+            if r == round_:
+                return t
+        return -np.inf
+
+    def wait(self, round_, now_fn, deadline):
+        """Wait until ``need`` blocks of the landed round ``round_`` have arrived, or
+        ``τ2`` after the first did.
+
+        Returns the seconds waited.  Raises ``TimeoutError`` past ``deadline``
+        (``time.monotonic()``), which only a landing time beyond it can reach.
+        """
+        t_start = now_fn()
+        while True:
+            now = now_fn()
+            arrivals = sorted(self._arrival(j, round_) for j in range(len(self.groups)))
+            arrived = [t for t in arrivals if t <= now]
+            if len(arrived) >= self.need:
+                break
+            wake = arrivals[self.need - 1]  # the need-th arrival
+            if self.timeout_s is not None and arrived:
+                give_up = arrived[0] + self.timeout_s
+                if now >= give_up:
+                    break
+                wake = min(wake, give_up)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"blocks of round {round_} still not arrived at the wait bound")
+            time.sleep(min(max(wake - now, 0.0), POLL_S, left))
+        now = now_fn()
+        for j in range(len(self.groups)):
+            if self._arrival(j, round_) > now:
+                self._late.add((round_, j))
+        return now - t_start
+
+    def apply_arrived(self, now):
+        """Apply every queued entry that has arrived, oldest first per block; returns how many."""
+        applied = 0
+        for j, queue in enumerate(self._queues):
+            while queue and queue[0][1] <= now:
+                r, _, tensors = queue.popleft()
+                self.applier.apply(j, r, tensors)
+                applied += 1
+                self.counts["blocks"] += 1
+                if (r, j) in self._late:
+                    self._late.discard((r, j))
+                    self.counts["late_blocks"] += 1
+                self._rounds_applied = max(self._rounds_applied, r + 1)
+        if applied:
+            self.applier.settle(self._rounds_applied)
+        return applied
+
+    @property
+    def queued(self):
+        return sum(len(q) for q in self._queues)
+
+    def drain(self, now_fn, deadline):
+        """Wait for every queued block to land and apply it (the end of training)."""
+        while self.queued:
+            now = now_fn()
+            self.apply_arrived(now)
+            if not self.queued:
+                break
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"{self.queued} blocks still not arrived at the wait bound")
+            nxt = min(q[0][1] for q in self._queues if q)
+            time.sleep(min(max(nxt - now, 0.0), POLL_S, left))
