@@ -36,6 +36,8 @@ MODES = {
     "elasticbsp": ["--mode", "elasticbsp"],
     "psp": ["--mode", "psp"],
     "psp+dc": ["--mode", "psp", "--compensate"],
+    # partial pulling: a step goes on with 3 of its round's 4 parameter blocks (digits' weight tensors)
+    "psp+pull": ["--mode", "psp", "--pull-fraction", "0.75"],
     "backup": ["--mode", "backup"],
     "backup+dc": ["--mode", "backup", "--compensate"],
     # the backup-workers trade-off (the convergence study's sweep): "backup" is b = 1
@@ -52,6 +54,9 @@ SCENARIOS = {
     "jitter": "base=0.02,jitter=0.04,seed=1",
     # the PSP paper's rare large delays: about 4 events per worker in a 12-epoch run of 264 steps
     "rare": "base=0.02,rare=0.015:0.5,seed=1",
+    # the PSP paper's simulation itself: a block of a round's result reaches a worker 0.5 s late,
+    # about 4 times per worker in a 12-epoch run (264 rounds of 4 blocks)
+    "rare-pull": "base=0.02,pull=0.004:0.5,seed=1",
 }
 DEMO_SCENARIOS = ("straggler", "heterogeneous", "jitter")
 DEMO_MODES = ("bsp", "ssp", "ssp(s=15)", "dssp", "elasticbsp", "psp", "backup", "backup+dc", "dcs3gd")

@@ -38,6 +38,7 @@ def result_of(out):
         ("elasticbsp.sh", 12),
         ("strategy_elasticbsp.sh", 12),
         ("psp.sh", 12),
+        ("psp_pull.sh", 12),
         ("backup.sh", 12),
         ("strategy_psp.sh", 12),
         ("dcs3gd.sh", 12),
@@ -59,7 +60,8 @@ def test_digits_reaches_90_percent_on_4_workers(script, epochs):
                 "--epochs",
                 str(epochs),
                 "--stragglers",
-                "base=0.01",
+                # partial pulling under slow pulls: about 1.6 of each worker's 1,056 blocks (264 steps × 4)
+                "base=0.01,pull=0.0015:0.3" if script == "psp_pull.sh" else "base=0.01",
             ]
         )
     )

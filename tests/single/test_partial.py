@@ -225,6 +225,9 @@ def test_partial_policies_describe_themselves():
         "min_contributions": 3,
         "push_timeout_s": None,
         "compensate": None,
+        "pull_fraction": 1.0,
+        "pull_timeout_s": None,
+        "pull_blocks": None,
     }
     assert BackupWorkers().config() == {"mode": "backup", "backups": 1, "compensate": None}
     assert BackupWorkers(compensate=DelayCompensation(lam=0.1)).config()["compensate"] == {

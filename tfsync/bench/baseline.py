@@ -5,7 +5,10 @@
 ``DistributedOptimizer`` does.  That is what :func:`use_horovod_allreduce` does.
 """
 
+import time
+
 import keras
+import numpy as np
 import tensorflow as tf
 
 
@@ -41,3 +44,11 @@ class SleepEachStep(keras.callbacks.Callback):
 
     def on_train_batch_begin(self, batch, logs=None):
         self.delays.sleep()
+
+    def on_train_batch_end(self, batch, logs=None):
+        # slow pulls: the step's round reaches this worker with its last block (as tfsync's
+        # modes without partial pulling wait for it; one block per weight tensor)
+        if self.delays.config.pull_prob:
+            delay = float(np.max(self.delays.pull_delays_s(len(self.model.trainable_weights))))
+            if delay > 0:
+                time.sleep(delay)

@@ -8,7 +8,8 @@ in-graph ``hvd.grouped_allreduce``) is the anchor.  Scenarios (``tfsync.demo``'s
 specs): ``none``; ``straggler`` (rank 3 +40 ms per step, persistent);
 ``heterogeneous`` (rank 3 takes twice the base time, a slower GPU); ``jitter``
 (every step +uniform(0, 40 ms)); ``rare`` (a step is delayed 0.5 s with
-probability 1.5%).
+probability 1.5%); ``rare-pull`` (a block of a round's result reaches a
+worker 0.5 s late with probability 0.4%: the PSP paper's slow pulls).
 
 Each (scenario, mode) runs ``--repeats`` times, interleaved (repeat, then
 scenario, then mode) so that a slow spell of the shared machine hits every
@@ -66,6 +67,13 @@ STUDY_MODES = (
 # modes, how many of them the study must have run for the comparison to mean something)
 PAPERS = (
     ("psp", "PSP (Table 1): rare delays, BSP against partial pushing", "rare", ("bsp", "psp", "psp+dc"), 2),
+    (
+        "psp_pull",
+        "PSP (Table 1): rare slow pulls, BSP against partial pushing and partial pushing + pulling",
+        "rare-pull",
+        ("bsp", "psp", "psp+pull"),
+        2,
+    ),
     (
         "dssp",
         "DSSP (Table I): heterogeneous workers, BSP, SSP at both bounds, DSSP",

@@ -15,7 +15,14 @@ against.  Scenarios:
   (transient stragglers: a different worker is slowest at each step);
 * ``rare``: a step is delayed by ``--rare-s`` with probability ``--rare-prob``
   (the PSP paper's rare large delays; the defaults, 1% and 0.5 s, give about
-  six events in a 4-worker run of 150 steps).
+  six events in a 4-worker run of 150 steps);
+* ``rare-pull``: the PSP paper's simulation itself, on the receive side: each
+  block of each round's result reaches a worker ``--pull-s`` late with
+  probability ``--pull-prob`` (a block is a weight tensor, six in the small
+  model; the defaults, 0.25% and 0.5 s, give about nine delayed blocks in a
+  4-worker run of 160 rounds).  A mode without partial pulling waits for a
+  round's last block; ``psp+pull`` (``PSP(pull_fraction=0.75)``: five of six
+  blocks) goes on without it and applies it when it lands.
 
 ``effective_samples_per_s`` counts only the samples whose gradients were
 applied, as they were or delay-compensated (PSP and backup workers drop some
@@ -35,11 +42,29 @@ import sys
 
 from tfsync.launch import horovodrun
 
-MODES = ("local", "horovod", "bsp", "ssp", "dssp", "elasticbsp", "psp", "backup", "dcs3gd", "psp+dc", "backup+dc")
-# the worker's flags for each mode (the delay-compensated variants of PSP and backup workers)
-MODE_FLAGS = {"psp+dc": ["--mode", "psp", "--compensate"], "backup+dc": ["--mode", "backup", "--compensate"]}
+MODES = (
+    "local",
+    "horovod",
+    "bsp",
+    "ssp",
+    "dssp",
+    "elasticbsp",
+    "psp",
+    "backup",
+    "dcs3gd",
+    "psp+dc",
+    "backup+dc",
+    "psp+pull",
+)
+# the worker's flags for each mode (the delay-compensated variants of PSP and backup workers,
+# PSP with partial pulling)
+MODE_FLAGS = {
+    "psp+dc": ["--mode", "psp", "--compensate"],
+    "backup+dc": ["--mode", "backup", "--compensate"],
+    "psp+pull": ["--mode", "psp", "--pull-fraction", "0.75"],
+}
 MODELS = ("small", "medium", "large")
-SCENARIOS = ("none", "straggler", "heterogeneous", "jitter", "rare")
+SCENARIOS = ("none", "straggler", "heterogeneous", "jitter", "rare", "rare-pull")
 MODE_LABELS = {
     "local": "no synchronization",
     "horovod": "plain Horovod BSP",
@@ -52,6 +77,7 @@ MODE_LABELS = {
     "dcs3gd": "tfsync DC-S3GD",
     "psp+dc": "tfsync PSP+DC",
     "backup+dc": "tfsync backup(b=1)+DC",
+    "psp+pull": "tfsync PSP+pull(b=0.75)",
 }
 
 
@@ -66,6 +92,8 @@ def scenario_spec(name, args):
         return f"base={args.base_s},jitter={args.jitter_s},seed=1"
     if name == "rare":
         return f"base={args.base_s},rare={args.rare_prob}:{args.rare_s},seed=1"
+    if name == "rare-pull":
+        return f"base={args.base_s},pull={args.pull_prob}:{args.pull_s},seed=1"
     raise ValueError(name)
 
 
@@ -76,6 +104,10 @@ def add_scenario_arguments(p):
     p.add_argument("--jitter-s", type=float, default=0.04, help="max extra time per step in 'jitter'")
     p.add_argument("--rare-prob", type=float, default=0.01, help="probability of a rare delay in 'rare'")
     p.add_argument("--rare-s", type=float, default=0.5, help="length of a rare delay in 'rare'")
+    p.add_argument(
+        "--pull-prob", type=float, default=0.0025, help="probability that a round's block reaches a worker late"
+    )
+    p.add_argument("--pull-s", type=float, default=0.5, help="how late, in 'rare-pull'")
 
 
 def parse_args(argv):

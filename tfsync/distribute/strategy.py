@@ -73,6 +73,14 @@ class SyncStrategy(tf.distribute.OneDeviceStrategy):
     """
 
     def __init__(self, mode="bsp", *, stragglers=None, trace_dir=None, wait_timeout_s=None, device=None):
+        policy = resolve(mode)
+        if getattr(policy, "pulls_partially", False):
+            raise ValueError(
+                f"SyncStrategy(mode=PSP(pull_fraction={policy.pull_fraction})): partial pulling applies "
+                f"each round block by block through the optimizer, which only tfsync.keras.SyncCallback "
+                f"drives (the strategy's optimizer applies every weight at once); use SyncCallback "
+                f"with model.fit, or pull_fraction=1.0 here"
+            )
         hvd = _horovod.horovod()
         if device is None:
             gpus = tf.config.list_logical_devices("GPU")
@@ -83,7 +91,7 @@ class SyncStrategy(tf.distribute.OneDeviceStrategy):
             _SyncExtended(
                 self,
                 device,
-                resolve(mode),
+                policy,
                 dict(stragglers=stragglers, trace_dir=trace_dir, wait_timeout_s=wait_timeout_s),
             ),
         )

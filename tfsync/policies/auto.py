@@ -194,6 +194,12 @@ class Auto:
                     f"tfsync.Auto: {where}={policy!r} is not a synchronization mode; pass a policy object "
                     f"such as tfsync.SSP(staleness=3) (not 'auto' or a string)"
                 )
+            if getattr(policy, "pulls_partially", False):
+                raise ValueError(
+                    f"tfsync.Auto: {where}={policy!r} pulls partially, which auto mode does not switch "
+                    f"to or from (its rounds are applied block by block outside the shared train "
+                    f"step); use PSP(pull_fraction=1.0) there, or the PSP mode on its own"
+                )
         object.__setattr__(self, "modes", chosen)
         object.__setattr__(self, "initial", initial)
 

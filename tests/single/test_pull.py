@@ -1,0 +1,243 @@
+"""PSP's partial pulling: the block partition, the worker's block queues (in-order
+application, ``⌈b·B⌉`` and ``τ2``, late blocks, the drain, the bound), its settings,
+the simulated slow pulls, and what refuses it."""
+
+import argparse
+import time
+
+import keras
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import tfsync
+from tfsync.engine.pull import BlockPull, partition
+from tfsync.engine.tf_bridge import check_blockwise_optimizer
+from tfsync.launch import add_mode_arguments, describe_mode, mode_from_args
+
+# ------------------------------------------------------------------ the partition
+
+
+@given(sizes=st.lists(st.integers(1, 1000), min_size=1, max_size=30), data=st.data())
+def test_partition_covers_every_tensor_once_in_order_in_nonempty_blocks(sizes, data):
+    blocks = data.draw(st.integers(1, len(sizes)))
+    groups = partition(sizes, blocks)
+    assert len(groups) == blocks
+    assert all(groups)
+    assert [i for g in groups for i in g] == list(range(len(sizes)))
+
+
+def test_partition_balances_by_size():
+    assert partition([10, 10, 10, 10], 2) == [[0, 1], [2, 3]]
+    assert partition([1, 1, 1000, 1, 1], 3) == [[0, 1], [2], [3, 4]]
+    assert partition([100, 1, 50, 1], 2) == [[0], [1, 2, 3]]
+
+
+def test_partition_refuses_more_blocks_than_tensors():
+    with pytest.raises(ValueError, match="cannot split 2 weight tensors into 3"):
+        partition([4, 4], 3)
+
+
+# ------------------------------------------------------------------ the block queues
+
+
+class Recorder:
+    """An applier that records what it was given, in order."""
+
+    def __init__(self):
+        self.applied, self.settled = [], []
+
+    def apply(self, block, round_, tensors):
+        self.applied.append((block, round_, list(tensors)))
+
+    def settle(self, rounds):
+        self.settled.append(rounds)
+
+
+class Clock:
+    def __init__(self):
+        self.t0 = time.monotonic()
+
+    def __call__(self):
+        return time.monotonic() - self.t0
+
+
+def pull_with(delays_per_round, need=2, timeout_s=None, blocks=3):
+    """A BlockPull over ``blocks`` one-tensor blocks whose round ``r`` lands ``delays_per_round[r]`` late."""
+    rounds = iter(delays_per_round)
+    pull = BlockPull([[j] for j in range(blocks)], need, timeout_s, lambda n: np.asarray(next(rounds), float))
+    pull.applier = Recorder()
+    return pull
+
+
+def total(round_, blocks=3):
+    return [np.full(2, 10.0 * round_ + j) for j in range(blocks)]
+
+
+def test_a_step_goes_on_with_need_blocks_and_the_late_one_is_applied_when_it_lands():
+    clock = Clock()
+    pull = pull_with([[0.0, 0.0, 0.3]])
+    pull.land(0, total(0), clock())
+    waited = pull.wait(0, clock, time.monotonic() + 5)
+    assert waited < 0.2  # two of three blocks were there: no wait for the third
+    pull.apply_arrived(clock())
+    assert [(b, r) for b, r, _ in pull.applier.applied] == [(0, 0), (1, 0)]
+    assert pull.queued == 1
+    time.sleep(0.35)
+    pull.apply_arrived(clock())
+    assert [(b, r) for b, r, _ in pull.applier.applied] == [(0, 0), (1, 0), (2, 0)]
+    np.testing.assert_array_equal(pull.applier.applied[-1][2][0], total(0)[2])
+    assert pull.counts == {"blocks": 3, "late_blocks": 1, "delayed_blocks": 1}
+    assert pull.applier.settled == [1, 1]
+
+
+def test_a_newer_round_of_a_block_never_overtakes_an_older_one():
+    clock = Clock()
+    # block 0 of round 0 is 0.3 s late; round 1's block 0 lands at once but must wait behind it
+    pull = pull_with([[0.3, 0.0, 0.0], [0.0, 0.0, 0.0]])
+    pull.land(0, total(0), clock())
+    pull.wait(0, clock, time.monotonic() + 5)
+    pull.apply_arrived(clock())
+    pull.land(1, total(1), clock())
+    pull.wait(1, clock, time.monotonic() + 5)  # blocks 1 and 2 of round 1: enough
+    pull.apply_arrived(clock())
+    assert [(b, r) for b, r, _ in pull.applier.applied] == [(1, 0), (2, 0), (1, 1), (2, 1)]
+    pull.drain(clock, time.monotonic() + 5)
+    order = [(b, r) for b, r, _ in pull.applier.applied]
+    assert order[4:] == [(0, 0), (0, 1)]  # in round order, once round 0's landed
+    assert pull.counts["late_blocks"] == 2  # round 1's block 0 was late too (behind round 0's)
+    assert pull.queued == 0
+
+
+def test_the_wait_is_for_need_blocks_when_fewer_have_arrived():
+    clock = Clock()
+    pull = pull_with([[0.0, 0.2, 0.4]], need=2)
+    pull.land(0, total(0), clock())
+    waited = pull.wait(0, clock, time.monotonic() + 5)
+    assert 0.15 <= waited < 0.35  # for the second block, not the third
+    pull.apply_arrived(clock())
+    assert sorted(b for b, _, _ in pull.applier.applied) == [0, 1]
+
+
+def test_the_pull_timeout_ends_the_wait_after_the_first_block():
+    clock = Clock()
+    pull = pull_with([[0.0, 0.5, 0.5]], need=3, timeout_s=0.1)
+    pull.land(0, total(0), clock())
+    waited = pull.wait(0, clock, time.monotonic() + 5)
+    assert 0.05 <= waited < 0.4  # tau2 after the first, not the 0.5 s of the others
+    pull.apply_arrived(clock())
+    assert [b for b, _, _ in pull.applier.applied] == [0]
+
+
+def test_a_wait_past_its_bound_raises_instead_of_hanging():
+    clock = Clock()
+    pull = pull_with([[5.0, 5.0, 5.0]], need=1)
+    pull.land(0, total(0), clock())
+    with pytest.raises(TimeoutError, match="round 0"):
+        pull.wait(0, clock, time.monotonic() + 0.2)
+    with pytest.raises(TimeoutError, match="3 blocks"):
+        pull.drain(clock, time.monotonic() + 0.2)
+
+
+# ------------------------------------------------------------------ the settings
+
+
+@pytest.mark.parametrize(
+    "kwargs,error,message",
+    [
+        (dict(pull_fraction=0.0), ValueError, r"a number in \(0, 1\]"),
+        (dict(pull_fraction=1.5), ValueError, r"a number in \(0, 1\]"),
+        (dict(pull_fraction="0.5"), TypeError, "must be a number"),
+        (dict(pull_fraction=True), TypeError, "must be a number"),
+        (dict(pull_fraction=0.5, pull_timeout_s=-1), ValueError, ">= 0"),
+        (dict(pull_fraction=0.5, pull_timeout_s=float("nan")), ValueError, ">= 0"),
+        (dict(pull_fraction=0.5, pull_timeout_s="1"), TypeError, "number of seconds"),
+        (dict(pull_fraction=0.5, pull_blocks=0), ValueError, "pull_blocks must be >= 1"),
+        (dict(pull_fraction=0.5, pull_blocks=2.0), TypeError, "must be an int"),
+        (dict(pull_blocks=4), ValueError, "act only with partial pulling"),
+        (dict(pull_timeout_s=0.1), ValueError, "act only with partial pulling"),
+        (dict(pull_fraction=0.5, compensate=tfsync.DelayCompensation()), ValueError, "cannot be combined"),
+    ],
+)
+def test_psp_refuses_bad_pull_settings(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        tfsync.PSP(**kwargs)
+
+
+def test_blocks_needed_is_the_ceiling_of_b_times_blocks():
+    assert tfsync.PSP(pull_fraction=0.9).blocks_needed(10) == 9
+    assert tfsync.PSP(pull_fraction=0.75).blocks_needed(4) == 3
+    assert tfsync.PSP(pull_fraction=0.7).blocks_needed(4) == 3
+    assert tfsync.PSP(pull_fraction=0.01).blocks_needed(4) == 1
+    assert tfsync.PSP().blocks_needed(4) == 4 and not tfsync.PSP().pulls_partially
+
+
+@pytest.mark.parametrize(
+    "optimizer,problem",
+    [
+        (keras.optimizers.SGD(0.1, global_clipnorm=1.0), "global_clipnorm"),
+        (keras.optimizers.Adam(use_ema=True), "use_ema"),
+        (keras.optimizers.SGD(0.1, gradient_accumulation_steps=2), "gradient_accumulation_steps"),
+        (keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1)), "loss scaling"),
+    ],
+)
+def test_an_optimizer_that_couples_the_weights_is_refused(optimizer, problem):
+    with pytest.raises(ValueError, match=problem) as info:
+        check_blockwise_optimizer(optimizer, tfsync.PSP(pull_fraction=0.5))
+    assert "pull_fraction=1.0" in str(info.value)
+    check_blockwise_optimizer(keras.optimizers.Adam(clipnorm=1.0), tfsync.PSP(pull_fraction=0.5))
+
+
+def test_the_strategy_and_auto_mode_refuse_partial_pulling():
+    with pytest.raises(ValueError, match="only tfsync.keras.SyncCallback"):
+        tfsync.distribute.SyncStrategy(mode=tfsync.PSP(pull_fraction=0.5))
+    with pytest.raises(ValueError, match="pulls partially"):
+        tfsync.Auto(modes={"rare": tfsync.PSP(pull_fraction=0.5)})
+
+
+def _args(*argv):
+    p = argparse.ArgumentParser()
+    add_mode_arguments(p)
+    return p.parse_args(list(argv))
+
+
+def test_the_command_line_sets_partial_pulling_on_psp_only():
+    policy = mode_from_args(_args("--mode", "psp", "--pull-fraction", "0.75", "--pull-blocks", "2"))
+    assert policy == tfsync.PSP(pull_fraction=0.75, pull_blocks=2)
+    assert describe_mode(policy) == "psp(pull=0.75, B=2)"
+    assert describe_mode(tfsync.PSP()) == "psp"
+    with pytest.raises(SystemExit, match="use them with --mode psp"):
+        mode_from_args(_args("--mode", "backup", "--pull-fraction", "0.5"))
+
+
+# ------------------------------------------------------------------ slow pulls
+
+
+def test_slow_pulls_parse_and_leave_the_step_delays_unchanged():
+    spec = tfsync.Stragglers.parse("base=0.01,jitter=0.02,pull=0.25:0.5,seed=3")
+    assert (spec.pull_prob, spec.pull_s) == (0.25, 0.5)
+    assert tfsync.Stragglers.parse(spec.spec()) == spec
+    without = tfsync.Stragglers(base_s=0.01, jitter_s=0.02, seed=3).for_rank(1)
+    with_pulls = spec.for_rank(1)
+    draws = [with_pulls.pull_delays_s(4) for _ in range(200)]
+    assert [with_pulls.next_delay_s() for _ in range(50)] == [without.next_delay_s() for _ in range(50)]
+    draws = np.concatenate(draws)
+    assert set(np.unique(draws)) == {0.0, 0.5}
+    assert 0.15 < np.mean(draws > 0) < 0.35
+    again = tfsync.Stragglers.parse(spec.spec()).for_rank(1)
+    np.testing.assert_array_equal(np.concatenate([again.pull_delays_s(4) for _ in range(200)]), draws)
+
+
+@pytest.mark.parametrize("spec", ["pull=1.5:1", "pull=0.1:-1", "pull=0.1"])
+def test_bad_slow_pull_specs_are_refused(spec):
+    with pytest.raises(ValueError, match="pull"):
+        tfsync.Stragglers.parse(spec)
+
+
+def test_more_blocks_than_weight_tensors_is_refused_before_training():
+    engine = tfsync.engine.SyncEngine(tfsync.PSP(pull_fraction=0.5, pull_blocks=5))
+    engine.num_params = 40
+    with pytest.raises(ValueError, match=r"pull_blocks=5\) with a model of 4 weight tensors \(40 parameters\)"):
+        engine._pull_blocks([[10]] * 4)
+    assert engine._pull_blocks([[10]] * 5) == [[0], [1], [2], [3], [4]]
