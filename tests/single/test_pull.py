@@ -110,6 +110,56 @@ def test_a_newer_round_of_a_block_never_overtakes_an_older_one():
     assert pull.queued == 0
 
 
+class RecorderAll(Recorder):
+    """An applier that can take a whole round at once."""
+
+    def apply_all(self, round_, tensors):
+        self.applied.append(("all", round_, list(tensors)))
+
+
+def test_a_round_whose_blocks_all_arrive_together_is_applied_in_one_call():
+    clock = Clock()
+    rounds = iter([[0.0, 0.0, 0.0], [0.0, 0.3, 0.0], [0.0, 0.0, 0.0]])
+    # blocks of two tensors, one and one: the whole round comes back in the weights' order
+    pull = BlockPull([[0, 1], [2], [3]], 2, None, lambda n: np.asarray(next(rounds), float))
+    pull.applier = RecorderAll()
+    four = [np.full(2, float(i)) for i in range(4)]
+    for r in range(3):
+        pull.land(r, [t + 10 * r for t in four], clock())
+        pull.wait(r, clock, time.monotonic() + 5)
+        pull.apply_arrived(clock())
+    pull.drain(clock, time.monotonic() + 5)
+    calls = [(b, r) for b, r, _ in pull.applier.applied]
+    # round 1's block 1 was late, so round 1 and round 2 go block by block (round 2's block 1
+    # waits behind round 1's); round 0 is one call
+    assert calls == [("all", 0), (0, 1), (2, 1), (0, 2), (2, 2), (1, 1), (1, 2)]
+    np.testing.assert_array_equal(np.stack(pull.applier.applied[0][2]), np.stack(four))
+    assert pull.counts["blocks"] == 9 and pull.counts["late_blocks"] == 2
+
+
+def test_the_steps_own_round_arrived_whole_is_handed_back_with_the_step_count_at_its_round():
+    clock = Clock()
+    rounds = iter([[0.0, 0.3, 0.0], [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
+    pull = BlockPull([[0], [1], [2]], 2, None, lambda n: np.asarray(next(rounds), float))
+    pull.applier = RecorderAll()
+    pull.land(0, total(0), clock())
+    pull.wait(0, clock, time.monotonic() + 5)
+    assert pull.apply_arrived(clock(), hand_back=0) is None  # block 1 is late: not whole
+    time.sleep(0.35)
+    pull.land(1, total(1), clock())
+    pull.wait(1, clock, time.monotonic() + 5)
+    handed = pull.apply_arrived(clock(), hand_back=1)
+    # round 0's late block applied here, round 1 whole: handed back, not applied
+    assert [(b, r) for b, r, _ in pull.applier.applied] == [(0, 0), (2, 0), (1, 0)]
+    np.testing.assert_array_equal(np.stack(handed), np.stack(total(1)))
+    assert pull.applier.settled[-1] == 1  # the caller's apply takes the count from 1 to 2
+    pull.land(2, total(2), clock())
+    pull.wait(2, clock, time.monotonic() + 5)
+    assert pull.apply_arrived(clock()) is None  # no hand-back asked: applied in one call
+    assert pull.applier.applied[-1][:2] == ("all", 2) and pull.applier.settled[-1] == 3
+    assert pull.counts["blocks"] == 9 and pull.queued == 0
+
+
 def test_the_wait_is_for_need_blocks_when_fewer_have_arrived():
     clock = Clock()
     pull = pull_with([[0.0, 0.2, 0.4]], need=2)
@@ -241,3 +291,48 @@ def test_more_blocks_than_weight_tensors_is_refused_before_training():
     with pytest.raises(ValueError, match=r"pull_blocks=5\) with a model of 4 weight tensors \(40 parameters\)"):
         engine._pull_blocks([[10]] * 4)
     assert engine._pull_blocks([[10]] * 5) == [[0], [1], [2], [3], [4]]
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: keras.optimizers.SGD(0.1, momentum=0.9),
+        lambda: keras.optimizers.Adam(0.01),
+        lambda: keras.optimizers.AdamW(keras.optimizers.schedules.ExponentialDecay(0.01, 2, 0.5)),
+    ],
+    ids=["momentum", "adam", "adamw_schedule"],
+)
+def test_blocks_applied_late_through_the_optimizer_end_as_if_on_time(make):
+    # the applier the callback uses: round r's block through the optimizer with its step count
+    # set to r; blocks applied out of step (each block's rounds in order) end as the whole rounds
+    import tensorflow as tf
+
+    from tfsync.engine.tf_bridge import OptimizerBlocks
+
+    rng = np.random.default_rng(0)
+    shapes = [(3, 2), (2,), (4,)]
+    rounds = [[rng.normal(size=s).astype("float32") for s in shapes] for _ in range(5)]
+
+    def variables():
+        return [keras.Variable(np.ones(s, "float32")) for s in shapes]
+
+    on_time, opt_a = variables(), make()
+    for grads in rounds:
+        opt_a.apply_gradients(zip([tf.constant(g) for g in grads], on_time))
+
+    late, opt_b = variables(), make()
+    groups = [[0], [1, 2]]
+    blocks = OptimizerBlocks(opt_b, type(opt_b).apply_gradients.__get__(opt_b), late, groups)
+    # block 1 lags: rounds 0-2 of block 0 first, then block 1's 0-3, round 3 of block 0, round 4 whole
+    order = [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2), (1, 3), (0, 3)]
+    for j, r in order:
+        blocks.apply(j, r, [tf.constant(rounds[r][i]) for i in groups[j]])
+    blocks.settle(4)
+    blocks.apply_all(4, [tf.constant(g) for g in rounds[4]])
+    blocks.settle(5)
+
+    for a, b in zip(on_time, late):
+        np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=1e-6, atol=1e-7)
+    for a, b in zip(opt_a.variables, opt_b.variables):
+        np.testing.assert_allclose(np.asarray(b.numpy(), float), np.asarray(a.numpy(), float), rtol=1e-6, atol=1e-7)
+    assert int(opt_b.iterations.numpy()) == 5

@@ -216,6 +216,8 @@ class SyncEngine:
         self._diagnosis = Diagnosis(self.control, self.rank, self.policy.name, self.wait_timeout_s, WAIT_TIMEOUT_ENV)
         self._delays = self.stragglers.for_rank(self.rank)
         self._pull = None  # PSP's partial pulling: the blocks not applied yet
+        # partial pulling: the step's own round, whole, for the compiled step to apply
+        self._hands_back, self._handed = False, None
         self._pull_blocks_n = len(blocks)  # a mode without it waits for a round's last block
         if getattr(self.policy, "pulls_partially", False):
             self._pull = BlockPull(
@@ -482,13 +484,28 @@ class SyncEngine:
                 required = self._dssp_required(step, required)
         self._produced += 1
         self.control.report(step)
-        applied = self._wait_and_apply(required)
+        self._hands_back = self._pull is not None
+        try:
+            applied = self._wait_and_apply(required)
+        finally:
+            self._hands_back = False
         if corrected is not None:  # waited before the optimizer, not after the push
             waited_s, applied_before = corrected
             self._end_step(step, t_start, t_push, applied_before + applied, waited_before_push_s=waited_s)
         else:
             self._end_step(step, t_start, t_push, applied)
+        if self._pull is not None:
+            return self._pull_result()
         return self.protocol.result()
+
+    def _pull_result(self):
+        """Partial pulling: ``[*mean, True]`` when the step's own round arrived whole (the
+        compiled step applies it, as without partial pulling), else ``[*zeros, False]``
+        (every block that arrived is applied already)."""
+        handed, self._handed = self._handed, None
+        if handed is None:
+            return [*self.protocol.absent(), False]
+        return [*handed, True]
 
     # ------------------------------------------------------------------ internals
     def _schedule_required(self, step):
@@ -582,7 +599,8 @@ class SyncEngine:
         if self._pull is not None:
             if 0 <= required_round <= self._applied_through:
                 self._wait_blocks(required_round)
-            self._pull.apply_arrived(self._now())
+            hand_back = required_round if self._hands_back else None
+            self._handed = self._pull.apply_arrived(self._now(), hand_back=hand_back)
         return applied
 
     def _wait_blocks(self, round_):

@@ -69,6 +69,8 @@ class Applier:
     for the weights of ``block`` (their order in the block).
     ``settle(rounds)``: every call of this step is done; ``rounds`` rounds are
     applied in at least one block (the optimizer's step count to leave).
+    Optional ``apply_all(round_, tensors)``: every block of round ``round_``
+    at once (all the round's tensors, in the weights' order).
     """
 
     def apply(self, block, round_, tensors):  # pragma: no cover - interface
@@ -90,6 +92,7 @@ class BlockPull:
 
     def __init__(self, groups, need, timeout_s, delays):
         self.groups, self.need, self.timeout_s = groups, need, timeout_s
+        self._tensors = sum(len(g) for g in groups)
         self._delays = delays
         self.applier = None
         self._queues = [collections.deque() for _ in groups]  # (round, lands_at, tensors)
@@ -145,22 +148,49 @@ class BlockPull:
                 self._late.add((round_, j))
         return now - t_start
 
-    def apply_arrived(self, now):
-        """Apply every queued entry that has arrived, oldest first per block; returns how many."""
-        applied = 0
-        for j, queue in enumerate(self._queues):
-            while queue and queue[0][1] <= now:
-                r, _, tensors = queue.popleft()
-                self.applier.apply(j, r, tensors)
-                applied += 1
-                self.counts["blocks"] += 1
+    def apply_arrived(self, now, hand_back=None):
+        """Apply every queued entry that has arrived, oldest round first.
+
+        Rounds go in ascending order, so each block's entries go in round
+        order.  A round whose every block is applied here goes through the
+        applier's ``apply_all`` (one call, as a round without partial
+        pulling), when it has one; if it is round ``hand_back`` (the newest
+        that can arrive: the step's own), it is not applied but returned,
+        whole, for the caller to apply next (the compiled train step does,
+        as without partial pulling), with the optimizer's step count left at
+        that round's.  Returns that list of tensors, or None.
+        """
+        applied, handed = 0, None
+        apply_all = getattr(self.applier, "apply_all", None)
+        while True:
+            heads = [j for j, q in enumerate(self._queues) if q and q[0][1] <= now]
+            if not heads:
+                break
+            r = min(self._queues[j][0][0] for j in heads)
+            blocks = [j for j in heads if self._queues[j][0][0] == r]
+            entries = [self._queues[j].popleft()[2] for j in blocks]
+            if (apply_all is not None or r == hand_back) and len(blocks) == len(self.groups):
+                full = [None] * self._tensors
+                for group, tensors in zip(self.groups, entries):
+                    for i, t in zip(group, tensors):
+                        full[i] = t
+                if r == hand_back:
+                    handed = full
+                else:
+                    apply_all(r, full)
+            else:
+                for j, tensors in zip(blocks, entries):
+                    self.applier.apply(j, r, tensors)
+            for j in blocks:
                 if (r, j) in self._late:
                     self._late.discard((r, j))
                     self.counts["late_blocks"] += 1
-                self._rounds_applied = max(self._rounds_applied, r + 1)
+            applied += len(blocks)
+            self.counts["blocks"] += len(blocks)
+            self._rounds_applied = max(self._rounds_applied, r + 1)
         if applied:
-            self.applier.settle(self._rounds_applied)
-        return applied
+            self.applier.settle(self._rounds_applied - (handed is not None))
+        return handed
 
     @property
     def queued(self):

@@ -38,17 +38,35 @@ def exchange_gradients(engine, grads):
     return out
 
 
-def exchange_gradients_blockwise(engine, grads):
-    """Gradient protocol with PSP's partial pulling: push this step's gradients; the engine
-    applies the rounds' means block by block through the frontend's applier (in place),
-    so nothing is returned to apply.  Returns the step's op."""
+def exchange_gradients_blockwise(engine, grads, apply):
+    """Gradient protocol with PSP's partial pulling: push this step's gradients.
+
+    The engine applies what arrived of the rounds' means block by block
+    through the frontend's applier (in place).  When the step's own round
+    arrived whole, it hands that mean back instead, and ``apply(mean)`` (the
+    optimizer, in the compiled step) applies it, as without partial pulling:
+    the common case then costs no extra call.  Returns a boolean tensor:
+    whether ``apply`` ran.
+    """
     get_engine = _getter(engine)
     protocol = get_engine().protocol
     grads = [
         tf.zeros(s, d) if g is None else tf.convert_to_tensor(g)  # IndexedSlices become dense
         for g, s, d in zip(grads, protocol.shapes, protocol.dtypes)
     ]
-    return tf.py_function(lambda *g: (get_engine().sync_step(g), [])[1], grads, Tout=[], name="tfsync_step")
+    out = tf.py_function(
+        lambda *g: get_engine().sync_step(g), grads, Tout=[*protocol.dtypes, tf.bool], name="tfsync_step"
+    )
+    mean, whole = out[:-1], out[-1]
+    for m, s in zip(mean, protocol.shapes):
+        m.set_shape(s)
+    whole.set_shape([])
+
+    def applied():
+        apply(mean)  # stateful: the taken branch runs it
+        return tf.constant(True)
+
+    return tf.cond(whole, applied, lambda: tf.constant(False))
 
 
 class OptimizerBlocks:
@@ -74,6 +92,7 @@ class OptimizerBlocks:
         self._base = int(self._iterations.numpy())
         self._dtype = tf.as_dtype(self._iterations.dtype)
         self._fns = [self._compile(apply_gradients, [variables[i] for i in group]) for group in groups]
+        self._all = self._compile(apply_gradients, list(variables))  # a round whose blocks came together
 
     def _compile(self, apply_gradients, variables):
         iterations = self._iterations
@@ -87,6 +106,9 @@ class OptimizerBlocks:
 
     def apply(self, block, round_, tensors):
         self._fns[block](tf.constant(self._base + round_, self._dtype), *tensors)
+
+    def apply_all(self, round_, tensors):
+        self._all(tf.constant(self._base + round_, self._dtype), *tensors)
 
     def settle(self, rounds):
         self._iterations.assign(self._base + rounds)

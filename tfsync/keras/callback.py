@@ -397,7 +397,7 @@ class SyncCallback(keras.callbacks.Callback):
                     "trainability during fit"
                 )
             if engine.pulls_partially:
-                return exchange_gradients_blockwise(current, grads)
+                return exchange_gradients_blockwise(current, grads, lambda mean: original(zip(mean, variables)))
             if engine.protocol.reduces_gradients:
                 return original(zip(exchange_gradients(current, grads), variables))
             if engine.protocol.corrects_gradients:
