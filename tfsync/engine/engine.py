@@ -47,11 +47,13 @@ last one in flight is drained); steps that computed nothing are
 BSP and SSP accept every contribution (SSP bounds staleness by waiting, not
 by dropping) and never skip.
 
-With PSP's partial pulling (``pull_fraction < 1``) a completed round's mean is
-not returned to the frontend: :class:`tfsync.engine.pull.BlockPull` applies it
-block by block through the applier the frontend set
-(:meth:`SyncEngine.set_block_applier`), and the step goes on once enough of
-its round's blocks have arrived.  Simulated slow pulls
+With PSP's partial pulling (``pull_fraction < 1``) a completed round's mean
+goes to :class:`tfsync.engine.pull.BlockPull`, which applies it block by
+block through the applier the frontend set
+(:meth:`SyncEngine.set_block_applier`) as the blocks arrive; the step goes on
+once enough of its round's blocks have.  When the step's own round arrived
+whole, it is handed back to the compiled step instead, which applies it as
+without partial pulling.  Simulated slow pulls
 (``Stragglers(pull_prob=, pull_s=)``) hold a round's blocks back on the
 receive side; a mode without partial pulling waits for all of them.
 """
@@ -277,7 +279,8 @@ class SyncEngine:
 
     @property
     def pulls_partially(self) -> bool:
-        """Whether rounds are applied by the engine block by block (the step returns nothing)."""
+        """Whether rounds are applied by the engine block by block (the step then returns
+        ``[*mean, True]`` only when its own round arrived whole, else ``[*zeros, False]``)."""
         return self._pull is not None
 
     @property

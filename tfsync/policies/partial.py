@@ -98,9 +98,13 @@ class PSP(Policy):
 
     Guarantees (tested): without ``compensate``, every applied gradient was
     computed on the weights of the round before the one it joins (staleness
-    0); ``d >= c`` fresh contributions in every round;
-    ``PSP(min_contributions=size)`` gives BSP's weights; per worker,
-    produced = applied + compensated + dropped.
+    0; with partial pulling, a late block's weights are older); ``d >= c``
+    fresh contributions in every round; ``PSP(min_contributions=size)``
+    gives BSP's weights (with partial pulling too, without slow pulls); per
+    worker, produced = applied + compensated + dropped.  Partial pulling:
+    each block's rounds are applied in order, every block of every round is
+    applied by the end of training, and weights and optimizer state are then
+    identical on every replica.
 
     Args:
         min_contributions: ``c``, an int in ``[1, size]``; default ``None``:
