@@ -19,7 +19,7 @@ against.  Scenarios:
 * ``rare-pull``: the PSP paper's simulation itself, on the receive side: each
   block of each round's result reaches a worker ``--pull-s`` late with
   probability ``--pull-prob`` (a block is a weight tensor, six in the small
-  model; the defaults, 0.25% and 0.5 s, give about nine delayed blocks in a
+  model; the defaults, 0.25% and 0.5 s, give about ten delayed blocks in a
   4-worker run of 160 rounds).  A mode without partial pulling waits for a
   round's last block; ``psp+pull`` (``PSP(pull_fraction=0.75)``: five of six
   blocks) goes on without it and applies it when it lands.
