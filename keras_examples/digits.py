@@ -6,7 +6,7 @@ One process per worker, as Horovod's examples do::
         --stragglers "base=0.02,slow=3:0.04"
 
 ``--mode`` is ``bsp``, ``ssp`` (``--staleness``), ``dssp`` (``--low``, ``--high``),
-``elasticbsp`` (``--lookahead``, ``--zipline``), ``psp`` (``--min-contributions``,
+``elasticbsp`` (``--lookahead``, ``--zipline``), ``psp`` (``--min-contributions``, ``--pull-fraction``,
 ``--push-timeout-s``), ``backup`` (``--backups``), ``dcs3gd`` (``--dc-lambda``,
 ``--dc-adaptive``) or ``auto`` (picked from the measured iteration times,
 first after 16 steps, then at epoch ends: ``tfsync.Auto``).
