@@ -336,3 +336,83 @@ def test_blocks_applied_late_through_the_optimizer_end_as_if_on_time(make):
     for a, b in zip(opt_a.variables, opt_b.variables):
         np.testing.assert_allclose(np.asarray(b.numpy(), float), np.asarray(a.numpy(), float), rtol=1e-6, atol=1e-7)
     assert int(opt_b.iterations.numpy()) == 5
+
+
+# ------------------------------------------------------------------ real engines, fake ranks
+
+
+class ArrayApplier:
+    """A rank's weights as NumPy arrays; applying a mean subtracts it.  Records, per block,
+    the rounds in the order they were applied."""
+
+    def __init__(self, groups, tensors):
+        self.groups = groups
+        self.weights = [np.zeros(4, np.float32) for _ in range(tensors)]
+        self.order = [[] for _ in groups]
+
+    def apply(self, block, round_, tensors):
+        for i, t in zip(self.groups[block], tensors):
+            self.weights[i] = self.weights[i] - t.numpy()
+        self.order[block].append(round_)
+
+    def apply_all(self, round_, tensors):
+        for j in range(len(self.groups)):
+            self.apply(j, round_, [tensors[i] for i in self.groups[j]])
+
+    def settle(self, rounds):
+        pass
+
+
+@pytest.mark.usefixtures("engines_on_localhost")
+@pytest.mark.parametrize("seed", [1, 2])
+def test_real_engines_under_slow_pulls_apply_every_block_in_round_order_and_end_identical(tmp_path, seed):
+    import random
+
+    from fake_cluster import FakeCluster, on_threads
+
+    size, steps, tensors = 3, 40, 3
+    policy = tfsync.PSP(push_timeout_s=0.0, pull_fraction=0.6)  # 2 of 3 blocks
+    pulls = tfsync.Stragglers(pull_prob=0.08, pull_s=0.03, seed=seed)
+    cluster = FakeCluster(size, timeout_s=15.0)
+    engines = [
+        tfsync.engine.SyncEngine(policy, stragglers=pulls, wait_timeout_s=15.0, cluster=cluster.rank(r))
+        for r in range(size)
+    ]
+    seen = [[] for _ in range(size)]  # (step, blocks of its round applied when the step returned)
+
+    def train(rank):
+        import tensorflow as tf
+
+        engine, rng = engines[rank], random.Random(seed * 10 + rank)
+        engine.start([tf.zeros([4]) for _ in range(tensors)])
+        applier = ArrayApplier(engine.pull_groups, tensors)
+        engine.set_block_applier(applier)
+        for step in range(steps):
+            if engine.begin_step():
+                time.sleep(rng.uniform(0.0, 0.004))
+                grads = [tf.constant(np.full(4, (rank + 1) * (step + 1) * (i + 1), np.float32)) for i in range(3)]
+                *mean, whole = engine.sync_step(grads)
+                if whole:  # what the compiled step does with a round handed back whole
+                    applier.apply_all(step, mean)
+                seen[rank].append((step, sum(step in order for order in applier.order)))
+            else:
+                engine.skip_step()
+        engine.finish()
+        counts, pull = dict(engine.counts), engine.pull_counts
+        engine.close()
+        return applier, counts, pull
+
+    results, errors = on_threads([lambda r=r: train(r) for r in range(size)], timeout_s=60)
+    assert not any(errors), errors
+    for rank, (applier, counts, pull) in enumerate(results):
+        # every block applied every round once, in round order
+        assert applier.order == [list(range(steps))] * tensors, (rank, applier.order)
+        # a step went on with at least 2 of its round's 3 blocks applied
+        assert all(n >= 2 for _, n in seen[rank]), (rank, seen[rank])
+        assert counts["produced"] == counts["applied"] + counts["dropped"], counts
+        assert pull["blocks"] == steps * tensors, pull
+    for applier, _, _ in results[1:]:  # the same means in the same order: bit-identical
+        for a, b in zip(applier.weights, results[0][0].weights):
+            np.testing.assert_array_equal(a, b)
+    assert sum(p["delayed_blocks"] for _, _, p in results) > 0
+    assert sum(p["late_blocks"] for _, _, p in results) > 0  # some step went on without a block
