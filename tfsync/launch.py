@@ -122,7 +122,8 @@ def add_mode_arguments(parser, baselines=()):
         "--pull-timeout-s",
         type=float,
         default=None,
-        help="PSP's tau2: go on this long after the first block arrived (--mode psp --pull-fraction)",
+        help="PSP's tau2: once the share of blocks arrived, wait up to this long for the others "
+        "(--mode psp --pull-fraction; default 0)",
     )
     parser.add_argument(
         "--pull-blocks",

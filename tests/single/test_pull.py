@@ -170,14 +170,29 @@ def test_the_wait_is_for_need_blocks_when_fewer_have_arrived():
     assert sorted(b for b, _, _ in pull.applier.applied) == [0, 1]
 
 
-def test_the_pull_timeout_ends_the_wait_after_the_first_block():
+@pytest.mark.parametrize(
+    "timeout_s,low,high,applied",
+    [
+        (None, 0.05, 0.2, [0, 1]),  # go on at the 2nd block (tau2 = 0, the paper's setting)
+        (0.2, 0.2, 0.45, [0, 1]),  # wait up to 0.2 s more for the 3rd, which comes at 0.5 s
+        (0.8, 0.45, 0.75, [0, 1, 2]),  # the 3rd comes within tau2: go on once all are there
+    ],
+)
+def test_the_pull_timeout_is_a_wait_for_more_blocks_once_enough_arrived(timeout_s, low, high, applied):
     clock = Clock()
-    pull = pull_with([[0.0, 0.5, 0.5]], need=3, timeout_s=0.1)
+    pull = pull_with([[0.0, 0.05, 0.5]], need=2, timeout_s=timeout_s)
     pull.land(0, total(0), clock())
     waited = pull.wait(0, clock, time.monotonic() + 5)
-    assert 0.05 <= waited < 0.4  # tau2 after the first, not the 0.5 s of the others
+    assert low <= waited < high
     pull.apply_arrived(clock())
-    assert [b for b, _, _ in pull.applier.applied] == [0]
+    assert sorted(b for b, _, _ in pull.applier.applied) == applied
+
+
+def test_the_pull_timeout_never_lets_a_step_go_with_fewer_than_need_blocks():
+    clock = Clock()
+    pull = pull_with([[0.0, 0.3, 0.3]], need=2, timeout_s=0.0)
+    pull.land(0, total(0), clock())
+    assert pull.wait(0, clock, time.monotonic() + 5) >= 0.25  # one block at once, the 2nd at 0.3 s
 
 
 def test_a_wait_past_its_bound_raises_instead_of_hanging():

@@ -11,8 +11,9 @@ order, so a newer round's block never overtakes an older one (the paper's "never
 replaces a block with one from an older round", for summed gradients).
 
 The engine, after a round completes (:meth:`land`), waits (:meth:`wait`)
-until ``⌈b·B⌉`` of the awaited round's blocks have arrived, or
-``pull_timeout_s`` after the first did, applies every arrived entry
+until ``⌈b·B⌉`` of the awaited round's blocks have arrived and
+``pull_timeout_s`` has passed since the ``⌈b·B⌉``-th did (or all have),
+applies every arrived entry
 (:meth:`apply_arrived`) and goes on; the rest stay queued and are applied at a
 later step, when they land.  :meth:`drain` applies everything at the end.
 
@@ -86,7 +87,7 @@ class BlockPull:
     Args:
         groups: the blocks, each a list of indices into the round's tensors.
         need: ``⌈b·B⌉``.
-        timeout_s: ``τ2`` or ``None``.
+        timeout_s: ``τ2``, the wait for more blocks once ``need`` arrived (``None``: 0).
         delays: ``delays(B)`` -> the seconds each block of the next round lands late.
     """
 
@@ -119,25 +120,25 @@ class BlockPull:
         return -np.inf
 
     def wait(self, round_, now_fn, deadline):
-        """Wait until ``need`` blocks of the landed round ``round_`` have arrived, or
-        ``τ2`` after the first did.
+        """Wait until ``need`` blocks of the landed round ``round_`` have arrived and ``τ2``
+        has passed since the ``need``-th did, or until all have (PSP Algorithm 1, line 15).
 
         Returns the seconds waited.  Raises ``TimeoutError`` past ``deadline``
         (``time.monotonic()``), which only a landing time beyond it can reach.
         """
         t_start = now_fn()
+        extra = self.timeout_s or 0.0
         while True:
             now = now_fn()
             arrivals = sorted(self._arrival(j, round_) for j in range(len(self.groups)))
-            arrived = [t for t in arrivals if t <= now]
-            if len(arrived) >= self.need:
-                break
+            if arrivals[-1] <= now:
+                break  # every block
             wake = arrivals[self.need - 1]  # the need-th arrival
-            if self.timeout_s is not None and arrived:
-                give_up = arrived[0] + self.timeout_s
+            if wake <= now:
+                give_up = wake + extra
                 if now >= give_up:
                     break
-                wake = min(wake, give_up)
+                wake = min(give_up, min(t for t in arrivals if t > now))
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError(f"blocks of round {round_} still not arrived at the wait bound")

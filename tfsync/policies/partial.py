@@ -45,8 +45,10 @@ Partial pulling (PSP Algorithm 1, worker lines 10-15), with
 ``pull_fraction=b < 1``: the weights are split into ``B`` blocks (groups of
 whole weight tensors) and a round's mean reaches the training thread block by
 block.  The worker applies the blocks that have arrived and starts its next
-step once ``⌈b·B⌉`` of the round's blocks are applied (or ``pull_timeout_s``
-after the first); it keeps its previous values of the others and applies each
+step once ``⌈b·B⌉`` of the round's blocks are applied and ``pull_timeout_s``
+has passed since the ``⌈b·B⌉``-th arrived, or once all are (Algorithm 1, line
+15: "until timeout τ2 after b% blocks have been received or all servers have
+responded", the same form as ``τ1``); it keeps its previous values of the others and applies each
 late block when it lands, in round order per block, so no block is ever
 replaced by an older round's (:mod:`tfsync.engine.pull`).  Each block goes
 through the worker's own optimizer with ``optimizer.iterations`` set to the
@@ -125,9 +127,10 @@ class PSP(Policy):
             optimizer that updates each weight on its own (no
             ``global_clipnorm``, EMA, gradient accumulation or loss scaling);
             it cannot be combined with ``compensate``.
-        pull_timeout_s: ``τ2`` in seconds (``>= 0``): with fewer than
-            ``⌈b·B⌉`` blocks applied, start the next step this long after the
-            first block arrived.  Default ``None``: wait for ``⌈b·B⌉``.
+        pull_timeout_s: ``τ2`` in seconds (``>= 0``): once ``⌈b·B⌉`` blocks
+            have arrived, wait up to this long for the others.  Default
+            ``None``: go on at once (0, as in the paper's experiments).  A
+            step never starts with fewer than ``⌈b·B⌉`` of its round's blocks.
         pull_blocks: ``B``, the number of blocks (consecutive weight tensors,
             balanced by size); at most the number of weight tensors.  Default
             ``None``: one block per weight tensor.
