@@ -77,6 +77,8 @@ class SyncCallback(keras.callbacks.Callback):
     compensation, DC-S3GD) + ``tfsync_dropped`` (the last epoch's counts include
     the contributions drained at its end), and ``tfsync_skipped`` steps (PSP,
     backup workers: steps whose round closed before this worker computed it).
+    With PSP's partial pulling also ``tfsync_blocks``, ``tfsync_late_blocks``
+    and ``tfsync_delayed_blocks`` (since ``fit`` began).
     Averaged over workers with ``average_epoch_logs``.
 
     Example::
