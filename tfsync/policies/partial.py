@@ -48,9 +48,10 @@ block.  The worker applies the blocks that have arrived and starts its next
 step once ``⌈b·B⌉`` of the round's blocks are applied and ``pull_timeout_s``
 has passed since the ``⌈b·B⌉``-th arrived, or once all are (Algorithm 1, line
 15: "until timeout τ2 after b% blocks have been received or all servers have
-responded", the same form as ``τ1``); it keeps its previous values of the others and applies each
-late block when it lands, in round order per block, so no block is ever
-replaced by an older round's (:mod:`tfsync.engine.pull`).  Each block goes
+responded", the same form as ``τ1``); it keeps its previous values of the
+others and applies each late block at its first step after it lands, in round
+order per block, so no block is ever replaced by an older round's
+(:mod:`tfsync.engine.pull`).  Each block goes
 through the worker's own optimizer with ``optimizer.iterations`` set to the
 block's round, so once every block has landed, weights and optimizer state are
 the same as if every block had come on time (identical on every replica).
