@@ -124,7 +124,13 @@ def parse_args(argv):
         help="'local' (no synchronization) is the compute floor the overhead is measured against",
     )
     p.add_argument("--models", nargs="+", default=["small"], choices=MODELS)
-    p.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=SCENARIOS)
+    p.add_argument(
+        "--scenarios",
+        nargs="+",
+        default=[s for s in SCENARIOS if s != "rare-pull"],
+        choices=SCENARIOS,
+        help="default: all but rare-pull (slow pulls, the case of --modes psp+pull)",
+    )
     p.add_argument(
         "--repeats",
         type=int,
