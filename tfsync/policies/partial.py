@@ -4,8 +4,12 @@
   ``psp_partial_push_pull.txt``, server lines 5-13): round ``t`` aggregates the
   fresh contributions that are ready once at least ``c`` are and ``τ1`` has
   passed since the ``c``-th (or once every worker's is), and the update is their
-  mean (the paper's linear scaling rule: ``η·d`` applied to the mean of ``d``
-  gradients equals ``η`` applied to their sum over the base batch).
+  mean, applied with the optimizer's own learning rate ``η`` (Horovod's
+  averaging; torchft's "divide by the participants").  The paper's server line
+  13 scales the learning rate with ``d`` instead (its linear scaling rule,
+  ``d·η0`` on the mean): with ``η`` tuned for ``N`` workers, a round of
+  ``d < N`` contributions takes the full step here where the paper's would
+  take ``d/N`` of it.
 * :class:`BackupWorkers`: synchronous SGD with ``b`` backup workers
   (Algorithms 3-4 of ``backup_workers_sync_sgd.txt``): with ``N + b`` workers,
   round ``t`` aggregates the first ``N`` contributions stamped ``t``.
