@@ -74,7 +74,7 @@ class SyncStrategy(tf.distribute.OneDeviceStrategy):
 
     def __init__(self, mode="bsp", *, stragglers=None, trace_dir=None, wait_timeout_s=None, device=None):
         policy = resolve(mode)
-        if getattr(policy, "pulls_partially", False):
+        if policy.pulls_partially:
             raise ValueError(
                 f"SyncStrategy(mode=PSP(pull_fraction={policy.pull_fraction})): partial pulling applies "
                 f"each round block by block through the optimizer, which only tfsync.keras.SyncCallback "

@@ -218,10 +218,10 @@ class SyncEngine:
         self._diagnosis = Diagnosis(self.control, self.rank, self.policy.name, self.wait_timeout_s, WAIT_TIMEOUT_ENV)
         self._delays = self.stragglers.for_rank(self.rank)
         self._pull = None  # PSP's partial pulling: the blocks not applied yet
-        # partial pulling: the step's own round, whole, for the compiled step to apply
-        self._hands_back, self._handed = False, None
+        self._handed = None  # partial pulling: the step's own round, whole, for the compiled step to apply
         self._pull_blocks_n = len(blocks)  # a mode without it waits for a round's last block
-        if getattr(self.policy, "pulls_partially", False):
+        self._slow_pulls = bool(self.stragglers.pull_prob and self.stragglers.pull_s)
+        if self.policy.pulls_partially:
             self._pull = BlockPull(
                 blocks,
                 self.policy.blocks_needed(len(blocks)),
@@ -272,7 +272,7 @@ class SyncEngine:
 
     def set_block_applier(self, applier):
         """Partial pulling: how this worker applies one block of a round's mean
-        (a :class:`tfsync.engine.pull.Applier`; the frontends set it before the first step)."""
+        (:attr:`tfsync.engine.pull.BlockPull.applier`; the frontends set it before the first step)."""
         if self._pull is None:
             raise ValueError(f"tfsync: mode {self.policy.name!r} does not pull partially; it has no block applier")
         self._pull.applier = applier
@@ -487,11 +487,7 @@ class SyncEngine:
                 required = self._dssp_required(step, required)
         self._produced += 1
         self.control.report(step)
-        self._hands_back = self._pull is not None
-        try:
-            applied = self._wait_and_apply(required)
-        finally:
-            self._hands_back = False
+        applied = self._wait_and_apply(required, hand_back=self._pull is not None)
         if corrected is not None:  # waited before the optimizer, not after the push
             waited_s, applied_before = corrected
             self._end_step(step, t_start, t_push, applied_before + applied, waited_before_push_s=waited_s)
@@ -565,8 +561,11 @@ class SyncEngine:
     def _now(self):
         return time.time() - self.t0
 
-    def _wait_and_apply(self, required_round):
-        """Wait (bounded) until ``required_round`` is complete, then apply every complete round."""
+    def _wait_and_apply(self, required_round, hand_back=False):
+        """Wait (bounded) until ``required_round`` is complete, then apply every complete round.
+
+        ``hand_back`` (partial pulling): keep ``required_round`` for the compiled step to
+        apply if it arrived whole (:meth:`_pull_result`)."""
         if required_round > self.exchange.completed:
             self._wait_round(required_round)
         applied = []
@@ -581,7 +580,8 @@ class SyncEngine:
                 self._pull.land(r, res.total, self._now())
             else:
                 self.protocol.apply_round(res)
-                self._receive_delay()
+                if self._slow_pulls:
+                    self._receive_delay()
             # the contributions' stamps are for the trace only: not computed without one
             stamps = None
             if self._trace is not None:
@@ -602,8 +602,7 @@ class SyncEngine:
         if self._pull is not None:
             if 0 <= required_round <= self._applied_through:
                 self._wait_blocks(required_round)
-            hand_back = required_round if self._hands_back else None
-            self._handed = self._pull.apply_arrived(self._now(), hand_back=hand_back)
+            self._handed = self._pull.apply_arrived(self._now(), hand_back=required_round if hand_back else None)
         return applied
 
     def _wait_blocks(self, round_):

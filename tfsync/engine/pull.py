@@ -17,7 +17,7 @@ applies every arrived entry
 (:meth:`apply_arrived`) and goes on; the rest stay queued and are applied at a
 later step, when they land.  :meth:`drain` applies everything at the end.
 
-How a block is applied is the frontend's (:class:`Applier`): through the
+How a block is applied is the frontend's (:attr:`BlockPull.applier`): through the
 worker's optimizer, with ``optimizer.iterations`` set to the block's round,
 so every replica applies the same updates per weight in the same order with
 the same step count, and ends identical.
@@ -63,24 +63,6 @@ def partition(sizes, blocks):
     return groups
 
 
-class Applier:
-    """What the frontend gives the engine to apply one block (the interface).
-
-    ``apply(block, round_, tensors)``: apply round ``round_``'s mean gradients
-    for the weights of ``block`` (their order in the block).
-    ``settle(rounds)``: every call of this step is done; ``rounds`` rounds are
-    applied in at least one block (the optimizer's step count to leave).
-    Optional ``apply_all(round_, tensors)``: every block of round ``round_``
-    at once (all the round's tensors, in the weights' order).
-    """
-
-    def apply(self, block, round_, tensors):  # pragma: no cover - interface
-        raise NotImplementedError
-
-    def settle(self, rounds):  # pragma: no cover - interface
-        raise NotImplementedError
-
-
 class BlockPull:
     """One worker's queues of blocks not applied yet (see the module docstring).
 
@@ -89,6 +71,14 @@ class BlockPull:
         need: ``⌈b·B⌉``.
         timeout_s: ``τ2``, the wait for more blocks once ``need`` arrived (``None``: 0).
         delays: ``delays(B)`` -> the seconds each block of the next round lands late.
+
+    ``applier`` (set by the frontend before the first step) applies the blocks:
+    ``applier.apply(block, round_, tensors)`` applies round ``round_``'s mean
+    for the weights of ``block`` (in the block's order);
+    ``applier.settle(rounds)`` ends a batch of those calls, ``rounds`` rounds
+    being applied in at least one block (the optimizer's step count to
+    leave); optional ``applier.apply_all(round_, tensors)`` applies every
+    block of a round at once (all its tensors, in the weights' order).
     """
 
     def __init__(self, groups, need, timeout_s, delays):

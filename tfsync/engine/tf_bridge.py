@@ -19,6 +19,14 @@ def _getter(engine):
     return engine if callable(engine) else (lambda: engine)
 
 
+def _dense(grads, protocol):
+    """The step's gradients as dense tensors: zeros for a weight without one, IndexedSlices densified."""
+    return [
+        tf.zeros(s, d) if g is None else tf.convert_to_tensor(g)
+        for g, s, d in zip(grads, protocol.shapes, protocol.dtypes)
+    ]
+
+
 def exchange_gradients(engine, grads):
     """Gradient protocol: the gradients every worker applies this step (the round's mean).
 
@@ -28,10 +36,7 @@ def exchange_gradients(engine, grads):
     """
     get_engine = _getter(engine)
     protocol = get_engine().protocol
-    grads = [
-        tf.zeros(s, d) if g is None else tf.convert_to_tensor(g)  # IndexedSlices become dense
-        for g, s, d in zip(grads, protocol.shapes, protocol.dtypes)
-    ]
+    grads = _dense(grads, protocol)
     out = tf.py_function(lambda *g: get_engine().sync_step(g), grads, Tout=protocol.dtypes, name="tfsync_step")
     for o, s in zip(out, protocol.shapes):
         o.set_shape(s)
@@ -50,10 +55,7 @@ def exchange_gradients_blockwise(engine, grads, apply):
     """
     get_engine = _getter(engine)
     protocol = get_engine().protocol
-    grads = [
-        tf.zeros(s, d) if g is None else tf.convert_to_tensor(g)  # IndexedSlices become dense
-        for g, s, d in zip(grads, protocol.shapes, protocol.dtypes)
-    ]
+    grads = _dense(grads, protocol)
     out = tf.py_function(
         lambda *g: get_engine().sync_step(g), grads, Tout=[*protocol.dtypes, tf.bool], name="tfsync_step"
     )
@@ -70,7 +72,7 @@ def exchange_gradients_blockwise(engine, grads, apply):
 
 
 class OptimizerBlocks:
-    """Partial pulling's applier (:class:`tfsync.engine.pull.Applier`): one block of a
+    """Partial pulling's applier (:attr:`tfsync.engine.pull.BlockPull.applier`): one block of a
     round's mean through the optimizer, with ``optimizer.iterations`` at that round's count.
 
     Keras 3 optimizers update each weight from its gradient, its own slots and

@@ -151,7 +151,7 @@ class SyncCallback(keras.callbacks.Callback):
         """Start the engine of ``self.policy``; compile a train step for it unless the one
         compiled already serves it (auto mode between gradient-protocol modes)."""
         model, engine_args = self.model, dict(self._engine_args)
-        if getattr(self.policy, "pulls_partially", False):
+        if self.policy.pulls_partially:
             check_blockwise_optimizer(model.optimizer, self.policy)
         if self.auto is not None and engine_args["trace_dir"]:
             name = f"{self._segment}-{self.policy.name}"

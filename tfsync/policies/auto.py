@@ -194,7 +194,7 @@ class Auto:
                     f"tfsync.Auto: {where}={policy!r} is not a synchronization mode; pass a policy object "
                     f"such as tfsync.SSP(staleness=3) (not 'auto' or a string)"
                 )
-            if getattr(policy, "pulls_partially", False):
+            if policy.pulls_partially:
                 raise ValueError(
                     f"tfsync.Auto: {where}={policy!r} pulls partially, which auto mode does not switch "
                     f"to or from (its rounds are applied block by block outside the shared train "

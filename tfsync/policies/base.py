@@ -41,6 +41,8 @@ class Policy(abc.ABC):
             it so at once and it enters the round's allreduce without
             waiting for the closing (the coordinator checks the promise at
             every closing and stops the job if a policy breaks it).
+        pulls_partially: a worker may start a step before every block of its
+            round's result arrived (PSP's partial pulling).
     """
 
     name: str = ""
@@ -48,6 +50,7 @@ class Policy(abc.ABC):
     coordinated: bool = False
     skips: bool = False
     accepts_ready: bool = False
+    pulls_partially: bool = False
 
     @abc.abstractmethod
     def required_round(self, step: int) -> int:

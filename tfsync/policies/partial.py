@@ -81,6 +81,21 @@ from tfsync.policies.compensation import DelayCompensation, check_compensate
 ADAPTIVE_PUSH_TIMEOUT_FRACTION = 0.1
 
 
+def _check_seconds(owner, name, value, none_means, hint):
+    """``value`` is None or a finite number of seconds >= 0 (``none_means``: what None does)."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(
+            f"{owner}({name}={value!r}): {name} must be a number of seconds >= 0 or None "
+            f"({none_means}), got {type(value).__name__}; {hint}"
+        )
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(
+            f"{owner}({name}={value}): {name} must be a finite number of seconds >= 0 or None ({none_means}); {hint}"
+        )
+
+
 def _check_int(owner, name, value, minimum, hint):
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(
@@ -163,18 +178,7 @@ class PSP(Policy):
         check_compensate("PSP", self.compensate)
         if self.min_contributions is not None:
             _check_int("PSP", "min_contributions", self.min_contributions, 1, hint)
-        if self.push_timeout_s is not None:
-            t = self.push_timeout_s
-            if isinstance(t, bool) or not isinstance(t, int | float):
-                raise TypeError(
-                    f"PSP(push_timeout_s={t!r}): push_timeout_s must be a number of "
-                    f"seconds >= 0 or None (adaptive), got {type(t).__name__}; {hint}"
-                )
-            if not (math.isfinite(t) and t >= 0):
-                raise ValueError(
-                    f"PSP(push_timeout_s={t}): push_timeout_s must be a finite number "
-                    f"of seconds >= 0 or None (adaptive); {hint}"
-                )
+        _check_seconds("PSP", "push_timeout_s", self.push_timeout_s, "adaptive", hint)
         self._check_pull()
 
     def _check_pull(self):
@@ -188,14 +192,7 @@ class PSP(Policy):
                 f"worker waits for, a number in (0, 1] (1.0: all of them, no partial pulling); {hint}"
             )
         t = self.pull_timeout_s
-        if t is not None:
-            if isinstance(t, bool) or not isinstance(t, int | float):
-                raise TypeError(
-                    f"PSP(pull_timeout_s={t!r}): pull_timeout_s must be a number of seconds >= 0 "
-                    f"or None, got {type(t).__name__}; {hint}"
-                )
-            if not (math.isfinite(t) and t >= 0):
-                raise ValueError(f"PSP(pull_timeout_s={t}): pull_timeout_s must be a finite number >= 0; {hint}")
+        _check_seconds("PSP", "pull_timeout_s", t, "0: go on at once", hint)
         if self.pull_blocks is not None:
             _check_int("PSP", "pull_blocks", self.pull_blocks, 1, hint)
         if b == 1.0 and (t is not None or self.pull_blocks is not None):
