@@ -108,3 +108,46 @@ print("OK")
     )
     assert rc == 0 and "OK" in out, out[-3000:]
     assert png.stat().st_size > 1000
+
+
+def test_strategy_trains_on_the_inputs_keras_takes():
+    # tf.data (finite and repeated), NumPy with validation data, a PyDataset; evaluate and predict
+    # after; the gradient protocol (BSP), the update protocol (SSP) and a skippable step (ElasticBSP)
+    rc, out = run_python(
+        """
+import horovod.tensorflow as hvd; hvd.init()
+import numpy as np, keras, tensorflow as tf, tfsync
+x = np.random.default_rng(0).normal(size=(64, 4)).astype("float32")
+y = x.sum(axis=1, keepdims=True)
+
+class Batches(keras.utils.PyDataset):
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        return x[8 * i : 8 * i + 8], y[8 * i : 8 * i + 8]
+
+for mode in ["bsp", "ssp", "elasticbsp"]:
+    strategy = tfsync.distribute.SyncStrategy(mode=mode)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        model.compile(optimizer="sgd", loss="mse")
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(8)
+    # one process, one replica: the dataset feeds the step as it is (no per-epoch distributed iterator)
+    assert strategy.experimental_distribute_dataset(ds) is ds
+    before = model.evaluate(x, y, verbose=0)
+    h1 = model.fit(ds, epochs=2, verbose=0, validation_data=ds)
+    h2 = model.fit(x, y, batch_size=8, epochs=2, verbose=0, validation_data=(x, y))
+    model.fit(Batches(), epochs=2, verbose=0)
+    model.fit(ds.repeat(), steps_per_epoch=5, epochs=2, verbose=0)
+    strategy.finish()
+    after = model.evaluate(ds, verbose=0)
+    assert model.predict(x, batch_size=16, verbose=0).shape == (64, 1)
+    assert after < 0.5 * before, (mode, before, after)
+    assert len(h1.history["val_loss"]) == 2 and len(h2.history["val_loss"]) == 2, (h1.history, h2.history)
+print("OK")
+""",
+        env={"TFSYNC_SINGLE_PROCESS": "1"},
+        timeout_s=300,
+    )
+    assert rc == 0 and "OK" in out, out[-3000:]
