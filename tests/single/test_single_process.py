@@ -151,3 +151,38 @@ print("OK")
         timeout_s=300,
     )
     assert rc == 0 and "OK" in out, out[-3000:]
+
+
+@pytest.mark.parametrize("route", ["callback", "strategy"])
+def test_the_process_exits_when_fit_raises_or_finish_is_forgotten(route):
+    # an engine still running at exit (Keras calls no on_train_end when fit raises; a strategy
+    # the user never finished) leaves on its own: its gRPC handler threads kept the process
+    # alive forever before (run_python's bound fails the test)
+    rc, out = run_python(
+        "import horovod.tensorflow as hvd; hvd.init()\n"
+        + MODEL
+        + f"""
+route = {route!r}
+if route == "strategy":
+    strategy = tfsync.distribute.SyncStrategy(mode="ssp")
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        model.compile(optimizer="sgd", loss="mse")
+    model.fit(x, y, batch_size=8, epochs=2, verbose=0)  # and no strategy.finish()
+    print("FIT DONE", flush=True)
+else:
+    class Boom(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 3:
+                raise ValueError("the user's error at batch 3")
+
+    callbacks = [tfsync.keras.SyncCallback(mode="ssp"), Boom()]
+    model.fit(x, y, batch_size=8, epochs=2, verbose=0, callbacks=callbacks)
+""",
+        env={"TFSYNC_SINGLE_PROCESS": "1"},
+        timeout_s=90,
+    )
+    if route == "strategy":
+        assert rc == 0 and "FIT DONE" in out, out[-3000:]
+    else:
+        assert rc != 0 and "the user's error at batch 3" in out, out[-3000:]

@@ -63,7 +63,9 @@ import json
 import os
 import secrets
 import socket
+import threading
 import time
+import weakref
 
 import numpy as np
 
@@ -86,6 +88,33 @@ DEFAULT_WAIT_TIMEOUT_S = float(_env.WAIT_TIMEOUT_S.default)
 
 POST_PUSH_SMOOTHING = 0.2  # ElasticBSP: weight of the newest step in the post-push time's average
 WAIT_POLL_S = 1.0  # a waiting worker checks the control path (losses, stops, its deadline) this often
+ABANDON_JOIN_S = 2.0  # at exit, how long an unclosed engine waits for its communication thread
+
+_running = weakref.WeakSet()  # engines started and not closed, in this process
+_exit_hook = []
+
+
+def _leave_at_exit(engine):
+    """Abandon ``engine`` at interpreter exit if it is still running then.
+
+    The hook goes in ``threading``'s exit list, which runs before Python joins
+    the non-daemon threads, the gRPC server's handler pool among them (an
+    ``atexit`` function runs after that join, too late).  It is registered
+    after the server exists, so it runs before ``concurrent.futures`` joins
+    that pool.
+    """
+    _running.add(engine)
+    if not _exit_hook:
+        _exit_hook.append(True)
+        threading._register_atexit(_abandon_running)
+
+
+def _abandon_running():
+    for engine in list(_running):
+        try:
+            engine.abandon()
+        except Exception:  # exiting anyway: one engine's failure must not keep the others
+            pass
 
 
 class SyncEngine:
@@ -256,6 +285,7 @@ class SyncEngine:
         self.last = {}
         self.started = True
         self._t_step_start = self._now()
+        _leave_at_exit(self)
 
     def _pull_blocks(self, shapes):
         """The parameter blocks of PSP's partial pulling (one per weight tensor without it)."""
@@ -342,6 +372,7 @@ class SyncEngine:
         if not self.started:
             return
         self.started = False
+        _running.discard(self)
         # Two barriers on the exchange thread, after every round, each bounded: every
         # rank is done with the control path before any leaves it, and every rank has
         # left it (its stream ended, its channel closed) before rank 0 stops the server,
@@ -358,6 +389,29 @@ class SyncEngine:
         if self._trace is not None:
             self._trace.close()
             self._trace = None
+
+    def abandon(self):
+        """Leave without :meth:`close`'s handshake with the other ranks (local, bounded).
+
+        For an engine still running when the interpreter exits: ``fit``
+        raised (Keras calls no ``on_train_end`` then), or a
+        ``SyncStrategy`` was never finished.  Its control path's gRPC
+        handler threads would otherwise keep the process alive forever.
+        The replicas' weights may differ; nothing is drained.
+        """
+        if not self.started:
+            return
+        self.started = False
+        _running.discard(self)
+        try:
+            self.exchange.close(timeout_s=ABANDON_JOIN_S)
+        finally:
+            self.control.close()
+            if self._server is not None:
+                self._server.stop()
+            if self._trace is not None:
+                self._trace.close()
+                self._trace = None
 
     # ------------------------------------------------------------------- the step
     def sync_step(self, inputs):
