@@ -16,7 +16,7 @@ policy's own pure function, the same object a training run uses:
   costs a control round trip.
 * ElasticBSP: supersteps from :meth:`tfsync.ElasticBSP.next_schedule`
   (ZipLine on the predicted end times, from the barrier round's push times
-  and each worker's mean interval); each worker skips the superstep's first
+  and each worker's median interval); each worker skips the superstep's first
   steps and computes its last ``k_p``, entering every round; at the barrier
   every worker waits for the barrier round.
 * PSP and backup workers: a worker's ready notice reaches the coordinator
@@ -198,7 +198,8 @@ def _elastic(policy, d, allreduce_s):
         computed += int(chosen.sum())
         skipped += int(workers * length - chosen.sum())
         start_s = complete_s
-        schedule = policy.next_schedule(barrier, entered[:, -1], work.sum(axis=1) / chosen)
+        intervals = [float(np.median(work[w, computes[w]])) for w in range(workers)]  # as the engine's
+        schedule = policy.next_schedule(barrier, entered[:, -1], intervals)
         if schedule.decision_s:
             decisions.append(schedule.decision_s)
     return {

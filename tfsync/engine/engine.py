@@ -268,7 +268,7 @@ class SyncEngine:
         self._grant_left, self._granted, self._open_grant, self._closing_grant = 0, set(), None, None
         # ElasticBSP: the current superstep, and this worker's latest iteration interval
         self._schedule = self.policy.first_schedule(self.size) if hasattr(self.policy, "next_schedule") else None
-        self._superstep_compute = [0.0, 0]  # ElasticBSP: this superstep's computation time and steps
+        self._superstep_compute = []  # ElasticBSP: this superstep's computation times
         self._post_push_s = 0.0  # ElasticBSP: mean time from a push to the next step (no barrier)
         self._at_barrier = None  # the step whose sync waits for the barrier round
         # ElasticBSP's barriers on this worker: how many, the waits at them, the decisions' time
@@ -522,12 +522,10 @@ class SyncEngine:
         compute_s = t_push - t_start
         if self._schedule is not None:
             required = self._schedule_required(step)
-            # its rows carry the interval the predictor uses: push to push, i.e. the mean
+            # its rows carry the interval the predictor uses: push to push, i.e. the median
             # computation of the superstep and the engine's own work after a push
-            total = self._superstep_compute
-            total[0] += compute_s
-            total[1] += 1
-            compute_s = total[0] / total[1] + self._post_push_s
+            self._superstep_compute.append(compute_s)
+            compute_s = float(np.median(self._superstep_compute)) + self._post_push_s
         self._last_pushed = step  # (before an inline round: its watchdog reports this clock)
         if self.policy.coordinated:
             self.exchange.push(step, payload, t_push, compute_s)
@@ -687,7 +685,7 @@ class SyncEngine:
         self._schedule = self.policy.next_schedule(
             res.round, [float(res.push_times[k]) for k in present], [float(c) for c in res.compute_s]
         )
-        self._superstep_compute = [0.0, 0]
+        self._superstep_compute = []
         self.barriers["decision_s"] += self._schedule.decision_s
         if self._trace is not None:
             self._write({"event": "barrier", "rank": self.rank, "t": self._now(), **self._schedule.record()})

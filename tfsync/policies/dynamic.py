@@ -244,7 +244,7 @@ class ElasticBSP(Policy):
 
     The schedule of the next superstep is decided at the barrier, on every
     worker, from the barrier round's replicated metadata: each worker's
-    iteration interval (its mean over the iterations it computed since the
+    iteration interval (its median over the iterations it computed since the
     previous barrier, each from the end of its previous wait to its push, so
     no wait is counted as work) and the barrier's time.  Each worker's next ``R``
     end times are predicted (:func:`tfsync.scheduler.predict_end_times`, the
@@ -261,10 +261,12 @@ class ElasticBSP(Policy):
     barriers.  After that, a worker's interval is measured by its latest push
     itself, with the barrier's wait excluded, so the next barrier is decided at
     the barrier rather than two iterations later; this is the paper's latest
-    interval without its wait, averaged over the superstep (one interval of a
-    shared machine is noisy, and an error in it grows with every predicted
-    iteration), and it makes ``lookahead=1`` a barrier at every step, i.e.
-    BSP's waiting.
+    interval without its wait, the median over the superstep (one interval of
+    a shared machine is noisy, and an error in it grows with every predicted
+    iteration; a median also ignores a one-off stall, such as a worker's
+    first step of an epoch, which a mean would carry into the next superstep
+    as a slow worker that must skip), and it makes ``lookahead=1`` a barrier
+    at every step, i.e. BSP's waiting.
 
     Guarantees (tested): after every barrier, identical weights on every
     replica; every worker computes at least one step per superstep and skips
