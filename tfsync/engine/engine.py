@@ -221,6 +221,7 @@ class SyncEngine:
             contact = (self._server.address, token)
         else:
             contact = None
+        _leave_at_exit(self)  # from here on something runs that must not outlive the process
         address, token = cluster.broadcast_object(contact, root_rank=0, name="tfsync.control_address")
 
         coordinated = {}
@@ -285,7 +286,6 @@ class SyncEngine:
         self.last = {}
         self.started = True
         self._t_step_start = self._now()
-        _leave_at_exit(self)
 
     def _pull_blocks(self, shapes):
         """The parameter blocks of PSP's partial pulling (one per weight tensor without it)."""
@@ -397,19 +397,23 @@ class SyncEngine:
         raised (Keras calls no ``on_train_end`` then), or a
         ``SyncStrategy`` was never finished.  Its control path's gRPC
         handler threads would otherwise keep the process alive forever.
-        The replicas' weights may differ; nothing is drained.
+        The replicas' weights may differ; nothing is drained.  Also for a
+        start that failed after rank 0's control server came up.
         """
-        if not self.started:
+        if self not in _running:
             return
         self.started = False
         _running.discard(self)
+        parts = self.__dict__  # what a failed start got to build
         try:
-            self.exchange.close(timeout_s=ABANDON_JOIN_S)
+            if "exchange" in parts:
+                self.exchange.close(timeout_s=ABANDON_JOIN_S)
         finally:
-            self.control.close()
+            if "control" in parts:
+                self.control.close()
             if self._server is not None:
                 self._server.stop()
-            if self._trace is not None:
+            if parts.get("_trace") is not None:
                 self._trace.close()
                 self._trace = None
 
