@@ -51,7 +51,9 @@ def test_digits_reaches_90_percent_on_4_workers(script, epochs):
     # four workers on two cores are communication-bound, rounds queue behind the compute, and
     # ElasticBSP's asynchronous supersteps then run 4-5 rounds stale on average (up to 14).
     # Measured under three busy loops: its final accuracy was 0.83-0.95 (3 of 14 runs below
-    # 0.9, and 0.79 once in CI) without device time, 0.950-0.958 (5 of 5) with it.
+    # 0.9, and 0.79 once in CI) without device time, 0.950-0.958 (5 of 5) with it.  With it, the
+    # strategy route once scored 0.892 in CI: its per-epoch input stall (since removed) made a worker
+    # look slow to ZipLine, which had it skip steps; 0.950-0.958 in 4 of 4 runs after the fix.
     res = result_of(
         run(
             [

@@ -14,7 +14,11 @@ CPU), so Keras 3 sees and uses a real strategy.  Across processes:
   the step the engine pushes their share and moves them to the next step's
   weights; DC-S3GD's protocol does the same with the gradient the engine
   corrected (:meth:`SyncEngine.correct_gradients`) in place of the local one;
-* the engine starts when the first train step is traced.
+* the engine starts when the first train step is traced;
+* datasets are not distributed: with one replica per process, Keras' input
+  feeds the step as it would with no strategy at all (TF's default strategy
+  does the same), instead of through a distributed iterator built anew
+  every epoch.
 
 A single-device strategy never calls its ``cross_device_ops`` under Keras 3
 fit, which is why the hooks sit on the replica all-reduce and the update
