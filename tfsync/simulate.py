@@ -49,7 +49,7 @@ import time
 
 import numpy as np
 
-from tfsync.bench.training import SCENARIOS, add_scenario_arguments, scenario_spec
+from tfsync.bench.training import DEFAULT_SCENARIOS, add_scenario_arguments, scenario_spec
 from tfsync.policies import DSSP, SSP, ElasticBSP, Policy, resolve
 from tfsync.policies.base import decide_round
 from tfsync.policies.dynamic import PushTable
@@ -57,7 +57,7 @@ from tfsync.stragglers import Stragglers
 
 MODES = ("bsp", "ssp", "dssp", "elasticbsp", "psp", "backup")
 # the simulated workers have step times only: slow pulls (the receive side) are not simulated
-SIM_SCENARIOS = tuple(s for s in SCENARIOS if s != "rare-pull")
+SIM_SCENARIOS = DEFAULT_SCENARIOS
 DEFAULT_WORKERS = (16, 1000, 10000)
 
 

@@ -65,6 +65,7 @@ MODE_FLAGS = {
 }
 MODELS = ("small", "medium", "large")
 SCENARIOS = ("none", "straggler", "heterogeneous", "jitter", "rare", "rare-pull")
+DEFAULT_SCENARIOS = tuple(s for s in SCENARIOS if s != "rare-pull")  # rare-pull: opt-in (psp+pull's case)
 MODE_LABELS = {
     "local": "no synchronization",
     "horovod": "plain Horovod BSP",
@@ -127,7 +128,7 @@ def parse_args(argv):
     p.add_argument(
         "--scenarios",
         nargs="+",
-        default=[s for s in SCENARIOS if s != "rare-pull"],
+        default=list(DEFAULT_SCENARIOS),
         choices=SCENARIOS,
         help="default: all but rare-pull (slow pulls, the case of --modes psp+pull)",
     )

@@ -110,6 +110,12 @@ class SyncStrategy(tf.distribute.OneDeviceStrategy):
         self.extended._finish()
 
 
+def _per_replica(options):
+    """Input options asking for per-replica input (which a one-device strategy refuses)."""
+    mode = options.experimental_replication_mode if options is not None else None
+    return mode is not None and mode != tf.distribute.InputReplicationMode.PER_WORKER
+
+
 class _SyncExtended(one_device_strategy.OneDeviceExtended):
     def __init__(self, container_strategy, device, policy, engine_args):
         super().__init__(container_strategy, device)
@@ -129,19 +135,13 @@ class _SyncExtended(one_device_strategy.OneDeviceExtended):
     # multi-device iterator every epoch, which took 0.1-1.9 s on one of four workers sharing
     # two cores, and under BSP every worker waits for the slowest at each epoch's first step.
     def _experimental_distribute_dataset(self, dataset, options):
-        if (
-            options is not None
-            and options.experimental_replication_mode != tf.distribute.InputReplicationMode.PER_WORKER
-        ):
+        if _per_replica(options):
             return super()._experimental_distribute_dataset(dataset, options)  # (raises as TF does)
         return dataset
 
     def _distribute_datasets_from_function(self, dataset_fn, options):
-        if (
-            options is not None
-            and options.experimental_replication_mode != tf.distribute.InputReplicationMode.PER_WORKER
-        ):
-            return super()._distribute_datasets_from_function(dataset_fn, options)
+        if _per_replica(options):
+            return super()._distribute_datasets_from_function(dataset_fn, options)  # (raises as TF does)
         return dataset_fn(tf.distribute.InputContext())
 
     # Variables start identical on every rank.

@@ -63,6 +63,7 @@ import json
 import os
 import secrets
 import socket
+import statistics
 import threading
 import time
 import weakref
@@ -91,7 +92,7 @@ WAIT_POLL_S = 1.0  # a waiting worker checks the control path (losses, stops, it
 ABANDON_JOIN_S = 2.0  # at exit, how long an unclosed engine waits for its communication thread
 
 _running = weakref.WeakSet()  # engines started and not closed, in this process
-_exit_hook = []
+_exit_hook_registered = False
 
 
 def _leave_at_exit(engine):
@@ -103,10 +104,11 @@ def _leave_at_exit(engine):
     after the server exists, so it runs before ``concurrent.futures`` joins
     that pool.
     """
+    global _exit_hook_registered
     _running.add(engine)
-    if not _exit_hook:
-        _exit_hook.append(True)
+    if not _exit_hook_registered:
         threading._register_atexit(_abandon_running)
+        _exit_hook_registered = True
 
 
 def _abandon_running():
@@ -529,7 +531,7 @@ class SyncEngine:
             # its rows carry the interval the predictor uses: push to push, i.e. the median
             # computation of the superstep and the engine's own work after a push
             self._superstep_compute.append(compute_s)
-            compute_s = float(np.median(self._superstep_compute)) + self._post_push_s
+            compute_s = statistics.median(self._superstep_compute) + self._post_push_s
         self._last_pushed = step  # (before an inline round: its watchdog reports this clock)
         if self.policy.coordinated:
             self.exchange.push(step, payload, t_push, compute_s)
