@@ -76,6 +76,7 @@ class Worker:
         self.views = []  # (step, weights it computed that step on, or found it skipped) (update protocol)
         self.counts = self.weights = None
         self.early_rounds = 0  # coordinated rounds it entered on its ready notice's answer
+        self.aggregated = {}  # coordinated round -> the ranks it aggregated, from its metadata
 
 
 class Job:
@@ -117,6 +118,14 @@ class Job:
         engine, me = self.engines[rank], self.workers[rank]
         var = tf.Variable(tf.zeros([WIDTH])) if self.updates else None
         engine.start([var] if self.updates else [tf.zeros([WIDTH], d) for d in self.dtypes])
+        pop = engine.exchange.pop
+
+        def pop_and_note(round_):  # what each round aggregated, as this rank received it
+            res = pop(round_)
+            me.aggregated[round_] = res.accepted
+            return res
+
+        engine.exchange.pop = pop_and_note
         for step in range(self.steps):
             if self.dies == (rank, step):  # as rank 0 sees a crash: its control stream ends
                 engine.control._closing = True
@@ -173,11 +182,16 @@ class Job:
         for exc in errors:
             if exc is not None:
                 raise exc
-        # what rank 0's coordinator decided (all ranks, every round, for BSP and SSP)
+        # what rank 0's coordinator decided (all ranks, every round, for BSP and SSP), and what
+        # each round aggregated (its metadata: the closing's ranks, or more under enters_when_ready)
         if self.policy.coordinated:
             self.closed = self.engines[0]._server.closed
+            self.aggregated = [self.workers[0].aggregated[r] for r in range(self.steps)]
+            for w in self.workers[1:]:
+                assert [w.aggregated[r] for r in range(self.steps)] == self.aggregated
         else:
             self.closed = [[r, list(range(self.size))] for r in range(self.steps)]
+            self.aggregated = [tuple(range(self.size))] * self.steps
         return self
 
     def _abandon(self):
@@ -229,7 +243,9 @@ def check_rounds_and_counts(job):
     """What every policy promises; returns the accepted ranks per round."""
     size, steps = job.size, job.steps
     assert [r for r, _ in job.closed] == list(range(steps)), "every round closes once, in order"
-    accepted = [tuple(a) for _, a in job.closed]
+    accepted = [tuple(a) for a in job.aggregated]
+    for r, closing in job.closed:  # PSP: also every rank ready by the time it entered the round
+        assert set(closing) <= set(accepted[r]) if job.policy.enters_when_ready else tuple(closing) == accepted[r]
     computed = [set(w.computed) for w in job.workers]
     for r, acc in enumerate(accepted):
         assert acc and list(acc) == sorted(set(acc)), (r, acc)

@@ -378,16 +378,21 @@ def expected_mean(accepted, round_):
     return [np.sum([p[i] for p in parts], axis=0, dtype=np.float32) / d for i in range(len(SHAPES))]
 
 
-def _exchanges(size, collective_for, t0=0.0, mask=mask_twin):
+def _exchanges(size, collective_for, t0=0.0, mask=mask_twin, takes_present=False):
     absent = [np.zeros(s, np.float32) for s in SHAPES]
-    return [RoundExchange(collective_for(r), rank=r, size=size, t0=t0, absent=absent, mask=mask) for r in range(size)]
+    return [
+        RoundExchange(
+            collective_for(r), rank=r, size=size, t0=t0, absent=absent, mask=mask, takes_present=takes_present
+        )
+        for r in range(size)
+    ]
 
 
 @contextlib.contextmanager
-def _fake_ranks(size, timeout_s=WAIT_S):
+def _fake_ranks(size, timeout_s=WAIT_S, takes_present=False):
     """``(allreduce, exchanges)``: ``size`` ranks' exchanges over one fake allreduce, closed after."""
     allreduce = FakeAllreduce(size, timeout_s=timeout_s)
-    exchanges = _exchanges(size, allreduce.for_rank)
+    exchanges = _exchanges(size, allreduce.for_rank, takes_present=takes_present)
     try:
         yield allreduce, exchanges
     finally:
@@ -610,7 +615,7 @@ def test_a_newer_push_drops_the_contribution_still_waiting():
         ex.close()
 
 
-def _one_rank(mask=mask_twin, collective=None):
+def _one_rank(mask=mask_twin, collective=None, takes_present=False):
     """Rank 1 of 3 alone, with a collective that must not be reached unless given."""
     calls = []
 
@@ -618,7 +623,15 @@ def _one_rank(mask=mask_twin, collective=None):
         calls.append(divisor)
         raise AssertionError("the collective was entered")
 
-    ex = RoundExchange(collective or refuse, rank=1, size=3, t0=0.0, absent=[np.zeros(3, np.float32)], mask=mask)
+    ex = RoundExchange(
+        collective or refuse,
+        rank=1,
+        size=3,
+        t0=0.0,
+        absent=[np.zeros(3, np.float32)],
+        mask=mask,
+        takes_present=takes_present,
+    )
     return ex, calls
 
 
@@ -710,9 +723,11 @@ def test_an_acceptance_that_arrives_after_the_closing_enters_nothing():
         assert allreduce.divisors == {0: 1}
 
 
-def test_a_closing_that_differs_from_what_an_early_round_aggregated_fails():
+@pytest.mark.parametrize("takes_present", [False, True], ids=["exact", "takes_present"])
+def test_a_closing_that_differs_from_what_an_early_round_aggregated_fails(takes_present):
     # rank 1 entered on its acceptance; the collective heard from it alone, the closing names 0 and 1
-    ex, _ = _one_rank(collective=lambda payload, meta, divisor=None: (payload, meta))
+    # (under takes_present too: a round may aggregate more than its closing's ranks, never fewer)
+    ex, _ = _one_rank(collective=lambda payload, meta, divisor=None: (payload, meta), takes_present=takes_present)
     try:
         ex.push(0, [np.ones(3, np.float32)], 0.0, 0.0)
         ex.enter_accepted(0)
@@ -727,6 +742,50 @@ def test_a_closing_that_differs_from_what_an_early_round_aggregated_fails():
             ex.wait(0, timeout_s=WAIT_S)
     finally:
         ex.close()
+
+
+def test_with_takes_present_a_rank_ready_before_the_closing_reaches_it_contributes():
+    # PSP (enters_when_ready): ranks 0 and 1 entered when ready; rank 2 became ready after the
+    # coordinator closed round 0 with (0, 1) but before its communication thread heard of it
+    with _fake_ranks(3, takes_present=True) as (allreduce, exchanges):
+        for k in (0, 1):
+            exchanges[k].push(0, contribution(k, 0), 0.0, 0.1)
+            exchanges[k].enter_accepted(0)
+        exchanges[2].push(0, contribution(2, 0), 0.0, 0.3)
+        exchanges[2].close_round(0, (0, 1))  # enters on the closing, with what it holds: its gradient
+        for ex in exchanges:
+            assert ex.wait(0, timeout_s=WAIT_S)
+        for res in [ex.pop(0) for ex in exchanges]:
+            assert res.accepted == (0, 1, 2) and res.contributors == 3  # from the metadata, on every rank
+            for got, want in zip(res.total, expected_mean((0, 1, 2), 0)):
+                np.testing.assert_array_equal(got, want)
+        for k in (0, 1):  # their closing names fewer ranks than the round took: that agrees
+            exchanges[k].close_round(0, (0, 1))
+            exchanges[k].call(lambda: None, timeout_s=WAIT_S)
+            assert exchanges[k].error is None
+        assert [ex.counts["applied"] for ex in exchanges] == [1, 1, 1]
+        assert [ex.counts["dropped"] for ex in exchanges] == [0, 0, 0]
+
+
+def test_without_takes_present_a_rank_ready_after_the_closing_waits_and_is_dropped():
+    # backup workers: exactly the closing's ranks; rank 2's gradient is stale at round 1
+    with _fake_ranks(3) as (_, exchanges):
+        for k in (0, 1):
+            exchanges[k].push(0, contribution(k, 0), 0.0, 0.1)
+            exchanges[k].enter_accepted(0)
+        exchanges[2].push(0, contribution(2, 0), 0.0, 0.3)
+        exchanges[2].close_round(0, (0, 1))
+        for ex in exchanges:
+            assert ex.wait(0, timeout_s=WAIT_S)
+        assert [ex.pop(0).accepted for ex in exchanges] == [(0, 1)] * 3
+        assert exchanges[2].counts["applied"] == 0
+        for k in (0, 1):
+            exchanges[k].push(1, contribution(k, 1), 0.0, 0.1)
+            exchanges[k].enter_accepted(1)
+        exchanges[2].close_round(1, (0, 1))
+        for ex in exchanges:
+            assert ex.wait(1, timeout_s=WAIT_S)
+        assert exchanges[2].counts == {"produced": 1, "applied": 0, "compensated": 0, "dropped": 1}
 
 
 def test_an_acceptance_for_a_round_the_outbox_does_not_hold_fails_instead_of_entering():

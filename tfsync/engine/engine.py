@@ -230,7 +230,10 @@ class SyncEngine:
         self._compensates = getattr(self.policy, "compensate", None) is not None
         if self.policy.coordinated:
             coordinated = dict(
-                absent=lambda: self.protocol.absent(), mask=protocols.mask_stale_payload, keep_stale=self._compensates
+                absent=lambda: self.protocol.absent(),
+                mask=protocols.mask_stale_payload,
+                keep_stale=self._compensates,
+                takes_present=self.policy.enters_when_ready,
             )
         # the exchange first: a frontend may route the protocol's variable creation
         # (SyncStrategy broadcasts initial values) through it
@@ -535,7 +538,11 @@ class SyncEngine:
         self._last_pushed = step  # (before an inline round: its watchdog reports this clock)
         if self.policy.coordinated:
             self.exchange.push(step, payload, t_push, compute_s)
-            self.control.ready(step, on_accepted=self.exchange.enter_accepted)
+            if self.policy.enters_when_ready:  # (PSP) the round takes what its ranks hold when they enter
+                self.exchange.enter_accepted(step)
+                self.control.ready(step)
+            else:
+                self.control.ready(step, on_accepted=self.exchange.enter_accepted)
         else:
             # a worker that would wait for this very round anyway runs it on its own thread
             # (not one that may be granted extra steps instead)

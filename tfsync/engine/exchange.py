@@ -130,7 +130,7 @@ class RoundResult:
     push_times: np.ndarray  # [size] seconds since the job's t0
     compute_s: np.ndarray  # [size]
     contribution: list = None  # this worker's own payload for the round
-    accepted: tuple = None  # coordinated rounds: the ranks the coordinator accepted
+    accepted: tuple = None  # coordinated rounds: the ranks whose contribution it aggregated
     late: np.ndarray = None  # [size] 1.0 where that rank added a late, delay-compensated contribution
     late_steps: np.ndarray = None  # [size] the step that late contribution was computed for
 
@@ -154,7 +154,17 @@ class RoundExchange:
     """
 
     def __init__(
-        self, collective, rank: int, size: int, t0: float, *, absent=None, mask=None, keep_stale=False, abort=None
+        self,
+        collective,
+        rank: int,
+        size: int,
+        t0: float,
+        *,
+        absent=None,
+        mask=None,
+        keep_stale=False,
+        takes_present=False,
+        abort=None,
     ):
         self._collective = collective
         # abort(): make the pending collective fail (the cluster's); bounds a round run inline
@@ -172,6 +182,9 @@ class RoundExchange:
         # keep_stale: a contribution that missed its round stays for the engine to
         # withdraw (and delay-compensate) instead of being dropped here
         self._keep_stale = keep_stale
+        # takes_present (Policy.enters_when_ready): a round aggregates every fresh contribution
+        # its ranks hold when they enter it; the closing's accepted ranks are a lower bound
+        self._takes_present = takes_present
         self._outbox = None  # (stamp, payload, push_time, compute_s)
         self._late = None  # (round, stamp, payload): a compensated contribution the coordinator took for round
         self._closed_through = -1
@@ -476,7 +489,7 @@ class RoundExchange:
                 self._entered_through = round_
             got = self._entered_early.pop(round_, None) if entered and not early else None
         if entered:
-            if got is not None and got != (tuple(sorted(accepted)), tuple(sorted(late))):
+            if got is not None and not self._agrees(got, accepted, late):
                 return self._fail(
                     RuntimeError(
                         f"tfsync: round {round_} aggregated ranks {list(got[0])} and the late contributions "
@@ -499,7 +512,7 @@ class RoundExchange:
                         if self._outbox is item and not self._keep_stale:
                             self._drop_locked(stamp, round_)
                     payload = masked
-                elif mine:
+                elif mine or (self._takes_present and stamp == round_):  # (ready since the closing)
                     if stamp != round_:
                         raise RuntimeError(
                             f"tfsync: rank {self.rank} was accepted for round {round_} "
@@ -539,6 +552,15 @@ class RoundExchange:
             (round_, payload, meta), accepted=None if early else accepted, late=late, coordinated=True
         )
 
+    def _agrees(self, took, accepted, late) -> bool:
+        """Whether a round that aggregated ``took`` (ranks, late ranks) matches its closing: the
+        same ranks, or, with ``takes_present``, at least them (those ready by the time they
+        entered); the late ones exactly (each was taken by the coordinator's answer)."""
+        ranks = tuple(sorted(accepted))
+        if tuple(took[1]) != tuple(sorted(late)):
+            return False
+        return set(ranks) <= set(took[0]) if self._takes_present else tuple(took[0]) == ranks
+
     def _fail(self, exc) -> bool:
         with self._cond:
             self._error = exc
@@ -568,12 +590,15 @@ class RoundExchange:
                     with self._cond:
                         self._entered_early[round_] = took
                         self.early_rounds += 1
-                elif took != (tuple(sorted(accepted)), tuple(sorted(late))):
+                elif not self._agrees(took, accepted, late):
                     raise RuntimeError(
-                        f"tfsync: round {round_} should aggregate ranks {sorted(accepted)} and the late "
+                        f"tfsync: round {round_} should aggregate ranks {sorted(accepted)}"
+                        f"{' (at least)' if self._takes_present else ''} and the late "
                         f"contributions of {sorted(late)} (the coordinator's decision) but ranks "
                         f"{list(took[0])} and late {list(took[1])} contributed; the workers disagree about the round"
                     )
+                else:
+                    accepted = took[0]  # (more than the closing's under takes_present)
         except BaseException as exc:  # carried to the training thread by wait()
             return self._fail(exc)
         result = RoundResult(

@@ -41,6 +41,16 @@ class Policy(abc.ABC):
             it so at once and it enters the round's allreduce without
             waiting for the closing (the coordinator checks the promise at
             every closing and stops the job if a policy breaks it).
+        enters_when_ready: (coordinated policies) a round aggregates every
+            fresh contribution its ranks hold when they enter it, so a rank
+            enters the oldest open round at once when its contribution is
+            ready, without waiting for the coordinator's answer, and a rank
+            that is not ready enters on the closing with what it holds then
+            (its contribution if it became ready meanwhile, zeros
+            otherwise).  The closing's accepted ranks are then a lower bound
+            of what the round aggregates, which the round's metadata states
+            identically on every rank.  ``False``: exactly the closing's
+            ranks (backup workers' first ``N``).
         pulls_partially: a worker may start a step before every block of its
             round's result arrived (PSP's partial pulling).
     """
@@ -50,6 +60,7 @@ class Policy(abc.ABC):
     coordinated: bool = False
     skips: bool = False
     accepts_ready: bool = False
+    enters_when_ready: bool = False
     pulls_partially: bool = False
 
     @abc.abstractmethod

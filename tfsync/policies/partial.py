@@ -172,6 +172,7 @@ class PSP(Policy):
     coordinated = True
     skips = True
     accepts_ready = True  # every ready rank when it closes (PSP); the first N close it at the N-th (backup)
+    enters_when_ready = True  # ... and every one ready when its worker enters: no answer to wait for
 
     def __post_init__(self):
         hint = "e.g. tfsync.PSP(min_contributions=3, push_timeout_s=0.0)"
