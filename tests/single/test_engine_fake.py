@@ -280,8 +280,9 @@ def check_rounds_and_counts(job):
 
     # the collectives: the same calls, names and order on every rank (one grouped allreduce
     # per dtype and round, the metadata in the float32 one); coordinated rounds are Horovod's
-    # plain sum, divided by d from the round's metadata afterwards (a rank that entered on its
-    # ready notice's answer did not know d), BSP's mean is Horovod's Average
+    # sum post-scaled by the previous round's d (a rank that entered on its own or on its ready
+    # notice's answer did not know this round's; rescaled after when it differs), BSP's mean is
+    # Horovod's Average
     groups = len(set(job.dtypes) | {tf.float32})
     names = [name for _, _, name in job.cluster.log]
     assert names == (
@@ -290,7 +291,8 @@ def check_rounds_and_counts(job):
         + ["tfsync.close", "tfsync.left"]
     )
     if job.policy.coordinated:
-        want = [("Sum", 1.0) for acc in accepted for _ in range(groups)]
+        guesses = [size] + [len(acc) for acc in accepted[:-1]]
+        want = [("Sum", 1.0 / g) for g in guesses for _ in range(groups)]
     else:  # BSP's mean by Horovod's Average, SSP's sum of shares
         want = [("Sum" if job.updates else "Average", 1.0)] * (steps * groups)
     assert job.cluster.reductions == want

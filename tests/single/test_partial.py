@@ -370,12 +370,15 @@ def contribution(rank, round_):
     return [np.full(SHAPES[0], base, np.float32), np.arange(4, dtype=np.float32).reshape(2, 2) + base]
 
 
-def expected_mean(accepted, round_):
-    """What every rank applies: Horovod's sum over every rank (zeros from the others), divided
-    by d afterwards (a rank that entered early did not know d)."""
-    d = np.float32(len(accepted))
+def expected_mean(accepted, round_, guess):
+    """What every rank applies: Horovod's sum over every rank (zeros from the others),
+    post-scaled by ``1 / guess`` (the previous round's d: a rank that entered early did not
+    know this round's), then rescaled by ``guess / d`` if d differs."""
+    d = len(accepted)
     parts = [contribution(r, round_) for r in accepted]
-    return [np.sum([p[i] for p in parts], axis=0, dtype=np.float32) / d for i in range(len(SHAPES))]
+    sums = [np.sum([p[i] for p in parts], axis=0, dtype=np.float32) for i in range(len(SHAPES))]
+    means = [(t * np.float32(1.0 / guess)).astype(np.float32) for t in sums]
+    return means if d == guess else [t * (guess / d) for t in means]
 
 
 def _exchanges(size, collective_for, t0=0.0, mask=mask_twin, takes_present=False):
@@ -520,10 +523,12 @@ def test_random_schedules_apply_the_same_mean_of_exactly_the_accepted(seed):
 
     assert len(coordinator.closed) == rounds
     assert coordinator.late_notices == sum(kind == "late" for p in pushes for _, kind in p)
-    # every rank asks Horovod for the plain sum and divides by d from the round's metadata
-    assert allreduce.divisors == dict.fromkeys(range(rounds), 1)
+    # every rank asks Horovod for the sum post-scaled by the previous round's d (the same on
+    # every rank: the fake refuses ranks that disagree) and rescales when this round's differs
+    guesses = [size] + [len(accepted) for accepted in coordinator.closed[:-1]]
+    assert allreduce.divisors == dict(enumerate(guesses))
     for r, accepted in enumerate(coordinator.closed):
-        mean = expected_mean(accepted, r)
+        mean = expected_mean(accepted, r, guesses[r])
         for k in range(size):
             res = results[k][r]
             assert res.round == r and res.accepted == accepted
@@ -699,14 +704,14 @@ def test_ranks_told_that_their_contribution_counts_enter_before_the_closing_reac
         results = [ex.pop(0) for ex in exchanges]
         for res in results:
             assert res.accepted == (0, 1) and res.contributors == 2
-            for got, want in zip(res.total, expected_mean((0, 1), 0)):
+            for got, want in zip(res.total, expected_mean((0, 1), 0, guess=3)):
                 np.testing.assert_array_equal(got, want)
         assert [ex.closed_through for ex in exchanges] == [0, 0, 0]  # completing it implies it closed
         for k in (0, 1):  # the closing comes later: checked against the round, nothing entered again
             exchanges[k].close_round(0, (0, 1))
             exchanges[k].call(lambda: None, timeout_s=WAIT_S)
             assert exchanges[k].error is None
-        assert allreduce.divisors == {0: 1}  # one collective, the plain sum
+        assert allreduce.divisors == {0: 3}  # one collective; d unknown: the first guess is every rank
         assert [ex.counts["applied"] for ex in exchanges] == [1, 1, 0]
 
 
@@ -720,7 +725,7 @@ def test_an_acceptance_that_arrives_after_the_closing_enters_nothing():
             ex.enter_accepted(0)  # the answer lost the race against the stream
             ex.call(lambda: None, timeout_s=WAIT_S)
             assert ex.error is None
-        assert allreduce.divisors == {0: 1}
+        assert allreduce.divisors == {0: 2}
 
 
 @pytest.mark.parametrize("takes_present", [False, True], ids=["exact", "takes_present"])
@@ -757,7 +762,7 @@ def test_with_takes_present_a_rank_ready_before_the_closing_reaches_it_contribut
             assert ex.wait(0, timeout_s=WAIT_S)
         for res in [ex.pop(0) for ex in exchanges]:
             assert res.accepted == (0, 1, 2) and res.contributors == 3  # from the metadata, on every rank
-            for got, want in zip(res.total, expected_mean((0, 1, 2), 0)):
+            for got, want in zip(res.total, expected_mean((0, 1, 2), 0, guess=3)):
                 np.testing.assert_array_equal(got, want)
         for k in (0, 1):  # their closing names fewer ranks than the round took: that agrees
             exchanges[k].close_round(0, (0, 1))

@@ -153,6 +153,10 @@ class ControlServer:
         self._pushes = PushTable(size)
         self._ready = {}  # open round -> [(rank, ready_s)] in arrival order
         self._closed = []  # [round, [accepted ranks]] (+ [late ranks] when any) in round order
+        # the closings the streams carry: all of them, but, for a policy whose ready ranks enter
+        # on their own (enters_when_ready), not one that took every rank: each entered already
+        self._closings = []
+        self._quiet_full = bool(getattr(self._policy, "enters_when_ready", False))
         self._late = {}  # round -> ranks whose late, compensated contribution it takes
         self._early = {}  # open round -> ranks told at their ready notice that it takes them
         self._opened_s = time.time() - t0  # when the oldest open round opened (the previous close)
@@ -288,15 +292,15 @@ class ControlServer:
         while True:
             with self._lock:
                 while (
-                    (len(self._lost), len(self._stopped), len(self._closed)) == told
+                    (len(self._lost), len(self._stopped), len(self._closings)) == told
                     and not ended.is_set()
                     and not self._stopping.is_set()
                 ):
                     self._changed.wait(STREAM_WAKE_S)
                 if ended.is_set() or self._stopping.is_set():
                     return
-                closed = self._closed[told[2] :]
-                told = (len(self._lost), len(self._stopped), len(self._closed))
+                closed = self._closings[told[2] :]
+                told = (len(self._lost), len(self._stopped), len(self._closings))
                 message = {"lost": list(self._lost.values()), "stopped": list(self._stopped.values()), "closed": closed}
             yield message
 
@@ -410,7 +414,9 @@ class ControlServer:
         self._closed.append(entry)
         self._ready.pop(round_, None)
         self._opened_s, self._recheck_s = now, None
-        self._changed.notify_all()
+        if not (self._quiet_full and len(entry) == 2 and len(entry[1]) == self.size):
+            self._closings.append(entry)
+            self._changed.notify_all()
         # the next round may be decidable already (its notices came early)
         return self._decide_locked(now)
 
