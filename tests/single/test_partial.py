@@ -908,6 +908,29 @@ def test_psp_coordinator_waits_for_the_push_timeout_and_takes_who_came_meanwhile
     assert closes[0].wait_for(1) == [(0, (1, 2))]
 
 
+@pytest.mark.parametrize("policy", [PSP(min_contributions=1, push_timeout_s=0.3), BackupWorkers(backups=0)])
+def test_a_closing_that_took_every_rank_goes_down_the_streams_only_when_someone_needs_it(coordinated, policy):
+    # PSP's ready ranks enter on their own (enters_when_ready): a round that took every rank
+    # has nobody to move, so its closing is kept on rank 0 but not sent; backup workers'
+    # ranks follow the closings (or their answers), so every closing goes out
+    server, clients, closes = coordinated(policy, size=2)
+    ready(clients[0], 0)
+    ready(clients[1], 0)  # round 0: both
+    ready(clients[0], 1)
+    ready(clients[1], 1)  # round 1: both
+    assert _closed(server, 2) == [[0, [0, 1]], [1, [0, 1]]]
+    if policy.enters_when_ready:
+        ready(clients[0], 2)  # round 2: rank 1 is late (τ1 passes); the closing moves it
+        assert _closed(server, 3)[2] == [2, [0]]
+        want = [(2, (0,))]
+    else:
+        want = [(0, (0, 1)), (1, (0, 1))]
+    for c in closes:
+        assert c.wait_for(len(want)) == want
+    time.sleep(0.2)
+    assert [c.seen for c in closes] == [want] * 2
+
+
 def test_psp_coordinator_counts_an_early_notice_once_its_round_is_the_oldest_open(coordinated):
     server, clients, closes = coordinated(PSP(min_contributions=2, push_timeout_s=0.0))
     ready(clients[1], 1)  # for round 1, while round 0 is open
