@@ -46,7 +46,11 @@ notice the round will take for certain (``Policy.accepts_ready``: the round
 is the oldest open one and the policy takes every ready rank when it
 closes, or the notice closed it with that rank) is told so in the answer
 to ``Ready`` and enters at once; the coordinator checks at every closing
-that it took each rank it told so, and stops the job if not.  BSP and SSP
+that it took each rank it told so, and stops the job if not.  Under PSP
+(``Policy.enters_when_ready``) a ready worker enters without waiting for
+the answer, so a closing that took every rank moves nobody: it is kept
+here (:attr:`ControlServer.closed`) but not sent down the streams, which
+then carry only the closings some rank is still waiting for.  BSP and SSP
 need no coordinator: their rounds close when every worker has contributed,
 which each worker's own allreduce enforces.
 

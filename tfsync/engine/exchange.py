@@ -41,21 +41,33 @@ always enter, whatever its training thread is doing, so a round needs no
 slow worker's compute.  Before that, the outbox is checked with
 :func:`tfsync.ops.mask_stale` (injected as ``mask``): a contribution stamped
 older than ``r`` missed its round, is dropped (zeros go in its place) and
-counted; a fresh one that arrived after its round closed waits, and is
-stale at the next round.
+counted; a fresh one that arrived after its round closed (backup workers)
+waits, and is stale at the next round.
 
 A rank whose contribution the round will take for certain does not wait for
-the closing: the coordinator says so in its answer to the ready notice
-(PSP takes every rank ready when the round closes, backup workers the first
-``N``: :attr:`Policy.accepts_ready`), and the rank enters at once
-(:meth:`RoundExchange.enter_accepted`).  Only the ranks that are not ready
-when the round closes still wait for the closing on their stream, so a
-round in which every rank is ready costs no control-path latency at all,
-and the closing, when it reaches an early rank, is checked against what the
-round aggregated.  An early rank cannot know ``d = |A|`` when it enters, so
-every rank asks Horovod for the plain sum and divides it by ``d`` read from
-the round's metadata, the same way: every replica receives the same mean
-of exactly the accepted contributions.
+the closing.  PSP (:attr:`Policy.enters_when_ready`, ``takes_present``
+here) takes every fresh contribution its ranks hold when they enter the
+round, so a rank enters as soon as its contribution is ready, without
+asking anyone, and a rank that is not ready enters on the closing with
+what it holds by then: its contribution if it became ready meanwhile,
+zeros otherwise.  The round's metadata, identical on every rank, says which
+ranks it took (the closing's, or more), and the closing, when it reaches a
+rank that entered on its own, is checked to name no rank the round did not
+take.  Backup workers take exactly the first ``N``, so there the
+coordinator says so in its answer to the ready notice
+(:attr:`Policy.accepts_ready`), the rank enters on that answer
+(:meth:`RoundExchange.enter_accepted`), and the closing must name exactly
+the ranks the round took.  Either way only the ranks that are not ready
+when the round closes wait for the closing on their stream.  A rank that
+enters early cannot know ``d`` when it enters, so every rank asks Horovod
+for the sum post-scaled by the previous round's ``d`` (the same on every
+rank) and rescales it when the round's own ``d``, read from its metadata,
+differs: every replica receives the same mean of exactly the contributions
+the round took.  Measured (4 workers, no straggler, 20 ms simulated device
+time, one instrumented launch each): entering without the answer's round
+trip, not sending closings that took every rank, and the rescaling that
+replaced a division after every round took PSP from 38.8 to 33.9-36.2 ms
+per step, against BSP's 32.1-33.7.
 
 With delay compensation (``keep_stale``) a contribution that missed its
 round is not dropped here: the engine withdraws it (:meth:`RoundExchange.withdraw`),

@@ -20,10 +20,15 @@ The parameter server of the papers becomes rank 0's coordinator
 every worker which ranks round ``t`` aggregates; every worker's communication
 thread then enters the round's allreduce, the accepted ranks with their
 contribution and every other rank with zeros, and divides by ``d``, so every
-replica applies the same mean.  Both policies take every rank that is ready
-for the oldest open round when it closes (``accepts_ready``), so the
-coordinator's answer to a ready notice tells that rank it counts, and the
-rank enters at once: only the ranks not ready by the closing wait for it.  A contribution that misses its round is
+replica applies the same mean.  PSP takes every contribution its ranks
+hold when they enter the round (``enters_when_ready``): a ready rank enters
+at once, without waiting for any answer, and a rank that is not ready
+enters on the closing with what it holds then, so the closing names the
+fewest ranks the round takes and the round's metadata the actual ones.
+Backup workers take exactly the first ``N`` (``accepts_ready``): the
+coordinator's answer to a ready notice tells that rank it counts, and it
+enters on the answer.  Either way only the ranks not ready by the closing
+wait for it.  A contribution that misses its round is
 stale from then on and dropped (:func:`tfsync.ops.mask_stale`, counted);
 the worker that produced it skips the steps whose rounds have closed and
 rejoins at the current one, so a slow worker no longer sets the job's length.
@@ -112,7 +117,9 @@ class PSP(Policy):
     Round ``t`` closes once ``c = min_contributions`` workers' gradients for
     it (computed on the weights after round ``t - 1``) are ready and
     ``push_timeout_s`` has passed since the ``c``-th, or once every worker's
-    is.  It aggregates every gradient ready by then (``d >= c``) and every
+    is.  It aggregates every gradient ready by then (``d >= c``; a gradient
+    that became ready after the closing but before its worker heard of it
+    counts too: its worker enters the round with what it holds) and every
     replica applies their mean through its own optimizer, so weights and
     optimizer state stay identical on every worker.  A gradient that misses
     its round is dropped and counted (``dropped``); its worker skips the steps
