@@ -97,6 +97,13 @@ _BASE = 1 << 16
 INLINE_WATCH_S = 1.0  # how often the watchdog of inline rounds looks (so an abort comes at most this late)
 
 
+# per wire column: the field it carries and the bit shift of its digit (vectorized coding:
+# measured here, the per-digit loops took 0.1 ms per call, twice per round)
+_COL_FIELD = np.repeat(np.arange(_K), _DIGITS)
+_COL_SHIFT = np.concatenate([16 * np.arange(n) for n in _DIGITS]).astype(np.int64)
+_FIELD_START = np.concatenate([[0], np.cumsum(_DIGITS)[:-1]])
+
+
 def encode_meta(meta: np.ndarray) -> np.ndarray:
     """``[size, len(META_FIELDS)]`` float64 rows (missing trailing fields are 0) -> flat
     float32 base-2^16 digits (``size * META_WIDTH``)."""
@@ -105,13 +112,8 @@ def encode_meta(meta: np.ndarray) -> np.ndarray:
     ints[:, : meta.shape[1]] = meta
     ints[:, _TIMES] *= 1e6
     ints = np.rint(np.maximum(ints, 0.0)).astype(np.int64)
-    digits = []
-    for field, n in enumerate(_DIGITS):
-        value = ints[:, field]
-        for _ in range(n):
-            digits.append(value % _BASE)
-            value = value // _BASE
-    return np.stack(digits, axis=1).astype(np.float32).reshape(-1)
+    digits = (ints[:, _COL_FIELD] >> _COL_SHIFT) & (_BASE - 1)
+    return digits.astype(np.float32).reshape(-1)
 
 
 def decode_meta(wire, size: int, mean: bool = False, divisor: int = None) -> np.ndarray:
@@ -120,13 +122,7 @@ def decode_meta(wire, size: int, mean: bool = False, divisor: int = None) -> np.
     scale = size if mean else (divisor or 1)
     digits = np.asarray(wire, np.float64).reshape(size, META_WIDTH)
     digits = np.rint(digits * scale).astype(np.int64)
-    out, col = np.zeros((size, _K), np.float64), 0
-    for field, n in enumerate(_DIGITS):
-        value = np.zeros(size, np.int64)
-        for k in range(n):
-            value += digits[:, col + k] << (16 * k)
-        out[:, field] = value
-        col += n
+    out = np.add.reduceat(digits << _COL_SHIFT, _FIELD_START, axis=1).astype(np.float64)
     out[:, _TIMES] /= 1e6
     return out
 
