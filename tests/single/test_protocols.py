@@ -5,14 +5,14 @@ import tensorflow as tf
 
 from tfsync import DelayCompensation
 from tfsync.engine.exchange import RoundResult
-from tfsync.engine.protocols import GradientProtocol, UpdateProtocol, _compile
+from tfsync.engine.protocols import GradientProtocol, UpdateProtocol, compile_flat
 
 
 def test_compiled_functions_take_tensorflows_flat_entry_point_on_the_pinned_tensorflow():
     # Without it the protocols still work (a ConcreteFunction call), but every small-model
     # step pays the argument binding again: a TensorFlow upgrade that removes it shows here.
     v = tf.Variable([1.0, 2.0])
-    add = _compile(lambda t: v.assign_add(t), [tf.TensorSpec([2], tf.float32)])
+    add = compile_flat(lambda t: v.assign_add(t), [tf.TensorSpec([2], tf.float32)])
     assert not isinstance(add, tf.types.experimental.ConcreteFunction)
     add(tf.constant([0.5, 0.25]))
     np.testing.assert_array_equal(v.numpy(), [1.5, 2.25])

@@ -123,8 +123,8 @@ class GradientProtocol:
             self._compensator = compensator = Compensator(self.compensation, self.variables)
             variables, w_stale = self.variables, self.w_stale
             specs = [tf.TensorSpec(v.shape, v.dtype) for v in variables]
-            self._keep_weights = _compile(lambda: _copy(variables, w_stale))
-            self._compensate = _compile(lambda *g: compensator(list(g), variables, w_stale), specs)
+            self._keep_weights = compile_flat(lambda: _copy(variables, w_stale))
+            self._compensate = compile_flat(lambda *g: compensator(list(g), variables, w_stale), specs)
 
     def keep_weights(self):
         """Snapshot the weights a late gradient was computed on (its ``w_stale``)."""
@@ -186,10 +186,10 @@ class UpdateProtocol:
         specs = [tf.TensorSpec(v.shape, v.dtype) for v in variables]
         n = len(variables)
         # every step pushes a share and applies a round, every barrier settles: compiled once
-        # over these variables, each called with tensors only (see _compile)
-        self._push_share = _compile(lambda: _push_share(variables, w_bar, pending, size_t), jit_compile=True)
-        self._apply_round = _compile(lambda *t: _apply_round(variables, w_bar, pending, t[:n], t[n:]), specs * 2)
-        self._settle = _compile(lambda: _settle(variables, w_bar, pending))
+        # over these variables, each called with tensors only (see compile_flat)
+        self._push_share = compile_flat(lambda: _push_share(variables, w_bar, pending, size_t), jit_compile=True)
+        self._apply_round = compile_flat(lambda *t: _apply_round(variables, w_bar, pending, t[:n], t[n:]), specs * 2)
+        self._settle = compile_flat(lambda: _settle(variables, w_bar, pending))
 
     def absent(self):
         """A skipped step's share: zeros (built once)."""
@@ -252,7 +252,7 @@ def _apply_round(variables, w_bar, pending, totals, own_shares):
         v.assign_add(p)
 
 
-def _compile(fn, specs=(), jit_compile=False):
+def compile_flat(fn, specs=(), jit_compile=False):
     """``fn`` (TensorFlow ops over variables it captures and ``len(specs)`` tensor
     arguments) traced once, as a callable taking those tensors positionally.
 

@@ -10,7 +10,7 @@ TensorFlow.
 
 import tensorflow as tf
 
-from tfsync.engine.protocols import tf_variable
+from tfsync.engine.protocols import compile_flat, tf_variable
 
 
 def _getter(engine):
@@ -99,12 +99,12 @@ class OptimizerBlocks:
     def _compile(self, apply_gradients, variables):
         iterations = self._iterations
 
-        @tf.function(autograph=False)
         def apply_block(iteration, *grads):
             iterations.assign(iteration)
             apply_gradients(zip(grads, variables))
 
-        return apply_block
+        specs = [tf.TensorSpec([], self._dtype)] + [tf.TensorSpec(v.shape, v.dtype) for v in variables]
+        return compile_flat(apply_block, specs)
 
     def apply(self, block, round_, tensors):
         self._fns[block](tf.constant(self._base + round_, self._dtype), *tensors)
