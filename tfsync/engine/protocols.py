@@ -72,8 +72,8 @@ def horovod_collective(average: bool, hvd=None):
     size = hvd.size()
 
     def collective(payload, meta, divisor=None):
-        # ``divisor``: a sum post-scaled by ``1 / divisor`` in Horovod's fusion buffer (the final
-        # round's d; coordinated rounds pass 1 and divide by d from the metadata afterwards)
+        # ``divisor``: a sum post-scaled by ``1 / divisor`` in Horovod's fusion buffer (a
+        # coordinated round's guess of d, rescaled afterwards if wrong; the final round's d)
         op = hvd.Average if average and divisor is None else hvd.Sum
         scale = {} if divisor is None else {"postscale_factor": 1.0 / divisor}
         groups = {}
