@@ -297,18 +297,20 @@ def test_late_contributions_are_compensated_not_dropped(policy):
         if step in late_rounds:
             offered[step] = corrected
     assert set(offered) == set(late_rounds), (sorted(offered), sorted(late_rounds))
-    if final:  # after the last step: the late gradients still held, corrected at the final weights
-        for k in range(job.size):
-            want = np.mean([c.astype(np.float64) for c in final.values()], axis=0)
-            np.testing.assert_allclose(job.means[k][job.steps], want, rtol=1e-5, atol=1e-6)
-
-    # every round's mean: the accepted fresh gradients and the late corrected ones, over d
+    # every round's update: the accepted fresh gradients and the late corrected ones, over the
+    # number of fresh ones (a late gradient weighs what a fresh one does, on top of them)
     for entry in job.closed:
         r, accepted = entry[0], entry[1]
         parts = [job.pushed[k][r][1].astype(np.float64) for k in accepted]
         parts += [offered[r].astype(np.float64)] if len(entry) > 2 else []
         for k in range(job.size):
-            np.testing.assert_allclose(job.means[k][r], np.mean(parts, axis=0), rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(job.means[k][r], np.sum(parts, axis=0) / len(accepted), rtol=1e-5, atol=1e-6)
+    if final:  # after the last step: the late gradients still held, corrected at the final weights,
+        # each weighing what it would in the last round (its fresh count)
+        d_last = len(job.closed[-1][1])
+        for k in range(job.size):
+            want = np.sum([c.astype(np.float64) for c in final.values()], axis=0) / d_last
+            np.testing.assert_allclose(job.means[k][job.steps], want, rtol=1e-5, atol=1e-6)
 
     for k in range(job.size):
         np.testing.assert_array_equal(job.final[k], job.final[0])

@@ -62,8 +62,8 @@ when the round closes wait for the closing on their stream.  A rank that
 enters early cannot know ``d`` when it enters, so every rank asks Horovod
 for the sum post-scaled by the previous round's ``d`` (the same on every
 rank) and rescales it when the round's own ``d``, read from its metadata,
-differs: every replica receives the same mean of exactly the contributions
-the round took.  Measured (4 workers, no straggler, 20 ms simulated device
+differs: every replica receives the same sum of exactly the contributions
+the round took, over ``d``.  Measured (4 workers, no straggler, 20 ms simulated device
 time, one instrumented launch each): entering without the answer's round
 trip, not sending closings that took every rank, and the rescaling that
 replaced a division after every round took PSP from 38.8 to 33.9-36.2 ms
@@ -73,9 +73,16 @@ With delay compensation (``keep_stale``) a contribution that missed its
 round is not dropped here: the engine withdraws it (:meth:`RoundExchange.withdraw`),
 corrects it and puts it up for a later round (:meth:`RoundExchange.set_late`);
 when the coordinator's closing names this rank as late, its row carries that
-contribution (added to a fresh one, if accepted too) and its ``late`` field,
-and ``d`` counts it.  :meth:`RoundExchange.final_round` takes the ones still
-held when training ends.
+contribution (added to a fresh one, if accepted too) and its ``late`` field.
+``d`` counts the fresh contributions only: a late one is applied on top of
+them with the weight a fresh one has (``1/d``), as DC-ASGD applies every
+corrected gradient at the full learning rate, instead of diluting the fresh
+ones' mean.  So a late contribution that is dropped loses its step and one
+that is compensated restores it; dividing by fresh plus late instead made
+compensation a variance reduction only, and it never reached a target
+accuracy sooner than dropping (see the README's delay compensation section).
+:meth:`RoundExchange.final_round` takes the ones still held when training
+ends, with the same weight.
 """
 
 import concurrent.futures
@@ -302,8 +309,10 @@ class RoundExchange:
 
         ``late``: ``(stamp, compensated payload)`` of this rank, or ``None``;
         ``holders``: every rank that has one (each rank learned it from the same
-        allgather), so every rank enters, and the sum is divided by their number.
-        Returns the mean (collective; on the communication thread, bounded).
+        allgather), so every rank enters.  Each weighs what it would have in a
+        round: the sum is divided by the last round's ``d`` (its number of fresh
+        contributions, the same on every rank).  Returns that quotient
+        (collective; on the communication thread, bounded).
         """
         meta = np.zeros((self.size, _K), np.float64)
         payload = absent
@@ -312,7 +321,7 @@ class RoundExchange:
             payload = late[1]
 
         def run():
-            total, out = self._collective(payload, meta, divisor=len(holders))
+            total, out = self._collective(payload, meta, divisor=self._last_d)
             took = sorted(np.flatnonzero(np.asarray(out, np.float64).reshape(self.size, _K)[:, 4]).tolist())
             if took != sorted(holders):
                 raise RuntimeError(
@@ -582,7 +591,7 @@ class RoundExchange:
         """One round's collective; False (and the error kept for ``wait``) if it failed.
 
         ``coordinated``: the payload's sum is divided by ``d``, the number of
-        contributions in the round's metadata.  A rank that entered early does
+        fresh contributions in the round's metadata (late ones add on top).  A rank that entered early does
         not know ``d`` yet, so Horovod post-scales the sum by ``1 / d`` of the
         previous round (identical on every rank: rounds run in order), and a
         round whose ``d`` differs is rescaled by ``guess / d`` afterwards, the
@@ -604,7 +613,9 @@ class RoundExchange:
             meta = np.asarray(meta, np.float64).reshape(self.size, _K)
             if coordinated:
                 took = tuple(np.flatnonzero(meta[:, 0]).tolist()), tuple(np.flatnonzero(meta[:, 4]).tolist())
-                d = len(took[0]) + len(took[1])
+                # a late (compensated) contribution weighs as a fresh one does, on top of
+                # them: the sum is divided by the number of fresh ones (see the module docstring)
+                d = len(took[0]) or len(took[1])
                 if d != guess and d > 0:  # (d >= 1: every policy accepts someone)
                     total = [t * (guess / d) for t in total]
                     self._last_d = d

@@ -40,15 +40,18 @@ it was computed on (``w_stale``); at its next computed step, its weights are
 those of the round that step joins (``w_now``), so it corrects the
 contribution there, ``g̃ = g + λ·g⊙g⊙(w_now − w_stale)``, offers it to that
 round, and the coordinator takes it as an extra that the policy's rule does
-not count (``d`` then counts it: the mean is over every contribution the
-round aggregates).  Counted as ``compensated``.  Memory on the worker that
+not count.  ``d`` does not count it either: the round's sum is divided by
+its number of fresh contributions, so a late one is applied on top of them
+with the weight a fresh one has, as DC-ASGD applies every corrected gradient
+at the full learning rate (dropping it loses that step; compensating it
+restores the step).  Counted as ``compensated``.  Memory on the worker that
 holds one: the snapshot and the contribution, two copies of the parameters,
 plus ``v`` with ``adaptive=True`` (there, the moving average of the
 squares of this worker's late gradients, the ones it corrects); a worker
 holds at most one late
 contribution at a time.  Those still held when training ends are corrected
-against the final weights and averaged in one final round that every
-replica applies (:meth:`tfsync.engine.SyncEngine.finish`).
+against the final weights and summed over the last round's ``d`` in one
+final round that every replica applies (:meth:`tfsync.engine.SyncEngine.finish`).
 
 Partial pulling (PSP Algorithm 1, worker lines 10-15), with
 ``pull_fraction=b < 1``: the weights are split into ``B`` blocks (groups of
