@@ -96,7 +96,8 @@ def horovod_collective(average: bool, hvd=None):
 
 
 class GradientProtocol:
-    """Push this step's gradients; return the mean over the round's contributors."""
+    """Push this step's gradients; return the round's sum over its number of fresh
+    contributions (its mean; a late, compensated gradient adds on top, see exchange.py)."""
 
     payload = "gradients"
     average = True
