@@ -63,11 +63,11 @@ enters early cannot know ``d`` when it enters, so every rank asks Horovod
 for the sum post-scaled by the previous round's ``d`` (the same on every
 rank) and rescales it when the round's own ``d``, read from its metadata,
 differs: every replica receives the same sum of exactly the contributions
-the round took, over ``d``.  Measured (4 workers, no straggler, 20 ms simulated device
-time, one instrumented launch each): entering without the answer's round
-trip, not sending closings that took every rank, and the rescaling that
-replaced a division after every round took PSP from 38.8 to 33.9-36.2 ms
-per step, against BSP's 32.1-33.7.
+the round took, over ``d``.  Measured (4 workers, no straggler, 20 ms
+simulated device time, one instrumented launch each): entering without the
+answer's round trip, not sending closings that took every rank, and the
+rescaling that replaced a division after every round took PSP from 38.8 to
+33.9-36.2 ms per step, against BSP's 32.1-33.7.
 
 With delay compensation (``keep_stale``) a contribution that missed its
 round is not dropped here: the engine withdraws it (:meth:`RoundExchange.withdraw`),
@@ -77,10 +77,8 @@ contribution (added to a fresh one, if accepted too) and its ``late`` field.
 ``d`` counts the fresh contributions only: a late one is applied on top of
 them with the weight a fresh one has (``1/d``), as DC-ASGD applies every
 corrected gradient at the full learning rate, instead of diluting the fresh
-ones' mean.  So a late contribution that is dropped loses its step and one
-that is compensated restores it; dividing by fresh plus late instead made
-compensation a variance reduction only, and it never reached a target
-accuracy sooner than dropping (see the README's delay compensation section).
+ones' mean: a late contribution that is dropped loses its step, one that is
+compensated restores it (the README's delay compensation section measures it).
 :meth:`RoundExchange.final_round` takes the ones still held when training
 ends, with the same weight.
 """
@@ -591,8 +589,8 @@ class RoundExchange:
         """One round's collective; False (and the error kept for ``wait``) if it failed.
 
         ``coordinated``: the payload's sum is divided by ``d``, the number of
-        fresh contributions in the round's metadata (late ones add on top).  A rank that entered early does
-        not know ``d`` yet, so Horovod post-scales the sum by ``1 / d`` of the
+        fresh contributions in the round's metadata (late ones add on top).  A
+        rank that entered early does not know ``d`` yet, so Horovod post-scales the sum by ``1 / d`` of the
         previous round (identical on every rank: rounds run in order), and a
         round whose ``d`` differs is rescaled by ``guess / d`` afterwards, the
         same way on every rank.  With a steady ``d`` (no straggler: every
@@ -613,9 +611,7 @@ class RoundExchange:
             meta = np.asarray(meta, np.float64).reshape(self.size, _K)
             if coordinated:
                 took = tuple(np.flatnonzero(meta[:, 0]).tolist()), tuple(np.flatnonzero(meta[:, 4]).tolist())
-                # a late (compensated) contribution weighs as a fresh one does, on top of
-                # them: the sum is divided by the number of fresh ones (see the module docstring)
-                d = len(took[0]) or len(took[1])
+                d = len(took[0])  # fresh ones only: a late one adds on top (module docstring)
                 if d != guess and d > 0:  # (d >= 1: every policy accepts someone)
                     total = [t * (guess / d) for t in total]
                     self._last_d = d
