@@ -30,15 +30,13 @@ medians would hide the slow one):
   not make jitter; frequent large delays do);
 * ``none``: otherwise.
 
-The mode for each profile (:func:`default_modes`) comes from the convergence
-study on this project's machine (README, "Which mode when"): BSP with no
-slowness (tfsync's fastest to 0.95 test accuracy); backup workers (b = 1)
-under a straggler, a slower device or rare delays (the fastest); SSP(15)
-under jitter (11.3 s in both later runs that had it, second in each; backup
-workers, the first study's fastest there, took 17.2 s in one of them and
-15.2 s in another later run).  The profiles stay distinct so that ``modes=``
-can choose per profile (e.g. ``{"heterogeneous": tfsync.ElasticBSP()}`` where
-dropping a slower device's work costs accuracy).
+The mode chosen for each profile (:func:`default_modes`) is the tfsync mode
+that reached 0.95 test accuracy first in that scenario in one run of
+``python -m tfsync.bench convergence --repeats 2`` on this project's machine
+(README, "Which mode when"): BSP with no slowness, backup workers (b = 1)
+under every kind of slowness on that task.  The profiles stay distinct so
+that ``modes=`` can choose per profile (e.g. ``{"heterogeneous":
+tfsync.ElasticBSP()}`` where dropping a slower device's work costs accuracy).
 """
 
 import dataclasses
@@ -126,21 +124,18 @@ def classify(step_times) -> Profile:
 
 
 def default_modes():
-    """Profile -> policy, from the convergence study's runs (module docstring)."""
-    from tfsync.policies import BSP, SSP, BackupWorkers
+    """Profile -> policy, from one run of the convergence study (module docstring)."""
+    from tfsync.policies import BSP, BackupWorkers
 
     # python -m tfsync.bench convergence --repeats 2 (docs/convergence.json), median time to 0.95:
-    # none: BSP 9.2 s was tfsync's fastest (plain Horovod 8.6 s); straggler, heterogeneous and
-    # rare: backup workers (b=1) were the fastest, 8.8, 8.9 and 12.4 s, against the runners-up
-    # PSP 10.0 s, PSP 10.4 s and PSP 13.4 s.  Jitter: SSP(15) took 11.3 s in both later runs
-    # that had it (docs/convergence_dssp.json, docs/demo.json); backup workers 17.2 s in the demo
-    # and 15.2 s in docs/convergence_dc.json (13.4 s in the first study, which predates the SSP
-    # family's faster update calls)
+    # none: BSP 9.2 s was tfsync's fastest (plain Horovod 8.6 s); straggler, heterogeneous, jitter
+    # and rare: backup workers (b=1) were the fastest, 8.8, 8.9, 13.4 and 12.4 s, against the
+    # runners-up PSP 10.0 s, PSP 10.4 s, DC-S3GD 14.9 s and PSP 13.4 s
     return {
         "none": BSP(),
         "straggler": BackupWorkers(backups=1),
         "heterogeneous": BackupWorkers(backups=1),
-        "jitter": SSP(staleness=15),
+        "jitter": BackupWorkers(backups=1),
         "rare": BackupWorkers(backups=1),
     }
 
