@@ -590,16 +590,17 @@ class RoundExchange:
 
         ``coordinated``: the payload's sum is divided by ``d``, the number of
         fresh contributions in the round's metadata (late ones add on top).  A
-        rank that entered early does not know ``d`` yet, so Horovod post-scales the sum by ``1 / d`` of the
-        previous round (identical on every rank: rounds run in order), and a
-        round whose ``d`` differs is rescaled by ``guess / d`` afterwards, the
-        same way on every rank.  With a steady ``d`` (no straggler: every
-        rank; a persistent one or backup workers: the same count each round)
-        no eager operation touches the payload after the collective: measured
-        with 4 workers here, dividing the small bench model's 6 tensors after
-        every round cost 0.7 ms per round (median; 2.3 ms at the 90th
-        percentile) on the training thread's path;
-        ``accepted`` (None: entered early) and ``late`` are then checked against it.
+        rank that entered early does not know ``d`` yet, so Horovod post-scales
+        the sum by ``1 / d`` of the previous round (identical on every rank:
+        rounds run in order), and a round whose ``d`` differs is rescaled by
+        ``guess / d`` afterwards, the same way on every rank.  With a steady
+        ``d`` (no straggler: every rank; a persistent one or backup workers:
+        the same count each round) no eager operation touches the payload
+        after the collective: measured with 4 workers here, dividing the small
+        bench model's 6 tensors after every round cost 0.7 ms per round
+        (median; 2.3 ms at the 90th percentile) on the training thread's path.
+        ``accepted`` (None: entered early) and ``late`` are then checked
+        against it.
         """
         round_, payload, meta = item
         try:
