@@ -1,6 +1,6 @@
 """Tests of tfsync.ops (PSP partial aggregation, staleness masking, DC-ASGD delay
-compensation) against NumPy, run for BOTH implementations: the compiled kernels and
-the pure-TensorFlow reference. The compiled library must be built first
+compensation, the "updates" protocol's state updates) against NumPy, run for BOTH
+implementations: the compiled kernels and the pure-TensorFlow reference. The compiled library must be built first
 (``pip install --no-build-isolation -e .``); a missing library fails these tests, it
 is never skipped.
 """
@@ -457,6 +457,138 @@ class DelayCompensateAdaptiveTest(OpsTestCase):
             )
         with self.assertRaisesRegex(TypeError, "mean_square must be a tf.Variable"):
             ops.delay_compensate_adaptive(tf.ones([2]), tf.ones([2]), tf.ones([2]), tf.zeros([2]), 1.0)
+
+
+class UpdateProtocolOpsTest(OpsTestCase):
+    """update_push_share / update_apply_round against NumPy, over a push, rounds and
+    more pushes, as the "updates" protocol calls them."""
+
+    def state(self, rng, shape, dtype):
+        w, w64 = _values(rng, shape, dtype)
+        p, p64 = _values(rng, shape, dtype, 0.01)
+        v = tf.Variable(tf.cast(tf.cast(w, tf.float32) + tf.cast(p, tf.float32), dtype))
+        return v, tf.Variable(w), tf.Variable(p), v.numpy().astype(np.float64), w64, p64
+
+    @parameterized.product(impl=IMPLS, dtype=DTYPES, shape=((), (0,), (7,), (3, 5, 7), (LARGE,)))
+    def test_push_then_apply_against_numpy(self, impl, dtype, shape):
+        self.use(impl)
+        rng = np.random.default_rng(7)
+        v, w, p, v64, w64, p64 = self.state(rng, shape, dtype)
+        d, d64 = _values(rng, shape, dtype, 0.1)
+        v.assign_add(d)
+        v64 = tf.cast(v, tf.float64).numpy()
+        share = ops.update_push_share(v, w, p, 4)
+        share64 = (v64 - (w64 + p64)) / 4
+        self.assertEqual(share.dtype, dtype)
+        self.assertClose(share, share64, dtype)
+        p64 = p64 + share64
+        self.assertClose(p, p64, dtype)
+        self.assertClose(v, w64 + p64, dtype)
+        total, total64 = _values(rng, shape, dtype, 0.05)
+        ops.update_apply_round(v, w, p, total, share)
+        w64, p64 = w64 + total64, p64 - tf.cast(share, tf.float64).numpy()
+        self.assertClose(w, w64, dtype)
+        self.assertClose(p, p64, dtype)
+        self.assertClose(v, w64 + p64, dtype)
+
+    @parameterized.product(dtype=DTYPES)
+    def test_compiled_is_bit_identical_to_reference(self, dtype):
+        # the compiled kernels replaced these TensorFlow ops in the protocol: same
+        # arithmetic, same rounding, so training is unchanged bit for bit
+        outputs = {}
+        for impl in IMPLS:
+            self.use(impl)
+            rng = np.random.default_rng(8)
+            v, w, p, *_ = self.state(rng, (3, 1001), dtype)
+            seen = []
+            for _ in range(3):
+                v.assign_add(tf.cast(rng.standard_normal((3, 1001)) * 0.1, dtype))
+                share = ops.update_push_share(v, w, p, 3)
+                ops.update_apply_round(v, w, p, tf.cast(rng.standard_normal((3, 1001)) * 0.01, dtype), share)
+                seen += [tf.cast(x, tf.float64).numpy() for x in (share, v, w, p)]
+            outputs[impl] = seen
+        for compiled, reference in zip(outputs["compiled"], outputs["reference"]):
+            self.assertAllEqual(compiled, reference)
+
+    @parameterized.product(impl=IMPLS)
+    def test_shares_in_flight_are_never_overwritten(self, impl):
+        # the compiled push reuses released share buffers: shares still held (rounds in
+        # flight) must keep their values while later pushes run
+        self.use(impl)
+        v, w, p = (tf.Variable(tf.zeros([LARGE])) for _ in range(3))
+        held = []
+        for k in range(12):
+            v.assign_add(tf.fill([LARGE], float(k + 1)))
+            held.append(ops.update_push_share(v, w, p, 1))
+            if k % 3 == 2:  # a round applied: its share released, later pushes may reuse it
+                ops.update_apply_round(v, w, p, held[0], held[0])
+                held.pop(0)
+        for share in held:
+            self.assertEqual(float(tf.reduce_min(share)), float(tf.reduce_max(share)))
+        self.assertAllEqual([float(s[0]) for s in held], [float(k + 1) for k in range(4, 12)])
+
+    @parameterized.product(impl=IMPLS)
+    def test_pending_read_keeps_old_value(self, impl):
+        # copy-on-write: tensors read before the update must not change under it
+        self.use(impl)
+        v, w, p = (tf.Variable(tf.fill([LARGE], 2.0)) for _ in range(3))
+        before = [x.read_value() for x in (v, w, p)]
+        share = ops.update_push_share(v, w, p, 2)  # (2 - 4) / 2 = -1
+        ops.update_apply_round(v, w, p, tf.ones([LARGE]), share)
+        for t in before:
+            self.assertAllEqual(t[:2], [2.0, 2.0])
+        self.assertAllEqual(w[:2], [3.0, 3.0])
+        self.assertAllEqual(p[:2], [2.0, 2.0])  # 2 + (-1), then - (-1)
+        self.assertAllEqual(v[:2], [5.0, 5.0])
+
+    @parameterized.product(impl=IMPLS)
+    def test_inside_tf_function(self, impl):
+        self.use(impl)
+        v, w, p = (tf.Variable(tf.zeros([LARGE])) for _ in range(3))
+
+        @tf.function
+        def step(d, total):
+            v.assign_add(d)
+            share = ops.update_push_share(v, w, p, 2)
+            ops.update_apply_round(v, w, p, total, share)
+            return share
+
+        share = step(tf.fill([LARGE], 4.0), tf.fill([LARGE], 3.0))
+        self.assertAllEqual(share[-2:], [2.0, 2.0])
+        self.assertAllEqual(v[-2:], [3.0, 3.0])  # w = 3, p = 2 - 2
+        step(tf.fill([LARGE], 4.0), tf.fill([LARGE], 0.0))
+        self.assertAllEqual(w[:2], [3.0, 3.0])
+        self.assertAllEqual(v[:2], [3.0, 3.0])
+
+    @parameterized.product(impl=IMPLS)
+    def test_size_below_one_raises(self, impl):
+        self.use(impl)
+        v, w, p = (tf.Variable(tf.zeros([3])) for _ in range(3))
+        with self.assertRaisesRegex(tf.errors.InvalidArgumentError, "size is the number of workers, at least 1"):
+            ops.update_push_share(v, w, p, 0.0)
+
+    def test_bad_arguments_raise_before_running(self):
+        v, w, p = (tf.Variable(tf.zeros([3])) for _ in range(3))
+        with self.assertRaisesRegex(TypeError, "w_bar must be a tf.Variable"):
+            ops.update_push_share(v, tf.zeros([3]), p, 2)
+        with self.assertRaisesRegex(TypeError, r"pending must have the dtype of variable \(float32\)"):
+            ops.update_push_share(v, w, tf.Variable(tf.zeros([3], tf.float64)), 2)
+        with self.assertRaisesRegex(ValueError, "w_bar must have the shape of variable"):
+            ops.update_apply_round(v, tf.Variable(tf.zeros([4])), p, tf.zeros([3]), tf.zeros([3]))
+        with self.assertRaisesRegex(ValueError, "own_share must have the shape of variable"):
+            ops.update_apply_round(v, w, p, tf.zeros([3]), tf.zeros([2]))
+        with self.assertRaisesRegex(TypeError, r"total must have the dtype of variable \(float32\)"):
+            ops.update_apply_round(v, w, p, tf.zeros([3], tf.float64), tf.zeros([3]))
+        with self.assertRaisesRegex(TypeError, "variable must be float16, bfloat16, float32 or float64"):
+            ops.update_push_share(*(tf.Variable(tf.zeros([3], tf.int32)) for _ in range(3)), 2)
+
+    def test_compiled_kernels_run_on_cpu_variables(self):
+        self.use("compiled")
+        with tf.device("/CPU:0"):
+            v = tf.Variable(tf.zeros([3]))
+        self.assertTrue(ops.compiled_update_kernels(v))
+        self.use("reference")
+        self.assertFalse(ops.compiled_update_kernels(v))
 
 
 class ImplementationSwitchTest(tf.test.TestCase):

@@ -10,6 +10,9 @@ delay compensation.
   Horovod allreduce, which then does the sum.
 * :func:`delay_compensate`, :func:`delay_compensate_adaptive`: DC-ASGD's first-order
   correction of a stale gradient (Zheng et al., 2017), as used by DC-S3GD.
+* :func:`update_push_share`, :func:`update_apply_round`: the state updates of the
+  "updates" protocol (SSP, DSSP, ElasticBSP) on every step, each one pass over a
+  weight tensor's three variables in place.
 
 Each op has a compiled kernel (``ops/cc``, loaded lazily by
 :mod:`tfsync.ops._loader`) and a pure-TensorFlow twin (:mod:`tfsync.ops._reference`);
@@ -40,6 +43,8 @@ __all__ = [
     "mask_stale",
     "partial_aggregate",
     "set_implementation",
+    "update_apply_round",
+    "update_push_share",
 ]
 
 PartialAggregateResult = collections.namedtuple(
@@ -67,7 +72,7 @@ _FLOAT_DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
 _REDUCTIONS = ("mean", "sum")
 
 
-def _float_tensor(value, arg, dtype=None):
+def _float_tensor(value, arg, dtype=None, of="gradient"):
     # Python numbers and lists take the gradient's dtype; tensors must already have it.
     tensor = value if tf.is_tensor(value) else tf.convert_to_tensor(value, dtype=dtype)
     if tensor.dtype not in _FLOAT_DTYPES:
@@ -76,7 +81,7 @@ def _float_tensor(value, arg, dtype=None):
             "cast it first (integer gradients are not supported)"
         )
     if dtype is not None and tensor.dtype != dtype:
-        raise TypeError(f"{arg} must have the dtype of gradient ({dtype.name}), got " f"{tensor.dtype.name}")
+        raise TypeError(f"{arg} must have the dtype of {of} ({dtype.name}), got " f"{tensor.dtype.name}")
     return tensor
 
 
@@ -247,3 +252,114 @@ def delay_compensate_adaptive(gradient, w_now, w_stale, mean_square, lambda0, mo
         tf.cast(epsilon, tf.float32),
         name=name,
     )
+
+
+def _update_variables(variable, w_bar, pending):
+    """The three variables of one weight tensor, checked: ``tf.Variable``s of one float
+    dtype and one shape."""
+    named = (("variable", variable), ("w_bar", w_bar), ("pending", pending))
+    for arg, v in named:
+        if not isinstance(v, tf.Variable):
+            raise TypeError(
+                f"{arg} must be a tf.Variable (the op updates it in place), got {type(v).__name__}; "
+                "for a Keras variable pass its .value"
+            )
+    if variable.dtype not in _FLOAT_DTYPES:
+        raise TypeError(
+            f"variable must be float16, bfloat16, float32 or float64, got {variable.dtype.name}; "
+            "integer variables are not trained"
+        )
+    for arg, v in named[1:]:
+        if v.dtype != variable.dtype:
+            raise TypeError(f"{arg} must have the dtype of variable ({variable.dtype.name}), got {v.dtype.name}")
+        if not v.shape.is_compatible_with(variable.shape):
+            raise ValueError(
+                f"{arg} must have the shape of variable: variable has shape {variable.shape}, "
+                f"{arg} has shape {v.shape}"
+            )
+    return variable, w_bar, pending
+
+
+def _on_cpu(variable):
+    """Whether the compiled kernels (CPU only) can update ``variable`` in place."""
+    device = tf.DeviceSpec.from_string(variable.device or "").device_type
+    if device is None:  # unplaced: where TensorFlow would put it
+        return not tf.config.list_logical_devices("GPU")
+    return device.upper() == "CPU"
+
+
+def compiled_update_kernels(variable):
+    """Whether :func:`update_push_share` and :func:`update_apply_round` run the compiled
+    kernels on ``variable`` (the compiled implementation selected, the variable on CPU)."""
+    return get_implementation() == "compiled" and _on_cpu(variable)
+
+
+def _update_backend(variable):
+    # The compiled kernels are CPU only: a variable on a GPU is updated by the reference's
+    # TensorFlow ops, which run on the device (a placement rule, not a fallback: with
+    # "compiled" selected and the library missing, a CPU variable still raises)
+    if _on_cpu(variable):
+        return _backend()
+    from tfsync.ops import _reference
+
+    return _reference
+
+
+def update_push_share(variable, w_bar, pending, size, name=None):
+    """The "updates" protocol's push (SSP, DSSP, ElasticBSP), in place.
+
+    Between steps ``variable == w_bar + pending``: ``w_bar`` is the sum of every
+    complete round (identical on every worker) and ``pending`` the sum of this
+    worker's shares in rounds not complete yet. After the optimizer moved
+    ``variable`` by ``D``, one pass computes ``share = (variable - (w_bar +
+    pending)) / size`` (``D / size``, what the worker pushes into its round),
+    ``pending += share`` and ``variable = w_bar + pending``.
+
+    The compiled kernel runs on CPU (on a GPU, the reference's TensorFlow ops
+    run instead) and reuses its released output buffers, so that the shares in
+    flight do not fault fresh memory in on every step.
+
+    Args:
+      variable, w_bar, pending: ``tf.Variable``s of one float dtype and shape.
+      size: float scalar ``>= 1``, the number of workers.
+      name: optional name scope.
+
+    Returns:
+      ``share``, a tensor of the variable's shape and dtype.
+
+    Raises:
+      TypeError, ValueError: a non-variable, mismatched dtypes or shapes.
+      tf.errors.InvalidArgumentError: ``size < 1``.
+    """
+    variable, w_bar, pending = _update_variables(variable, w_bar, pending)
+    return _update_backend(variable).update_push_share(variable, w_bar, pending, tf.cast(size, tf.float32), name=name)
+
+
+def update_apply_round(variable, w_bar, pending, total, own_share, name=None):
+    """The "updates" protocol's application of a complete round, in place.
+
+    One pass: ``w_bar += total`` (the round's sum of every worker's share),
+    ``pending -= own_share`` (this worker's share in it, now part of ``w_bar``)
+    and ``variable = w_bar + pending``. ``w_bar`` changes by the same sum on every
+    worker, so it stays bit-identical across them.
+
+    Args:
+      variable, w_bar, pending: as for :func:`update_push_share`.
+      total: tensor of the variable's shape and dtype.
+      own_share: tensor of the variable's shape and dtype, the share this
+        worker pushed into the round.
+      name: optional name scope.
+
+    Raises:
+      TypeError, ValueError: a non-variable, mismatched dtypes or shapes.
+    """
+    variable, w_bar, pending = _update_variables(variable, w_bar, pending)
+    total = _float_tensor(total, "total", variable.dtype, of="variable")
+    own_share = _float_tensor(own_share, "own_share", variable.dtype, of="variable")
+    for arg, t in (("total", total), ("own_share", own_share)):
+        if not t.shape.is_compatible_with(variable.shape):
+            raise ValueError(
+                f"{arg} must have the shape of variable: variable has shape {variable.shape}, "
+                f"{arg} has shape {t.shape}"
+            )
+    _update_backend(variable).update_apply_round(variable, w_bar, pending, total, own_share, name=name)

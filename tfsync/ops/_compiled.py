@@ -3,7 +3,7 @@
 Same functions and signatures as :mod:`tfsync.ops._reference`; arguments arrive
 already converted and checked by :mod:`tfsync.ops`. The kernels are in
 ``ops/cc/kernels`` (PSP Algorithm 1 / backup-workers Algorithm 4 aggregation,
-DC-ASGD delay compensation).
+DC-ASGD delay compensation, the "updates" protocol's state updates).
 """
 
 from tfsync.ops._loader import load_library
@@ -42,5 +42,22 @@ def delay_compensate_adaptive(gradient, w_now, w_stale, mean_square, lambda0, mo
         lambda0=lambda0,
         momentum=momentum,
         epsilon=epsilon,
+        name=name,
+    )
+
+
+def update_push_share(variable, w_bar, pending, size, name=None):
+    return load_library().tf_sync_update_push_share(
+        variable=variable.handle, w_bar=w_bar.handle, pending=pending.handle, size=size, T=variable.dtype, name=name
+    )
+
+
+def update_apply_round(variable, w_bar, pending, total, own_share, name=None):
+    return load_library().tf_sync_update_apply_round(
+        variable=variable.handle,
+        w_bar=w_bar.handle,
+        pending=pending.handle,
+        total=total,
+        own_share=own_share,
         name=name,
     )

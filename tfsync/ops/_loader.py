@@ -27,6 +27,8 @@ OP_NAMES = (
     "TfSync>MaskStale",
     "TfSync>DelayCompensate",
     "TfSync>DelayCompensateAdaptive",
+    "TfSync>UpdatePushShare",
+    "TfSync>UpdateApplyRound",
 )
 
 _lock = threading.Lock()

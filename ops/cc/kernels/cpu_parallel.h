@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <functional>
+#include <vector>
 
 #if defined(__linux__)
 #include <sys/mman.h>
@@ -100,6 +101,63 @@ class ReusableOutput {
  private:
   tensorflow::mutex mu_;
   tensorflow::Tensor cached_;
+};
+
+// ReusableOutput for an op whose outputs stay alive for a while (an update in
+// flight in a collective until its round is applied): up to kSlots released buffers
+// of the previous calls are handed out again, so that a ring of outputs in flight
+// reuses its memory instead of faulting a fresh buffer in per call. As in
+// ReusableOutput, a buffer is reused only when no one else holds it; past kSlots
+// buffers in flight, a call allocates one that is not kept.
+class ReusableOutputPool {
+ public:
+  static constexpr int kSlots = 8;
+
+  absl::Status Allocate(tensorflow::OpKernelContext* ctx, int index,
+                        const tensorflow::TensorShape& shape, tensorflow::DataType dtype,
+                        tensorflow::Tensor** out) {
+    if (shape.num_elements() * tensorflow::DataTypeSize(dtype) < ReusableOutput::kMinBytes) {
+      return ctx->allocate_output(index, shape, out);
+    }
+    tensorflow::mutex_lock lock(mu_);
+    tensorflow::Tensor* chosen = nullptr;
+    for (auto& slot : slots_) {
+      if (slot.dtype() == dtype && slot.shape() == shape && slot.RefCountIsOne()) {
+        chosen = &slot;
+        break;
+      }
+    }
+    if (chosen == nullptr) {
+      tensorflow::Tensor fresh;
+      TF_RETURN_IF_ERROR(ctx->allocate_temp(dtype, shape, &fresh));
+      AdviseHugePages(fresh.data(), fresh.TotalBytes());
+      // a slot of another shape or dtype (the op was called on other tensors) is
+      // replaced; otherwise a new slot is kept while there is room
+      for (auto& slot : slots_) {
+        if ((slot.dtype() != dtype || slot.shape() != shape) && slot.RefCountIsOne()) {
+          chosen = &slot;
+          break;
+        }
+      }
+      if (chosen == nullptr && static_cast<int>(slots_.size()) < kSlots) {
+        slots_.emplace_back();
+        chosen = &slots_.back();
+      }
+      if (chosen == nullptr) {
+        ctx->set_output(index, fresh);
+        *out = ctx->mutable_output(index);
+        return absl::OkStatus();
+      }
+      *chosen = fresh;
+    }
+    ctx->set_output(index, *chosen);
+    *out = ctx->mutable_output(index);
+    return absl::OkStatus();
+  }
+
+ private:
+  tensorflow::mutex mu_;
+  std::vector<tensorflow::Tensor> slots_;
 };
 
 }  // namespace tfsync

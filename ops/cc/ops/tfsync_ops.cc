@@ -10,6 +10,9 @@
 //  * TfSync>DelayCompensate / TfSync>DelayCompensateAdaptive: DC-ASGD (Zheng et
 //    al., ICML 2017) g~ = g + lambda * g (.) g (.) (w_now - w_stale), with constant
 //    lambda (DC-ASGD-c) or lambda_t = lambda0 / sqrt(v_t + eps) (DC-ASGD-a).
+//  * TfSync>UpdatePushShare / TfSync>UpdateApplyRound: the per-step state updates of
+//    the "updates" protocol (SSP, DSSP, ElasticBSP), each one pass over the model's
+//    variable, w_bar and pending in place.
 //
 // The shape functions check ranks and shapes so that graph construction fails
 // early (a ValueError in Python) with the same wording the kernels use at run time.
@@ -160,6 +163,37 @@ Status DelayCompensateAdaptiveShape(InferenceContext* c) {
   return absl::OkStatus();
 }
 
+// The shape of the variable behind resource input `index`, when the graph knows it.
+ShapeHandle VariableShape(InferenceContext* c, int index) {
+  auto* handle_data = c->input_handle_shapes_and_types(index);
+  if (handle_data != nullptr && handle_data->size() == 1) return (*handle_data)[0].shape;
+  return c->UnknownShape();
+}
+
+Status UpdateVariablesShape(InferenceContext* c, ShapeHandle* out) {
+  ShapeHandle shape = VariableShape(c, 0);
+  TF_RETURN_IF_ERROR(RequireSameShape(c, shape, "variable", VariableShape(c, 1), "w_bar", &shape));
+  TF_RETURN_IF_ERROR(RequireSameShape(c, shape, "variable", VariableShape(c, 2), "pending", &shape));
+  *out = shape;
+  return absl::OkStatus();
+}
+
+Status UpdatePushShareShape(InferenceContext* c) {
+  ShapeHandle shape;
+  TF_RETURN_IF_ERROR(UpdateVariablesShape(c, &shape));
+  TF_RETURN_IF_ERROR(RequireScalar(c, 3, "size"));
+  c->set_output(0, shape);
+  return absl::OkStatus();
+}
+
+Status UpdateApplyRoundShape(InferenceContext* c) {
+  ShapeHandle shape;
+  TF_RETURN_IF_ERROR(UpdateVariablesShape(c, &shape));
+  TF_RETURN_IF_ERROR(RequireSameShape(c, shape, "variable", c->input(3), "total", &shape));
+  TF_RETURN_IF_ERROR(RequireSameShape(c, shape, "variable", c->input(4), "own_share", &shape));
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 REGISTER_OP("TfSync>PartialAggregate")
@@ -229,6 +263,36 @@ DC-ASGD-a: mean_square <- momentum * mean_square + (1 - momentum) * gradient^2 (
 place), then compensated = gradient + lambda0 / sqrt(mean_square + epsilon) *
 gradient * gradient * (w_now - w_stale). mean_square is float32, or float64 when T
 is double.
+)doc");
+
+REGISTER_OP("TfSync>UpdatePushShare")
+    .Input("variable: resource")
+    .Input("w_bar: resource")
+    .Input("pending: resource")
+    .Input("size: float")
+    .Output("share: T")
+    .Attr("T: {half, bfloat16, float, double}")
+    .SetIsStateful()
+    .SetShapeFn(UpdatePushShareShape)
+    .Doc(R"doc(
+The "updates" protocol's push (SSP, DSSP, ElasticBSP), in place, after the optimizer
+moved variable from w_bar + pending by D: share = (variable - (w_bar + pending)) /
+size, the share pushed into the round; pending += share; variable = w_bar + pending.
+)doc");
+
+REGISTER_OP("TfSync>UpdateApplyRound")
+    .Input("variable: resource")
+    .Input("w_bar: resource")
+    .Input("pending: resource")
+    .Input("total: T")
+    .Input("own_share: T")
+    .Attr("T: {half, bfloat16, float, double}")
+    .SetIsStateful()
+    .SetShapeFn(UpdateApplyRoundShape)
+    .Doc(R"doc(
+The "updates" protocol's application of a complete round, in place: w_bar += total
+(the round's sum of shares); pending -= own_share (this worker's share in it);
+variable = w_bar + pending.
 )doc");
 
 }  // namespace tfsync
