@@ -697,6 +697,11 @@ class BenchmarkTest(tf.test.TestCase):
         for op in ("delay_compensate", "delay_compensate_adaptive", "partial_aggregate", "mask_stale(stale)"):
             for impl in ("fused", "composed_eager", "composed_xla", "fused_result_held"):
                 self.assertIn((op, impl), seen)
+        for op in ("update_push_share", "update_apply_round"):
+            for impl in ("fused", "composed_eager", "composed_xla"):
+                self.assertIn((op, impl), seen)
+        self.assertIn(("update_push_share", "fused_result_held"), seen)
+        self.assertNotIn(("update_apply_round", "fused_result_held"), seen)
         self.assertIn(("copy", "numpy_copyto"), seen)
         for r in records:
             self.assertEqual(r["elements"], 1024)

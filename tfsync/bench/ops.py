@@ -12,7 +12,9 @@ of an op (and the copy) timed round-robin, with TensorFlow's default thread sett
 ``fused_result_held`` is the fused op called while the caller still holds its
 previous result, so that its output buffer cannot be reused and is freshly
 allocated on every call. Ops: DC-ASGD-c / DC-ASGD-a delay compensation, PSP partial
-aggregation (k contributions, one of them stale), and masking one stale contribution.
+aggregation (k contributions, one of them stale), masking one stale contribution, and
+the "updates" protocol's push and round application (whose reference the protocol
+ran before the kernels: its eager row is the apply's old path, its XLA row the push's).
 """
 
 import argparse
@@ -179,7 +181,56 @@ def _cases(tf, ops, n, contributions):
             },
         )
     )
+    # The "updates" protocol's state updates (SSP, DSSP, ElasticBSP), against their
+    # reference (the TensorFlow ops the protocol ran before): eager, and under XLA as
+    # the protocol compiled the push.  Each implementation updates its own variables.
+    from tfsync.ops import _reference
+
+    size = tf.constant(4.0)
+    total = tf.constant(rng.standard_normal(n, dtype=np.float32) * 0.01)
+
+    def variables():
+        return [tf.Variable(tf.constant(rng.standard_normal(n, dtype=np.float32))) for _ in range(3)]
+
+    push_vars = {impl: variables() for impl in ("fused", "composed_eager", "composed_xla")}
+    push_xla = tf.function(lambda: _reference.update_push_share(*push_vars["composed_xla"], size), jit_compile=True)
+    # Reads the variable, w_bar and pending; writes the share, pending and the variable.
+    cases.append(
+        (
+            "update_push_share",
+            6 * n * FLOAT32_BYTES,
+            {
+                "fused": lambda: ops.update_push_share(*push_vars["fused"], size),
+                "composed_eager": lambda: _reference.update_push_share(*push_vars["composed_eager"], size),
+                "composed_xla": push_xla,
+            },
+        )
+    )
+    apply_vars = {impl: variables() for impl in ("fused", "composed_eager", "composed_xla")}
+
+    def apply_composed(v, w, p, t, own):  # the reference's float path, as XLA sees it
+        w.assign(w + t)
+        p.assign(p - own)
+        v.assign(w + p)
+
+    apply_xla = tf.function(lambda: apply_composed(*apply_vars["composed_xla"], total, g), jit_compile=True)
+    # Reads w_bar, pending, the round's total and the own share; writes the three variables.
+    cases.append(
+        (
+            "update_apply_round",
+            7 * n * FLOAT32_BYTES,
+            {
+                "fused": lambda: ops.update_apply_round(*apply_vars["fused"], total, g),
+                "composed_eager": lambda: _reference.update_apply_round(*apply_vars["composed_eager"], total, g),
+                "composed_xla": apply_xla,
+            },
+        )
+    )
     return cases
+
+
+# ops with no output: nothing for a caller to hold (no fused_result_held row)
+NO_OUTPUT = ("update_apply_round",)
 
 
 def run(sizes, repeats, warmup, contributions):
@@ -212,10 +263,12 @@ def run(sizes, repeats, warmup, contributions):
             copy = lambda dst=dst, src=src: np.copyto(dst, src)
             medians = _interleaved_medians(dict(impls, copy=copy), repeats, warmup)
             copy_seconds.append(medians.pop("copy"))
-            held = _HoldingResult(impls["fused"])
-            held_medians = _interleaved_medians({"fused_result_held": held, "copy": copy}, repeats, warmup)
-            held.release()
-            copy_seconds.append(held_medians.pop("copy"))
+            held_medians = {}
+            if op not in NO_OUTPUT:
+                held = _HoldingResult(impls["fused"])
+                held_medians = _interleaved_medians({"fused_result_held": held, "copy": copy}, repeats, warmup)
+                held.release()
+                copy_seconds.append(held_medians.pop("copy"))
             for impl, seconds in {**medians, **held_medians}.items():
                 record(op, n, impl, seconds, nbytes)
         # The copy ran beside every op; its median over those runs is the reference.
