@@ -579,8 +579,18 @@ class UpdateProtocolOpsTest(OpsTestCase):
             ops.update_apply_round(v, w, p, tf.zeros([3]), tf.zeros([2]))
         with self.assertRaisesRegex(TypeError, r"total must have the dtype of variable \(float32\)"):
             ops.update_apply_round(v, w, p, tf.zeros([3], tf.float64), tf.zeros([3]))
+        with self.assertRaisesRegex(ValueError, "variable and pending are the same variable"):
+            ops.update_push_share(v, w, v, 2)
         with self.assertRaisesRegex(TypeError, "variable must be float16, bfloat16, float32 or float64"):
             ops.update_push_share(*(tf.Variable(tf.zeros([3], tf.int32)) for _ in range(3)), 2)
+
+    def test_kernel_rejects_one_variable_passed_twice(self):
+        # the raw op, past the Python check: two handles of one variable (as a graph may hold)
+        v, p = tf.Variable(tf.zeros([3])), tf.Variable(tf.zeros([3]))
+        with self.assertRaisesRegex(tf.errors.InvalidArgumentError, "variable and w_bar are the same variable"):
+            _loader.load_library().tf_sync_update_push_share(
+                variable=v.handle, w_bar=v.handle, pending=p.handle, size=2.0, T=tf.float32
+            )
 
     def test_compiled_kernels_run_on_cpu_variables(self):
         self.use("compiled")

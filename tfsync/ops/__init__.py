@@ -264,6 +264,13 @@ def _update_variables(variable, w_bar, pending):
                 f"{arg} must be a tf.Variable (the op updates it in place), got {type(v).__name__}; "
                 "for a Keras variable pass its .value"
             )
+    for i, (arg, v) in enumerate(named):
+        for other, u in named[:i]:
+            if u is v:
+                raise ValueError(
+                    f"{other} and {arg} are the same variable; pass three different variables "
+                    "(the op updates each in place)"
+                )
     if variable.dtype not in _FLOAT_DTYPES:
         raise TypeError(
             f"variable must be float16, bfloat16, float32 or float64, got {variable.dtype.name}; "

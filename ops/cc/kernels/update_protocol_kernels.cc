@@ -75,8 +75,9 @@ class LockedVariables {
     for (int i = 0; i < kVariables; ++i) {
       for (int j = 0; j < i; ++j) {
         if (vars_[i].get() == vars_[j].get()) {
-          ctx->CtxFailure(errors::InvalidArgument(kNames[j], " and ", kNames[i],
-                                                  " must be three different variables"));
+          ctx->CtxFailure(errors::InvalidArgument(
+              kNames[j], " and ", kNames[i],
+              " are the same variable; pass three different variables (the op updates each in place)"));
           return false;
         }
       }
