@@ -1,6 +1,6 @@
 // Helpers of tfsync's CPU kernels: how element-wise work is split over TensorFlow's
 // intra-op thread pool (the worker threads of the OpKernelContext), and the reuse
-// of a kernel's large output buffer across calls.
+// of a kernel's large output buffers across calls.
 #ifndef TFSYNC_OPS_CC_KERNELS_CPU_PARALLEL_H_
 #define TFSYNC_OPS_CC_KERNELS_CPU_PARALLEL_H_
 
@@ -64,20 +64,25 @@ inline void AdviseHugePages(void* data, int64_t bytes) {
 #endif
 }
 
-// The output buffer of the previous call, handed out again once every consumer has
-// released it (its reference count is back to one: ours).
+// The output buffers of the previous calls, handed out again once every consumer has
+// released them (a buffer's reference count is back to one: ours).
 //
 // Why: TensorFlow's CPU allocator is malloc, which maps large blocks fresh from the
 // kernel and unmaps them on free, so every call of a streaming op on a large tensor
 // would first page-fault its whole output in; in a VM that costs about as much as
-// the op itself. A consumer that still holds the previous output keeps it (its
-// count is > 1) and this call allocates a new buffer, so no live tensor is ever
-// overwritten. The cost: each kernel instance keeps its last large output alive
-// (one buffer, freed with the kernel). Used only when the gradient's own buffer
-// could not be forwarded.
+// the op itself. A consumer that still holds an output keeps it (its count is > 1)
+// and this call uses another kept buffer or allocates a new one, so no live tensor
+// is ever overwritten. Up to `slots` buffers are kept (one by default; an op whose
+// outputs stay alive for a while, as updates in flight in collectives until their
+// rounds are applied, keeps a ring of them); when every kept buffer is held, the new
+// one replaces the oldest kept, whose holder keeps it alive as long as it needs.
+// The cost: each kernel instance keeps up to `slots` idle buffers (freed with the
+// kernel).
 class ReusableOutput {
  public:
   static constexpr int64_t kMinBytes = int64_t{1} << 20;
+
+  explicit ReusableOutput(int slots = 1) : slots_(std::max(1, slots)) {}
 
   absl::Status Allocate(tensorflow::OpKernelContext* ctx, int index,
                         const tensorflow::TensorShape& shape, tensorflow::DataType dtype,
@@ -86,44 +91,10 @@ class ReusableOutput {
       return ctx->allocate_output(index, shape, out);
     }
     tensorflow::mutex_lock lock(mu_);
-    if (!cached_.IsInitialized() || cached_.dtype() != dtype || cached_.shape() != shape ||
-        !cached_.RefCountIsOne()) {
-      tensorflow::Tensor fresh;
-      TF_RETURN_IF_ERROR(ctx->allocate_temp(dtype, shape, &fresh));
-      AdviseHugePages(fresh.data(), fresh.TotalBytes());
-      cached_ = fresh;
-    }
-    ctx->set_output(index, cached_);
-    *out = ctx->mutable_output(index);
-    return absl::OkStatus();
-  }
-
- private:
-  tensorflow::mutex mu_;
-  tensorflow::Tensor cached_;
-};
-
-// ReusableOutput for an op whose outputs stay alive for a while (an update in
-// flight in a collective until its round is applied): up to kSlots released buffers
-// of the previous calls are handed out again, so that a ring of outputs in flight
-// reuses its memory instead of faulting a fresh buffer in per call. As in
-// ReusableOutput, a buffer is reused only when no one else holds it; past kSlots
-// buffers in flight, a call allocates one that is not kept.
-class ReusableOutputPool {
- public:
-  static constexpr int kSlots = 8;
-
-  absl::Status Allocate(tensorflow::OpKernelContext* ctx, int index,
-                        const tensorflow::TensorShape& shape, tensorflow::DataType dtype,
-                        tensorflow::Tensor** out) {
-    if (shape.num_elements() * tensorflow::DataTypeSize(dtype) < ReusableOutput::kMinBytes) {
-      return ctx->allocate_output(index, shape, out);
-    }
-    tensorflow::mutex_lock lock(mu_);
     tensorflow::Tensor* chosen = nullptr;
-    for (auto& slot : slots_) {
-      if (slot.dtype() == dtype && slot.shape() == shape && slot.RefCountIsOne()) {
-        chosen = &slot;
+    for (auto& kept : kept_) {
+      if (kept.dtype() == dtype && kept.shape() == shape && kept.RefCountIsOne()) {
+        chosen = &kept;
         break;
       }
     }
@@ -131,22 +102,21 @@ class ReusableOutputPool {
       tensorflow::Tensor fresh;
       TF_RETURN_IF_ERROR(ctx->allocate_temp(dtype, shape, &fresh));
       AdviseHugePages(fresh.data(), fresh.TotalBytes());
-      // a slot of another shape or dtype (the op was called on other tensors) is
-      // replaced; otherwise a new slot is kept while there is room
-      for (auto& slot : slots_) {
-        if ((slot.dtype() != dtype || slot.shape() != shape) && slot.RefCountIsOne()) {
-          chosen = &slot;
+      // kept in a released buffer's place (one of another shape or dtype), else in a
+      // new slot while there is room, else in the oldest kept one's place
+      for (auto& kept : kept_) {
+        if (kept.RefCountIsOne()) {
+          chosen = &kept;
           break;
         }
       }
-      if (chosen == nullptr && static_cast<int>(slots_.size()) < kSlots) {
-        slots_.emplace_back();
-        chosen = &slots_.back();
+      if (chosen == nullptr && static_cast<int>(kept_.size()) < slots_) {
+        kept_.emplace_back();
+        chosen = &kept_.back();
       }
       if (chosen == nullptr) {
-        ctx->set_output(index, fresh);
-        *out = ctx->mutable_output(index);
-        return absl::OkStatus();
+        chosen = &kept_[next_];
+        next_ = (next_ + 1) % slots_;
       }
       *chosen = fresh;
     }
@@ -156,8 +126,10 @@ class ReusableOutputPool {
   }
 
  private:
+  const int slots_;
   tensorflow::mutex mu_;
-  std::vector<tensorflow::Tensor> slots_;
+  std::vector<tensorflow::Tensor> kept_;
+  int next_ = 0;
 };
 
 }  // namespace tfsync

@@ -47,6 +47,7 @@ namespace errors = ::tensorflow::errors;
 
 constexpr int kVariables = 3;  // inputs 0-2: variable, w_bar, pending
 const char* const kNames[kVariables] = {"variable", "w_bar", "pending"};
+constexpr int kShareSlots = 8;  // SSP(3) keeps s + 1 = 4 in flight; a larger bound allocates the rest
 
 // The three variables of one weight tensor, locked (in address order, as
 // TensorFlow's own multi-variable updates lock) and writable for the kernel's life.
@@ -192,7 +193,7 @@ class UpdatePushShareOp : public OpKernel {
 
  private:
   // shares stay alive until their rounds are applied: a ring of them, reused
-  ReusableOutputPool shares_;
+  ReusableOutput shares_{kShareSlots};
 };
 
 template <typename T>
