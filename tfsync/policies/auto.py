@@ -124,7 +124,7 @@ def classify(step_times) -> Profile:
 
 
 def default_modes():
-    """Profile -> policy, from one run of the convergence study (module docstring)."""
+    """Profile -> policy, from the convergence studies (module docstring)."""
     from tfsync.policies import BSP, BackupWorkers, DelayCompensation
 
     # python -m tfsync.bench convergence --repeats 2 (docs/convergence.json), median time to 0.95:
