@@ -131,8 +131,7 @@ def encode_meta(meta: np.ndarray) -> np.ndarray:
             for _ in range(n):
                 digits.append(value & (_BASE - 1))
                 value >>= 16
-        digits += [0] * (META_WIDTH - len(digits))  # fields the rows leave out
-        wire[i] = digits
+        wire[i, : len(digits)] = digits  # (fields the rows leave out stay 0)
     return wire.reshape(-1)
 
 

@@ -75,7 +75,8 @@ inline void AdviseHugePages(void* data, int64_t bytes) {
 // is ever overwritten. Up to `slots` buffers are kept (one by default; an op whose
 // outputs stay alive for a while, as updates in flight in collectives until their
 // rounds are applied, keeps a ring of them); when every kept buffer is held, the new
-// one replaces the oldest kept, whose holder keeps it alive as long as it needs.
+// one takes the place of one of them in turn, whose holder keeps it alive as long as
+// it needs.
 // The cost: each kernel instance keeps up to `slots` idle buffers (freed with the
 // kernel).
 class ReusableOutput {
