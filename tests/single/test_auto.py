@@ -89,11 +89,14 @@ def test_auto_defaults_cover_every_profile_with_a_real_mode():
     a = tfsync.Auto()
     assert set(a.modes) == set(PROFILES)
     assert all(isinstance(m, tfsync.Policy) for m in a.modes.values())
-    assert a.initial == tfsync.BSP()
+    # the first window runs the straggler's mode (a slow worker is not waited for while measured)
+    assert a.initial == a.modes["straggler"] and a.modes["none"] == tfsync.BSP()
     assert tfsync.policies.resolve_mode("auto") == a and tfsync.policies.resolve_mode(" AUTO ") == a
     b = tfsync.Auto(modes={"straggler": tfsync.PSP()})
     assert b.modes["straggler"] == tfsync.PSP() and b.modes["none"] == a.modes["none"]
     assert b.config()["modes"]["straggler"]["mode"] == "psp"
+    assert b.initial == tfsync.PSP() and b.config()["initial"]["mode"] == "psp"  # follows the override
+    assert tfsync.Auto(modes={"straggler": tfsync.PSP()}, initial=tfsync.BSP()).initial == tfsync.BSP()
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,10 @@ in them (:func:`classify`, a pure function of those times) and switches to
 the mode chosen for the profile.  A switch drains the running mode (every in-flight
 round applied, update protocols settled: every replica holds identical
 weights), broadcasts rank 0's optimizer state (SSP-family modes keep it per
-worker), and starts the next mode's engine.
+worker), and starts the next mode's engine.  The first window runs the mode chosen
+for a persistent straggler (``initial``): a slow worker present from the first step is
+not waited for while auto measures it, and with no slowness the first decision
+switches to the mode for ``none`` (BSP).
 
 Profiles, from the per-step compute times ``t[i][k]`` of worker ``i`` (its own
 device time, waits excluded); ``m_i`` is worker ``i``'s median, ``M`` the
@@ -153,7 +156,9 @@ class Auto:
             fewer steps than this remain in ``fit`` (a switch there could not pay for itself).
         confirm: after the first decision, a switch needs the same new profile at this many
             consecutive decisions (default 2), so that one unusual epoch does not flip the mode.
-        initial: the mode of the first window (default BSP: plain Horovod's semantics).
+        initial: the mode of the first window (default: the mode chosen for a persistent
+            straggler, ``modes["straggler"]``, so that a slow worker is not waited for while
+            auto measures; with no slowness the first decision switches to ``modes["none"]``).
 
     Only ``tfsync.keras.SyncCallback`` runs it (it switches between two steps).  Each
     decision is logged on rank 0 (logger ``tfsync.auto``, INFO), written to the trace
@@ -174,7 +179,7 @@ class Auto:
     initial: object = None
 
     def __post_init__(self):
-        from tfsync.policies import BSP, Policy
+        from tfsync.policies import Policy
 
         for field, value, low in (("window_steps", self.window_steps, 1), ("confirm", self.confirm, 1)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -186,7 +191,7 @@ class Auto:
                 f"tfsync.Auto: modes has unknown profiles {unknown}; the profiles are {', '.join(PROFILES)}"
             )
         chosen = {**default_modes(), **given}
-        initial = BSP() if self.initial is None else self.initial
+        initial = chosen["straggler"] if self.initial is None else self.initial
         for where, policy in [*((f"modes[{p!r}]", m) for p, m in chosen.items()), ("initial", initial)]:
             if not isinstance(policy, Policy):
                 raise ValueError(
