@@ -8,7 +8,7 @@ import pytest
 
 from tests.parallel.launch import read_results, run_workers
 from tests.parallel.test_compensation import digits
-from tfsync.policies.auto import STRAGGLER_RATIO
+from tfsync.policies.auto import EARLY_STEPS, STRAGGLER_RATIO
 
 pytestmark = pytest.mark.parallel
 
@@ -19,65 +19,53 @@ def auto(trace_dir, stragglers, epochs):
     )
 
 
-def test_a_persistent_straggler_is_recognised_and_its_mode_kept(tmp_path):
+def test_a_persistent_straggler_is_recognised_and_its_mode_run(tmp_path):
     # rank 3 +80 ms on 20 ms: its median step is about 4.5x the others' (the bench's +40 ms gives
     # 2.75x here, close enough to the 2.5x threshold that CPU contention can blur it)
     res = auto(tmp_path, "base=0.02,slow=3:0.08,seed=1", epochs=8)
     decisions = res["auto_decisions"]
     first = decisions[0]
-    # the first window already ran the straggler's mode (backup workers with compensation), so the
-    # straggler was not waited for while measured, and the first decision keeps it
-    dc = "backup(b=1)+dc(lambda=0.04)"
-    assert first["profile"] == "straggler" and first["running"] == dc and first["mode"] == dc, decisions
-    assert not first["switched"] and "retraced" not in first, first
-    # decided first as soon as the window filled, mid-epoch (22 steps an epoch here), then at the
-    # ends of epochs 1 to 6 (epoch 0's end is 6 steps after the first decision; none after the last)
-    assert [(d["epoch"], d["batch"]) for d in decisions] == [(0, 15)] + [(e, 21) for e in range(1, 7)], decisions
+    assert first["profile"] == "straggler" and first["running"] == "bsp" and first["switched"], decisions
+    assert first["mode"] == "backup(b=1)+dc(lambda=0.04)", first
+    # decided early, from BSP's rounds (every rank's time in each, no gather), after the first 4
+    # measured steps (batch 0 is not measured), then at the ends of epochs 0 to 6 (epoch 0's end
+    # is 17 steps after the first decision; 22 steps an epoch; none after the last); BSP and
+    # backup workers share the compiled step: the switch did not retrace
+    assert first["early"] and first["steps"] == EARLY_STEPS and "each of the first 4" in first["reason"], first
+    assert [(d["epoch"], d["batch"]) for d in decisions] == [(0, 4)] + [(e, 21) for e in range(7)], decisions
+    assert not any(d["early"] for d in decisions[1:]), decisions
+    assert first["retraced"] is False and first["switch_s"] > 0, first
     assert first["slowest_ratio"] >= STRAGGLER_RATIO and "worker 3" in first["reason"], first
-    # the slowness stays persistent: no switch.  (Rank 3 computes few steps under backup workers,
-    # so its measured ratio may fall under 2.5 in a window: heterogeneous, the same mode.)
-    assert all(d["mode"] == dc and not d["switched"] for d in decisions), decisions
-    assert all(d["observed"] in ("straggler", "heterogeneous") for d in decisions[1:]), decisions
+    # the slowness stays persistent under backup workers: no switch back.  (Rank 3 computes few
+    # steps there, so its measured ratio may fall under 2.5 in a window: heterogeneous, same mode.)
+    later = decisions[1:]
+    assert all(d["mode"] == "backup(b=1)+dc(lambda=0.04)" and not d["switched"] for d in later), decisions
+    assert all(d["observed"] in ("straggler", "heterogeneous") for d in later), decisions
     assert res["replicas_identical"], res
-    # every contribution is accounted for, and the straggler's steps were skipped
+    # every contribution of both engines is accounted for, and the straggler's steps were skipped
     assert res["produced"] == res["applied"] + res["compensated"] + res["dropped"], res
+    # the epoch logs count both engines, across the mid-epoch switch
     assert res["counts_from_epoch_logs"] == {k: res[k] for k in res["counts_from_epoch_logs"]}, res
     assert res["skipped"] > 0 and res["compensated"] > 0, res  # the straggler's late gradients, corrected
     assert res["final_accuracy"] >= 0.9, res
     # the trace: one directory per engine, the decisions beside them
-    assert sorted(os.listdir(tmp_path)) == ["0-backup", "auto.jsonl"], os.listdir(tmp_path)
+    assert sorted(os.listdir(tmp_path)) == ["0-bsp", "1-backup", "auto.jsonl"], os.listdir(tmp_path)
     events = [json.loads(line) for line in open(tmp_path / "auto.jsonl")]
     assert [e["event"] for e in events] == ["auto"] * len(decisions)
     assert [e["mode"] for e in events] == [d["mode"] for d in decisions]
-    assert sorted(os.listdir(tmp_path / "0-backup")) == [f"rank{r}.jsonl" for r in range(4)]
+    for segment in ("0-bsp", "1-backup"):
+        assert sorted(os.listdir(tmp_path / segment)) == [f"rank{r}.jsonl" for r in range(4)]
 
 
-def test_no_slowness_switches_to_bsp_after_the_first_window(tmp_path):
+def test_no_slowness_keeps_bsp(tmp_path):
     res = auto(tmp_path, "base=0.02,seed=1", epochs=4)
     decisions = res["auto_decisions"]
-    first = decisions[0]
-    # measured under backup workers, found no slowness: BSP from step 16 on, mid-epoch; the two
-    # share the compiled step, so the switch did not retrace
-    assert (first["epoch"], first["batch"]) == (0, 15), decisions
-    assert first["running"] == "backup(b=1)+dc(lambda=0.04)" and first["switched"], first
-    assert first["retraced"] is False and first["switch_s"] > 0, first
-    assert all(d["profile"] == "none" and d["mode"] == "bsp" for d in decisions), decisions
-    assert not any(d["switched"] for d in decisions[1:]), decisions
-    assert sorted(os.listdir(tmp_path)) == ["0-backup", "1-bsp", "auto.jsonl"]
-    assert res["replicas_identical"], res
-    # both engines' contributions, across the mid-epoch switch, in the counts and the epoch logs
-    assert res["produced"] == res["applied"] + res["compensated"] + res["dropped"], res
-    assert res["counts_from_epoch_logs"] == {k: res[k] for k in res["counts_from_epoch_logs"]}, res
-    # after the switch, BSP: every round applies all four workers' gradients of that round
-    steps = 0
-    for r in range(4):
-        records = [json.loads(line) for line in open(tmp_path / "1-bsp" / f"rank{r}.jsonl")]
-        records = [rec for rec in records if "step" in rec]
-        steps += len(records)
-        for rec in records:
-            assert not rec["skipped"] and rec["dropped"] == 0 and rec["compensated"] == 0, (r, rec)
-            assert all(stamps == [round_] * 4 for round_, stamps in rec["stamps"]), (r, rec)
-    assert steps == 4 * (4 * 22 - 16), steps  # every step after the first window, on every rank
+    assert decisions and all(d["profile"] == "none" and not d["switched"] for d in decisions), decisions
+    assert all(d["mode"] == "bsp" for d in decisions), decisions
+    # nothing early: the first decision after the full window (16 steps), mid-epoch
+    assert (decisions[0]["epoch"], decisions[0]["batch"]) == (0, 15) and not decisions[0]["early"], decisions
+    assert sorted(os.listdir(tmp_path)) == ["0-bsp", "auto.jsonl"]
+    assert res["replicas_identical"] and res["dropped"] == 0 and res["skipped"] == 0, res
 
 
 def test_switches_between_modes_with_different_steps_retrace_and_lose_nothing(tmp_path):

@@ -5,7 +5,7 @@ import pytest
 
 import tfsync
 from tfsync.policies import auto
-from tfsync.policies.auto import PROFILES, classify
+from tfsync.policies.auto import EARLY_STEPS, PROFILES, classify, early
 
 BASE_S = 0.022  # 20 ms of simulated device time plus a little compute
 
@@ -66,6 +66,30 @@ def test_the_slow_worker_is_measured_against_the_fastest():
     assert classify(times(workers=4, slow=slice(2, 4), factor=2.0)).name == "heterogeneous"
 
 
+@pytest.mark.parametrize("seed", range(5))
+def test_a_persistently_slow_worker_is_found_after_the_early_steps(seed):
+    n = EARLY_STEPS
+    straggler = early(times(seed=seed, steps=n, slow=3, factor=(0.022 + 0.04) / 0.022))
+    heterogeneous = early(times(seed=seed, steps=n, slow=3, factor=2.0))
+    assert straggler.name == "straggler" and straggler.slowest == 3 and straggler.steps == n
+    assert heterogeneous.name == "heterogeneous" and f"each of the first {n} measured steps" in heterogeneous.reason
+    # too few steps yet, or no persistent slowness: wait for the full window
+    assert early(times(seed=seed, steps=n - 1, slow=3, factor=3.0)) is None
+    assert early(times(seed=seed, steps=n)) is None
+    assert early(times(seed=seed, steps=n, jitter_s=0.04)) is None
+    assert early(times(seed=seed, steps=n, rare=[(1, 2, 0.5)])) is None
+
+
+def test_an_early_decision_needs_the_same_worker_slowest_in_every_step():
+    table = times(steps=8, slow=2, factor=2.0, noise_s=0.0)
+    assert early(table).slowest == 2
+    table[0][5] = 0.2  # one step in which another worker was slower: not persistent yet
+    assert classify(table).name == "heterogeneous" and early(table) is None
+    # one worker slowest in every step by chance, but by less than HETEROGENEOUS_RATIO: none
+    assert early(times(steps=8, slow=2, factor=1.1, noise_s=0.0)) is None
+    assert early([[0.1] * 8]) is None and early([]) is None
+
+
 def test_classify_is_a_pure_function_of_the_table():
     table = times(seed=3, jitter_s=0.03)
     assert classify(table) == classify([list(t) for t in table])
@@ -89,14 +113,11 @@ def test_auto_defaults_cover_every_profile_with_a_real_mode():
     a = tfsync.Auto()
     assert set(a.modes) == set(PROFILES)
     assert all(isinstance(m, tfsync.Policy) for m in a.modes.values())
-    # the first window runs the straggler's mode (a slow worker is not waited for while measured)
-    assert a.initial == a.modes["straggler"] and a.modes["none"] == tfsync.BSP()
+    assert a.initial == tfsync.BSP()
     assert tfsync.policies.resolve_mode("auto") == a and tfsync.policies.resolve_mode(" AUTO ") == a
     b = tfsync.Auto(modes={"straggler": tfsync.PSP()})
     assert b.modes["straggler"] == tfsync.PSP() and b.modes["none"] == a.modes["none"]
     assert b.config()["modes"]["straggler"]["mode"] == "psp"
-    assert b.initial == tfsync.PSP() and b.config()["initial"]["mode"] == "psp"  # follows the override
-    assert tfsync.Auto(modes={"straggler": tfsync.PSP()}, initial=tfsync.BSP()).initial == tfsync.BSP()
 
 
 @pytest.mark.parametrize(

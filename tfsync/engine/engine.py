@@ -289,6 +289,7 @@ class SyncEngine:
         self.counts = dict.fromkeys(COUNTS, 0)
         self.reset_totals()
         self.last = {}
+        self._full_round_times = None
         self.started = True
         self._t_step_start = self._now()
 
@@ -653,6 +654,8 @@ class SyncEngine:
                 stamps = [int(res.steps[k]) for k in np.flatnonzero(res.present)]
                 stamps += [int(res.late_steps[k]) for k in np.flatnonzero(res.late)]
             applied.append((r, res.contributors, stamps))
+            if res.present.all():  # every rank's time for round r, the same table on every rank
+                self._full_round_times = [float(c) for c in res.compute_s]
             if res.present[self.rank] == 1.0:
                 if r in self._corrected_rounds:
                     self._corrected_rounds.discard(r)
@@ -782,9 +785,13 @@ class SyncEngine:
         staleness = [step - r for r, _, _ in applied]
         compensated = self._own_compensated  # (moved into the totals by _count_drops)
         drops = self._count_drops()
+        round_times, self._full_round_times = self._full_round_times, None
         self.last = {
             "wait_s": wait_s,
             "compute_s": compute_s,
+            # every rank's compute time for the last round applied in this step that took every
+            # rank (replicated metadata: identical on every rank), or None
+            "round_compute_s": round_times,
             "staleness": max(staleness) if staleness else 0,
             "applied": sum(n for _, n, _ in applied),
             "dropped": len(drops),

@@ -31,7 +31,7 @@ from tfsync.engine.tf_bridge import (
 from tfsync.keras.statistics import average_statistics
 from tfsync.launch import describe_mode
 from tfsync.policies import Auto, resolve_mode
-from tfsync.policies.auto import PROFILES, classify
+from tfsync.policies.auto import PROFILES, classify, early
 
 log = logging.getLogger("tfsync.auto")
 
@@ -140,6 +140,7 @@ class SyncCallback(keras.callbacks.Callback):
             self.policy = self.auto.initial
             self.auto_decisions, self._segment, self._switches = [], 0, 0
             self._window, self._window_steps, self._candidate = [], 0, (None, 0)
+            self._shared = [[] for _ in range(hvd.size())]  # every rank's times, from BSP's rounds
             self._steps_left = steps * self.params.get("epochs", 1)
             if hvd.size() < 2:
                 raise ValueError("tfsync.keras.SyncCallback: mode 'auto' compares workers; launch 2 or more")
@@ -221,12 +222,27 @@ class SyncCallback(keras.callbacks.Callback):
             self._steps_left -= 1
             # an epoch's first step also times what ran between epochs (evaluation, callbacks), and
             # an engine's first step its retracing: left out, or they would look like rare delays
-            if not self._unmeasured and not last.get("skipped", 0) and "compute_s" in last:
+            measured = not self._unmeasured
+            if measured and not last.get("skipped", 0) and "compute_s" in last:
                 self._window.append(last["compute_s"])
             self._unmeasured = False
+            if self.auto_decisions:
+                return
+            # before the first decision under BSP: every round's metadata has every rank's time,
+            # the same table on every rank, so a persistently slow worker is acted on early
+            # (auto.early) at the same step everywhere, without a gather
+            times = last.get("round_compute_s")
+            if self.policy.name != "bsp" or times is None:
+                self._shared = None  # not every rank's time in this step's round: no shared table
+            elif measured and self._shared is not None:
+                for row, t in zip(self._shared, times):
+                    row.append(t)
+                if self._steps_left >= self.auto.window_steps and early(self._shared) is not None:
+                    self._auto_decide(self._epoch, batch, table=self._shared)
+                    return
             # the first decision as soon as the window is full, mid-epoch included (Keras looks
             # its train function up at every step); the later ones at epoch ends (on_epoch_end)
-            if not self.auto_decisions and self._window_full():
+            if self._window_full():
                 self._auto_decide(self._epoch, batch)
 
     def _window_full(self):
@@ -273,21 +289,27 @@ class SyncCallback(keras.callbacks.Callback):
             logs["tfsync_auto_profile"] = float(PROFILES.index(self.auto_decisions[-1]["profile"]))
             logs["tfsync_auto_switches"] = float(self._switches)
 
-    def _auto_decide(self, epoch, batch):
+    def _auto_decide(self, epoch, batch, table=None):
         """Classify the window's step times (every rank the same table, the same answer); switch
         at the first decision, later only after ``confirm`` consecutive decisions agree.
 
-        Every rank calls this after the same step (the same window length and steps left)."""
+        Every rank calls this after the same step (the same window length and steps left).
+        ``table``: every rank's times from BSP's replicated metadata (an early decision,
+        :func:`tfsync.policies.auto.early`), instead of gathering the windows."""
         hvd = _horovod.horovod()
         window, t = self._window, time.monotonic()
-        every = self.engine.exchange.call(
-            lambda: hvd.allgather_object(window, name="tfsync.auto.window"), timeout_s=self.engine.wait_timeout_s
-        )
+        if table is None:
+            every = self.engine.exchange.call(
+                lambda: hvd.allgather_object(window, name="tfsync.auto.window"),
+                timeout_s=self.engine.wait_timeout_s,
+            )
+        else:
+            every = [list(row) for row in table]
         wait_s = time.monotonic() - t
-        self._window, self._window_steps = [], 0
+        self._window, self._window_steps, self._shared = [], 0, None
         if min(len(w) for w in every) == 0:
             return  # a worker computed nothing in the window (it skipped every step): decide later
-        profile = classify(every)
+        profile = early(every) if table is not None else classify(every)
         current = self.auto_decisions[-1]["profile"] if self.auto_decisions else None
         in_force, self._candidate = self.auto.in_force(current, self._candidate, profile.name)
         wanted = self.auto.mode_for(in_force)
@@ -302,6 +324,7 @@ class SyncCallback(keras.callbacks.Callback):
             "rare_fraction": profile.rare_fraction,
             "spread": profile.spread,
             "steps": profile.steps,
+            "early": table is not None,  # from the rounds' metadata after auto.EARLY_STEPS steps
             "running": describe_mode(self.policy),
             "mode": describe_mode(wanted),
             "switched": switch,

@@ -10,10 +10,11 @@ in them (:func:`classify`, a pure function of those times) and switches to
 the mode chosen for the profile.  A switch drains the running mode (every in-flight
 round applied, update protocols settled: every replica holds identical
 weights), broadcasts rank 0's optimizer state (SSP-family modes keep it per
-worker), and starts the next mode's engine.  The first window runs the mode chosen
-for a persistent straggler (``initial``): a slow worker present from the first step is
-not waited for while auto measures it, and with no slowness the first decision
-switches to the mode for ``none`` (BSP).
+worker), and starts the next mode's engine.  The first window runs BSP
+(``initial``); its rounds' replicated metadata give every rank every worker's
+compute time per step, so a worker that is persistently slow (:func:`early`) is
+switched away from after ``EARLY_STEPS`` measured steps instead of the full window,
+at the same step on every rank and without a gather.
 
 Profiles, from the per-step compute times ``t[i][k]`` of worker ``i`` (its own
 device time, waits excluded); ``m_i`` is worker ``i``'s median, ``M`` the
@@ -53,6 +54,7 @@ HETEROGENEOUS_RATIO = 1.3
 RARE_FACTOR = 10.0
 RARE_MAX_FRACTION = 0.05
 JITTER_SPREAD = 0.4
+EARLY_STEPS = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,6 +130,33 @@ def classify(step_times) -> Profile:
     )
 
 
+def early(step_times):
+    """The profile of a persistently slow worker, if ``step_times`` already show one; else None.
+
+    ``step_times``: per worker, its compute seconds in the same rounds (one list per worker,
+    equally long: the first window's rounds under BSP, whose replicated metadata gives every
+    rank the same table).  A pure function.  After at least ``EARLY_STEPS`` rounds, a
+    ``straggler`` or ``heterogeneous`` profile (:func:`classify`) is taken at once when its
+    slowest worker was the slowest in every one of them: with one worker slower by chance
+    in each round, the same one is the slowest in all of ``n`` rounds with probability
+    ``size**(1-n)`` (1 in 64 for 4 workers and 4 rounds), and then its median must still be
+    ``HETEROGENEOUS_RATIO`` times the fastest one's.  Transient slowness (jitter, rare delays)
+    needs the full window.
+    """
+    n = min(len(t) for t in step_times) if step_times else 0
+    if n < EARLY_STEPS or len(step_times) < 2:
+        return None
+    profile = classify(step_times)
+    if profile.name not in ("straggler", "heterogeneous"):
+        return None
+    slow = profile.slowest
+    if any(max(range(len(step_times)), key=lambda i: step_times[i][k]) != slow for k in range(n)):
+        return None
+    return dataclasses.replace(
+        profile, reason=f"{profile.reason}, and the slowest in each of the first {n} measured steps"
+    )
+
+
 def default_modes():
     """Profile -> policy, from the convergence studies (module docstring)."""
     from tfsync.policies import BSP, BackupWorkers, DelayCompensation
@@ -161,9 +190,10 @@ class Auto:
             fewer steps than this remain in ``fit`` (a switch there could not pay for itself).
         confirm: after the first decision, a switch needs the same new profile at this many
             consecutive decisions (default 2), so that one unusual epoch does not flip the mode.
-        initial: the mode of the first window (default: the mode chosen for a persistent
-            straggler, ``modes["straggler"]``, so that a slow worker is not waited for while
-            auto measures; with no slowness the first decision switches to ``modes["none"]``).
+        initial: the mode of the first window (default BSP: plain Horovod's semantics until
+            a slowness is measured).  Under BSP every round's metadata carries every worker's
+            compute time, the same on every rank, so a persistently slow worker switches the
+            mode after ``EARLY_STEPS`` (4) measured steps (:func:`early`), without a gather.
 
     Only ``tfsync.keras.SyncCallback`` runs it (it switches between two steps).  Each
     decision is logged on rank 0 (logger ``tfsync.auto``, INFO), written to the trace
@@ -184,7 +214,7 @@ class Auto:
     initial: object = None
 
     def __post_init__(self):
-        from tfsync.policies import Policy
+        from tfsync.policies import BSP, Policy
 
         for field, value, low in (("window_steps", self.window_steps, 1), ("confirm", self.confirm, 1)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -196,7 +226,7 @@ class Auto:
                 f"tfsync.Auto: modes has unknown profiles {unknown}; the profiles are {', '.join(PROFILES)}"
             )
         chosen = {**default_modes(), **given}
-        initial = chosen["straggler"] if self.initial is None else self.initial
+        initial = BSP() if self.initial is None else self.initial
         for where, policy in [*((f"modes[{p!r}]", m) for p, m in chosen.items()), ("initial", initial)]:
             if not isinstance(policy, Policy):
                 raise ValueError(

@@ -42,7 +42,7 @@ model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="
 model.compile(optimizer=keras.optimizers.SGD(0.02, momentum=0.9), loss="mse")
 ssp, bsp = tfsync.SSP(staleness=2), tfsync.BSP()
 modes = {"straggler": ssp, "heterogeneous": ssp, "jitter": bsp, "rare": bsp}  # none: BSP by default
-auto = tfsync.Auto(modes=modes, window_steps=12, confirm=1, initial=bsp)  # BSP first, to switch to SSP
+auto = tfsync.Auto(modes=modes, window_steps=12, confirm=1)
 sync = tfsync.keras.SyncCallback(mode=auto)
 history = model.fit(xl, yl, batch_size=8, epochs=EPOCHS, shuffle=False, verbose=0, callbacks=[sync, Straggle()])
 logged = {k: sum(history.history[f"tfsync_{k}"]) for k in tfsync.engine.COUNTS}  # means over the workers
