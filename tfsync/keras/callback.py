@@ -52,8 +52,9 @@ class SyncCallback(keras.callbacks.Callback):
         mode: ``"bsp"`` (default), ``"ssp"``, ``"dssp"``, ``"elasticbsp"``, ``"psp"``, ``"backup"``,
             ``"dcs3gd"``, ``"auto"`` or a policy object such as ``tfsync.SSP(staleness=3)`` or
             ``tfsync.PSP(min_contributions=3)``.  ``"auto"`` (``tfsync.Auto``) classifies the
-            workers' measured iteration times (first after ``window_steps`` steps, mid-epoch,
-            then at epoch ends) and switches to the mode chosen for the profile; each decision
+            workers' measured iteration times (first after ``window_steps`` steps, mid-epoch, or
+            after ``tfsync.policies.auto.EARLY_STEPS`` under BSP when one worker is persistently
+            slow; then at epoch ends) and switches to the mode chosen for the profile; each decision
             is in ``auto_decisions``, the trace
             (``trace_dir/auto.jsonl``; each mode's engine traces to ``trace_dir/<k>-<mode>/``)
             and the epoch logs (``tfsync_auto_profile``, ``tfsync_auto_switches``).
