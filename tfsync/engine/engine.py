@@ -655,7 +655,7 @@ class SyncEngine:
                 stamps += [int(res.late_steps[k]) for k in np.flatnonzero(res.late)]
             applied.append((r, res.contributors, stamps))
             if res.present.all():  # every rank's time for round r, the same table on every rank
-                self._full_round_times = [float(c) for c in res.compute_s]
+                self._full_round_times = res.compute_s  # (the round's own decoded array: no copy)
             if res.present[self.rank] == 1.0:
                 if r in self._corrected_rounds:
                     self._corrected_rounds.discard(r)

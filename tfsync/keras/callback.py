@@ -237,9 +237,10 @@ class SyncCallback(keras.callbacks.Callback):
                 self._shared = None  # not every rank's time in this step's round: no shared table
             elif measured and self._shared is not None:
                 for row, t in zip(self._shared, times):
-                    row.append(t)
-                if self._steps_left >= self.auto.window_steps and early(self._shared) is not None:
-                    self._auto_decide(self._epoch, batch, table=self._shared)
+                    row.append(float(t))
+                found = early(self._shared) if self._steps_left >= self.auto.window_steps else None
+                if found is not None:
+                    self._auto_decide(self._epoch, batch, found=found)
                     return
             # the first decision as soon as the window is full, mid-epoch included (Keras looks
             # its train function up at every step); the later ones at epoch ends (on_epoch_end)
@@ -290,27 +291,27 @@ class SyncCallback(keras.callbacks.Callback):
             logs["tfsync_auto_profile"] = float(PROFILES.index(self.auto_decisions[-1]["profile"]))
             logs["tfsync_auto_switches"] = float(self._switches)
 
-    def _auto_decide(self, epoch, batch, table=None):
+    def _auto_decide(self, epoch, batch, found=None):
         """Classify the window's step times (every rank the same table, the same answer); switch
         at the first decision, later only after ``confirm`` consecutive decisions agree.
 
         Every rank calls this after the same step (the same window length and steps left).
-        ``table``: every rank's times from BSP's replicated metadata (an early decision,
-        :func:`tfsync.policies.auto.early`), instead of gathering the windows."""
+        ``found``: the profile :func:`tfsync.policies.auto.early` found in every rank's times
+        from BSP's replicated metadata (an early decision), instead of gathering the windows."""
         hvd = _horovod.horovod()
         window, t = self._window, time.monotonic()
-        if table is None:
+        profile = found
+        if found is None:
             every = self.engine.exchange.call(
                 lambda: hvd.allgather_object(window, name="tfsync.auto.window"),
                 timeout_s=self.engine.wait_timeout_s,
             )
-        else:
-            every = [list(row) for row in table]
         wait_s = time.monotonic() - t
         self._window, self._window_steps, self._shared = [], 0, None
-        if min(len(w) for w in every) == 0:
-            return  # a worker computed nothing in the window (it skipped every step): decide later
-        profile = early(every) if table is not None else classify(every)
+        if found is None:
+            if min(len(w) for w in every) == 0:
+                return  # a worker computed nothing in the window (it skipped every step): decide later
+            profile = classify(every)
         current = self.auto_decisions[-1]["profile"] if self.auto_decisions else None
         in_force, self._candidate = self.auto.in_force(current, self._candidate, profile.name)
         wanted = self.auto.mode_for(in_force)
@@ -325,7 +326,7 @@ class SyncCallback(keras.callbacks.Callback):
             "rare_fraction": profile.rare_fraction,
             "spread": profile.spread,
             "steps": profile.steps,
-            "early": table is not None,  # from the rounds' metadata after auto.EARLY_STEPS steps
+            "early": found is not None,  # from the rounds' metadata after auto.EARLY_STEPS steps
             "running": describe_mode(self.policy),
             "mode": describe_mode(wanted),
             "switched": switch,
