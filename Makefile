@@ -6,7 +6,8 @@ PIP = $(PYTHON) -m pip
 PIP_INSTALL = $(PIP) install -c constraints.txt
 STAMP = build/.tfsync-installed
 HOROVOD_VERSION = 0.28.1
-BUILD_INPUTS = setup.py requirements.txt constraints.txt $(wildcard ops/cc/*/*.cc ops/cc/*/*.h tfsync/scheduler/*.pyx)
+BUILD_INPUTS = setup.py requirements.txt constraints.txt $(wildcard third_party/horovod/*)\
+	$(wildcard ops/cc/*/*.cc ops/cc/*/*.h tfsync/scheduler/*.pyx)
 
 .PHONY: install demo test bench clean
 
@@ -14,15 +15,12 @@ install: $(STAMP)
 
 $(STAMP): $(BUILD_INPUTS)
 	@# system packages Horovod's build needs (Debian); skipped when present
-	@command -v cmake >/dev/null && command -v g++ >/dev/null || \
-	  (apt-get update && apt-get install -y --no-install-recommends cmake g++ make)
+	@command -v cmake >/dev/null && command -v g++ >/dev/null && command -v patch >/dev/null || \
+	  (apt-get update && apt-get install -y --no-install-recommends cmake g++ make patch)
 	$(PIP_INSTALL) -r requirements.txt
-	@# Horovod compiles against the installed TensorFlow: no build isolation, no
-	@# dependency resolution (its [tensorflow] extra would pull a newer TensorFlow).
-	$(PYTHON) -c "import horovod, horovod.tensorflow; assert horovod.__version__ == '$(HOROVOD_VERSION)'" 2>/dev/null || \
-	  HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 \
-	  HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1 MAKEFLAGS=-j2 \
-	  $(PIP_INSTALL) --no-build-isolation --no-deps --no-cache-dir horovod==$(HOROVOD_VERSION)
+	@# Horovod from its sdist with our patch, compiled against the installed TensorFlow
+	@# (rebuilt when TensorFlow or the patch changes): third_party/horovod/
+	bash third_party/horovod/install.sh $(PYTHON) $(HOROVOD_VERSION) build
 	$(PIP_INSTALL) --no-build-isolation --no-deps -e .
 	$(PYTHON) -c "import horovod.tensorflow, tfsync.ops, tfsync.scheduler; tfsync.ops.load_library(); tfsync.scheduler.zipline([[1.0, 2.0], [1.5, 2.5]]); import keras_cv"
 	@mkdir -p build && touch $@

@@ -7,7 +7,14 @@ TensorFlow version used at build time is written next to the library and
 checked by the loader (``tfsync/ops/_loader.py``).
 
 CUDA kernels (``ops/cc/kernels/*.cu.cc``) are compiled only when the installed
-TensorFlow was built with CUDA *and* ``nvcc`` is on the PATH.
+TensorFlow was built with CUDA *and* ``nvcc`` is on the PATH: as SASS for
+:data:`DEFAULT_CUDA_ARCHS` (those the found ``nvcc`` can target; ``TFSYNC_CUDA_ARCHS``
+overrides, e.g. ``"80;90"``) plus PTX of the newest, so later GPUs JIT it. The host
+compile of the kernels' ``.cc`` files includes the CUDA headers TensorFlow's GPU wheel
+ships (``GOOGLE_CUDA`` turns on Eigen's GPU device, which includes
+``cuda_runtime.h``). The library does not link the CUDA runtime itself: it resolves
+``__cudaRegisterFatBinary`` and the launch calls against ``libtensorflow_framework``,
+which exports them and forwards to the CUDA runtime TensorFlow loads.
 
 Skipping a compiled part is opt-in and loud: ``TFSYNC_BUILD_OPS=0`` skips the op
 library, ``TFSYNC_BUILD_SCHEDULER=0`` the Cython scheduler.  A compiler error is
@@ -17,6 +24,7 @@ never swallowed.
 import glob
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -26,6 +34,9 @@ from setuptools.command.build_ext import build_ext
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 OPS_EXT_NAME = "tfsync.ops._tfsync_ops"
+# Compute capabilities compiled to SASS by default: Volta, Ampere, Hopper (PTX of the
+# newest is added, so later GPUs JIT it).
+DEFAULT_CUDA_ARCHS = (70, 80, 90)
 
 
 def _env_flag(name):
@@ -42,15 +53,82 @@ def _tensorflow_build_flags():
     except ImportError as exc:  # pragma: no cover - exercised on broken installs
         raise SystemExit(
             "tfsync's op library is compiled against the installed TensorFlow, "
-            f"which failed to import ({exc}). Install tensorflow-cpu==2.18.1 first, "
-            "then `pip install --no-build-isolation .` (or run `make install`)."
+            f"which failed to import ({exc}). Install TensorFlow first (tensorflow-cpu==2.21.0, "
+            "or tensorflow==2.21.0 for GPUs), then `pip install --no-build-isolation .` "
+            "(or run `make install`)."
         ) from exc
     return {
         "compile_flags": list(tf.sysconfig.get_compile_flags()),
         "link_flags": list(tf.sysconfig.get_link_flags()),
+        "include_dir": tf.sysconfig.get_include(),
         "tensorflow_version": tf.__version__,
         "cuda": bool(tf.test.is_built_with_cuda()),
+        "tensorflow_cuda_version": tf.sysconfig.get_build_info().get("cuda_version"),
     }
+
+
+def _nvcc_version(nvcc):
+    """The CUDA release of ``nvcc`` as (major, minor), from ``nvcc --version``."""
+    out = subprocess.check_output([nvcc, "--version"], text=True)
+    match = re.search(r"release (\d+)\.(\d+)", out)
+    if not match:
+        raise SystemExit(f"tfsync: could not read the CUDA release from `{nvcc} --version`:\n{out}")
+    return int(match.group(1)), int(match.group(2))
+
+
+def _cuda_archs(nvcc):
+    """The compute capabilities to compile SASS for, each one ``nvcc`` can target.
+
+    ``TFSYNC_CUDA_ARCHS`` (e.g. ``"80;90"``) must name only targets ``nvcc`` has; the
+    default drops those it lacks (CUDA 13 has no Volta, sm_70) and says so.
+    """
+    listed = subprocess.check_output([nvcc, "--list-gpu-code"], text=True).split()
+    supported = {int(code[3:]) for code in listed if re.fullmatch(r"sm_\d+", code)}
+    raw = os.environ.get("TFSYNC_CUDA_ARCHS", "").strip()
+    if raw:
+        parts = [p.strip() for p in re.split(r"[;,\s]+", raw) if p.strip()]
+        if not parts or not all(re.fullmatch(r"\d{2,3}", p) for p in parts):
+            raise SystemExit(
+                f"TFSYNC_CUDA_ARCHS={raw!r}: expected compute capabilities without the dot, "
+                'separated by ";" (e.g. "80;90" for A100 and H100)'
+            )
+        archs = sorted({int(p) for p in parts})
+        missing = [a for a in archs if a not in supported]
+        if missing:
+            raise SystemExit(
+                f"TFSYNC_CUDA_ARCHS={raw!r}: {nvcc} cannot compile for "
+                f"{', '.join(f'sm_{a}' for a in missing)}; it targets "
+                f"{', '.join(f'sm_{a}' for a in sorted(supported))}. Use a CUDA toolkit that has "
+                "them (sm_70 needs CUDA 12 or older) or leave them out."
+            )
+        return archs
+    archs = [a for a in DEFAULT_CUDA_ARCHS if a in supported]
+    dropped = [a for a in DEFAULT_CUDA_ARCHS if a not in supported]
+    if dropped:
+        print(
+            f"tfsync: WARNING: {nvcc} cannot compile for {', '.join(f'sm_{a}' for a in dropped)}; "
+            "those GPUs get no tfsync CUDA kernels (use CUDA 12's nvcc for them)",
+            file=sys.stderr,
+        )
+    if not archs:
+        raise SystemExit(
+            f"tfsync: {nvcc} targets none of sm_{', sm_'.join(map(str, DEFAULT_CUDA_ARCHS))}; "
+            'set TFSYNC_CUDA_ARCHS to the ones you need (e.g. "80;90")'
+        )
+    return archs
+
+
+def _cuda_include_dir(tf_include_dir, nvcc):
+    """The CUDA headers for the host compile: those TensorFlow's GPU wheel ships, else nvcc's."""
+    shipped = os.path.join(tf_include_dir, "third_party", "gpus", "cuda", "include")
+    toolkit = os.path.join(os.path.dirname(os.path.dirname(os.path.realpath(nvcc))), "include")
+    for candidate in (shipped, toolkit):
+        if os.path.exists(os.path.join(candidate, "cuda_runtime.h")):
+            return candidate
+    raise SystemExit(
+        f"tfsync: cuda_runtime.h is neither in {shipped} (TensorFlow's GPU wheel) nor in {toolkit} "
+        f"(beside {nvcc}); the CUDA kernels' host code needs it. Install the CUDA toolkit's headers."
+    )
 
 
 class TensorFlowOpExtension(Extension):
@@ -89,40 +167,61 @@ class BuildExt(build_ext):
         ext.language = "c++"
         cuda_sources = sorted(glob.glob(os.path.join("ops", "cc", "kernels", "*.cu.cc")))
         nvcc = shutil.which("nvcc")
+        flags.update(cuda_kernels=False, cuda_archs=[], nvcc_version=None)
         if flags["cuda"] and nvcc and cuda_sources:
+            nvcc_version = _nvcc_version(nvcc)
+            tf_cuda = flags["tensorflow_cuda_version"]
+            if tf_cuda and int(tf_cuda.split(".")[0]) != nvcc_version[0]:
+                print(
+                    f"tfsync: WARNING: nvcc is CUDA {nvcc_version[0]}.{nvcc_version[1]}, TensorFlow "
+                    f"{flags['tensorflow_version']} was built with CUDA {tf_cuda}: the kernels need a "
+                    f"driver for CUDA {nvcc_version[0]} at run time (README: GPU build)",
+                    file=sys.stderr,
+                )
+            archs = _cuda_archs(nvcc)
             ext.define_macros = list(ext.define_macros or []) + [("GOOGLE_CUDA", "1")]
-            ext.extra_objects = list(ext.extra_objects or []) + [self._nvcc(nvcc, src, flags) for src in cuda_sources]
-            ext._tf_flags["cuda_kernels"] = True
-        else:
-            ext._tf_flags["cuda_kernels"] = False
+            ext.include_dirs = list(ext.include_dirs) + [_cuda_include_dir(flags["include_dir"], nvcc)]
+            ext.extra_objects = list(ext.extra_objects or []) + [
+                self._nvcc(nvcc, src, flags, archs) for src in cuda_sources
+            ]
+            flags.update(cuda_kernels=True, cuda_archs=archs, nvcc_version=".".join(map(str, nvcc_version)))
+        elif cuda_sources:
             reason = "TensorFlow was built without CUDA" if not flags["cuda"] else "nvcc not found"
-            if cuda_sources:
-                print(f"tfsync: building CPU kernels only ({reason})")
+            print(f"tfsync: building CPU kernels only ({reason})")
 
-    def _nvcc(self, nvcc, src, flags):
+    def _nvcc(self, nvcc, src, flags, archs):
         obj = os.path.join(self.build_temp, os.path.basename(src) + ".o")
         os.makedirs(self.build_temp, exist_ok=True)
-        cmd = [
-            nvcc,
-            "-std=c++17",
-            "-c",
-            src,
-            "-o",
-            obj,
-            "-DGOOGLE_CUDA=1",
-            "-x",
-            "cu",
-            "-Xcompiler",
-            "-fPIC",
-            "--expt-relaxed-constexpr",
-        ] + [f for f in flags["compile_flags"] if f.startswith(("-I", "-D"))]
+        gencode = []
+        for arch in archs:
+            gencode += ["-gencode", f"arch=compute_{arch},code=sm_{arch}"]
+        gencode += ["-gencode", f"arch=compute_{archs[-1]},code=compute_{archs[-1]}"]  # PTX for newer GPUs
+        cmd = (
+            [
+                nvcc,
+                "-std=c++17",
+                "-c",
+                src,
+                "-o",
+                obj,
+                "-DGOOGLE_CUDA=1",
+                "-x",
+                "cu",
+                "-Xcompiler",
+                "-fPIC",
+                "--expt-relaxed-constexpr",
+            ]
+            + gencode
+            + [f for f in flags["compile_flags"] if f.startswith(("-I", "-D"))]
+        )
         print(" ".join(cmd))
         subprocess.check_call(cmd)
         return obj
 
     def _write_build_info(self, ext):
         target = os.path.join(os.path.dirname(self.get_ext_fullpath(ext.name)), "_build_info.json")
-        info = {k: ext._tf_flags[k] for k in ("tensorflow_version", "cuda", "cuda_kernels")}
+        keys = ("tensorflow_version", "cuda", "tensorflow_cuda_version", "cuda_kernels", "cuda_archs", "nvcc_version")
+        info = {k: ext._tf_flags[k] for k in keys}
         with open(target, "w") as f:
             json.dump(info, f, indent=1)
 
@@ -177,7 +276,7 @@ setup(
     # TensorFlow and Horovod are not listed: the op library and Horovod are compiled
     # against the TensorFlow already installed (CPU or GPU build), so they are installed
     # first and in that order by `make install` (see README).
-    install_requires=["keras>=3.6,<3.16", "protobuf<6", "numpy", "matplotlib", "grpcio"],
+    install_requires=["keras>=3.12,<3.16", "protobuf>=6.31.1,<8", "numpy", "matplotlib", "grpcio"],
     ext_modules=_extensions(),
     cmdclass={"build_ext": BuildExt},
     zip_safe=False,
