@@ -4,7 +4,12 @@ PYTHON ?= python3
 PIP = $(PYTHON) -m pip
 # every pip call is constrained: nothing may pull a TensorFlow, Keras or protobuf that breaks the stack
 PIP_INSTALL = $(PIP) install -c constraints.txt
-STAMP = build/.tfsync-installed
+# The TensorFlow everything is compiled against (README "Supported versions"): 2.21.0 is
+# the default CI runs, 2.20.0 is verified; on GPU machines
+# make install TENSORFLOW='tensorflow[and-cuda]' (in an environment without tensorflow-cpu).
+TENSORFLOW ?= tensorflow-cpu
+TF_VERSION ?= 2.21.0
+STAMP = build/.tfsync-installed-$(TF_VERSION)
 HOROVOD_VERSION = 0.28.1
 BUILD_INPUTS = setup.py requirements.txt constraints.txt $(wildcard third_party/horovod/*)\
 	$(wildcard ops/cc/*/*.cc ops/cc/*/*.h tfsync/scheduler/*.pyx)
@@ -17,7 +22,7 @@ $(STAMP): $(BUILD_INPUTS)
 	@# system packages Horovod's build needs (Debian); skipped when present
 	@command -v cmake >/dev/null && command -v g++ >/dev/null && command -v patch >/dev/null || \
 	  (apt-get update && apt-get install -y --no-install-recommends cmake g++ make patch)
-	$(PIP_INSTALL) -r requirements.txt
+	$(PIP_INSTALL) "$(TENSORFLOW)==$(TF_VERSION)" -r requirements.txt
 	@# Horovod from its sdist with our patch, compiled against the installed TensorFlow
 	@# (rebuilt when TensorFlow or the patch changes): third_party/horovod/
 	bash third_party/horovod/install.sh $(PYTHON) $(HOROVOD_VERSION) build
