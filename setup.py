@@ -53,9 +53,9 @@ def _tensorflow_build_flags():
     except ImportError as exc:  # pragma: no cover - exercised on broken installs
         raise SystemExit(
             "tfsync's op library is compiled against the installed TensorFlow, "
-            f"which failed to import ({exc}). Install TensorFlow first (tensorflow-cpu==2.21.0, "
-            "or tensorflow==2.21.0 for GPUs), then `pip install --no-build-isolation .` "
-            "(or run `make install`)."
+            f"which failed to import ({exc}). Install TensorFlow first (tensorflow-cpu, or tensorflow "
+            "for GPUs, at the version the README supports), then `pip install --no-build-isolation .`; "
+            "`make install` does both."
         ) from exc
     return {
         "compile_flags": list(tf.sysconfig.get_compile_flags()),

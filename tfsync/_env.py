@@ -2,8 +2,9 @@
 
 Each module reads its variable through the :class:`Var` defined here, so the
 names, defaults and meanings are listed once.  (``setup.py`` reads the build
-flags ``TFSYNC_BUILD_OPS`` and ``TFSYNC_BUILD_SCHEDULER`` itself, since the
-package is not importable while it is being built; they default to 1.)
+flags ``TFSYNC_BUILD_OPS`` and ``TFSYNC_BUILD_SCHEDULER`` (default 1) and
+``TFSYNC_CUDA_ARCHS`` (default: sm_70, sm_80, sm_90 where ``nvcc`` has them)
+itself, since the package is not importable while it is being built.)
 """
 
 import dataclasses
