@@ -33,7 +33,8 @@ WAIT_TIMEOUT_S = Var("TFSYNC_WAIT_TIMEOUT_S", "120", "bound on one wait for peer
 CONTROL_HOST = Var(
     "TFSYNC_CONTROL_HOST",
     "",
-    "address rank 0's control service listens on and the " "workers dial; empty: rank 0's host name",
+    "address rank 0's control service listens on and the workers dial; empty: the address of "
+    "Horovod's Gloo interface (HOROVOD_GLOO_IFACE), else of rank 0's host name (tfsync.engine.address)",
 )
 SINGLE_PROCESS = Var("TFSYNC_SINGLE_PROCESS", "0", "1: train one worker without horovodrun, on purpose")
 OPS_IMPL = Var("TFSYNC_OPS_IMPL", "compiled", "compiled | reference: the kernels tfsync.ops runs")

@@ -23,8 +23,9 @@ rounds.  Refusals are counted (``ControlServer.rejected``, ``"rejected"`` in
 the table) and logged (logger ``tfsync.control``).  The token is not
 encryption: the traffic is plaintext gRPC on one host or the cluster network,
 readable by anyone who can capture that network.  The server listens only on
-the address the workers use (``host``; ``TFSYNC_CONTROL_HOST``), not on every
-interface.
+the address the workers use (chosen by :mod:`tfsync.engine.address`:
+``TFSYNC_CONTROL_HOST``, else Horovod's Gloo interface, else the host name's
+address), not on every interface.
 
 Rounds of the coordinated policies (PSP, backup workers: rounds that close
 without the slow workers) are decided here.  A worker whose contribution to
@@ -135,7 +136,9 @@ def _host_port(host: str, port) -> str:
 class ControlServer:
     """Runs on rank 0: the live clock table and the set of lost ranks."""
 
-    def __init__(self, size: int, t0: float, token: str, host: str = "localhost", policy=None):
+    def __init__(self, size: int, t0: float, token: str, host: str = "localhost", policy=None, advertise=None):
+        """Binds ``host`` (one address or name, not every interface); ``address`` is
+        ``advertise:port`` (default ``host``), what the workers dial."""
         self.size, self.t0 = size, t0
         self._token = _check_token(token).encode("ascii")
         self._lock = threading.Lock()
@@ -206,7 +209,7 @@ class ControlServer:
                 f"address of this machine that the workers can reach"
             )
         self.port = port
-        self.address = _host_port(host, port)
+        self.address = _host_port(advertise or host, port)
         self._server.start()
         if self._policy is not None:
             self._coordinator = threading.Thread(target=self._coordinate, daemon=True, name="tfsync-coordinator")

@@ -62,7 +62,6 @@ import contextlib
 import json
 import os
 import secrets
-import socket
 import statistics
 import threading
 import time
@@ -72,6 +71,7 @@ import numpy as np
 
 from tfsync import _env
 from tfsync.engine import protocols
+from tfsync.engine.address import choose as choose_control_address
 from tfsync.engine.cluster import HorovodCluster
 from tfsync.engine.control import ControlClient, ControlServer
 from tfsync.engine.diagnosis import Diagnosis
@@ -218,8 +218,13 @@ class SyncEngine:
         if self.rank == 0:
             # the job's token reaches the workers over Horovod's own channel, never the control path
             token = secrets.token_hex(16)
-            host = _env.CONTROL_HOST.get() or socket.gethostname()
-            self._server = ControlServer(self.size, self.t0, token, host=host, policy=self.policy)
+            chosen = choose_control_address()
+            try:
+                self._server = ControlServer(
+                    self.size, self.t0, token, host=chosen.bind, advertise=chosen.advertise, policy=self.policy
+                )
+            except RuntimeError as exc:
+                raise RuntimeError(f"{exc} (the address came from {chosen.source})") from exc
             contact = (self._server.address, token)
         else:
             contact = None
