@@ -46,7 +46,7 @@ patch -p1 -d "$src" < "$patch_file"
 # Gloo only, TensorFlow only; no build isolation and no dependency resolution (Horovod's
 # [tensorflow] extra would pull another TensorFlow than the one it compiles against)
 HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 \
-  HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1 MAKEFLAGS=${MAKEFLAGS:--j2} \
+  HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1 MAKEFLAGS=-j2 \
   "$python" -m pip install -c constraints.txt --no-build-isolation --no-deps --no-cache-dir "$src"
 
 "$python" - "$want" <<'PY'
