@@ -42,6 +42,11 @@ def _run(cmd, timeout_s, **kwargs):
     return output
 
 
+def _nvcc_targets():
+    """The compute capabilities nvcc can compile SASS for (``nvcc --list-gpu-code``)."""
+    return {int(c[3:]) for c in _run([NVCC, "--list-gpu-code"], 60).split() if re.fullmatch(r"sm_\d+", c)}
+
+
 @pytest.fixture(scope="module")
 def gpu_build(tmp_path_factory):
     root = tmp_path_factory.mktemp("gpu_build")
@@ -87,7 +92,7 @@ def gpu_build(tmp_path_factory):
 def test_the_build_compiles_cuda_kernels_for_the_default_architectures(gpu_build):
     info = gpu_build["info"]
     assert info["cuda"] is True and info["cuda_kernels"] is True, info
-    supported = {int(c[3:]) for c in _run([NVCC, "--list-gpu-code"], 60).split() if re.fullmatch(r"sm_\d+", c)}
+    supported = _nvcc_targets()
     assert info["cuda_archs"] == [a for a in (70, 80, 90) if a in supported], info
     assert info["cuda_archs"], "nvcc targets none of sm_70, sm_80, sm_90"
     for dropped in sorted({70, 80, 90} - supported):
@@ -139,7 +144,7 @@ def test_the_library_loads_with_gpu_kernels_registered(gpu_build):
 
 @pytest.mark.parametrize("archs", ["8.0;9.0", "unsupported"])
 def test_a_bad_architecture_list_stops_the_build_and_says_what_nvcc_has(gpu_build, archs):
-    supported = {int(c[3:]) for c in _run([NVCC, "--list-gpu-code"], 60).split() if re.fullmatch(r"sm_\d+", c)}
+    supported = _nvcc_targets()
     if archs == "unsupported":
         archs = str(next(a for a in (35, 50, 60, 70, 75) if a not in supported))
     env = {**os.environ, "TFSYNC_BUILD_SCHEDULER": "0", "TFSYNC_CUDA_ARCHS": archs}
