@@ -381,21 +381,21 @@ def expected_mean(accepted, round_, guess):
     return means if d == guess else [t * (guess / d) for t in means]
 
 
-def _exchanges(size, collective_for, t0=0.0, mask=mask_twin, takes_present=False):
+def _exchanges(size, collective_for, t0=0.0, mask=mask_twin, enters_when_ready=False):
     absent = [np.zeros(s, np.float32) for s in SHAPES]
     return [
         RoundExchange(
-            collective_for(r), rank=r, size=size, t0=t0, absent=absent, mask=mask, takes_present=takes_present
+            collective_for(r), rank=r, size=size, t0=t0, absent=absent, mask=mask, enters_when_ready=enters_when_ready
         )
         for r in range(size)
     ]
 
 
 @contextlib.contextmanager
-def _fake_ranks(size, timeout_s=WAIT_S, takes_present=False):
+def _fake_ranks(size, timeout_s=WAIT_S, enters_when_ready=False):
     """``(allreduce, exchanges)``: ``size`` ranks' exchanges over one fake allreduce, closed after."""
     allreduce = FakeAllreduce(size, timeout_s=timeout_s)
-    exchanges = _exchanges(size, allreduce.for_rank, takes_present=takes_present)
+    exchanges = _exchanges(size, allreduce.for_rank, enters_when_ready=enters_when_ready)
     try:
         yield allreduce, exchanges
     finally:
@@ -620,7 +620,7 @@ def test_a_newer_push_drops_the_contribution_still_waiting():
         ex.close()
 
 
-def _one_rank(mask=mask_twin, collective=None, takes_present=False):
+def _one_rank(mask=mask_twin, collective=None, enters_when_ready=False):
     """Rank 1 of 3 alone, with a collective that must not be reached unless given."""
     calls = []
 
@@ -635,7 +635,7 @@ def _one_rank(mask=mask_twin, collective=None, takes_present=False):
         t0=0.0,
         absent=[np.zeros(3, np.float32)],
         mask=mask,
-        takes_present=takes_present,
+        enters_when_ready=enters_when_ready,
     )
     return ex, calls
 
@@ -728,11 +728,13 @@ def test_an_acceptance_that_arrives_after_the_closing_enters_nothing():
         assert allreduce.divisors == {0: 2}
 
 
-@pytest.mark.parametrize("takes_present", [False, True], ids=["exact", "takes_present"])
-def test_a_closing_that_differs_from_what_an_early_round_aggregated_fails(takes_present):
+@pytest.mark.parametrize("enters_when_ready", [False, True], ids=["exact", "enters_when_ready"])
+def test_a_closing_that_differs_from_what_an_early_round_aggregated_fails(enters_when_ready):
     # rank 1 entered on its acceptance; the collective heard from it alone, the closing names 0 and 1
-    # (under takes_present too: a round may aggregate more than its closing's ranks, never fewer)
-    ex, _ = _one_rank(collective=lambda payload, meta, divisor=None: (payload, meta), takes_present=takes_present)
+    # (under enters_when_ready too: a round may aggregate more than its closing's ranks, never fewer)
+    ex, _ = _one_rank(
+        collective=lambda payload, meta, divisor=None: (payload, meta), enters_when_ready=enters_when_ready
+    )
     try:
         ex.push(0, [np.ones(3, np.float32)], 0.0, 0.0)
         ex.enter_accepted(0)
@@ -749,10 +751,10 @@ def test_a_closing_that_differs_from_what_an_early_round_aggregated_fails(takes_
         ex.close()
 
 
-def test_with_takes_present_a_rank_ready_before_the_closing_reaches_it_contributes():
+def test_with_enters_when_ready_a_rank_ready_before_the_closing_reaches_it_contributes():
     # PSP (enters_when_ready): ranks 0 and 1 entered when ready; rank 2 became ready after the
     # coordinator closed round 0 with (0, 1) but before its communication thread heard of it
-    with _fake_ranks(3, takes_present=True) as (allreduce, exchanges):
+    with _fake_ranks(3, enters_when_ready=True) as (allreduce, exchanges):
         for k in (0, 1):
             exchanges[k].push(0, contribution(k, 0), 0.0, 0.1)
             exchanges[k].enter_accepted(0)
@@ -772,7 +774,7 @@ def test_with_takes_present_a_rank_ready_before_the_closing_reaches_it_contribut
         assert [ex.counts["dropped"] for ex in exchanges] == [0, 0, 0]
 
 
-def test_without_takes_present_a_rank_ready_after_the_closing_waits_and_is_dropped():
+def test_without_enters_when_ready_a_rank_ready_after_the_closing_waits_and_is_dropped():
     # backup workers: exactly the closing's ranks; rank 2's gradient is stale at round 1
     with _fake_ranks(3) as (_, exchanges):
         for k in (0, 1):

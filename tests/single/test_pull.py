@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import tfsync
-from tfsync.engine.pull import BlockPull, partition
+from tfsync.engine.pull import BlockPull, PartialPull, partition
 from tfsync.engine.tf_bridge import check_blockwise_optimizer
 from tfsync.launch import add_mode_arguments, describe_mode, mode_from_args
 
@@ -301,11 +301,10 @@ def test_bad_slow_pull_specs_are_refused(spec):
 
 
 def test_more_blocks_than_weight_tensors_is_refused_before_training():
-    engine = tfsync.engine.SyncEngine(tfsync.PSP(pull_fraction=0.5, pull_blocks=5))
-    engine.num_params = 40
+    pull = PartialPull(tfsync.PSP(pull_fraction=0.5, pull_blocks=5))
     with pytest.raises(ValueError, match=r"pull_blocks=5\) with a model of 4 weight tensors \(40 parameters\)"):
-        engine._pull_blocks([[10]] * 4)
-    assert engine._pull_blocks([[10]] * 5) == [[0], [1], [2], [3], [4]]
+        pull.plan([[10]] * 4, 40)
+    assert pull.plan([[10]] * 5, 50) == [[0], [1], [2], [3], [4]]
 
 
 @pytest.mark.parametrize(
@@ -400,8 +399,9 @@ def test_real_engines_under_slow_pulls_apply_every_block_in_round_order_and_end_
 
         engine, rng = engines[rank], random.Random(seed * 10 + rank)
         engine.start([tf.zeros([4]) for _ in range(tensors)])
-        applier = ArrayApplier(engine.pull_groups, tensors)
-        engine.set_block_applier(applier)
+        pull = engine.find(PartialPull)
+        applier = ArrayApplier(pull.groups, tensors)
+        pull.applier = applier
         for step in range(steps):
             if engine.begin_step():
                 time.sleep(rng.uniform(0.0, 0.004))
@@ -413,7 +413,7 @@ def test_real_engines_under_slow_pulls_apply_every_block_in_round_order_and_end_
             else:
                 engine.skip_step()
         engine.finish()
-        counts, pull = dict(engine.counts), engine.pull_counts
+        counts, pull = dict(engine.counts), pull.counts
         engine.close()
         return applier, counts, pull
 

@@ -14,6 +14,7 @@ import time
 import keras
 import numpy as np
 
+from tfsync.engine.supersteps import Supersteps
 from tfsync.launch import add_mode_arguments
 
 # name -> (input width, hidden widths, batch size); 10 classes
@@ -85,7 +86,8 @@ def main():
         # time against a computed iteration's)
         waits = hvd.allgather_object(totals["wait_s"] / max(totals["steps"], 1))
         computed = max(totals["steps"] - totals["skipped"], 1)
-        b = sync.engine.barriers
+        supersteps = sync.engine.find(Supersteps)
+        b = supersteps.barriers if supersteps is not None else {"count": 0}
         barriers = hvd.allgather_object({**b, "iteration_s": totals["compute_s"] / computed} if b["count"] else None)
     samples_per_s = size * args.steps * batch_size / max(wall)
     if rank == 0:

@@ -124,7 +124,7 @@ class _SyncExtended(one_device_strategy.OneDeviceExtended):
         protocol = for_policy(policy)
         self._reduces_gradients = protocol.reduces_gradients
         self._corrects_gradients = protocol.corrects_gradients
-        self._starts_from_variables = protocol.corrects_gradients or getattr(policy, "compensate", None) is not None
+        self._starts_from_variables = protocol.corrects_gradients or policy.compensate is not None
         self._engine = None
         self._variables = None
         self._var_count = 0

@@ -33,10 +33,11 @@ round ``r`` is in its outbox sends ``Ready(rank, r)``; rank 0's coordinator
 thread evaluates the policy's pure ``close_round`` on the ready notices of
 the oldest open round and the clock, and when it closes, appends
 ``[r, accepted ranks]`` to the closed list, which every worker's ``Attach``
-stream carries in order.  DSSP's synchronization controller runs here too: every
-worker tells the coordinator of each push (``Pushed``, fire-and-forget), and a
-worker past the lower bound asks for extra iterations (``Grant``, answered at
-once from the table of push counts and times).  A worker whose contribution missed its round and
+stream carries in order.  A mode whose coordinator keeps more state runs it
+here as the policy's service (:meth:`Policy.service`): workers ``Tell`` it
+(fire-and-forget) and ``Ask`` it (answered at once), each message with a
+topic (DSSP's synchronization controller, :mod:`tfsync.engine.grants`:
+``pushed`` and ``grant``).  A worker whose contribution missed its round and
 was delay-compensated (``compensate=``) offers it with ``Late(rank, r)`` for
 the round ``r`` it is about to compute; the coordinator takes it if ``r`` is
 still open, as an extra the policy's rule does not count, and the closing
@@ -73,7 +74,6 @@ import grpc
 from google.protobuf import json_format, struct_pb2
 
 from tfsync.policies.base import decide_round
-from tfsync.policies.dynamic import PushTable
 
 SERVICE = "tfsync.Control"
 TOKEN_METADATA_KEY = "tfsync-token"
@@ -93,7 +93,7 @@ REJECTION_LOG_INTERVAL_S = 1.0  # at most one logged warning about refused calls
 REJECTIONS_KEPT = 100  # ControlServer.rejected keeps the first this many
 READY_TIMEOUT_S = 5.0  # deadline of one (fire-and-forget) ready notice
 LATE_TIMEOUT_S = 5.0  # deadline of one late-contribution offer (the worker waits for the answer)
-GRANT_TIMEOUT_S = 5.0  # deadline of one DSSP grant request (the worker waits for the answer)
+ASK_TIMEOUT_S = 5.0  # deadline of one question to the policy's service (the worker waits for the answer)
 COORDINATOR_WAKE_S = 0.5  # the coordinator rechecks shutdown at least this often
 
 log = logging.getLogger("tfsync.control")
@@ -155,15 +155,14 @@ class ControlServer:
         self._rejections_unlogged = 0
         self._stopping = threading.Event()
         self._policy = policy if policy is not None and policy.coordinated else None
-        # DSSP's synchronization controller: every worker's push count and two latest push times
-        self._controller = policy if policy is not None and hasattr(policy, "grant") else None
-        self._pushes = PushTable(size)
+        # what the mode's coordinator keeps beyond closing rounds (DSSP's controller), if anything
+        self._service = policy.service(size) if policy is not None else None
         self._ready = {}  # open round -> [(rank, ready_s)] in arrival order
         self._closed = []  # [round, [accepted ranks]] (+ [late ranks] when any) in round order
         # the closings the streams carry: all of them, but, for a policy whose ready ranks enter
         # on their own (enters_when_ready), not one that took every rank: each entered already
         self._closings = []
-        self._quiet_full = bool(getattr(self._policy, "enters_when_ready", False))
+        self._enters_when_ready = self._policy is not None and self._policy.enters_when_ready
         self._late = {}  # round -> ranks whose late, compensated contribution it takes
         self._early = {}  # open round -> ranks told at their ready notice that it takes them
         self._opened_s = time.time() - t0  # when the oldest open round opened (the previous close)
@@ -185,8 +184,8 @@ class ControlServer:
                         "Report": unary("Report", self._report),
                         "Ready": unary("Ready", self._ready_notice),
                         "Late": unary("Late", self._late_notice),
-                        "Pushed": unary("Pushed", self._pushed_notice),
-                        "Grant": unary("Grant", self._grant),
+                        "Tell": unary("Tell", self._tell),
+                        "Ask": unary("Ask", self._ask),
                         "Leave": unary("Leave", self._leave),
                         "Stop": unary("Stop", self._stop),
                         "Seen": unary("Seen", self._seen),
@@ -344,7 +343,7 @@ class ControlServer:
             if round_ == next_open and self._policy is not None and not self._policy_failed:
                 if round_ < len(self._closed):  # this notice closed it (rounds close in order from 0)
                     accepted = int(rank in self._closed[round_][1])
-                elif getattr(self._policy, "accepts_ready", False):  # (its notice is in ``ready`` now)
+                elif self._policy.accepts_ready:  # (its notice is in ``ready`` now)
                     self._early.setdefault(round_, set()).add(rank)
                     accepted = 1
         return {"ok": 1, "accepted": accepted}
@@ -362,30 +361,21 @@ class ControlServer:
                 late.append(rank)
         return {"joined": 1}
 
-    def _pushed_notice(self, request, context):
-        """A worker pushed its update of ``step`` (DSSP: the controller's table)."""
-        rank, step = int(request["rank"]), int(request["step"])
-        with self._lock:
-            if self._controller is not None:
-                self._pushes.record(rank, step, time.time() - self.t0)
+    def _tell(self, request, context):
+        """A message for the policy's service (fire-and-forget; ignored when there is none)."""
+        if self._service is not None:
+            self._service.tell(int(request["rank"]), request["topic"], request, time.time() - self.t0)
         return {"ok": 1}
 
-    def _grant(self, request, context):
-        """DSSP: a worker that pushed ``step`` and is past the lower bound asks for extra
-        iterations (Algorithm 1, lines 7-16); ``room``: how many its upper bound allows."""
-        rank, step, room = int(request["rank"]), int(request["step"]), int(request["room"])
-        with self._lock:
-            if self._controller is None:
-                return {"extra": 0, "reason": "no_controller"}
-            self._pushes.record(rank, step, time.time() - self.t0)
-            pushes = self._pushes.copy()
-        grant = self._controller.grant(pushes, rank, room)
-        reply = {"extra": grant.extra, "reason": grant.reason, "counts": pushes.counts.tolist()}
-        if grant.slowest is not None:
-            reply["slowest"] = grant.slowest
-        if grant.predicted_wait_s is not None:
-            reply["predicted_wait_s"] = grant.predicted_wait_s
-        return reply
+    def _ask(self, request, context):
+        """A question for the policy's service, answered at once."""
+        if self._service is None:
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"tfsync: rank {request.get('rank')} asked {request.get('topic')!r} but this job's mode "
+                f"runs no service on rank 0",
+            )
+        return self._service.ask(int(request["rank"]), request["topic"], request, time.time() - self.t0)
 
     def _decide_locked(self, now):
         """Apply the policy to the oldest open round (lock held); the recheck time, or None.
@@ -421,7 +411,7 @@ class ControlServer:
         self._closed.append(entry)
         self._ready.pop(round_, None)
         self._opened_s, self._recheck_s = now, None
-        if not (self._quiet_full and len(entry) == 2 and len(entry[1]) == self.size):
+        if not (self._enters_when_ready and len(entry) == 2 and len(entry[1]) == self.size):
             self._closings.append(entry)
             self._changed.notify_all()
         # the next round may be decidable already (its notices came early)
@@ -530,7 +520,7 @@ class ControlClient:
         )
         self._report, self._leave, self._table = method("Report"), method("Leave"), method("Table")
         self._ready, self._late = method("Ready"), method("Late")
-        self._pushed, self._grant = method("Pushed"), method("Grant")
+        self._tell, self._ask = method("Tell"), method("Ask")
         self._stop, self._seen = method("Stop"), method("Seen")
         self._closing = False
         self._channel_closed = False
@@ -626,19 +616,18 @@ class ControlClient:
 
             call.add_done_callback(answered)
 
-    def pushed(self, step: int):
-        """Tell the coordinator of this worker's push of ``step`` (DSSP; async)."""
+    def tell(self, topic: str, **fields):
+        """Tell the policy's service on rank 0 something (:meth:`Policy.service`; async)."""
         self._ready_calls.append(
-            self._pushed.future({"rank": self.rank, "step": step}, timeout=READY_TIMEOUT_S, metadata=self._metadata)
+            self._tell.future(
+                {"rank": self.rank, "topic": topic, **fields}, timeout=READY_TIMEOUT_S, metadata=self._metadata
+            )
         )
 
-    def grant(self, step: int, room: int) -> dict:
-        """DSSP: ask for extra iterations past the lower bound after pushing ``step``;
-        the coordinator's reply (``extra``, ``reason``, ...).  Blocks for at most
-        ``GRANT_TIMEOUT_S``."""
-        return self._grant(
-            {"rank": self.rank, "step": step, "room": room}, timeout=GRANT_TIMEOUT_S, metadata=self._metadata
-        )
+    def ask(self, topic: str, **fields) -> dict:
+        """Ask the policy's service on rank 0 (:meth:`Policy.service`); its answer.
+        Blocks for at most ``ASK_TIMEOUT_S``."""
+        return self._ask({"rank": self.rank, "topic": topic, **fields}, timeout=ASK_TIMEOUT_S, metadata=self._metadata)
 
     def join_late(self, round_: int) -> bool:
         """Offer a late, compensated contribution to ``round_``; whether the coordinator took it

@@ -45,8 +45,8 @@ counted; a fresh one that arrived after its round closed (backup workers)
 waits, and is stale at the next round.
 
 A rank whose contribution the round will take for certain does not wait for
-the closing.  PSP (:attr:`Policy.enters_when_ready`, ``takes_present``
-here) takes every fresh contribution its ranks hold when they enter the
+the closing.  PSP (:attr:`Policy.enters_when_ready`, passed on here)
+takes every fresh contribution its ranks hold when they enter the
 round, so a rank enters as soon as its contribution is ready, without
 asking anyone, and a rank that is not ready enters on the closing with
 what it holds by then: its contribution if it became ready meanwhile,
@@ -187,7 +187,7 @@ class RoundExchange:
         absent=None,
         mask=None,
         keep_stale=False,
-        takes_present=False,
+        enters_when_ready=False,
         abort=None,
     ):
         self._collective = collective
@@ -206,9 +206,9 @@ class RoundExchange:
         # keep_stale: a contribution that missed its round stays for the engine to
         # withdraw (and delay-compensate) instead of being dropped here
         self._keep_stale = keep_stale
-        # takes_present (Policy.enters_when_ready): a round aggregates every fresh contribution
+        # enters_when_ready (Policy.enters_when_ready): a round aggregates every fresh contribution
         # its ranks hold when they enter it; the closing's accepted ranks are a lower bound
-        self._takes_present = takes_present
+        self._enters_when_ready = enters_when_ready
         # coordinated rounds: d of the previous one (the same on every rank), which Horovod's
         # post-scale divides the next one's sum by; only a round whose d differs is rescaled
         self._last_d = size
@@ -541,7 +541,7 @@ class RoundExchange:
                         if self._outbox is item and not self._keep_stale:
                             self._drop_locked(stamp, round_)
                     payload = masked
-                elif mine or (self._takes_present and stamp == round_):  # (ready since the closing)
+                elif mine or (self._enters_when_ready and stamp == round_):  # (ready since the closing)
                     if stamp != round_:
                         raise RuntimeError(
                             f"tfsync: rank {self.rank} was accepted for round {round_} "
@@ -583,12 +583,12 @@ class RoundExchange:
 
     def _agrees(self, took, accepted, late) -> bool:
         """Whether a round that aggregated ``took`` (ranks, late ranks) matches its closing: the
-        same ranks, or, with ``takes_present``, at least them (those ready by the time they
+        same ranks, or, with ``enters_when_ready``, at least them (those ready by the time they
         entered); the late ones exactly (each was taken by the coordinator's answer)."""
         ranks = tuple(sorted(accepted))
         if tuple(took[1]) != tuple(sorted(late)):
             return False
-        return set(ranks) <= set(took[0]) if self._takes_present else tuple(took[0]) == ranks
+        return set(ranks) <= set(took[0]) if self._enters_when_ready else tuple(took[0]) == ranks
 
     def _fail(self, exc) -> bool:
         with self._cond:
@@ -635,12 +635,12 @@ class RoundExchange:
                 elif not self._agrees(took, accepted, late):
                     raise RuntimeError(
                         f"tfsync: round {round_} should aggregate ranks {sorted(accepted)}"
-                        f"{' (at least)' if self._takes_present else ''} and the late "
+                        f"{' (at least)' if self._enters_when_ready else ''} and the late "
                         f"contributions of {sorted(late)} (the coordinator's decision) but ranks "
                         f"{list(took[0])} and late {list(took[1])} contributed; the workers disagree about the round"
                     )
                 else:
-                    accepted = took[0]  # (more than the closing's under takes_present)
+                    accepted = took[0]  # (more than the closing's under enters_when_ready)
         except BaseException as exc:  # carried to the training thread by wait()
             return self._fail(exc)
         result = RoundResult(

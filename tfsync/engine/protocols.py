@@ -115,7 +115,7 @@ class GradientProtocol:
         self.dtypes = [tf.as_dtype(t.dtype) for t in tensors]
         self._zeros = None
         self.mean = None  # the applied round's mean until the step returns it (none under partial pulling)
-        self.compensation = getattr(policy, "compensate", None)
+        self.compensation = None if policy is None else policy.compensate
         if self.compensation is not None:
             # a late gradient is corrected against the weights: they, not gradients, start the engine
             self.variables = [tf_variable(v) for v in tensors]

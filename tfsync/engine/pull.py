@@ -10,7 +10,8 @@ every older entry of the same block have landed: blocks are applied in round
 order, so a newer round's block never overtakes an older one (the paper's "never
 replaces a block with one from an older round", for summed gradients).
 
-The engine, after a round completes (:meth:`land`), waits (:meth:`wait`)
+:class:`PartialPull` is the engine's side (the component PSP supplies): after
+a round completes it lands there (:meth:`BlockPull.land`), the step waits (:meth:`BlockPull.wait`)
 until ``⌈b·B⌉`` of the awaited round's blocks have arrived and
 ``pull_timeout_s`` has passed since the ``⌈b·B⌉``-th did (or all have),
 applies every arrived entry
@@ -27,6 +28,8 @@ import collections
 import time
 
 import numpy as np
+
+from tfsync.engine.components import StepComponent
 
 # a wait for blocks sleeps at most this long between checks (a landing time is known in
 # advance, so the wait normally sleeps exactly until the next one)
@@ -199,3 +202,91 @@ class BlockPull:
                 raise TimeoutError(f"{self.queued} blocks still not arrived at the wait bound")
             nxt = min(q[0][1] for q in self._queues if q)
             time.sleep(min(max(nxt - now, 0.0), POLL_S, left))
+
+
+class PartialPull(StepComponent):
+    """PSP's partial pulling in the engine's step (see the module docstring).
+
+    A completed round's mean lands in the block queues instead of being
+    applied whole; after the step's rounds the worker waits for ``⌈b·B⌉`` of
+    its round's blocks and applies every block that arrived.  When the step's
+    own round arrived whole it is handed back instead: the step returns
+    ``[*mean, True]`` and the compiled step applies it as without partial
+    pulling; otherwise ``[*zeros, False]`` (every arrived block is applied
+    already).  The frontend sets the block applier (:attr:`applier`) before
+    the first step.
+    """
+
+    def __init__(self, policy):
+        self.policy = policy
+        self._groups = None
+        self.blocks = None
+        self._handed = None
+
+    def plan(self, shapes, num_params):
+        sizes = [int(np.prod(s, dtype=np.int64)) for s in shapes]
+        count = self.policy.pull_blocks
+        if count is not None and count > len(sizes):
+            raise ValueError(
+                f"tfsync: PSP(pull_blocks={count}) with a model of {len(sizes)} weight tensors "
+                f"({num_params} parameters): a block is a group of whole weight tensors (the "
+                f"optimizer updates each on its own), so use pull_blocks <= {len(sizes)}, or None "
+                f"for one block per weight tensor"
+            )
+        self._groups = partition(sizes, count or len(sizes))
+        return self._groups
+
+    def bind(self, engine):
+        super().bind(engine)
+        need = self.policy.blocks_needed(len(self._groups))
+        self.blocks = BlockPull(self._groups, need, self.policy.pull_timeout_s, engine.delays.pull_delays_s)
+
+    @property
+    def groups(self) -> list:
+        """The blocks, each a list of indices into the weight tensors."""
+        return self.blocks.groups
+
+    @property
+    def counts(self) -> dict:
+        """Blocks applied, applied after their step went on, delayed (simulated)."""
+        return dict(self.blocks.counts)
+
+    @property
+    def applier(self):
+        return self.blocks.applier
+
+    @applier.setter
+    def applier(self, applier):
+        self.blocks.applier = applier
+
+    def apply(self, res):
+        self.blocks.land(res.round, res.total, self.engine.now())
+        return True
+
+    def rounds_applied(self, required, hand_back):
+        engine = self.engine
+        if 0 <= required <= engine.applied_through:
+            try:
+                self.blocks.wait(required, engine.now, time.monotonic() + engine.wait_timeout_s)
+            except TimeoutError as exc:
+                raise engine.stop(
+                    RuntimeError(
+                        f"tfsync: rank {engine.rank} waited {engine.wait_timeout_s:.0f} s for the blocks of round "
+                        f"{required} ({exc}); a simulated pull delay (Stragglers.pull_s) longer than "
+                        f"wait_timeout_s cannot end: shorten it or raise {engine.WAIT_TIMEOUT_ENV}"
+                    )
+                ) from exc
+        self._handed = self.blocks.apply_arrived(engine.now(), hand_back=required if hand_back else None)
+
+    def result(self, result):
+        handed, self._handed = self._handed, None
+        if handed is None:
+            return [*self.engine.protocol.absent(), False]
+        return [*handed, True]
+
+    def end_step(self, step, wait_s, skipped):
+        return {"queued_blocks": self.blocks.queued, **self.blocks.counts}
+
+    def finish(self, apply_mean):
+        self.blocks.drain(self.engine.now, time.monotonic() + self.engine.wait_timeout_s)
+        return False

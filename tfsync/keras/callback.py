@@ -19,6 +19,7 @@ import tensorflow as tf
 from tfsync import _horovod
 from tfsync.engine import COUNTS, SyncEngine, protocols
 from tfsync.engine.protocols import tf_variable
+from tfsync.engine.pull import PartialPull
 from tfsync.engine.tf_bridge import (
     OptimizerBlocks,
     check_blockwise_optimizer,
@@ -168,7 +169,7 @@ class SyncCallback(keras.callbacks.Callback):
         self._wrap_optimizer(model.optimizer)
         if self.policy.skips or kind is not None:
             # (partial pulling: the engine applies the rounds itself, block by block)
-            blockwise = self.engine.pulls_partially
+            blockwise = self.engine.find(PartialPull) is not None
             apply_mean = self._apply_mean if self.engine.protocol.reduces_gradients and not blockwise else None
             model.train_step = skippable_train_step(
                 lambda: self.engine, model, type(model).train_step.__get__(model), apply_mean
@@ -276,7 +277,8 @@ class SyncCallback(keras.callbacks.Callback):
         logs["tfsync_wait_fraction"] = tot["wait_s"] / busy if busy else 0.0
         for key in COUNTS:
             logs[f"tfsync_{key}"] = float(tot[key])
-        for key, n in self.engine.pull_counts.items():  # partial pulling, since fit began
+        pull = self.engine.find(PartialPull)
+        for key, n in (pull.counts if pull is not None else {}).items():  # partial pulling, since fit began
             logs[f"tfsync_{key}"] = float(n)
         if self.average_epoch_logs:
             hvd = _horovod.horovod()
@@ -410,6 +412,7 @@ class SyncCallback(keras.callbacks.Callback):
 
     def _wrap_optimizer(self, optimizer):
         engine, expected = self.engine, [id(v) for v in self.variables]
+        pull = engine.find(PartialPull)
         current = engine if self._compiled_kind is None else (lambda: self.engine)
         original = type(optimizer).apply_gradients.__get__(optimizer)
 
@@ -423,7 +426,7 @@ class SyncCallback(keras.callbacks.Callback):
                     "model's trainable weights at the start of fit; do not change "
                     "trainability during fit"
                 )
-            if engine.pulls_partially:
+            if pull is not None:
                 return exchange_gradients_blockwise(current, grads, lambda mean: original(zip(mean, variables)))
             if engine.protocol.reduces_gradients:
                 return original(zip(exchange_gradients(current, grads), variables))
@@ -435,8 +438,8 @@ class SyncCallback(keras.callbacks.Callback):
 
         optimizer.apply_gradients = apply_gradients
         self._wrapped_optimizer = optimizer
-        if engine.pulls_partially:
-            engine.set_block_applier(OptimizerBlocks(optimizer, original, self.variables, engine.pull_groups))
+        if pull is not None:
+            pull.applier = OptimizerBlocks(optimizer, original, self.variables, pull.groups)
         # a skipped step applies the round's mean without exchanging again
         self._apply_mean = lambda mean: original(zip(mean, self.variables))
 

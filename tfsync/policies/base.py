@@ -53,6 +53,13 @@ class Policy(abc.ABC):
             ranks (backup workers' first ``N``).
         pulls_partially: a worker may start a step before every block of its
             round's result arrived (PSP's partial pulling).
+        compensate: a :class:`tfsync.DelayCompensation` when late
+            contributions are corrected and applied instead of dropped
+            (the gradient protocol then keeps the weights they were computed on).
+
+    What a mode does beyond choosing rounds is in the engine components it
+    supplies (:meth:`components`) and the service its coordinator runs on
+    rank 0 (:meth:`service`).
     """
 
     name: str = ""
@@ -62,6 +69,7 @@ class Policy(abc.ABC):
     accepts_ready: bool = False
     enters_when_ready: bool = False
     pulls_partially: bool = False
+    compensate = None
 
     @abc.abstractmethod
     def required_round(self, step: int) -> int:
@@ -85,6 +93,18 @@ class Policy(abc.ABC):
             f"{type(self).__name__} closes a round when every worker contributed; the coordinator "
             "asks only policies with coordinated = True"
         )
+
+    def components(self) -> list:
+        """The engine components this mode adds to every step, built once per engine
+        (:class:`tfsync.engine.components.StepComponent`; called when the engine starts)."""
+        return []
+
+    def service(self, size: int):
+        """What rank 0's coordinator runs for this mode, or None: an object with
+        ``tell(rank, topic, message, now_s)`` and ``ask(rank, topic, message, now_s) -> dict``,
+        which workers reach through :meth:`ControlClient.tell` and :meth:`ControlClient.ask`
+        (:mod:`tfsync.engine.control`)."""
+        return None
 
     def config(self) -> dict:
         """Plain-data description, compared across ranks and written to traces."""

@@ -124,6 +124,16 @@ class DSSP(Policy):
         """The round every step waits for, granted or not: the upper bound's."""
         return step - self.high - 1
 
+    def components(self):
+        from tfsync.engine.grants import Grants
+
+        return [Grants(self)]
+
+    def service(self, size):
+        from tfsync.engine.grants import GrantService
+
+        return GrantService(self, size)
+
     def grant(self, pushes: "PushTable", rank: int, room: int) -> Grant:
         """The synchronization controller (Algorithm 1, lines 7-16, and Algorithm 2).
 
@@ -305,6 +315,11 @@ class ElasticBSP(Policy):
     def required_round(self, step: int) -> int:
         """Without a schedule (the monitoring phase): every step is a barrier."""
         return step
+
+    def components(self):
+        from tfsync.engine.supersteps import Supersteps
+
+        return [Supersteps(self)]
 
     def first_schedule(self, size: int) -> Schedule:
         """The job's first superstep (a monitoring barrier); loads the scheduler's kernels now,

@@ -1,0 +1,52 @@
+"""What happened to this worker's contributions and steps, counted once.
+
+Every contribution a worker produces ends ``applied``, ``compensated`` or
+``dropped``; a step that computed nothing is ``skipped``.  Events are noted
+as they happen (:meth:`Tally.add`; drops are recorded by the exchange) and
+settled into the run's counts and the epoch's totals at the end of each
+step (:meth:`Tally.settle`), so a step's trace record says what that step
+settled.
+"""
+
+COUNTS = ("produced", "applied", "compensated", "dropped", "skipped")
+
+
+class Tally:
+    """One worker's counters: ``counts`` for the whole run, ``totals`` per epoch (with times)."""
+
+    def __init__(self):
+        self.counts = dict.fromkeys(COUNTS, 0)
+        self._pending = dict.fromkeys(COUNTS, 0)
+        self.reset_totals()
+
+    def reset_totals(self):
+        """Zero the epoch's totals; ``counts`` keeps the whole run's."""
+        self.totals = {"steps": 0, "compute_s": 0.0, "wait_s": 0.0, **dict.fromkeys(COUNTS, 0)}
+
+    def add(self, key: str, n: int = 1):
+        """Note ``n`` contributions (or skipped steps) under ``key``, until :meth:`settle`."""
+        self._pending[key] += n
+
+    def pending(self, key: str) -> int:
+        return self._pending[key]
+
+    def settle(self, exchange) -> list:
+        """Move what was noted, and the drops the exchange recorded, into the counts and
+        totals; the drops as ``[[stamp, round]]``."""
+        drops = [[int(s), int(r)] for s, r in exchange.take_drops()]
+        self._pending["dropped"] += len(drops)
+        for key, n in self._pending.items():
+            self.totals[key] += n
+            self.counts[key] += n
+        self._pending = dict.fromkeys(COUNTS, 0)
+        return drops
+
+    def check(self, rank: int):
+        """Every contribution produced is applied, compensated or dropped (after the last drain)."""
+        c = self.counts
+        if c["produced"] != c["applied"] + c["compensated"] + c["dropped"]:
+            raise RuntimeError(
+                f"tfsync: rank {rank} lost track of contributions: produced {c['produced']}, "
+                f"applied {c['applied']}, compensated {c['compensated']}, dropped {c['dropped']} "
+                f"after every round was drained"
+            )
