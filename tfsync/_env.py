@@ -42,4 +42,21 @@ SCHEDULER_IMPL = Var(
     "TFSYNC_SCHEDULER_IMPL", "compiled", "compiled | reference: the ZipLine kernels tfsync.scheduler runs"
 )
 
+
+def wait_timeout_s(value=None) -> float:
+    """The bound on one wait for peers: ``value``, else ``TFSYNC_WAIT_TIMEOUT_S``; checked."""
+    if value is None:
+        raw = WAIT_TIMEOUT_S.get()
+        try:
+            value = float(raw)
+        except ValueError:
+            raise ValueError(
+                f"{WAIT_TIMEOUT_S.name}={raw!r} is not a number of seconds; set it "
+                f"to e.g. {WAIT_TIMEOUT_S.default} or unset it"
+            ) from None
+    if not value > 0:
+        raise ValueError(f"wait_timeout_s={value!r} must be a positive number of seconds")
+    return float(value)
+
+
 ALL = (STRAGGLERS, WAIT_TIMEOUT_S, CONTROL_HOST, SINGLE_PROCESS, OPS_IMPL, SCHEDULER_IMPL)

@@ -184,6 +184,13 @@ class RankDelays:
             return np.zeros(blocks)
         return np.where(self._pull_rng.random(blocks) < cfg.pull_prob, cfg.pull_s, 0.0)
 
+    def sleep_for_round(self, blocks: int) -> None:
+        """A worker without partial pulling waits for a round's last block: sleep for the
+        slowest of its ``blocks`` (nothing, and no draw, when slow pulls are off)."""
+        delay = float(np.max(self.pull_delays_s(blocks)))
+        if delay > 0:
+            time.sleep(delay)
+
     def sleep(self) -> float:
         """Sleep for the next step's delay; returns the seconds slept."""
         delay = self.next_delay_s()

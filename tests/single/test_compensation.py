@@ -20,6 +20,7 @@ from fake_cluster import FakeCluster, on_threads
 import tfsync
 from tfsync import timeline
 from tfsync.engine import SyncEngine
+from tfsync.engine.corrections import Corrections
 from tfsync.policies import DCS3GD, DelayCompensation, resolve
 from tfsync.stragglers import Stragglers
 
@@ -103,7 +104,7 @@ class DCJob:
             w = var.numpy().copy()
             time.sleep(self.delays[rank][step])
             g = gradient_at(rank, step, w)
-            (corrected,) = engine.correct_gradients([tf.constant(g)])
+            (corrected,) = engine.find(Corrections).correct([tf.constant(g)])
             corrected = corrected.numpy()
             var.assign_sub(LR * corrected)  # the optimizer: plain SGD
             engine.sync_step([])
@@ -185,7 +186,7 @@ def test_sync_step_before_the_correction_is_refused():
     engine = SyncEngine("dcs3gd", stragglers=Stragglers(), wait_timeout_s=5.0, cluster=cluster.rank(0))
     engine.start([tf.Variable(np.zeros(WIDTH, np.float32))])
     try:
-        with pytest.raises(RuntimeError, match="call SyncEngine.correct_gradients before sync_step"):
+        with pytest.raises(RuntimeError, match="before SyncEngine.sync_step"):
             engine.sync_step([])
     finally:
         engine.close()

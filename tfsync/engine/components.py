@@ -7,7 +7,8 @@ policy supplies once, when the engine starts (:meth:`Policy.components
 (:mod:`tfsync.engine.grants`), ElasticBSP's supersteps
 (:mod:`tfsync.engine.supersteps`), PSP's partial pulling
 (:mod:`tfsync.engine.pull`), holding and offering late contributions
-(:mod:`tfsync.engine.late`).  How a contribution enters its round, on every
+(:mod:`tfsync.engine.late`); a step protocol may add its own too (DC-S3GD's
+wait before the optimizer, :mod:`tfsync.engine.corrections`).  How a contribution enters its round, on every
 worker's own push or on rank 0's closing, is the round entry
 (:mod:`tfsync.engine.entry`), chosen by ``Policy.coordinated``.
 
@@ -22,8 +23,11 @@ over): ``rank``, ``size``, ``policy``, ``protocol``, ``exchange``,
 ``control``, ``cluster``, ``wait_timeout_s``, ``now()`` (seconds since the
 job's t0), ``tracing`` and ``trace(record)`` (one JSON line in the trace),
 ``tally`` (the contribution counters, :class:`tfsync.engine.tally.Tally`),
-``last_pushed`` (the newest step this worker pushed) and ``stop(error)``
-(tell every worker why this one stops, then raise ``error``).
+``last_pushed`` (the newest step this worker pushed), ``step``,
+``applied_through``, ``delays`` (this rank's simulated stragglers),
+``wait_and_apply(round)``, ``guard()`` (keeps an error for the frontends to
+re-raise) and ``stop(error)`` (tells every worker why this one stops; raise
+what it returns).
 """
 
 
@@ -62,6 +66,11 @@ class StepComponent:
         on the training thread)."""
         return False
 
+    def before_push(self, step: int):
+        """Before ``step`` pushes: ``(seconds, rounds applied)`` that the step already waited
+        (and then the simulated compute delay was slept already), or None."""
+        return None
+
     def interval(self, step: int, compute_s: float) -> float:
         """The compute time this worker's row of round ``step`` carries (default: the measured one)."""
         return compute_s
@@ -83,6 +92,11 @@ class StepComponent:
     def apply(self, res) -> bool:
         """Apply the round; True if this component did (else the protocol applies it whole)."""
         return False
+
+    def own_count(self, res):
+        """How this worker's fresh contribution to round ``res.round`` counts now that it is
+        applied: ``"compensated"``, or None for ``"applied"``."""
+        return None
 
     def after_apply(self, res) -> None:
         """Round ``res.round`` is applied."""

@@ -28,34 +28,28 @@ themselves: the payload never crosses NumPy.  When a step's round already
 closed without this worker, :meth:`SyncEngine.begin_step` says so and the
 frontends skip its computation (:meth:`SyncEngine.skip_step`).
 
-Every contribution is accounted for, per worker (:mod:`tfsync.engine.tally`):
-``produced`` = ``applied`` + ``compensated`` + ``dropped``, checked when
-training finishes; steps that computed nothing are ``skipped``.  All five
-are in the totals, the Keras logs and the trace.
+Per worker, ``produced`` = ``applied`` + ``compensated`` + ``dropped`` (and
+``skipped`` steps), counted once (:mod:`tfsync.engine.tally`) and checked when training finishes.
 """
 
 import contextlib
-import json
-import os
 import time
 
 import numpy as np
 
 from tfsync import _env
-from tfsync.engine import protocols, startup
+from tfsync.engine import lifecycle, protocols
 from tfsync.engine.cluster import HorovodCluster
 from tfsync.engine.control import ControlClient
 from tfsync.engine.diagnosis import Diagnosis
 from tfsync.engine.entry import CoordinatedRounds, OpenRounds
 from tfsync.engine.exchange import RoundExchange
-from tfsync.engine.tally import COUNTS, Tally
+from tfsync.engine.tally import COUNTS, Tally, Trace
 from tfsync.policies import resolve
 from tfsync.stragglers import Stragglers
 
 WAIT_TIMEOUT_ENV = _env.WAIT_TIMEOUT_S.name
-DEFAULT_WAIT_TIMEOUT_S = float(_env.WAIT_TIMEOUT_S.default)
 WAIT_POLL_S = 1.0  # a waiting worker checks the control path (losses, stops, its deadline) this often
-ABANDON_JOIN_S = 2.0  # at exit, how long an unclosed engine waits for its communication thread
 
 
 class SyncEngine:
@@ -90,23 +84,12 @@ class SyncEngine:
             raise TypeError(f"stragglers must be a tfsync.Stragglers, got {type(stragglers).__name__}")
         self.stragglers = stragglers
         self.trace_dir = trace_dir
-        if wait_timeout_s is None:
-            raw = _env.WAIT_TIMEOUT_S.get()
-            try:
-                wait_timeout_s = float(raw)
-            except ValueError:
-                raise ValueError(
-                    f"{WAIT_TIMEOUT_ENV}={raw!r} is not a number of seconds; set it "
-                    f"to e.g. {int(DEFAULT_WAIT_TIMEOUT_S)} or unset it"
-                ) from None
-        if not wait_timeout_s > 0:
-            raise ValueError(f"wait_timeout_s={wait_timeout_s!r} must be a positive number of seconds")
-        self.wait_timeout_s = float(wait_timeout_s)
+        self.wait_timeout_s = _env.wait_timeout_s(wait_timeout_s)
         self._cluster = cluster
         self.started = False
         self.error = None
         self._server = None
-        self._trace = None
+        self._trace = Trace(None, None)
 
     # ----------------------------------------------------------------- lifecycle
     def start(self, tensors, extra_config=None):
@@ -128,7 +111,7 @@ class SyncEngine:
         self.entry = (CoordinatedRounds if policy.coordinated else OpenRounds)(self)
         self.shapes = [[int(d) for d in t.shape] for t in tensors]
         self.num_params = int(sum(np.prod(s, dtype=np.int64) for s in self.shapes))
-        self.components = list(policy.components())
+        self.components = list(self.protocol_cls.components()) + list(policy.components())
         for c in self.components:  # the model against the mode's settings, before any collective
             c.plan(self.shapes, self.num_params)
         config = {
@@ -138,9 +121,9 @@ class SyncEngine:
             "stragglers": self.stragglers.spec(),
             **(extra_config or {}),
         }
-        startup.agree_config(cluster, config)
-        self.t0 = startup.agree_t0(cluster)
-        self._server, address, token = startup.open_control(self, cluster)
+        lifecycle.agree_config(cluster, config)
+        self.t0 = lifecycle.agree_t0(cluster)
+        self._server, address, token = lifecycle.open_control(self, cluster)
         options = self.entry.exchange_options()
         for c in self.components:
             options.update(c.exchange_options())
@@ -160,17 +143,12 @@ class SyncEngine:
         self.exchange.on_inline_wait = lambda: self.control.report(self.last_pushed, min_interval_s=0.0)
         self._diagnosis = Diagnosis(self.control, self.rank, policy.name, self.wait_timeout_s, WAIT_TIMEOUT_ENV)
         self.delays = self.stragglers.for_rank(self.rank)
-        self._slow_pulls = bool(self.stragglers.pull_prob and self.stragglers.pull_s)
         self.step, self.last_pushed, self.applied_through = 0, -1, -1
-        self._corrected_rounds = set()  # own contributions whose gradient was delay-compensated
-        self._corrected_wait = None  # (wait_s, applied) of this step's correction, until its push
         self.tally = Tally()
         self.last = {}
         self._full_round_times = None
-        if self.trace_dir:
-            os.makedirs(self.trace_dir, exist_ok=True)
-            self._trace = open(os.path.join(self.trace_dir, f"rank{self.rank}.jsonl"), "w")
-            self.trace({"event": "start", "rank": self.rank, "size": self.size, "t0": self.t0, **config})
+        self._trace = Trace(self.trace_dir, self.rank)
+        self.trace({"event": "start", "rank": self.rank, "size": self.size, "t0": self.t0, **config})
         for c in self.components:
             c.bind(self)
         self.started = True
@@ -204,10 +182,12 @@ class SyncEngine:
         on none); components that hold late contributions use it for a final
         round, and drop them without it.
         """
-        if self.applied_through < self.step - 1:
+        if self.applied_through < self.step - 1:  # the rounds still in flight: waited for, recorded
             t = self.now()
-            applied = self._wait_and_apply(self.step - 1)
-            self._record_extra_wait(t, applied)
+            applied = self.wait_and_apply(self.step - 1)
+            self.tally.totals["wait_s"] += (wait_s := self.now() - t)
+            settled = self.tally.settle_step(self.exchange, applied, self.step - 1, self.applied_through)
+            self.trace({"event": "finish", "rank": self.rank, "t": t, "wait_s": wait_s, **settled})
         drained = False
         for c in self.components:
             drained = c.finish(apply_mean) or drained
@@ -220,58 +200,18 @@ class SyncEngine:
 
     def close(self):
         """Leave the control path and stop the threads (collective: call on every rank)."""
-        if not self.started:
-            return
-        self.started = False
-        startup.forget(self)
-        # Two barriers on the exchange thread, after every round, each bounded: every
-        # rank is done with the control path before any leaves it, and every rank has
-        # left it (its stream ended, its channel closed) before rank 0 stops the server,
-        # so no server goes away under a worker's open stream.
-        try:
-            self.exchange.call(self.cluster.barrier("tfsync.close"), timeout_s=self.wait_timeout_s)
-            self.control.close()
-            self.exchange.call(self.cluster.barrier("tfsync.left"), timeout_s=self.wait_timeout_s)
-        finally:
-            self.exchange.close()
-            self.control.close()
-        self._release()
+        lifecycle.close(self)
 
     def abandon(self):
-        """Leave without :meth:`close`'s handshake with the other ranks (local, bounded).
-
-        For an engine still running when the interpreter exits: ``fit``
-        raised (Keras calls no ``on_train_end`` then), or a
-        ``SyncStrategy`` was never finished.  Its control path's gRPC
-        handler threads would otherwise keep the process alive forever.
-        The replicas' weights may differ; nothing is drained.  Also for a
-        start that failed after rank 0's control server came up.
-        """
-        if not startup.running(self):
-            return
-        self.started = False
-        startup.forget(self)
-        parts = self.__dict__  # what a failed start got to build
-        try:
-            if "exchange" in parts:
-                self.exchange.close(timeout_s=ABANDON_JOIN_S)
-        finally:
-            if "control" in parts:
-                self.control.close()
-            self._release()
-
-    def _release(self):
-        if self._server is not None:
-            self._server.stop()
-        if self._trace is not None:
-            self._trace.close()
-            self._trace = None
+        """Leave without :meth:`close`'s handshake with the other ranks (local, bounded): for an
+        engine still running when the interpreter exits (see :func:`tfsync.engine.lifecycle.abandon`)."""
+        lifecycle.abandon(self)
 
     # ------------------------------------------------------------------- the step
     def begin_step(self) -> bool:
         """Whether this step computes: False when its round already closed without this
         worker or the policy's components say it skips; the frontend then calls :meth:`skip_step`."""
-        with self._keep_error():
+        with self.guard():
             self._check_started()
             if not self.entry.computes(self.step):
                 return False
@@ -284,16 +224,11 @@ class SyncEngine:
         protocol: the optimizer already ran).  Returns the protocol's result:
         the mean gradients, or nothing (the weights were moved in place).
         """
-        with self._keep_error():
+        with self.guard():
             self._check_started()
-            corrected, self._corrected_wait = self._corrected_wait, None
-            if self.protocol.corrects_gradients and corrected is None:
-                raise RuntimeError(
-                    f"tfsync: policy {self.policy.name!r} corrects each step's gradients before the "
-                    f"optimizer runs: call SyncEngine.correct_gradients before sync_step"
-                )
-            if corrected is None:
-                self.delays.sleep()  # (correct_gradients slept already)
+            before = [w for w in (c.before_push(self.step) for c in self.components) if w is not None]
+            if not before:
+                self.delays.sleep()  # (a component that waited before the push slept already)
             step, t_start = self.step, self._t_step_start
             payload = self.protocol.contribution(list(inputs))
             t_push = self.now()
@@ -308,8 +243,8 @@ class SyncEngine:
                 required = c.required(step, required)
             self.tally.add("produced")
             self.control.report(step)
-            applied = self._wait_and_apply(required, hand_back=True)
-            waited_s, applied_before = corrected if corrected is not None else (0.0, [])
+            applied = self.wait_and_apply(required, hand_back=True)
+            waited_s, applied_before = before[0] if before else (0.0, [])
             self._end_step(step, t_start, t_push, applied_before + applied, waited_before_push_s=waited_s)
             result = self.protocol.result()
             for c in self.components:
@@ -318,7 +253,7 @@ class SyncEngine:
 
     def skip_step(self):
         """A skipped step: no contribution; wait for its round and return its result."""
-        with self._keep_error():
+        with self.guard():
             self._check_started()
             step, t_start = self.step, self._t_step_start
             if self.entry.skip(step):
@@ -329,33 +264,9 @@ class SyncEngine:
                 required = answer if answer is not None else required
             if required is None:
                 required = self.protocol.sync_round(self.policy, step)
-            applied = self._wait_and_apply(required)
+            applied = self.wait_and_apply(required)
             self._end_step(step, t_start, t_start, applied, skipped=True)
             return self.protocol.result()
-
-    def correct_gradients(self, grads):
-        """Protocols that correct gradients (DC-S3GD), before the optimizer runs: wait for
-        the round this step's gradients are applied after, apply it, return them corrected.
-
-        :meth:`sync_step` follows after the optimizer, and pushes its update.
-        The frontends build the correction into the compiled step instead
-        (:func:`tfsync.engine.tf_bridge.correct_gradients`) and call only
-        :meth:`round_mean` from it.
-        """
-        with self._keep_error():
-            return self.protocol.correct(grads, self.round_mean())
-
-    def round_mean(self):
-        """The wait of :meth:`correct_gradients`: the mean update its correction adds to ``w̄``."""
-        with self._keep_error():
-            self._check_started()
-            self.delays.sleep()
-            t = self.now()
-            applied = self._wait_and_apply(self.protocol.sync_round(self.policy, self.step))
-            self._corrected_wait = (self.now() - t, applied)
-            if self.applied_through >= 0:  # w̄ moved past the weights the gradients were computed at
-                self._corrected_rounds.add(self.step)
-            return self.protocol.take_mean()
 
     # ---------------------------------------------------- what components may use
     def now(self) -> float:
@@ -364,12 +275,11 @@ class SyncEngine:
 
     @property
     def tracing(self) -> bool:
-        return self._trace is not None
+        return self._trace.enabled
 
     def trace(self, record: dict) -> None:
         """One line of this worker's JSON-lines trace (nothing without ``trace_dir``)."""
-        if self._trace is not None:
-            self._trace.write(json.dumps(record) + "\n")
+        self._trace.write(record)
 
     def stop(self, error):
         """Tell every worker why this one stops; returns ``error`` to raise."""
@@ -377,7 +287,7 @@ class SyncEngine:
 
     # ------------------------------------------------------------------ internals
     @contextlib.contextmanager
-    def _keep_error(self):
+    def guard(self):
         # TensorFlow re-wraps exceptions raised inside tf.py_function; keep the
         # original so the frontends can re-raise it with its type.
         try:
@@ -390,7 +300,7 @@ class SyncEngine:
         if not self.started:
             raise RuntimeError("tfsync: the engine is not started (SyncCallback.on_train_begin starts it)")
 
-    def _wait_and_apply(self, required_round, hand_back=False):
+    def wait_and_apply(self, required_round, hand_back=False):
         """Wait (bounded) until ``required_round`` is complete, then apply every complete round.
 
         ``hand_back``: the step may return its own round whole (partial pulling)."""
@@ -406,24 +316,17 @@ class SyncEngine:
                 c.before_apply(res)
             if not any(c.apply(res) for c in self.components):
                 self.protocol.apply_round(res)
-                if self._slow_pulls:  # simulated slow pulls: wait for the round's last block
-                    delay = float(np.max(self.delays.pull_delays_s(len(self.shapes))))
-                    if delay > 0:
-                        time.sleep(delay)
+                self.delays.sleep_for_round(len(self.shapes))  # (simulated slow pulls)
             # the contributions' stamps are for the trace only: not computed without one
             stamps = None
-            if self._trace is not None:
+            if self._trace.enabled:
                 stamps = [int(res.steps[k]) for k in np.flatnonzero(res.present)]
                 stamps += [int(res.late_steps[k]) for k in np.flatnonzero(res.late)]
             applied.append((r, res.contributors, stamps))
             if res.present.all():  # every rank's time for round r, the same table on every rank
                 self._full_round_times = res.compute_s  # (the round's own decoded array: no copy)
             if res.present[self.rank] == 1.0:
-                if r in self._corrected_rounds:
-                    self._corrected_rounds.discard(r)
-                    self.tally.add("compensated")
-                else:
-                    self.tally.add("applied")
+                self.tally.add(next((k for k in (c.own_count(res) for c in self.components) if k), "applied"))
             if res.late[self.rank] == 1.0:
                 self.tally.add("compensated")
             self.applied_through = r
@@ -451,11 +354,8 @@ class SyncEngine:
         t_end = self.now()
         compute_s = t_push - t_start - waited_before_push_s
         wait_s = t_end - t_push + waited_before_push_s
-        # staleness of a contribution: steps between its round and the step that next uses it
-        staleness = [step - r for r, _, _ in applied]
-        compensated = self.tally.pending("compensated")
         self.tally.add("skipped", int(skipped))
-        drops = self.tally.settle(self.exchange)
+        settled = self.tally.settle_step(self.exchange, applied, step, self.applied_through)
         round_times, self._full_round_times = self._full_round_times, None
         self.last = {
             "wait_s": wait_s,
@@ -463,10 +363,11 @@ class SyncEngine:
             # every rank's compute time for the last round applied in this step that took every
             # rank (replicated metadata: identical on every rank), or None
             "round_compute_s": round_times,
-            "staleness": max(staleness) if staleness else 0,
+            # staleness of a contribution: steps between its round and the step that next uses it
+            "staleness": max((step - r for r, _, _ in applied), default=0),
             "applied": sum(n for _, n, _ in applied),
-            "dropped": len(drops),
-            "compensated": compensated,
+            "dropped": settled["dropped"],
+            "compensated": settled["compensated"],
             "skipped": int(skipped),
         }
         tot = self.tally.totals
@@ -485,38 +386,13 @@ class SyncEngine:
                 "t_end": t_end,
                 "compute_s": compute_s,
                 "wait_s": wait_s,
-                "applied": [[r, step - r, n] for r, n, _ in applied],
-                "stamps": [[r, s] for r, _, s in applied],
-                "applied_through": self.applied_through,
-                "dropped": len(drops),
-                "drops": drops,
-                "compensated": compensated,
+                **settled,
                 "skipped": skipped,
                 **extra,
             }
         )
         self.step = step + 1
         self._t_step_start = t_end
-
-    def _record_extra_wait(self, t, applied):
-        wait_s = self.now() - t
-        self.tally.totals["wait_s"] += wait_s
-        compensated = self.tally.pending("compensated")
-        drops = self.tally.settle(self.exchange)
-        self.trace(
-            {
-                "event": "finish",
-                "rank": self.rank,
-                "t": t,
-                "wait_s": wait_s,
-                "applied": [[r, self.step - 1 - r, n] for r, n, _ in applied],
-                "stamps": [[r, s] for r, _, s in applied],
-                "applied_through": self.applied_through,
-                "dropped": len(drops),
-                "drops": drops,
-                "compensated": compensated,
-            }
-        )
 
 
 __all__ = ["COUNTS", "SyncEngine"]

@@ -106,6 +106,11 @@ class GradientProtocol:
     one_round_per_step = True  # step r's optimizer applies round r's mean, and only it
 
     @staticmethod
+    def components():
+        """What the engine adds to its step for this protocol (nothing)."""
+        return []
+
+    @staticmethod
     def sync_round(policy, step):
         """The round that must be complete before step ``step``'s gradient is applied."""
         return policy.required_round(step)
@@ -164,6 +169,11 @@ class UpdateProtocol:
     reduces_gradients = False  # the frontends exchange after the optimizer ran
     corrects_gradients = False
     one_round_per_step = False  # every complete round is added to w̄ at once
+
+    @staticmethod
+    def components():
+        """What the engine adds to its step for this protocol (nothing)."""
+        return []
 
     @staticmethod
     def sync_round(policy, step):
@@ -300,6 +310,13 @@ class CompensatedUpdateProtocol:
     reduces_gradients = False  # the update is pushed after the optimizer ran ...
     corrects_gradients = True  # ... on the gradient corrected before it
     one_round_per_step = True  # step t applies round t - 1: one round per step
+
+    @staticmethod
+    def components():
+        """What the engine adds to its step for this protocol: the wait before the optimizer."""
+        from tfsync.engine.corrections import Corrections
+
+        return [Corrections()]
 
     @staticmethod
     def sync_round(policy, step):

@@ -1,4 +1,4 @@
-"""What happened to this worker's contributions and steps, counted once.
+"""What happened to this worker's contributions and steps, counted once; and its trace.
 
 Every contribution a worker produces ends ``applied``, ``compensated`` or
 ``dropped``; a step that computed nothing is ``skipped``.  Events are noted
@@ -7,6 +7,9 @@ settled into the run's counts and the epoch's totals at the end of each
 step (:meth:`Tally.settle`), so a step's trace record says what that step
 settled.
 """
+
+import json
+import os
 
 COUNTS = ("produced", "applied", "compensated", "dropped", "skipped")
 
@@ -41,6 +44,21 @@ class Tally:
         self._pending = dict.fromkeys(COUNTS, 0)
         return drops
 
+    def settle_step(self, exchange, applied, step: int, applied_through: int) -> dict:
+        """:meth:`settle`, as the trace records it: the rounds ``step`` applied
+        (``applied``: ``(round, contributors, stamps)``) and this worker's contributions
+        compensated and dropped since the last record."""
+        compensated = self._pending["compensated"]
+        drops = self.settle(exchange)
+        return {
+            "applied": [[r, step - r, n] for r, n, _ in applied],
+            "stamps": [[r, s] for r, _, s in applied],
+            "applied_through": applied_through,
+            "dropped": len(drops),
+            "drops": drops,
+            "compensated": compensated,
+        }
+
     def check(self, rank: int):
         """Every contribution produced is applied, compensated or dropped (after the last drain)."""
         c = self.counts
@@ -50,3 +68,26 @@ class Tally:
                 f"applied {c['applied']}, compensated {c['compensated']}, dropped {c['dropped']} "
                 f"after every round was drained"
             )
+
+
+class Trace:
+    """One worker's JSON-lines trace, ``<trace_dir>/rank<R>.jsonl`` (nothing without a directory)."""
+
+    def __init__(self, trace_dir, rank):
+        self._file = None
+        if trace_dir:
+            os.makedirs(trace_dir, exist_ok=True)
+            self._file = open(os.path.join(trace_dir, f"rank{rank}.jsonl"), "w")
+
+    @property
+    def enabled(self) -> bool:
+        return self._file is not None
+
+    def write(self, record: dict) -> None:
+        if self._file is not None:
+            self._file.write(json.dumps(record) + "\n")
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None

@@ -10,6 +10,7 @@ TensorFlow.
 
 import tensorflow as tf
 
+from tfsync.engine.corrections import Corrections
 from tfsync.engine.protocols import compile_flat, tf_variable
 
 
@@ -141,13 +142,14 @@ def correct_gradients(engine, grads):
     the weights they will be applied at.
 
     One ``tf.py_function`` waits for the round the correction needs and returns
-    its mean (:meth:`SyncEngine.round_mean`); the correction itself is built
+    its mean (:meth:`tfsync.engine.corrections.Corrections.round_mean`); the correction itself is built
     into the compiled step (``protocol.correct_in_graph``: the fused
     :func:`tfsync.ops.delay_compensate`), so the engine must be started.
     """
     protocol = engine.protocol
     grads = [tf.convert_to_tensor(g) for g in grads]  # IndexedSlices become dense
-    mean = tf.py_function(engine.round_mean, [], Tout=protocol.dtypes, name="tfsync_round_mean")
+    round_mean = engine.find(Corrections).round_mean
+    mean = tf.py_function(round_mean, [], Tout=protocol.dtypes, name="tfsync_round_mean")
     for m, s in zip(mean, protocol.shapes):
         m.set_shape(s)
     return protocol.correct_in_graph(grads, mean)

@@ -1,12 +1,13 @@
-"""What every rank agrees on before the first step: the configuration, t0, the control path.
+"""An engine's life: what every rank agrees on before the first step, and how it ends.
 
 Each runs once per :meth:`SyncEngine.start <tfsync.engine.SyncEngine.start>`
 through the cluster's own collectives (Horovod's in production), so a job
 whose ranks disagree stops with both sides named before any round runs, and
 the control path's token reaches the workers over Horovod's channel, never
-the control path itself.  Also here: the interpreter-exit hook that abandons
-an engine still running, so a failed ``fit`` cannot leave the process hanging
-on the control path's threads.
+the control path itself.  An engine ends with :func:`close` (collective) or,
+when the interpreter exits with it still running, :func:`abandon` (local),
+so a failed ``fit`` cannot leave the process hanging on the control path's
+threads.
 """
 
 import secrets
@@ -16,6 +17,8 @@ import weakref
 
 from tfsync.engine.address import choose as choose_control_address
 from tfsync.engine.control import ControlServer
+
+ABANDON_JOIN_S = 2.0  # at exit, how long an unclosed engine waits for its communication thread
 
 _running = weakref.WeakSet()  # engines started and not closed, in this process
 _exit_hook_registered = False
@@ -79,12 +82,53 @@ def leave_at_exit(engine):
         _exit_hook_registered = True
 
 
-def running(engine) -> bool:
-    return engine in _running
-
-
-def forget(engine) -> None:
+def close(engine):
+    """Leave the control path and stop the threads (collective: every rank calls it)."""
+    if not engine.started:
+        return
+    engine.started = False
     _running.discard(engine)
+    # Two barriers on the exchange thread, after every round, each bounded: every
+    # rank is done with the control path before any leaves it, and every rank has
+    # left it (its stream ended, its channel closed) before rank 0 stops the server,
+    # so no server goes away under a worker's open stream.
+    try:
+        engine.exchange.call(engine.cluster.barrier("tfsync.close"), timeout_s=engine.wait_timeout_s)
+        engine.control.close()
+        engine.exchange.call(engine.cluster.barrier("tfsync.left"), timeout_s=engine.wait_timeout_s)
+    finally:
+        engine.exchange.close()
+        engine.control.close()
+    _release(engine)
+
+
+def abandon(engine):
+    """Leave without :func:`close`'s handshake with the other ranks (local, bounded).
+
+    For an engine still running when the interpreter exits: ``fit`` raised
+    (Keras calls no ``on_train_end`` then), or a ``SyncStrategy`` was never
+    finished.  Its control path's gRPC handler threads would otherwise keep
+    the process alive forever.  The replicas' weights may differ; nothing is
+    drained.  Also for a start that failed after rank 0's control server came up.
+    """
+    if engine not in _running:
+        return
+    engine.started = False
+    _running.discard(engine)
+    parts = engine.__dict__  # what a failed start got to build
+    try:
+        if "exchange" in parts:
+            engine.exchange.close(timeout_s=ABANDON_JOIN_S)
+    finally:
+        if "control" in parts:
+            engine.control.close()
+        _release(engine)
+
+
+def _release(engine):
+    if engine._server is not None:
+        engine._server.stop()
+    engine._trace.close()
 
 
 def _abandon_running():
