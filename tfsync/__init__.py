@@ -12,6 +12,7 @@ Public API::
     tfsync.keras.SyncCallback(mode=...)          # model.fit(..., callbacks=[...])
     tfsync.distribute.SyncStrategy(mode=...)     # with strategy.scope(): ...
     tfsync.shard(x, y)                           # this rank's equal share of arrays
+    tfsync.register_mode(name, PolicyClass)      # a mode of your own (tfsync.policies.registry)
 """
 
 import importlib
@@ -28,6 +29,7 @@ from tfsync.policies import (
     ElasticBSP,
     Policy,
 )
+from tfsync.policies import register as register_mode
 from tfsync.stragglers import Stragglers
 
 __version__ = "0.1.0"
@@ -57,6 +59,7 @@ __all__ = [
     "DelayCompensation",
     "Auto",
     "Policy",
+    "register_mode",
     "Stragglers",
     "shard",
     "keras",

@@ -23,30 +23,13 @@ import os
 import sys
 
 from tfsync.launch import REPO_ROOT, horovodrun
+from tfsync.policies import registry
 
 EXAMPLE = os.path.join(REPO_ROOT, "keras_examples", "digits.py")
-# mode -> the example's flags (psp+dc, backup+dc: late gradients compensated instead of dropped;
-# horovod: plain Horovod BSP, the anchor of python -m tfsync.bench convergence)
-MODES = {
-    "horovod": ["--plain-horovod"],
-    "bsp": ["--mode", "bsp"],
-    "ssp": ["--mode", "ssp"],
-    "ssp(s=15)": ["--mode", "ssp", "--staleness", "15"],
-    "dssp": ["--mode", "dssp", "--low", "3", "--high", "15"],
-    "elasticbsp": ["--mode", "elasticbsp"],
-    "psp": ["--mode", "psp"],
-    "psp+dc": ["--mode", "psp", "--compensate"],
-    # partial pulling: a step goes on with 3 of its round's 4 parameter blocks (digits' weight tensors)
-    "psp+pull": ["--mode", "psp", "--pull-fraction", "0.75"],
-    "backup": ["--mode", "backup"],
-    "backup+dc": ["--mode", "backup", "--compensate"],
-    # the backup-workers trade-off (the convergence study's sweep): "backup" is b = 1
-    "backup(b=0)": ["--mode", "backup", "--backups", "0"],
-    "backup(b=2)": ["--mode", "backup", "--backups", "2"],
-    "backup(b=3)": ["--mode", "backup", "--backups", "3"],
-    "dcs3gd": ["--mode", "dcs3gd"],
-    "auto": ["--mode", "auto"],
-}
+# mode -> the example's flags: every registered mode and named variant (tfsync.policies.registry;
+# psp+dc, backup+dc: late gradients compensated instead of dropped), plus plain Horovod BSP
+# (the anchor of python -m tfsync.bench convergence) and auto
+MODES = {"horovod": ["--plain-horovod"], **registry.configurations(), "auto": ["--mode", "auto"]}
 SCENARIOS = {
     "none": "base=0.02,seed=1",
     "straggler": "base=0.02,slow=3:0.04,seed=1",
@@ -91,8 +74,8 @@ def main(argv=None):
             row = horovodrun(
                 EXAMPLE,
                 [
-                    "--staleness",  # before the mode's own flags, which win (ssp(s=15))
-                    args.staleness,
+                    # SSP's bound: before the mode's own flags, which win (ssp(s=15))
+                    *(["--staleness", args.staleness] if MODES[mode][:2] == ["--mode", "ssp"] else []),
                     *MODES[mode],
                     "--epochs",
                     args.epochs,

@@ -78,147 +78,65 @@ def print_result(result):
     print(RESULT_PREFIX + json.dumps(result), flush=True)
 
 
-MODES = ("bsp", "ssp", "dssp", "elasticbsp", "psp", "backup", "dcs3gd", "auto")
+def mode_names() -> tuple:
+    """Every ``--mode`` choice: the registered modes and ``auto``."""
+    from tfsync.policies import registry
+
+    return tuple(m.name for m in registry.modes()) + ("auto",)
 
 
 def add_mode_arguments(parser, baselines=()):
-    """The ``--mode`` flag and each mode's own flags, as the examples and scripts take them.
+    """The ``--mode`` flag and each registered mode's own flags (:mod:`tfsync.policies.registry`).
 
     ``baselines``: more ``--mode`` choices the caller handles itself (the bench's
     plain Horovod); with any, ``--mode`` is required.
     """
+    from tfsync.policies import registry
+
     if baselines:
-        parser.add_argument("--mode", required=True, choices=tuple(baselines) + MODES)
+        parser.add_argument("--mode", required=True, choices=tuple(baselines) + mode_names())
     else:
-        parser.add_argument("--mode", default="bsp", choices=MODES)
-    parser.add_argument("--staleness", type=int, default=3, help="SSP bound s (--mode ssp)")
-    parser.add_argument("--low", type=int, default=3, help="DSSP's lower bound s_L (--mode dssp)")
-    parser.add_argument("--high", type=int, default=15, help="DSSP's upper bound s_U (--mode dssp)")
-    parser.add_argument(
-        "--lookahead", type=int, default=15, help="ElasticBSP's R, iterations predicted (--mode elasticbsp)"
-    )
-    parser.add_argument(
-        "--zipline",
-        default="optbs",
-        help="ElasticBSP's ZipLine variant: optbs, zipline_opt, zipline, fullgridscan, gridscan (--mode elasticbsp)",
-    )
-    parser.add_argument(
-        "--min-contributions", type=int, default=None, help="PSP's c (--mode psp; default: workers - 1)"
-    )
-    parser.add_argument(
-        "--push-timeout-s",
-        type=float,
-        default=None,
-        help="PSP's tau1 in seconds (--mode psp; default: a tenth of the round's " "iteration time)",
-    )
-    parser.add_argument(
-        "--pull-fraction",
-        type=float,
-        default=1.0,
-        help="PSP's b: the share of a round's parameter blocks a worker waits for (--mode psp; "
-        "default 1.0, no partial pulling; the paper used 0.9)",
-    )
-    parser.add_argument(
-        "--pull-timeout-s",
-        type=float,
-        default=None,
-        help="PSP's tau2: once the share of blocks arrived, wait up to this long for the others "
-        "(--mode psp --pull-fraction; default 0)",
-    )
-    parser.add_argument(
-        "--pull-blocks",
-        type=int,
-        default=None,
-        help="PSP's number of parameter blocks B (--mode psp --pull-fraction; default one per weight tensor)",
-    )
-    parser.add_argument("--backups", type=int, default=1, help="backup workers b (--mode backup)")
-    parser.add_argument(
-        "--compensate",
-        action="store_true",
-        help="correct and apply late contributions instead of dropping them (--mode psp or backup)",
-    )
-    parser.add_argument(
-        "--dc-lambda",
-        type=float,
-        default=None,
-        help="delay compensation's lambda (--mode dcs3gd, --compensate; default 0.04, or 2.0 with --dc-adaptive)",
-    )
-    parser.add_argument(
-        "--dc-adaptive", action="store_true", help="adaptive lambda, DC-ASGD-a (--mode dcs3gd, --compensate)"
-    )
+        parser.add_argument("--mode", default="bsp", choices=mode_names())
+    for o in registry.options():
+        if o.type is bool:
+            parser.add_argument(o.flag, action="store_true", help=o.help)
+        else:
+            parser.add_argument(o.flag, type=o.type, default=o.default, help=o.help)
     return parser
 
 
 def mode_from_args(args):
-    """The policy object the parsed ``--mode`` flags describe."""
+    """The policy object the parsed ``--mode`` flags describe; a flag set that the mode does not
+    take stops with the modes that take it."""
     import tfsync
+    from tfsync.policies import registry
 
-    dc_flags = args.dc_lambda is not None or args.dc_adaptive
-    if args.compensate and args.mode not in ("psp", "backup"):
-        raise SystemExit(
-            f"--compensate: mode {args.mode!r} never applies a contribution that missed its round, so "
-            f"there is nothing to compensate; use it with --mode psp or --mode backup "
-            f"(--mode dcs3gd compensates always)"
-        )
-    if dc_flags and not (args.compensate or args.mode == "dcs3gd"):
-        raise SystemExit(
-            "--dc-lambda and --dc-adaptive set delay compensation: add --compensate (with --mode psp "
-            "or backup) or use --mode dcs3gd"
-        )
-    pull = args.pull_fraction != 1.0 or args.pull_timeout_s is not None or args.pull_blocks is not None
-    if pull and args.mode != "psp":
-        raise SystemExit(
-            f"--pull-fraction, --pull-timeout-s and --pull-blocks set PSP's partial pulling; mode "
-            f"{args.mode!r} waits for every block of a round: use them with --mode psp"
-        )
-    compensation = tfsync.DelayCompensation(lam=args.dc_lambda, adaptive=args.dc_adaptive)
-    compensate = compensation if args.compensate else None
-    if args.mode == "ssp":
-        return tfsync.SSP(staleness=args.staleness)
-    if args.mode == "dssp":
-        return tfsync.DSSP(low=args.low, high=args.high)
-    if args.mode == "elasticbsp":
-        return tfsync.ElasticBSP(lookahead=args.lookahead, algorithm=args.zipline)
-    if args.mode == "psp":
-        return tfsync.PSP(
-            min_contributions=args.min_contributions,
-            push_timeout_s=args.push_timeout_s,
-            compensate=compensate,
-            pull_fraction=args.pull_fraction,
-            pull_timeout_s=args.pull_timeout_s,
-            pull_blocks=args.pull_blocks,
-        )
-    if args.mode == "backup":
-        return tfsync.BackupWorkers(backups=args.backups, compensate=compensate)
-    if args.mode == "dcs3gd":
-        return tfsync.DCS3GD(compensation)
     if args.mode == "auto":  # the profile's modes with their defaults (tfsync.policies.auto)
         return tfsync.Auto()
-    return tfsync.BSP()
+    mode = registry.get(args.mode)
+    taken = {o.flag for o in mode.options}
+    stray = [o for o in registry.options() if o.flag not in taken and getattr(args, o.dest) != o.default]
+    if stray:
+        owners = sorted({m.name for m in registry.modes() for o in m.options if o.flag in {x.flag for x in stray}})
+        raise SystemExit(
+            f"{', '.join(o.flag for o in stray)}: mode {args.mode!r} does not take these settings; use them "
+            f"with " + " or ".join(f"--mode {m}" for m in owners) + " (or leave them at their defaults)"
+        )
+    return mode.from_args(args)
 
 
 def describe_mode(policy):
     """``"ssp(s=3)"``, ``"psp(c=3)"``, ``"backup(b=1)+dc(lambda=0.04)"``, ``"dcs3gd(lambda=0.04)"``:
     a short label for tables (settings left at an adaptive default, ``None``, are not shown)."""
+    from tfsync.policies import Auto, registry
 
     def compensation(comp):
         return f"lambda={comp.strength}" + (", adaptive" if comp.adaptive else "")
 
-    if getattr(policy, "name", None) == "auto":  # tfsync.Auto: the modes it runs are in its decisions
+    if isinstance(policy, Auto):  # the modes it runs are in its decisions
         return "auto"
     options, suffix = [], ""
-    short = {
-        "staleness": "s",
-        "low": "s_L",
-        "high": "s_U",
-        "lookahead": "R",
-        "min_contributions": "c",
-        "push_timeout_s": "timeout",
-        "backups": "b",
-        "pull_fraction": "pull",
-        "pull_timeout_s": "pull_timeout",
-        "pull_blocks": "B",
-    }
+    short = {o.field: o.short for o in registry.options() if o.field and o.short}
     for k, v in policy.config().items():
         if k == "compensation":  # DC-S3GD's own
             options.append(compensation(policy.compensation))

@@ -50,12 +50,12 @@ import time
 import numpy as np
 
 from tfsync.bench.training import DEFAULT_SCENARIOS, add_scenario_arguments, scenario_spec
-from tfsync.policies import DSSP, SSP, ElasticBSP, Policy, resolve
+from tfsync.policies import DSSP, SSP, ElasticBSP, Policy, registry, resolve
 from tfsync.policies.base import decide_round
 from tfsync.policies.dynamic import PushTable
 from tfsync.stragglers import Stragglers
 
-MODES = ("bsp", "ssp", "dssp", "elasticbsp", "psp", "backup")
+MODES = tuple(m.name for m in registry.modes() if m.simulated)  # (DC-S3GD changes what is applied, not when)
 # the simulated workers have step times only: slow pulls (the receive side) are not simulated
 SIM_SCENARIOS = DEFAULT_SCENARIOS
 DEFAULT_WORKERS = (16, 1000, 10000)

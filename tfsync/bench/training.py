@@ -41,28 +41,12 @@ import os
 import sys
 
 from tfsync.launch import horovodrun
+from tfsync.policies import registry
 
-MODES = (
-    "local",
-    "horovod",
-    "bsp",
-    "ssp",
-    "dssp",
-    "elasticbsp",
-    "psp",
-    "backup",
-    "dcs3gd",
-    "psp+dc",
-    "backup+dc",
-    "psp+pull",
-)
-# the worker's flags for each mode (the delay-compensated variants of PSP and backup workers,
-# PSP with partial pulling)
-MODE_FLAGS = {
-    "psp+dc": ["--mode", "psp", "--compensate"],
-    "backup+dc": ["--mode", "backup", "--compensate"],
-    "psp+pull": ["--mode", "psp", "--pull-fraction", "0.75"],
-}
+# the worker's flags for each mode and named variant (tfsync.policies.registry), after the two
+# baselines the worker runs itself: no synchronization, plain Horovod
+MODE_FLAGS = {"local": ["--mode", "local"], "horovod": ["--mode", "horovod"], **registry.configurations()}
+MODES = tuple(MODE_FLAGS)
 MODELS = ("small", "medium", "large")
 SCENARIOS = ("none", "straggler", "heterogeneous", "jitter", "rare", "rare-pull")
 DEFAULT_SCENARIOS = tuple(s for s in SCENARIOS if s != "rare-pull")  # rare-pull: opt-in (psp+pull's case)
@@ -80,6 +64,7 @@ MODE_LABELS = {
     "backup+dc": "tfsync backup(b=1)+DC",
     "psp+pull": "tfsync PSP+pull(b=0.75)",
 }
+MODE_LABELS.update({m: f"tfsync {m}" for m in MODES if m not in MODE_LABELS})  # (a mode registered since)
 
 
 def scenario_spec(name, args):
@@ -172,11 +157,11 @@ def run_configuration(worker, model, scenario, args):
             result = horovodrun(
                 worker,
                 [
-                    *MODE_FLAGS.get(mode, ["--mode", mode]),
+                    # SSP's bound: before the mode's own flags, which win (ssp(s=15))
+                    *(["--staleness", args.staleness] if MODE_FLAGS[mode][:2] == ["--mode", "ssp"] else []),
+                    *MODE_FLAGS[mode],
                     "--model",
                     model,
-                    "--staleness",
-                    args.staleness,
                     "--stragglers",
                     spec,
                     "--steps",

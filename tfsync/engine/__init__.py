@@ -1,7 +1,8 @@
 """The sync engine: rounds over Horovod allreduce, clocks, control path, waits, metrics."""
 
+from tfsync.engine.components import StepComponent
 from tfsync.engine.diagnosis import SyncTimeoutError
 from tfsync.engine.engine import COUNTS, SyncEngine
 from tfsync.engine.exchange import WorkerLostError
 
-__all__ = ["COUNTS", "SyncEngine", "SyncTimeoutError", "WorkerLostError"]
+__all__ = ["COUNTS", "StepComponent", "SyncEngine", "SyncTimeoutError", "WorkerLostError"]

@@ -42,6 +42,9 @@ from tfsync.policies.base import Closing, Policy
 from tfsync.policies.compensation import DCS3GD, DelayCompensation
 from tfsync.policies.dynamic import DSSP, ElasticBSP, Grant, Schedule
 from tfsync.policies.partial import PSP, BackupWorkers
+from tfsync.policies.registry import Option, register
+from tfsync.policies.registry import get as _registered
+from tfsync.policies.registry import modes as _modes
 
 PAYLOADS = ("gradients", "updates", "compensated_updates")
 
@@ -109,15 +112,148 @@ class SSP(Policy):
         return step - self.staleness - 1
 
 
-_BY_NAME = {
-    "bsp": BSP,
-    "ssp": SSP,
-    "dssp": DSSP,
-    "elasticbsp": ElasticBSP,
-    "psp": PSP,
-    "backup": BackupWorkers,
-    "dcs3gd": DCS3GD,
-}
+def _compensation(args):
+    return DelayCompensation(lam=args.dc_lambda, adaptive=args.dc_adaptive)
+
+
+def _compensate(args):
+    """``--compensate`` (PSP, backup workers): late contributions corrected, or None."""
+    if not args.compensate:
+        if args.dc_lambda is not None or args.dc_adaptive:
+            raise SystemExit(
+                "--dc-lambda and --dc-adaptive set delay compensation: add --compensate (with --mode psp "
+                "or backup) or use --mode dcs3gd"
+            )
+        return None
+    return _compensation(args)
+
+
+_DC = (
+    Option(
+        "--dc-lambda",
+        None,
+        float,
+        None,
+        "delay compensation's lambda (--mode dcs3gd, --compensate; default 0.04, or 2.0 with --dc-adaptive)",
+    ),
+    Option("--dc-adaptive", None, bool, False, "adaptive lambda, DC-ASGD-a (--mode dcs3gd, --compensate)"),
+)
+_COMPENSATE = Option(
+    "--compensate",
+    "compensate",
+    bool,
+    False,
+    "correct and apply late contributions instead of dropping them (--mode psp or backup)",
+    build=_compensate,
+)
+
+register("bsp", BSP, "BSP", simulated=True)
+register(
+    "ssp",
+    SSP,
+    "SSP(s={staleness})",
+    (Option("--staleness", "staleness", int, 3, "SSP bound s (--mode ssp)", "s"),),
+    variants={"ssp(s=15)": ["--staleness", "15"]},
+    simulated=True,
+)
+register(
+    "dssp",
+    DSSP,
+    "DSSP",
+    (
+        Option("--low", "low", int, 3, "DSSP's lower bound s_L (--mode dssp)", "s_L"),
+        Option("--high", "high", int, 15, "DSSP's upper bound s_U (--mode dssp)", "s_U"),
+    ),
+    simulated=True,
+)
+register(
+    "elasticbsp",
+    ElasticBSP,
+    "ElasticBSP",
+    (
+        Option("--lookahead", "lookahead", int, 15, "ElasticBSP's R, iterations predicted (--mode elasticbsp)", "R"),
+        Option(
+            "--zipline",
+            "algorithm",
+            str,
+            "optbs",
+            "ElasticBSP's ZipLine variant: optbs, zipline_opt, zipline, fullgridscan, gridscan (--mode elasticbsp)",
+        ),
+    ),
+    simulated=True,
+)
+register(
+    "psp",
+    PSP,
+    "PSP",
+    (
+        Option(
+            "--min-contributions", "min_contributions", int, None, "PSP's c (--mode psp; default: workers - 1)", "c"
+        ),
+        Option(
+            "--push-timeout-s",
+            "push_timeout_s",
+            float,
+            None,
+            "PSP's tau1 in seconds (--mode psp; default: a tenth of the round's iteration time)",
+            "timeout",
+        ),
+        _COMPENSATE,
+        *_DC,
+        Option(
+            "--pull-fraction",
+            "pull_fraction",
+            float,
+            1.0,
+            "PSP's b: the share of a round's parameter blocks a worker waits for (--mode psp; "
+            "default 1.0, no partial pulling; the paper used 0.9)",
+            "pull",
+        ),
+        Option(
+            "--pull-timeout-s",
+            "pull_timeout_s",
+            float,
+            None,
+            "PSP's tau2: once the share of blocks arrived, wait up to this long for the others "
+            "(--mode psp --pull-fraction; default 0)",
+            "pull_timeout",
+        ),
+        Option(
+            "--pull-blocks",
+            "pull_blocks",
+            int,
+            None,
+            "PSP's number of parameter blocks B (--mode psp --pull-fraction; default one per weight tensor)",
+            "B",
+        ),
+    ),
+    # partial pulling: a step goes on with 3 of its round's 4 parameter blocks (digits' weight tensors)
+    variants={"psp+dc": ["--compensate"], "psp+pull": ["--pull-fraction", "0.75"]},
+    simulated=True,
+)
+register(
+    "backup",
+    BackupWorkers,
+    "backup(b={backups})",
+    (Option("--backups", "backups", int, 1, "backup workers b (--mode backup)", "b"), _COMPENSATE, *_DC),
+    # the backup-workers trade-off (the convergence study's sweep): "backup" is b = 1
+    variants={
+        "backup+dc": ["--compensate"],
+        "backup(b=0)": ["--backups", "0"],
+        "backup(b=2)": ["--backups", "2"],
+        "backup(b=3)": ["--backups", "3"],
+    },
+    simulated=True,
+)
+register(
+    "dcs3gd",
+    DCS3GD,
+    "DC-S3GD",
+    (
+        Option("--dc-lambda", "compensation", float, None, _DC[0].help, build=_compensation),
+        _DC[1],
+    ),
+)
 
 
 def resolve(mode) -> Policy:
@@ -136,12 +272,13 @@ def resolve(mode) -> Policy:
     if isinstance(mode, type) and issubclass(mode, Policy):
         raise TypeError(f"mode={mode.__name__}: pass an instance, e.g. mode=tfsync.{mode.__name__}()")
     if isinstance(mode, str):
-        key = mode.strip().lower()
-        if key in _BY_NAME:
-            return _BY_NAME[key]()
+        try:
+            return _registered(mode.strip().lower()).cls()
+        except KeyError:
+            pass
     raise ValueError(
         f"unknown synchronization mode {mode!r}; expected one of "
-        f"{', '.join(repr(k) for k in _BY_NAME)}, 'auto' (SyncCallback) or a policy object such as "
+        f"{', '.join(repr(m.name) for m in _modes())}, 'auto' (SyncCallback) or a policy object such as "
         f"tfsync.SSP(staleness=3)"
     )
 
@@ -172,4 +309,5 @@ __all__ = [
     "resolve",
     "resolve_mode",
     "PAYLOADS",
+    "register",
 ]

@@ -51,7 +51,7 @@ class Probe(keras.callbacks.Callback):
         self.rows.append(
             {
                 "step": e.step,
-                "applied_through": e._applied_through,
+                "applied_through": e.applied_through,
                 "w": np.asarray(self.model.get_weights()[0], np.float64).reshape(-1).tolist(),
             }
         )

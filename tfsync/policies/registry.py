@@ -1,0 +1,114 @@
+"""The modes tfsync knows: one registry, read by every tool that names a mode.
+
+An entry (:class:`Mode`) is a mode's name (``mode="ssp"``, ``--mode ssp``),
+its policy class, a label for tables, its command-line options and its named
+variants (``"psp+dc"``: PSP with ``--compensate``).  The launcher's flags
+(:func:`tfsync.launch.add_mode_arguments`), :func:`tfsync.policies.resolve`,
+the simulator, the bench, the demo and the convergence study all read it, so
+a new mode is its policy module, its tests and one :func:`register` call
+(``tfsync.register_mode`` for a mode defined outside tfsync).
+
+Example::
+
+    tfsync.register_mode("every2", Every2, label="BSP every other step")
+    tfsync.keras.SyncCallback(mode="every2")
+"""
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class Option:
+    """One command-line flag of a mode: ``--flag`` sets the policy's ``field``.
+
+    ``build(args)``: the field's value from the parsed flags, when it is not
+    the flag's own (delay compensation is built from three flags); ``field``
+    ``None``: a flag another option's ``build`` reads.  ``short``: the name
+    :func:`tfsync.launch.describe_mode` shows the setting under.
+    """
+
+    flag: str
+    field: str
+    type: type = None
+    default: object = None
+    help: str = ""
+    short: str = None
+    build: object = None
+
+    @property
+    def dest(self) -> str:
+        return self.flag.lstrip("-").replace("-", "_")
+
+
+@dataclasses.dataclass(frozen=True)
+class Mode:
+    """A registered mode (see the module docstring)."""
+
+    name: str
+    cls: type
+    label: str
+    options: tuple = ()
+    variants: dict = dataclasses.field(default_factory=dict)  # name -> extra flags
+    simulated: bool = False  # python -m tfsync.simulate plays it
+
+    def from_args(self, args):
+        """The policy the parsed flags describe."""
+        kwargs = {}
+        for o in self.options:
+            if o.field is not None:
+                kwargs[o.field] = o.build(args) if o.build is not None else getattr(args, o.dest)
+        return self.cls(**kwargs)
+
+
+_MODES = {}
+
+
+def register(name: str, cls: type, label: str, options=(), variants=None, simulated=False) -> Mode:
+    """Register a mode (its name must be new; ``cls`` a :class:`tfsync.policies.Policy`
+    subclass whose instances are built with no arguments, or from ``options``)."""
+    from tfsync.policies.base import Policy
+
+    if not isinstance(name, str) or not name.isidentifier() or name != name.lower():
+        raise ValueError(f"register_mode({name!r}): a mode's name is a lowercase identifier, e.g. 'every2'")
+    if name in _MODES or name == "auto":
+        raise ValueError(f"register_mode({name!r}): a mode of that name is registered already; choose another name")
+    if not (isinstance(cls, type) and issubclass(cls, Policy)):
+        raise TypeError(f"register_mode({name!r}, {cls!r}): the class must subclass tfsync.policies.Policy")
+    if cls.name != name:
+        raise ValueError(
+            f"register_mode({name!r}, {cls.__name__}): the class's name attribute is {cls.name!r}; "
+            f"set name = {name!r} on the class"
+        )
+    mode = Mode(name, cls, label, tuple(options), dict(variants or {}), simulated)
+    _MODES[name] = mode
+    return mode
+
+
+def modes() -> tuple:
+    """Every registered mode, in registration order."""
+    return tuple(_MODES.values())
+
+
+def get(name: str) -> Mode:
+    """The mode registered as ``name`` (``KeyError`` if none is)."""
+    return _MODES[name]
+
+
+def configurations() -> dict:
+    """Every mode and named variant -> the launcher's flags that run it
+    (``{"bsp": ["--mode", "bsp"], "psp+dc": ["--mode", "psp", "--compensate"], ...}``)."""
+    out = {}
+    for m in _MODES.values():
+        out[m.name] = ["--mode", m.name]
+        for variant, flags in m.variants.items():
+            out[variant] = ["--mode", m.name, *flags]
+    return out
+
+
+def options() -> list:
+    """Every registered option, each flag once (the first registration's), in order."""
+    seen = {}
+    for m in _MODES.values():
+        for o in m.options:
+            seen.setdefault(o.flag, o)
+    return list(seen.values())
