@@ -11,7 +11,7 @@ policy's own pure function, the same object a training run uses:
   pushed it, plus one allreduce (rounds complete in order, one allreduce at
   a time, as on the communication thread).  DSSP asks
   :meth:`tfsync.DSSP.grant` with the coordinator's :class:`PushTable`
-  exactly where the engine asks (``SyncEngine._dssp_required``): past the
+  exactly where the engine asks (:meth:`tfsync.DSSP.next_required`): past the
   lower bound with no grant left and room before the upper bound; a grant
   costs a control round trip.
 * ElasticBSP: supersteps from :meth:`tfsync.ElasticBSP.next_schedule`
@@ -157,15 +157,14 @@ def _bounded(policy, d, allreduce_s, control_s):
 
 
 def _dssp_required(policy, table, grant_left, decisions, p, k, completed, now, control_s):
-    """The engine's DSSP rule after worker ``p`` pushed step ``k`` (``SyncEngine._dssp_required``):
-    the round its next step waits for, and when it may go on at the earliest."""
-    nxt = k + 1
-    required, hard = policy.required_round(k), policy.hard_round(nxt)
-    room = policy.high - (nxt - (completed + 1)) + 1
+    """DSSP after worker ``p`` pushed step ``k``, by the policy's own rule
+    (:meth:`tfsync.DSSP.next_required`, as the engine's grants ask): the round its next
+    step waits for, and when it may go on at the earliest."""
+    required, room, asks = policy.next_required(k, policy.required_round(k), completed, int(grant_left[p]))
     if grant_left[p] > 0:
         grant_left[p] -= 1
-        return hard, now
-    if not (required > completed and room > 0):
+        return required, now
+    if not asks:
         return required, now
     start = time.perf_counter()
     grant = policy.grant(table, p, room)
@@ -173,7 +172,7 @@ def _dssp_required(policy, table, grant_left, decisions, p, k, completed, now, c
     extra = min(grant.extra, room)
     if extra > 0:
         grant_left[p] = extra - 1
-        return hard, now + 2 * control_s
+        return policy.hard_round(k + 1), now + 2 * control_s
     return required, now + 2 * control_s
 
 

@@ -9,31 +9,14 @@ waiting only for the upper bound's round, and asks again when the grant is
 used up.  Every decision goes into the trace (``"grant"`` events) with the
 wait that followed it.
 
-The simulator (:mod:`tfsync.simulate`) plays the same rule through
-:func:`next_required`.
+When to ask is the policy's own rule (:meth:`tfsync.DSSP.next_required`),
+which the simulator (:mod:`tfsync.simulate`) plays too.
 """
 
 import threading
 
 from tfsync.engine.components import StepComponent
 from tfsync.policies.dynamic import PushTable
-
-
-def next_required(policy, step: int, required: int, completed: int, grant_left: int):
-    """DSSP, after pushing ``step``: what its next step waits for and whether to ask.
-
-    ``required``: the lower bound's round for step ``step + 1``; ``completed``:
-    the newest complete round; ``grant_left``: extra steps granted and not yet
-    used.  Returns ``(round, room, asks)``: the round to wait for unless a grant
-    is asked for and given (then :meth:`DSSP.hard_round`), how many steps the
-    upper bound leaves (``room``), and whether to ask the coordinator.
-    """
-    nxt = step + 1
-    room = policy.high - (nxt - (completed + 1)) + 1  # steps computable before the upper bound binds
-    if grant_left > 0:  # one per push, fastest or not (Algorithm 1, lines 3-5)
-        return policy.hard_round(nxt), room, False
-    asks = required > completed and room > 0
-    return required, room, asks
 
 
 class Grants(StepComponent):
@@ -53,7 +36,7 @@ class Grants(StepComponent):
         engine = self.engine
         completed = engine.exchange.completed
         nxt = step + 1
-        rounds, room, asks = next_required(self.policy, step, required, completed, self.left)
+        rounds, room, asks = self.policy.next_required(step, required, completed, self.left)
         if not asks:  # (a grant request carries the push itself)
             engine.control.tell("pushed", step=step)
         if self.left > 0:

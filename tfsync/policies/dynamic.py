@@ -124,6 +124,21 @@ class DSSP(Policy):
         """The round every step waits for, granted or not: the upper bound's."""
         return step - self.high - 1
 
+    def next_required(self, step: int, required: int, completed: int, grant_left: int):
+        """After pushing ``step``: what its next step waits for and whether to ask for a grant.
+
+        ``required``: the lower bound's round for step ``step + 1``; ``completed``:
+        the newest complete round; ``grant_left``: extra steps granted and not yet
+        used.  Returns ``(round, room, asks)``: the round to wait for unless a grant
+        is asked for and given (then :meth:`hard_round`), how many steps the upper
+        bound leaves (``room``), and whether to ask the coordinator (:meth:`grant`).
+        """
+        nxt = step + 1
+        room = self.high - (nxt - (completed + 1)) + 1  # steps computable before the upper bound binds
+        if grant_left > 0:  # one per push, fastest or not (Algorithm 1, lines 3-5)
+            return self.hard_round(nxt), room, False
+        return required, room, required > completed and room > 0
+
     def components(self):
         from tfsync.engine.grants import Grants
 
