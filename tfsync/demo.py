@@ -62,6 +62,7 @@ def main(argv=None):
             "(pip install -e . keeps the examples next to the package)"
         )
     scenarios = {"custom": args.stragglers} if args.stragglers else {k: SCENARIOS[k] for k in args.scenarios}
+    flags = {**MODES, **registry.configurations(staleness=args.staleness)}  # (SSP's bound: --staleness)
     rows = []
     for scenario, spec in scenarios.items():
         for mode in args.modes:
@@ -74,9 +75,7 @@ def main(argv=None):
             row = horovodrun(
                 EXAMPLE,
                 [
-                    # SSP's bound: before the mode's own flags, which win (ssp(s=15))
-                    *(["--staleness", args.staleness] if MODES[mode][:2] == ["--mode", "ssp"] else []),
-                    *MODES[mode],
+                    *flags[mode],
                     "--epochs",
                     args.epochs,
                     "--stragglers",

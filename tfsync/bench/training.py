@@ -150,6 +150,7 @@ def main(argv=None):
 
 def run_configuration(worker, model, scenario, args):
     spec = scenario_spec(scenario, args)
+    flags = {**MODE_FLAGS, **registry.configurations(staleness=args.staleness)}  # (SSP's bound: --staleness)
     runs = {mode: [] for mode in args.modes}
     # round-robin over the modes, so a slow spell of the shared machine hits all of them
     for repeat in range(args.repeats):
@@ -157,9 +158,7 @@ def run_configuration(worker, model, scenario, args):
             result = horovodrun(
                 worker,
                 [
-                    # SSP's bound: before the mode's own flags, which win (ssp(s=15))
-                    *(["--staleness", args.staleness] if MODE_FLAGS[mode][:2] == ["--mode", "ssp"] else []),
-                    *MODE_FLAGS[mode],
+                    *flags[mode],
                     "--model",
                     model,
                     "--stragglers",

@@ -44,7 +44,7 @@ from tfsync.engine.control import ControlClient
 from tfsync.engine.diagnosis import Diagnosis
 from tfsync.engine.entry import CoordinatedRounds, OpenRounds
 from tfsync.engine.exchange import RoundExchange
-from tfsync.engine.tally import COUNTS, Tally, Trace
+from tfsync.engine.tally import COUNTS, Tally, Trace, settled_fields
 from tfsync.policies import resolve
 from tfsync.stragglers import Stragglers
 
@@ -123,7 +123,7 @@ class SyncEngine:
         }
         lifecycle.agree_config(cluster, config)
         self.t0 = lifecycle.agree_t0(cluster)
-        self._server, address, token = lifecycle.open_control(self, cluster)
+        address, token = lifecycle.open_control(self, cluster)  # (sets self._server on rank 0)
         options = self.entry.exchange_options()
         for c in self.components:
             options.update(c.exchange_options())
@@ -186,8 +186,10 @@ class SyncEngine:
             t = self.now()
             applied = self.wait_and_apply(self.step - 1)
             self.tally.totals["wait_s"] += (wait_s := self.now() - t)
-            settled = self.tally.settle_step(self.exchange, applied, self.step - 1, self.applied_through)
-            self.trace({"event": "finish", "rank": self.rank, "t": t, "wait_s": wait_s, **settled})
+            drops, compensated = self._settle()
+            if self.tracing:
+                settled = settled_fields(applied, self.step - 1, self.applied_through, drops, compensated)
+                self.trace({"event": "finish", "rank": self.rank, "t": t, "wait_s": wait_s, **settled})
         drained = False
         for c in self.components:
             drained = c.finish(apply_mean) or drained
@@ -355,7 +357,7 @@ class SyncEngine:
         compute_s = t_push - t_start - waited_before_push_s
         wait_s = t_end - t_push + waited_before_push_s
         self.tally.add("skipped", int(skipped))
-        settled = self.tally.settle_step(self.exchange, applied, step, self.applied_through)
+        drops, compensated = self._settle()
         round_times, self._full_round_times = self._full_round_times, None
         self.last = {
             "wait_s": wait_s,
@@ -366,8 +368,8 @@ class SyncEngine:
             # staleness of a contribution: steps between its round and the step that next uses it
             "staleness": max((step - r for r, _, _ in applied), default=0),
             "applied": sum(n for _, n, _ in applied),
-            "dropped": settled["dropped"],
-            "compensated": settled["compensated"],
+            "dropped": len(drops),
+            "compensated": compensated,
             "skipped": int(skipped),
         }
         tot = self.tally.totals
@@ -377,22 +379,18 @@ class SyncEngine:
         extra = {}
         for c in self.components:
             extra.update(c.end_step(step, wait_s, skipped))
-        self.trace(
-            {
-                "rank": self.rank,
-                "step": step,
-                "t_start": t_start,
-                "t_push": t_push,
-                "t_end": t_end,
-                "compute_s": compute_s,
-                "wait_s": wait_s,
-                **settled,
-                "skipped": skipped,
-                **extra,
-            }
-        )
+        if self.tracing:  # (the record is built only for a trace: every step runs this)
+            times = {"t_start": t_start, "t_push": t_push, "t_end": t_end, "compute_s": compute_s, "wait_s": wait_s}
+            settled = settled_fields(applied, step, self.applied_through, drops, compensated)
+            self.trace({"rank": self.rank, "step": step, **times, **settled, "skipped": skipped, **extra})
         self.step = step + 1
         self._t_step_start = t_end
+
+    def _settle(self):
+        """Settle the tally: this worker's contributions dropped (``[[stamp, round]]``) and
+        compensated since the last settlement."""
+        compensated = self.tally.pending("compensated")
+        return self.tally.settle(self.exchange), compensated
 
 
 __all__ = ["COUNTS", "SyncEngine"]

@@ -15,10 +15,12 @@
   it skips that step, which then enters nothing.
 """
 
+import abc
+
 from tfsync.engine import protocols
 
 
-class RoundEntry:
+class RoundEntry(abc.ABC):
     """The interface of both entries (the engine holds one, chosen by ``Policy.coordinated``)."""
 
     def __init__(self, engine):
@@ -32,10 +34,10 @@ class RoundEntry:
         """What the control path calls with each closing it carries, or None."""
         return None
 
+    @abc.abstractmethod
     def push(self, step: int, payload, t_push: float, compute_s: float, inline: bool) -> None:
         """This worker's contribution to round ``step`` is ready (``inline``: the worker would
         wait for this very round next, so it may run it on its own thread)."""
-        raise NotImplementedError
 
     def computes(self, step: int) -> bool:
         """False when round ``step`` already closed without this worker (the step is skipped)."""

@@ -46,7 +46,8 @@ def agree_t0(cluster) -> float:
 def open_control(engine, cluster):
     """Rank 0 starts the control service; every rank learns its address and the job's token.
 
-    Returns ``(server or None, address, token)``.  From here on the engine is
+    Returns ``(address, token)``; rank 0's server is ``engine._server`` (set before
+    anything can fail, so :func:`abandon` stops it).  From here on the engine is
     abandoned at interpreter exit unless closed (:func:`leave_at_exit`).
     """
     server, contact = None, None
@@ -62,8 +63,7 @@ def open_control(engine, cluster):
         contact = (server.address, token)
     engine._server = server
     leave_at_exit(engine)  # from here on something runs that must not outlive the process
-    address, token = cluster.broadcast_object(contact, root_rank=0, name="tfsync.control_address")
-    return server, address, token
+    return cluster.broadcast_object(contact, root_rank=0, name="tfsync.control_address")
 
 
 def leave_at_exit(engine):

@@ -44,21 +44,6 @@ class Tally:
         self._pending = dict.fromkeys(COUNTS, 0)
         return drops
 
-    def settle_step(self, exchange, applied, step: int, applied_through: int) -> dict:
-        """:meth:`settle`, as the trace records it: the rounds ``step`` applied
-        (``applied``: ``(round, contributors, stamps)``) and this worker's contributions
-        compensated and dropped since the last record."""
-        compensated = self._pending["compensated"]
-        drops = self.settle(exchange)
-        return {
-            "applied": [[r, step - r, n] for r, n, _ in applied],
-            "stamps": [[r, s] for r, _, s in applied],
-            "applied_through": applied_through,
-            "dropped": len(drops),
-            "drops": drops,
-            "compensated": compensated,
-        }
-
     def check(self, rank: int):
         """Every contribution produced is applied, compensated or dropped (after the last drain)."""
         c = self.counts
@@ -68,6 +53,20 @@ class Tally:
                 f"applied {c['applied']}, compensated {c['compensated']}, dropped {c['dropped']} "
                 f"after every round was drained"
             )
+
+
+def settled_fields(applied, step: int, applied_through: int, drops: list, compensated: int) -> dict:
+    """What a trace record says of a settlement (:meth:`Tally.settle`): the rounds ``step``
+    applied (``applied``: ``(round, contributors, stamps)``) and this worker's contributions
+    compensated and dropped since the last record."""
+    return {
+        "applied": [[r, step - r, n] for r, n, _ in applied],
+        "stamps": [[r, s] for r, _, s in applied],
+        "applied_through": applied_through,
+        "dropped": len(drops),
+        "drops": drops,
+        "compensated": compensated,
+    }
 
 
 class Trace:

@@ -94,14 +94,19 @@ def get(name: str) -> Mode:
     return _MODES[name]
 
 
-def configurations() -> dict:
+def configurations(**settings) -> dict:
     """Every mode and named variant -> the launcher's flags that run it
-    (``{"bsp": ["--mode", "bsp"], "psp+dc": ["--mode", "psp", "--compensate"], ...}``)."""
+    (``{"bsp": ["--mode", "bsp"], "psp+dc": ["--mode", "psp", "--compensate"], ...}``).
+
+    ``settings``: option values by field (``staleness=5``), given to each mode that
+    takes them, before a variant's own flags, which win (``ssp(s=15)``).
+    """
     out = {}
     for m in _MODES.values():
-        out[m.name] = ["--mode", m.name]
+        given = [str(v) for o in m.options if o.field in settings for v in (o.flag, settings[o.field])]
+        out[m.name] = ["--mode", m.name, *given]
         for variant, flags in m.variants.items():
-            out[variant] = ["--mode", m.name, *flags]
+            out[variant] = ["--mode", m.name, *given, *flags]
     return out
 
 
