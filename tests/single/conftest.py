@@ -1,6 +1,13 @@
 """Fixtures shared by the single-process tests."""
 
 import pytest
+import tensorflow as tf
+
+# N ranks on threads of one process run N compiled train steps at once, each blocked in a
+# tf.py_function until its peers' round arrives while the engine runs compiled functions of
+# its own: more inter-op threads than the two TensorFlow gives a two-core machine (one process
+# per rank under horovodrun has a pool per rank).  Before any op creates the runtime.
+tf.config.threading.set_inter_op_parallelism_threads(16)
 
 
 @pytest.fixture(scope="module")

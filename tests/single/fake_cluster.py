@@ -129,6 +129,34 @@ class FakeRank:
             detail=root_rank,
         )
 
+    def local_rank(self):
+        return self._rank  # (every rank on one host)
+
+    def broadcast(self, tensor, root_rank, name):
+        value = np.asarray(tensor)
+        return tf.constant(
+            self._cluster.meet(
+                self._rank, "broadcast", name, value, lambda vs: [vs[root_rank]] * len(vs), detail=root_rank
+            )
+        )
+
+    def broadcast_variables(self, variables, root_rank, name):
+        values = [np.asarray(protocols.tf_variable(v).numpy()) for v in variables]
+        signature = tuple((str(a.dtype), a.shape) for a in values)
+        out = self._cluster.meet(
+            self._rank,
+            "broadcast_variables",
+            name,
+            values,
+            lambda vs: [copy.deepcopy(vs[root_rank]) for _ in vs],
+            detail=(root_rank, signature),
+        )
+        for v, value in zip(variables, out):
+            protocols.tf_variable(v).assign(value)
+
+    def average(self, tensors, name):
+        return self.grouped_allreduce(tensors, self.Average, name)
+
     def collective(self, average):
         return protocols.horovod_collective(average, hvd=self)
 

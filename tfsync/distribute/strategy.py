@@ -13,7 +13,8 @@ CPU), so Keras 3 sees and uses a real strategy.  Across processes:
   the optimizer updates are observed through ``extended.update``, and after
   the step the engine pushes their share and moves them to the next step's
   weights; DC-S3GD's protocol does the same with the gradient the engine
-  corrected (:meth:`SyncEngine.correct_gradients`) in place of the local one;
+  corrected in place of the local one (the same hooks as the Keras callback's:
+  :func:`tfsync.engine.tf_bridge.before_optimizer` and ``after_optimizer``);
 * the engine starts when the first train step is traced;
 * datasets are not distributed: with one replica per process, Keras' input
   feeds the step as it would with no strategy at all (TF's default strategy
@@ -41,16 +42,9 @@ import threading
 import tensorflow as tf
 from tensorflow.python.distribute import one_device_strategy
 
-from tfsync import _horovod
-from tfsync.engine import SyncEngine
-from tfsync.engine.protocols import for_policy, tf_variable
-from tfsync.engine.tf_bridge import (
-    correct_gradients,
-    exchange_gradients,
-    exchange_updates,
-    finish_in_graph,
-    skippable_train_step,
-)
+from tfsync.engine.protocols import tf_variable
+from tfsync.engine.tf_bridge import after_optimizer, before_optimizer, finish_in_graph, skippable_train_step
+from tfsync.frontend import Frontend
 from tfsync.policies import resolve
 
 
@@ -64,6 +58,7 @@ class SyncStrategy(tf.distribute.OneDeviceStrategy):
         trace_dir: JSON-lines trace directory (default: none).
         wait_timeout_s: bound on one wait for peers (default 120 s).
         device: local device (default: ``/gpu:<local_rank>`` if GPUs exist, else ``/cpu:0``).
+        cluster: the job's ranks (:mod:`tfsync.engine.cluster`); default: Horovod's.
 
     Example::
 
@@ -76,7 +71,7 @@ class SyncStrategy(tf.distribute.OneDeviceStrategy):
         strategy.finish()
     """
 
-    def __init__(self, mode="bsp", *, stragglers=None, trace_dir=None, wait_timeout_s=None, device=None):
+    def __init__(self, mode="bsp", *, stragglers=None, trace_dir=None, wait_timeout_s=None, device=None, cluster=None):
         policy = resolve(mode)
         if policy.pulls_partially:
             raise ValueError(
@@ -85,20 +80,15 @@ class SyncStrategy(tf.distribute.OneDeviceStrategy):
                 f"drives (the strategy's optimizer applies every weight at once); use SyncCallback "
                 f"with model.fit, or pull_fraction=1.0 here"
             )
-        hvd = _horovod.horovod()
+        frontend = Frontend(
+            policy, stragglers=stragglers, trace_dir=trace_dir, wait_timeout_s=wait_timeout_s, cluster=cluster
+        )
+        local_rank = frontend.cluster.local_rank()  # (Horovod's checks, now rather than at the first step)
         if device is None:
             gpus = tf.config.list_logical_devices("GPU")
-            device = gpus[hvd.local_rank() % len(gpus)].name if gpus else "/cpu:0"
+            device = gpus[local_rank % len(gpus)].name if gpus else "/cpu:0"
         # OneDeviceStrategy.__init__ would build a plain OneDeviceExtended; build ours.
-        tf.distribute.Strategy.__init__(
-            self,
-            _SyncExtended(
-                self,
-                device,
-                policy,
-                dict(stragglers=stragglers, trace_dir=trace_dir, wait_timeout_s=wait_timeout_s),
-            ),
-        )
+        tf.distribute.Strategy.__init__(self, _SyncExtended(self, device, frontend))
 
     @property
     def engine(self):
@@ -117,15 +107,12 @@ def _per_replica(options):
 
 
 class _SyncExtended(one_device_strategy.OneDeviceExtended):
-    def __init__(self, container_strategy, device, policy, engine_args):
+    def __init__(self, container_strategy, device, frontend):
         super().__init__(container_strategy, device)
-        SyncEngine(policy, **engine_args)  # validate the arguments now
-        self._policy, self._engine_args = policy, engine_args
-        protocol = for_policy(policy)
+        self._frontend, self._policy = frontend, frontend.policy
+        protocol = self._protocol = frontend.protocol()
         self._reduces_gradients = protocol.reduces_gradients
-        self._corrects_gradients = protocol.corrects_gradients
-        self._starts_from_variables = protocol.corrects_gradients or policy.compensate is not None
-        self._engine = None
+        self._starts_from_variables = protocol.corrects_gradients or self._policy.compensate is not None
         self._variables = None
         self._var_count = 0
         self._local = threading.local()
@@ -144,9 +131,13 @@ class _SyncExtended(one_device_strategy.OneDeviceExtended):
             return super()._distribute_datasets_from_function(dataset_fn, options)  # (raises as TF does)
         return dataset_fn(tf.distribute.InputContext())
 
+    @property
+    def _engine(self):
+        """The running engine, or None (before the first train step, after ``finish``)."""
+        return self._frontend.engine if self._frontend.running else None
+
     # Variables start identical on every rank.
     def _create_variable(self, next_creator, **kwargs):
-        hvd = _horovod.horovod()
         initial = kwargs.get("initial_value")
         if callable(initial):
             initial = initial()
@@ -154,13 +145,9 @@ class _SyncExtended(one_device_strategy.OneDeviceExtended):
             name = f"tfsync.create.{self._var_count}"
             self._var_count += 1
             value = tf.convert_to_tensor(initial)
-            broadcast = lambda: hvd.broadcast(value, root_rank=0, name=name)  # noqa: E731
-            # while training, every collective goes through the exchange thread
-            kwargs["initial_value"] = (
-                broadcast()
-                if self._engine is None
-                else self._engine.exchange.call(broadcast, self._engine.wait_timeout_s)
-            )
+            cluster = self._frontend.cluster
+            # (while training, on the exchange thread after the queued rounds)
+            kwargs["initial_value"] = self._frontend.collective(lambda: cluster.broadcast(value, 0, name))
         return super()._create_variable(next_creator, **kwargs)
 
     # strategy.run: one traced train, test or predict step (Keras passes its
@@ -186,7 +173,7 @@ class _SyncExtended(one_device_strategy.OneDeviceExtended):
                     out = super()._call_for_each_replica(fn, args, kwargs)
                 if state.training and not self._reduces_gradients and not state.__dict__.get("exchanged"):
                     self._ensure_started(state.updates)
-                    exchange_updates(self._engine, self._variables)
+                    after_optimizer(self._protocol, self._engine, self._variables)
             finally:
                 state.in_step = False
             return out
@@ -203,13 +190,10 @@ class _SyncExtended(one_device_strategy.OneDeviceExtended):
         ):
             return super()._batch_reduce_to(reduce_op, value_destination_pairs, options)
         state.training = True
-        if self._reduces_gradients:
-            if self._engine is None:
-                self._start(values)
-            return exchange_gradients(self._engine, values)
-        if self._corrects_gradients:
-            return correct_gradients(self._engine, values)
-        return values
+        if self._reduces_gradients and self._engine is None:
+            self._start(values)
+        # (an update protocol's engine starts after the step, on the variables it updated)
+        return before_optimizer(self._protocol, self._engine, values)
 
     def _update(self, var, fn, args, kwargs, group):
         state = self._local
@@ -246,7 +230,7 @@ class _SyncExtended(one_device_strategy.OneDeviceExtended):
                 out = train_step(data)
                 if state.training:
                     self._ensure_started(state.updates)
-                    exchange_updates(self._engine, self._variables)
+                    after_optimizer(self._protocol, self._engine, self._variables)
                     state.exchanged = True
                 return out
 
@@ -260,8 +244,7 @@ class _SyncExtended(one_device_strategy.OneDeviceExtended):
     def _start(self, tensors):
         """Start the engine while the first train step is traced (collective)."""
         with tf.init_scope():
-            self._engine = SyncEngine(self._policy, **self._engine_args)
-            self._engine.start(tensors)
+            self._frontend.start(tensors)
 
     def _ensure_started(self, variables):
         if self._engine is None:
@@ -281,6 +264,4 @@ class _SyncExtended(one_device_strategy.OneDeviceExtended):
     def _finish(self):
         if self._engine is None:
             return
-        self._engine.finish(apply_mean=getattr(self, "_apply_mean", None))
-        self._engine.close()
-        self._engine = None
+        self._frontend.stop(apply_mean=getattr(self, "_apply_mean", None))

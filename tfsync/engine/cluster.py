@@ -10,6 +10,12 @@ of everything that talks to the outside world:
 * ``collective(average)``: the round collective the
   :class:`~tfsync.engine.exchange.RoundExchange` runs,
   ``collective(payload, meta, divisor=None) -> (total, meta)``;
+* ``local_rank()``: this worker's index among the workers of its host;
+* ``broadcast(tensor, root_rank, name)``: ``root_rank``'s tensor on every rank;
+* ``broadcast_variables(variables, root_rank, name)``: set every rank's
+  variables to ``root_rank``'s values, in place;
+* ``average(tensors, name)``: the element-wise mean over the ranks of each
+  tensor, one grouped call (the frontends' epoch logs and statistics);
 * ``barrier(name)``: a function of no arguments that returns once every
   rank has called it; the engine's ``close()`` builds it on the training
   thread and runs it on the exchange thread, after every round;
@@ -18,8 +24,9 @@ of everything that talks to the outside world:
   round that runs on the training thread (BSP's inline round) outlasts the
   wait bound, so that wait ends as every other one does.
 
-The engine calls them from at most one thread at a time per rank, in the same
-order on every rank.  In production (``cluster=None``) it is
+The engine and the frontends (:mod:`tfsync.frontend`) call them from at most
+one thread at a time per rank, in the same order on every rank; nothing else
+in tfsync's training path calls Horovod.  In production (``cluster=None``) it is
 :class:`HorovodCluster`: the same Horovod calls, with the same names and in
 the same order, as the engine made before this interface existed.  The
 single-process tests pass N ranks on threads (``tests/single/fake_cluster.py``),
@@ -46,8 +53,22 @@ class HorovodCluster:
     def size(self) -> int:
         return self.hvd.size()
 
+    def local_rank(self) -> int:
+        return self.hvd.local_rank()
+
     def allgather_object(self, obj, name):
         return self.hvd.allgather_object(obj, name=name)
+
+    def broadcast(self, tensor, root_rank, name):
+        return self.hvd.broadcast(tensor, root_rank=root_rank, name=name)
+
+    def broadcast_variables(self, variables, root_rank, name):
+        """Horovod's ``broadcast_variables``: the broadcasts launched together in one compiled
+        function, assigned in place (no copy of the model is assembled on the host)."""
+        self.hvd.broadcast_variables([protocols.tf_variable(v) for v in variables], root_rank=root_rank)
+
+    def average(self, tensors, name):
+        return self.hvd.grouped_allreduce(list(tensors), op=self.hvd.Average, name=name)
 
     def broadcast_object(self, obj, root_rank, name):
         return self.hvd.broadcast_object(obj, root_rank=root_rank, name=name)

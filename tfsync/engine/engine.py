@@ -46,7 +46,6 @@ from tfsync.engine.entry import CoordinatedRounds, OpenRounds
 from tfsync.engine.exchange import RoundExchange
 from tfsync.engine.tally import COUNTS, Tally, Trace, settled_fields
 from tfsync.policies import resolve
-from tfsync.stragglers import Stragglers
 
 WAIT_TIMEOUT_ENV = _env.WAIT_TIMEOUT_S.name
 WAIT_POLL_S = 1.0  # a waiting worker checks the control path (losses, stops, its deadline) this often
@@ -78,13 +77,9 @@ class SyncEngine:
 
     def __init__(self, mode="bsp", *, stragglers=None, trace_dir=None, wait_timeout_s=None, cluster=None):
         self.policy = resolve(mode)
-        if stragglers is None:
-            stragglers = Stragglers.from_env()
-        if not isinstance(stragglers, Stragglers):
-            raise TypeError(f"stragglers must be a tfsync.Stragglers, got {type(stragglers).__name__}")
-        self.stragglers = stragglers
-        self.trace_dir = trace_dir
-        self.wait_timeout_s = _env.wait_timeout_s(wait_timeout_s)
+        settings = lifecycle.settings(stragglers=stragglers, trace_dir=trace_dir, wait_timeout_s=wait_timeout_s)
+        self.stragglers, self.trace_dir = settings["stragglers"], settings["trace_dir"]
+        self.wait_timeout_s = settings["wait_timeout_s"]
         self._cluster = cluster
         self.started = False
         self.error = None

@@ -4,24 +4,40 @@ Each runs once per :meth:`SyncEngine.start <tfsync.engine.SyncEngine.start>`
 through the cluster's own collectives (Horovod's in production), so a job
 whose ranks disagree stops with both sides named before any round runs, and
 the control path's token reaches the workers over Horovod's channel, never
-the control path itself.  An engine ends with :func:`close` (collective) or,
+the control path itself (its settings are checked earlier still, by
+:func:`settings`, when a frontend is built).  An engine ends with :func:`close` (collective) or,
 when the interpreter exits with it still running, :func:`abandon` (local),
 so a failed ``fit`` cannot leave the process hanging on the control path's
 threads.
 """
 
+import os
 import secrets
 import threading
 import time
 import weakref
 
+from tfsync import _env
 from tfsync.engine.address import choose as choose_control_address
 from tfsync.engine.control import ControlServer
+from tfsync.stragglers import Stragglers
 
 ABANDON_JOIN_S = 2.0  # at exit, how long an unclosed engine waits for its communication thread
 
 _running = weakref.WeakSet()  # engines started and not closed, in this process
 _exit_hook_registered = False
+
+
+def settings(*, stragglers=None, trace_dir=None, wait_timeout_s=None) -> dict:
+    """The engine's settings, checked and with their defaults filled in (from the environment):
+    what the frontends validate when they are built, before any training starts."""
+    if stragglers is None:
+        stragglers = Stragglers.from_env()
+    if not isinstance(stragglers, Stragglers):
+        raise TypeError(f"stragglers must be a tfsync.Stragglers, got {type(stragglers).__name__}")
+    if trace_dir is not None and not isinstance(trace_dir, str | os.PathLike):
+        raise TypeError(f"trace_dir must be a directory path or None, got {type(trace_dir).__name__}")
+    return {"stragglers": stragglers, "trace_dir": trace_dir, "wait_timeout_s": _env.wait_timeout_s(wait_timeout_s)}
 
 
 def agree_config(cluster, config: dict) -> None:

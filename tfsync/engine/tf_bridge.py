@@ -173,6 +173,29 @@ def exchange_updates(engine, variables):
     return tf.py_function(lambda *_: engine.sync_step([]), after_update, Tout=[], name="tfsync_step")
 
 
+def before_optimizer(protocol, engine, grads):
+    """What the optimizer applies this step, by the step protocol (class) ``protocol``: the
+    round's mean (gradient protocol), the gradients corrected for the weights they will be
+    applied at (DC-S3GD), or this worker's own (update protocols).
+
+    One half of the frontends' hook on the optimizer's path, :func:`after_optimizer` the
+    other; ``engine`` may be a callable returning the engine (gradient protocol only).
+    """
+    if protocol.reduces_gradients:
+        return exchange_gradients(engine, grads)
+    if protocol.corrects_gradients:
+        return correct_gradients(_getter(engine)(), grads)
+    return grads
+
+
+def after_optimizer(protocol, engine, variables):
+    """After the optimizer applied this step: the update protocols push its share and move the
+    weights (:func:`exchange_updates`); the gradient protocol has nothing left to do (None)."""
+    if protocol.reduces_gradients:
+        return None
+    return exchange_updates(_getter(engine)(), variables)
+
+
 def finish_in_graph(engine):
     """Drain every round in flight from inside a compiled step; returns a tensor to depend on."""
 

@@ -16,23 +16,20 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfsync import _horovod
-from tfsync.engine import COUNTS, SyncEngine, protocols
-from tfsync.engine.protocols import tf_variable
+from tfsync.engine import COUNTS
 from tfsync.engine.pull import PartialPull
 from tfsync.engine.tf_bridge import (
     OptimizerBlocks,
+    after_optimizer,
+    before_optimizer,
     check_blockwise_optimizer,
-    correct_gradients,
-    exchange_gradients,
     exchange_gradients_blockwise,
-    exchange_updates,
     skippable_train_step,
 )
+from tfsync.frontend import Frontend
 from tfsync.keras.statistics import average_statistics
-from tfsync.launch import describe_mode
 from tfsync.policies import Auto, resolve_mode
-from tfsync.policies.auto import PROFILES, classify, early
+from tfsync.policies.auto import AutoController
 
 log = logging.getLogger("tfsync.auto")
 
@@ -72,6 +69,9 @@ class SyncCallback(keras.callbacks.Callback):
             identical, statistics included (default True;
             :func:`tfsync.keras.average_statistics`).  Each worker's statistics
             follow its own batches during training, as under plain Horovod.
+        cluster: the job's ranks (:mod:`tfsync.engine.cluster`); default: Horovod's.  Every
+            collective of the callback and its engine goes through it; the single-process
+            tests pass ranks on threads of one process.
 
     Logs added: per batch ``tfsync_wait_s``, ``tfsync_staleness``; per epoch
     ``tfsync_wait_fraction`` and this worker's contributions: ``tfsync_produced``
@@ -100,32 +100,42 @@ class SyncCallback(keras.callbacks.Callback):
         wait_timeout_s=None,
         average_epoch_logs=True,
         average_statistics=True,
+        cluster=None,
     ):
         super().__init__()
         mode = resolve_mode(mode)
-        self.auto = mode if isinstance(mode, Auto) else None
-        self.policy = mode.initial if self.auto else mode
-        self._engine_args = dict(stragglers=stragglers, trace_dir=trace_dir, wait_timeout_s=wait_timeout_s)
-        SyncEngine(self.policy, **self._engine_args)  # validates the arguments now
-        self.auto_decisions = []
-        self.average_epoch_logs = average_epoch_logs
         for flag, value in (("average_epoch_logs", average_epoch_logs), ("average_statistics", average_statistics)):
             if not isinstance(value, bool):
                 raise TypeError(f"tfsync.keras.SyncCallback: {flag} must be True or False, got {value!r}")
+        self.auto = mode if isinstance(mode, Auto) else None
+        self.policy = mode.initial if self.auto else mode
+        self._frontend = Frontend(
+            self.policy, stragglers=stragglers, trace_dir=trace_dir, wait_timeout_s=wait_timeout_s, cluster=cluster
+        )
+        self.average_epoch_logs = average_epoch_logs
         self.average_statistics = average_statistics
-        self.engine = None
+        self._controller = None
+
+    @property
+    def engine(self):
+        """The running (or last) :class:`tfsync.engine.SyncEngine`; None before ``fit``."""
+        return self._frontend.engine
+
+    @property
+    def auto_decisions(self):
+        """Auto mode's decisions in this ``fit`` (:class:`tfsync.policies.auto.AutoController`)."""
+        return self._controller.decisions if self._controller is not None else []
 
     # -------------------------------------------------------------------- train
     def on_train_begin(self, logs=None):
-        hvd = _horovod.horovod()
-        model = self.model
+        model, frontend = self.model, self._frontend
         if getattr(model, "optimizer", None) is None:
             raise ValueError(
                 "tfsync.keras.SyncCallback: the model has no optimizer; call "
                 "model.compile(optimizer=..., loss=...) before model.fit"
             )
         steps = self.params.get("steps")
-        all_steps = hvd.allgather_object(steps, name="tfsync.steps")
+        all_steps = frontend.allgather(steps, "tfsync.steps")
         if len(set(all_steps)) != 1 or steps is None:
             raise ValueError(
                 f"tfsync: the ranks run different or unknown numbers of steps per epoch "
@@ -133,44 +143,42 @@ class SyncCallback(keras.callbacks.Callback):
                 f"into equal parts (e.g. x[rank::size] with len(x) divisible by size) or pass "
                 f"steps_per_epoch to model.fit"
             )
-        self._broadcast_weights(hvd, model)
+        # every model variable (trainable or not) from rank 0, in its own dtype
+        frontend.broadcast_variables(model.variables, "tfsync.weights")
         self.variables = list(model.trainable_variables)
         self._steps = steps
         self._earlier_counts = dict.fromkeys(COUNTS, 0)  # of the engines auto mode stopped
         self._compiled_kind = None  # what the compiled train step serves, if engines can share it
         if self.auto is not None:
-            self.policy = self.auto.initial
-            self.auto_decisions, self._segment, self._switches = [], 0, 0
-            self._window, self._window_steps, self._candidate = [], 0, (None, 0)
-            self._shared = [[] for _ in range(hvd.size())]  # every rank's times, from BSP's rounds
-            self._steps_left = steps * self.params.get("epochs", 1)
-            if hvd.size() < 2:
-                raise ValueError("tfsync.keras.SyncCallback: mode 'auto' compares workers; launch 2 or more")
-            for policy in (self.auto.initial, *self.auto.modes.values()):
-                policy.validate(hvd.size())  # before training, not at a switch
+            self.policy, self._segment = self.auto.initial, 0
+            self._controller = AutoController(
+                self.auto,
+                frontend.cluster.size(),
+                steps * self.params.get("epochs", 1),
+                gather=lambda window: frontend.allgather(window, "tfsync.auto.window"),
+            )
         self._start_engine()
 
     def _start_engine(self):
         """Start the engine of ``self.policy``; compile a train step for it unless the one
         compiled already serves it (auto mode between gradient-protocol modes)."""
-        model, engine_args = self.model, dict(self._engine_args)
-        if self.policy.pulls_partially:
-            check_blockwise_optimizer(model.optimizer, self.policy)
-        if self.auto is not None and engine_args["trace_dir"]:
-            name = f"{self._segment}-{self.policy.name}"
-            engine_args["trace_dir"] = os.path.join(engine_args["trace_dir"], name)
-        self.engine = SyncEngine(self.policy, **engine_args)
-        self.engine.start(
-            self.variables, extra_config={"steps": self._steps, "optimizer": type(model.optimizer).__name__}
+        model, policy = self.model, self.policy
+        if policy.pulls_partially:
+            check_blockwise_optimizer(model.optimizer, policy)
+        engine = self._frontend.start(
+            self.variables,
+            policy=policy,
+            trace_name=f"{self._segment}-{policy.name}" if self.auto is not None else None,
+            extra_config={"steps": self._steps, "optimizer": type(model.optimizer).__name__},
         )
-        if self._keeps_step(self.policy):
+        if self._keeps_step(policy):
             return
-        kind = self._compiled_kind = self._step_kind(self.policy)
+        kind = self._compiled_kind = self._step_kind(policy)
         self._wrap_optimizer(model.optimizer)
-        if self.policy.skips or kind is not None:
+        if policy.skips or kind is not None:
             # (partial pulling: the engine applies the rounds itself, block by block)
-            blockwise = self.engine.find(PartialPull) is not None
-            apply_mean = self._apply_mean if self.engine.protocol.reduces_gradients and not blockwise else None
+            blockwise = engine.find(PartialPull) is not None
+            apply_mean = self._apply_mean if engine.protocol.reduces_gradients and not blockwise else None
             model.train_step = skippable_train_step(
                 lambda: self.engine, model, type(model).train_step.__get__(model), apply_mean
             )
@@ -198,7 +206,7 @@ class SyncCallback(keras.callbacks.Callback):
         """
         if self.auto is None:
             return None
-        protocol = protocols.for_policy(policy)
+        protocol = self._frontend.protocol(policy)
         return "gradients" if protocol.reduces_gradients and not protocol.corrects_gradients else None
 
     def _keeps_step(self, policy):
@@ -207,8 +215,10 @@ class SyncCallback(keras.callbacks.Callback):
         return kind is not None and kind == self._compiled_kind
 
     def on_epoch_begin(self, epoch, logs=None):
-        self._epoch, self._unmeasured = epoch, True
+        self._epoch = epoch
         self._switched_totals = None  # the epoch's totals of engines auto mode stopped during it
+        if self._controller is not None:
+            self._controller.epoch_begin()
         if self.engine is not None:
             self.engine.reset_totals()
 
@@ -219,38 +229,11 @@ class SyncCallback(keras.callbacks.Callback):
         if logs is not None:
             logs["tfsync_wait_s"] = last.get("wait_s", 0.0)
             logs["tfsync_staleness"] = last.get("staleness", 0)
-        if self.auto is not None:
-            self._window_steps += 1
-            self._steps_left -= 1
-            # an epoch's first step also times what ran between epochs (evaluation, callbacks), and
-            # an engine's first step its retracing: left out, or they would look like rare delays
-            measured = not self._unmeasured
-            if measured and not last.get("skipped", 0) and "compute_s" in last:
-                self._window.append(last["compute_s"])
-            self._unmeasured = False
-            if self.auto_decisions:
-                return
-            # before the first decision under BSP: every round's metadata has every rank's time,
-            # the same table on every rank, so a persistently slow worker is acted on early
-            # (auto.early) at the same step everywhere, without a gather
-            times = last.get("round_compute_s")
-            if self.policy.name != "bsp" or times is None:
-                self._shared = None  # not every rank's time in this step's round: no shared table
-            elif measured and self._shared is not None:
-                for row, t in zip(self._shared, times):
-                    row.append(float(t))
-                found = early(self._shared) if self._steps_left >= self.auto.window_steps else None
-                if found is not None:
-                    self._auto_decide(self._epoch, batch, found=found)
-                    return
-            # the first decision as soon as the window is full, mid-epoch included (Keras looks
-            # its train function up at every step); the later ones at epoch ends (on_epoch_end)
-            if self._window_full():
-                self._auto_decide(self._epoch, batch)
-
-    def _window_full(self):
-        """A decision is due: a full window, and enough steps left for a switch to pay."""
-        return self._window_steps >= self.auto.window_steps and self._steps_left >= self.auto.window_steps
+        if self._controller is not None:
+            # (mid-epoch included: Keras looks its train function up at every step)
+            due, found = self._controller.after_step(last)
+            if due:
+                self._auto_decide(self._epoch, batch, found)
 
     @property
     def counts(self):
@@ -265,10 +248,8 @@ class SyncCallback(keras.callbacks.Callback):
             # drain the rounds still in flight now, so the last epoch's logs count every
             # contribution (on_train_end drains again if fit stops early)
             self._drain()
-        if self.auto is not None and self.auto_decisions and self._window_full():
-            # at the epoch end, where the epoch logs' averaging waits for every worker anyway: a
-            # decision mid-epoch is one more barrier, which a rare delay makes every worker wait
-            # at.  Before the logs: a switch's drain applies rounds this epoch's counts include.
+        if self._controller is not None and self._controller.due_at_epoch_end():
+            # before the logs: a switch's drain applies rounds this epoch's counts include
             self._auto_decide(epoch, self._steps - 1)
         tot = self.engine.totals
         if self._switched_totals is not None:
@@ -281,75 +262,33 @@ class SyncCallback(keras.callbacks.Callback):
         for key, n in (pull.counts if pull is not None else {}).items():  # partial pulling, since fit began
             logs[f"tfsync_{key}"] = float(n)
         if self.average_epoch_logs:
-            hvd = _horovod.horovod()
             keys = sorted(k for k, v in logs.items() if np.ndim(v) == 0)
-            values = np.array([float(logs[k]) for k in keys], np.float64)
-            mean = self.engine.exchange.call(
-                lambda: hvd.allreduce(tf.constant(values), op=hvd.Average, name="tfsync.epoch_logs").numpy(),
-                timeout_s=self.engine.wait_timeout_s,
-            )
+            mean = self._frontend.average([float(logs[k]) for k in keys], "tfsync.epoch_logs")
             logs.update({k: float(v) for k, v in zip(keys, mean)})
-        if self.auto is not None and self.auto_decisions:
-            logs["tfsync_auto_profile"] = float(PROFILES.index(self.auto_decisions[-1]["profile"]))
-            logs["tfsync_auto_switches"] = float(self._switches)
+        if self._controller is not None:
+            logs.update(self._controller.epoch_logs())
 
     def _auto_decide(self, epoch, batch, found=None):
-        """Classify the window's step times (every rank the same table, the same answer); switch
-        at the first decision, later only after ``confirm`` consecutive decisions agree.
-
-        Every rank calls this after the same step (the same window length and steps left).
-        ``found``: the profile :func:`tfsync.policies.auto.early` found in every rank's times
-        from BSP's replicated metadata (an early decision), instead of gathering the windows."""
-        hvd = _horovod.horovod()
-        window, t = self._window, time.monotonic()
-        profile = found
-        if found is None:
-            every = self.engine.exchange.call(
-                lambda: hvd.allgather_object(window, name="tfsync.auto.window"),
-                timeout_s=self.engine.wait_timeout_s,
-            )
-        wait_s = time.monotonic() - t
-        self._window, self._window_steps, self._shared = [], 0, None
-        if found is None:
-            if min(len(w) for w in every) == 0:
-                return  # a worker computed nothing in the window (it skipped every step): decide later
-            profile = classify(every)
-        current = self.auto_decisions[-1]["profile"] if self.auto_decisions else None
-        in_force, self._candidate = self.auto.in_force(current, self._candidate, profile.name)
-        wanted = self.auto.mode_for(in_force)
-        switch = wanted != self.policy
-        decision = {
-            "epoch": epoch,
-            "batch": batch,
-            "profile": in_force,
-            "observed": profile.name,
-            "reason": profile.reason,
-            "slowest_ratio": profile.slowest_ratio,
-            "rare_fraction": profile.rare_fraction,
-            "spread": profile.spread,
-            "steps": profile.steps,
-            "early": found is not None,  # from the rounds' metadata after auto.EARLY_STEPS steps
-            "running": describe_mode(self.policy),
-            "mode": describe_mode(wanted),
-            "switched": switch,
-            "wait_s": wait_s,  # this rank's wait for the others to reach the decision
-        }
-        self.auto_decisions.append(decision)
-        if switch:
+        """Auto mode's decision after this step (every rank after the same one), and its switch."""
+        decision, wanted = self._controller.decide(epoch, batch, found)
+        if decision is None:
+            return
+        if wanted is not None:
             t = time.monotonic()
             decision["retraced"] = self._switch(wanted)
             decision["switch_s"] = time.monotonic() - t  # the retracing, if any, is in the next step
-        if hvd.rank() == 0:
+        if self._frontend.cluster.rank() == 0:
             log.info(
                 "tfsync auto, epoch %d batch %d: %s (%s) -> %s",
                 epoch,
                 batch,
-                profile.name,
-                profile.reason,
+                decision["observed"],
+                decision["reason"],
                 decision["mode"],
             )
-            if self._engine_args["trace_dir"]:
-                with open(os.path.join(self._engine_args["trace_dir"], "auto.jsonl"), "a") as f:
+            trace_dir = self._frontend.settings["trace_dir"]
+            if trace_dir:
+                with open(os.path.join(trace_dir, "auto.jsonl"), "a") as f:
                     f.write(json.dumps({"event": "auto", **decision}) + "\n")
 
     def _switch(self, policy):
@@ -362,56 +301,43 @@ class SyncCallback(keras.callbacks.Callback):
             self._earlier_counts[k] += self.engine.counts[k]
         before, now = self._switched_totals, self.engine.totals
         self._switched_totals = now if before is None else {k: before[k] + now[k] for k in now}
-        self._unmeasured = not keep_step  # the new engine's first step retraces
-        hvd = _horovod.horovod()
         opt = self.model.optimizer
-        hvd.broadcast_variables([tf_variable(v) for v in self.model.variables + list(opt.variables)], root_rank=0)
+        self._frontend.broadcast_variables(self.model.variables + list(opt.variables), "tfsync.auto.switch")
         self.policy = policy
         self._segment += 1
-        self._switches += 1
         self._start_engine()
+        self._controller.started(retraced=not keep_step)  # the new engine's first step retraces
         return not keep_step
 
     def on_train_end(self, logs=None):
-        if self.engine is None or not self.engine.started:
+        if not self._frontend.running:
             return
         self._stop_engine()
         if self.average_statistics:  # the engine is closed: no other thread issues collectives
-            average_statistics(self.model)
+            average_statistics(self.model, cluster=self._frontend.cluster)
 
     # ---------------------------------------------------------------- internals
     def _stop_engine(self, keep_step=False):
-        """Drain, unwrap and close the running engine (it stays in ``engine`` for its counts and
+        """Drain, close and unwrap the running engine (it stays in ``engine`` for its counts and
         totals); ``keep_step``: the compiled train step stays for the next engine."""
         try:
-            self._drain()
+            # compensate=: the late gradients still held get one last round, applied by the optimizer
+            self._frontend.stop(apply_mean=self._apply_mean)
         finally:
             if not keep_step:
                 self._unwrap_optimizer()
                 if "train_step" in vars(self.model):
                     del self.model.train_step
                 self._compiled_kind = None
-            self.engine.close()
-            if not keep_step:
                 self.model.make_train_function(force=True)
 
     def _drain(self):
         """Wait for every round in flight and load the final weights (identical on all ranks)."""
-        # compensate=: the late gradients still held get one last round, applied by the optimizer
-        self.engine.finish(apply_mean=self._apply_mean)
-
-    @staticmethod
-    def _broadcast_weights(hvd, model):
-        """Every model variable (trainable or not) from rank 0, in its own dtype.
-
-        Horovod's ``broadcast_variables`` launches the broadcasts together in
-        one compiled function and assigns in place: no copy of the model is
-        assembled on the host.
-        """
-        hvd.broadcast_variables([tf_variable(v) for v in model.variables], root_rank=0)
+        self._frontend.finish(apply_mean=self._apply_mean)
 
     def _wrap_optimizer(self, optimizer):
         engine, expected = self.engine, [id(v) for v in self.variables]
+        protocol = engine.protocol
         pull = engine.find(PartialPull)
         current = engine if self._compiled_kind is None else (lambda: self.engine)
         original = type(optimizer).apply_gradients.__get__(optimizer)
@@ -428,12 +354,8 @@ class SyncCallback(keras.callbacks.Callback):
                 )
             if pull is not None:
                 return exchange_gradients_blockwise(current, grads, lambda mean: original(zip(mean, variables)))
-            if engine.protocol.reduces_gradients:
-                return original(zip(exchange_gradients(current, grads), variables))
-            if engine.protocol.corrects_gradients:
-                grads = correct_gradients(engine, grads)
-            result = original(zip(grads, variables))
-            exchange_updates(engine, variables)
+            result = original(zip(before_optimizer(protocol, current, grads), variables))
+            after_optimizer(protocol, engine, variables)
             return result
 
         optimizer.apply_gradients = apply_gradients

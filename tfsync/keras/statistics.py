@@ -10,7 +10,7 @@ which synchronizes every batch instead.
 
 import tensorflow as tf
 
-from tfsync import _horovod
+from tfsync.engine.cluster import HorovodCluster
 from tfsync.engine.protocols import tf_variable
 
 
@@ -19,7 +19,7 @@ def floating_statistics(model):
     return [v for v in model.non_trainable_variables if tf.as_dtype(v.dtype).is_floating]
 
 
-def average_statistics(model, name="tfsync.statistics"):
+def average_statistics(model, name="tfsync.statistics", *, cluster=None):
     """Set every non-trainable floating-point variable of ``model`` to its mean over the workers.
 
     A collective: every rank calls it, with the same model, when no training step
@@ -27,11 +27,12 @@ def average_statistics(model, name="tfsync.statistics"):
     training, call it after ``strategy.finish()``).  The mean is taken in float64 and
     rounded once, so a variable that is equal on every worker (a frozen layer's
     weights) keeps its exact value.  Returns the number of variables averaged.
+    ``cluster``: the job's ranks (:mod:`tfsync.engine.cluster`); default: Horovod's.
     """
-    hvd = _horovod.horovod()
+    cluster = HorovodCluster() if cluster is None else cluster
     variables = floating_statistics(model)
     shapes = [tuple(int(d) for d in v.shape) for v in variables]
-    every = hvd.allgather_object(shapes, name=f"{name}.shapes")
+    every = cluster.allgather_object(shapes, name=f"{name}.shapes")
     if any(s != shapes for s in every):
         raise ValueError(
             f"tfsync.keras.average_statistics: the workers' models differ in their non-trainable "
@@ -41,7 +42,7 @@ def average_statistics(model, name="tfsync.statistics"):
     if not variables:
         return 0
     values = [tf.cast(tf_variable(v), tf.float64) for v in variables]
-    means = hvd.grouped_allreduce(values, op=hvd.Average, name=name)
+    means = cluster.average(values, name)
     for v, mean in zip(variables, means):
         v.assign(tf.cast(mean, v.dtype))
     return len(variables)

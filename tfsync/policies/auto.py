@@ -1,13 +1,14 @@
 """``mode="auto"``: measure the workers' iteration times, classify the slowness, pick a mode.
 
 :class:`Auto` is not a synchronization rule of its own: ``SyncCallback`` runs
-one of the other modes at a time and, once ``window_steps`` training steps
-have run (the first decision: mid-epoch, as soon as they have, since Keras
-looks its train function up at every step; the later ones at the first epoch
-end after ``window_steps`` more, where the epoch logs' averaging waits for
-every worker anyway), classifies the iteration times every worker measured
-in them (:func:`classify`, a pure function of those times) and switches to
-the mode chosen for the profile.  A switch drains the running mode (every in-flight
+one of the other modes at a time, as its :class:`AutoController` decides:
+once ``window_steps`` training steps have run (the first decision: mid-epoch,
+as soon as they have, since Keras looks its train function up at every step;
+the later ones at the first epoch end after ``window_steps`` more, where the
+epoch logs' averaging waits for every worker anyway), the controller
+classifies the iteration times every worker measured in them
+(:func:`classify`, a pure function of those times) and switches to the mode
+chosen for the profile.  A switch drains the running mode (every in-flight
 round applied, update protocols settled: every replica holds identical
 weights), broadcasts rank 0's optimizer state (SSP-family modes keep it per
 worker), and starts the next mode's engine.  The first window runs BSP
@@ -47,6 +48,7 @@ tfsync.ElasticBSP()}`` where dropping a slower device's work costs accuracy).
 
 import dataclasses
 import statistics
+import time
 
 PROFILES = ("none", "straggler", "heterogeneous", "jitter", "rare")
 STRAGGLER_RATIO = 2.5
@@ -270,3 +272,133 @@ class Auto:
         seen = seen + 1 if observed == name else 1
         confirmed = current is None or (observed != current and seen >= self.confirm)
         return (observed if confirmed else current), (observed, seen)
+
+
+class AutoController:
+    """Auto mode's measurements and decisions during one ``fit``; the frontend runs the switches.
+
+    Pure Python over the numbers the engine reports after each step
+    (``engine.last``): the frontend calls :meth:`epoch_begin`, :meth:`after_step`
+    after every training step and :meth:`due_at_epoch_end` at an epoch's end;
+    when a decision is due it calls :meth:`decide`, and when that returns a mode
+    to switch to, it drains the running engine, starts the new one and calls
+    :meth:`started` with whether the train step was compiled again.
+
+    Args:
+        auto: the :class:`Auto` settings.
+        size: the number of workers (2 or more: auto mode compares them).
+        steps: the training steps ``fit`` will run (steps per epoch times epochs).
+        gather: ``gather(window) -> every rank's window``, a collective in the job's order.
+    """
+
+    def __init__(self, auto, size, steps, gather):
+        if size < 2:
+            raise ValueError("tfsync.keras.SyncCallback: mode 'auto' compares workers; launch 2 or more")
+        auto.validate(size)  # every mode it may switch to, before training, not at a switch
+        self.auto, self._gather = auto, gather
+        self.policy = auto.initial
+        self.decisions, self.switches = [], 0
+        self._window, self._window_steps, self._candidate = [], 0, (None, 0)
+        self._shared = [[] for _ in range(size)]  # every rank's times, from BSP's rounds
+        self._steps_left = steps
+        self._unmeasured = True
+
+    def epoch_begin(self):
+        # an epoch's first step also times what ran between epochs (evaluation, callbacks):
+        # left out, or it would look like a rare delay
+        self._unmeasured = True
+
+    def started(self, retraced):
+        """A switch started the next mode's engine; its first step is not measured when it retraces."""
+        self._unmeasured = retraced
+
+    def after_step(self, last):
+        """Record one training step (``engine.last``); returns ``(due, found)``: whether a decision
+        is due now, and the profile :func:`early` found in every rank's times (or None)."""
+        self._window_steps += 1
+        self._steps_left -= 1
+        measured = not self._unmeasured
+        if measured and not last.get("skipped", 0) and "compute_s" in last:
+            self._window.append(last["compute_s"])
+        self._unmeasured = False
+        if self.decisions:
+            return False, None  # the later decisions are taken at epoch ends
+        # before the first decision under BSP: every round's metadata has every rank's time,
+        # the same table on every rank, so a persistently slow worker is acted on early at the
+        # same step everywhere, without a gather
+        times = last.get("round_compute_s")
+        if self.policy.name != "bsp" or times is None:
+            self._shared = None  # not every rank's time in this step's round: no shared table
+        elif measured and self._shared is not None:
+            for row, t in zip(self._shared, times):
+                row.append(float(t))
+            found = early(self._shared) if self._steps_left >= self.auto.window_steps else None
+            if found is not None:
+                return True, found
+        # the first decision as soon as the window is full, mid-epoch included
+        return self._window_full(), None
+
+    def due_at_epoch_end(self):
+        """A later decision is due at this epoch's end (where the epoch logs' averaging waits for
+        every worker anyway: a decision mid-epoch is one more barrier a rare delay makes every
+        worker wait at)."""
+        return bool(self.decisions) and self._window_full()
+
+    def _window_full(self):
+        """A full window, and enough steps left for a switch to pay."""
+        return self._window_steps >= self.auto.window_steps and self._steps_left >= self.auto.window_steps
+
+    def decide(self, epoch, batch, found=None):
+        """Classify the window's step times (every rank the same table, the same answer).
+
+        Every rank calls this after the same step.  ``found``: the profile :func:`early` found
+        (no gather).  Returns ``(decision, policy to switch to or None)``; ``(None, None)`` when a
+        worker computed nothing in the window (it skipped every step): decided later.  A switch
+        at the first decision, later only after ``confirm`` consecutive decisions agree.
+        """
+        from tfsync.launch import describe_mode
+
+        window, t = self._window, time.monotonic()
+        profile = found
+        every = self._gather(window) if found is None else None
+        wait_s = time.monotonic() - t
+        self._window, self._window_steps, self._shared = [], 0, None
+        if found is None:
+            if min(len(w) for w in every) == 0:
+                return None, None
+            profile = classify(every)
+        current = self.decisions[-1]["profile"] if self.decisions else None
+        in_force, self._candidate = self.auto.in_force(current, self._candidate, profile.name)
+        wanted = self.auto.mode_for(in_force)
+        switch = wanted != self.policy
+        decision = {
+            "epoch": epoch,
+            "batch": batch,
+            "profile": in_force,
+            "observed": profile.name,
+            "reason": profile.reason,
+            "slowest_ratio": profile.slowest_ratio,
+            "rare_fraction": profile.rare_fraction,
+            "spread": profile.spread,
+            "steps": profile.steps,
+            "early": found is not None,  # from the rounds' metadata after EARLY_STEPS steps
+            "running": describe_mode(self.policy),
+            "mode": describe_mode(wanted),
+            "switched": switch,
+            "wait_s": wait_s,  # this rank's wait for the others to reach the decision
+        }
+        self.decisions.append(decision)
+        if not switch:
+            return decision, None
+        self.policy = wanted
+        self.switches += 1
+        return decision, wanted
+
+    def epoch_logs(self):
+        """``tfsync_auto_profile`` (an index into :data:`PROFILES`) and ``tfsync_auto_switches``."""
+        if not self.decisions:
+            return {}
+        return {
+            "tfsync_auto_profile": float(PROFILES.index(self.decisions[-1]["profile"])),
+            "tfsync_auto_switches": float(self.switches),
+        }

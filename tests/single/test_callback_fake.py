@@ -1,0 +1,130 @@
+"""``SyncCallback`` and ``model.fit``, N ranks on threads of one process.
+
+The callback reaches the other workers only through its cluster
+(:mod:`tfsync.engine.cluster`), so the in-process ranks of :mod:`fake_cluster`
+stand in for Horovod: each rank's thread builds its own Keras model, compiles
+it and runs ``fit`` with ``SyncCallback(mode, cluster=fake.rank(r))``; the
+engine, its control path, the compiled train step and the callback's hooks
+are production's.  Without ``horovodrun`` these run in seconds, so the
+callback's own logic (start checks, epoch logs, the drain, auto mode's
+decisions) is tested here; tests/parallel runs the same under Horovod.
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from fake_cluster import FakeCluster, on_threads
+
+import tfsync
+from tfsync.engine import COUNTS
+
+# real engines on localhost, without stragglers from the environment (conftest.py)
+pytestmark = pytest.mark.usefixtures("engines_on_localhost")
+
+SIZE = 2
+BATCH, STEPS, EPOCHS = 4, 6, 2
+JOIN_S = 120.0  # one deadline for the job's threads (tracing two models on two cores included)
+
+
+def data(rank):
+    """Rank ``rank``'s shard of a linear regression, STEPS batches."""
+    rng = np.random.default_rng(rank)
+    x = rng.normal(size=(BATCH * STEPS, 3)).astype(np.float32)
+    y = x @ np.array([[1.0], [-2.0], [0.5]], np.float32)
+    return x, y
+
+
+def build(initial=None):
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4), keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    if initial is not None:
+        model.set_weights(initial)
+    return model
+
+
+def fit(cluster, mode, initial=None, **kwargs):
+    """One rank's ``fit``: its final weights, the callback and the history's logs."""
+    model = build(initial if cluster.rank() == 0 else None)  # (the others' are overwritten)
+    sync = tfsync.keras.SyncCallback(mode, cluster=cluster, wait_timeout_s=30, **kwargs)
+    x, y = data(cluster.rank())
+    history = model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0, callbacks=[sync])
+    return model.get_weights(), sync, history.history
+
+
+def job(mode, size=SIZE, initial=None, **kwargs):
+    fake = FakeCluster(size, timeout_s=60)
+    fns = [lambda r=r: fit(fake.rank(r), mode, initial, **kwargs) for r in range(size)]
+    results, errors = on_threads(fns, JOIN_S)
+    assert not any(errors), errors
+    return results, fake
+
+
+@pytest.mark.parametrize("mode", ["bsp", "ssp", "psp", "backup", "dcs3gd", "elasticbsp"])
+def test_replicas_end_identical_and_every_contribution_is_counted(mode):
+    results, fake = job(mode)
+    weights = [w for w, _, _ in results]
+    for w in weights[1:]:
+        for a, b in zip(weights[0], w):
+            np.testing.assert_array_equal(a, b)
+    for _, sync, logs in results:
+        counts = sync.counts
+        assert counts["produced"] + counts["skipped"] == STEPS * EPOCHS, counts
+        assert counts["produced"] == counts["applied"] + counts["compensated"] + counts["dropped"], counts
+        # the epoch logs are averaged over the ranks: the same on every rank
+        assert logs["tfsync_produced"] == results[0][2]["tfsync_produced"]
+    names = {name for _, _, name in fake.log}
+    # the callback's own collectives went through the cluster, not Horovod
+    assert {"tfsync.steps", "tfsync.weights", "tfsync.epoch_logs", "tfsync.statistics.shapes"} <= names, names
+
+
+def test_bsp_trains_as_one_model_on_every_ranks_mean_gradient():
+    """Two ranks under BSP end where one model that applies, at each step, the mean of both
+    shards' gradients ends (from rank 0's initial weights: the callback's broadcast)."""
+    reference = build()
+    initial = reference.get_weights()
+    results, _ = job("bsp", initial=initial)
+    shards = [data(r) for r in range(SIZE)]
+    loss = keras.losses.MeanSquaredError()
+    for _ in range(EPOCHS):
+        for k in range(STEPS):
+            grads = []
+            for x, y in shards:
+                with tf.GradientTape() as tape:
+                    value = loss(y[k * BATCH : (k + 1) * BATCH], reference(x[k * BATCH : (k + 1) * BATCH]))
+                grads.append(tape.gradient(value, reference.trainable_variables))
+            mean = [tf.reduce_mean(tf.stack(g), axis=0) for g in zip(*grads)]
+            reference.optimizer.apply_gradients(zip(mean, reference.trainable_variables))
+    for w, expected in zip(results[1][0], reference.get_weights()):
+        np.testing.assert_allclose(w, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_ranks_with_different_step_counts_are_refused_on_every_rank():
+    fake = FakeCluster(SIZE, timeout_s=60)
+
+    def fit_steps(rank):
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+        model.compile(optimizer="sgd", loss="mse")
+        x, y = data(rank)
+        n = BATCH * (STEPS - rank)  # rank 1 has one batch fewer
+        sync = tfsync.keras.SyncCallback("bsp", cluster=fake.rank(rank), wait_timeout_s=30)
+        model.fit(x[:n], y[:n], batch_size=BATCH, epochs=1, verbose=0, callbacks=[sync])
+
+    _, errors = on_threads([lambda r=r: fit_steps(r) for r in range(SIZE)], JOIN_S)
+    for e in errors:
+        assert isinstance(e, ValueError) and "different or unknown numbers of steps" in str(e), errors
+
+
+def test_auto_mode_decides_the_same_on_every_rank_and_counts_every_engine():
+    auto = tfsync.Auto(window_steps=4, confirm=1)
+    results, fake = job(auto)
+    decisions = [sync.auto_decisions for _, sync, _ in results]
+    assert decisions[0], "auto mode took no decision"
+    keys = ("epoch", "batch", "profile", "mode", "switched")
+    for d in decisions[1:]:
+        assert [{k: x[k] for k in keys} for x in d] == [{k: x[k] for k in keys} for x in decisions[0]]
+    for _, sync, _ in results:
+        counts = sync.counts
+        assert counts["produced"] + counts["skipped"] == STEPS * EPOCHS, counts
+        assert sum(counts[k] for k in COUNTS if k not in ("produced", "skipped")) == counts["produced"]
+    assert any(name == "tfsync.auto.window" for _, _, name in fake.log)
