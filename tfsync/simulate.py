@@ -7,7 +7,8 @@ round protocol in simulated time.  Every synchronization decision is the
 policy's own pure function, the same object a training run uses:
 
 * BSP, SSP, DSSP: after pushing step ``k`` a worker waits for round
-  ``policy.required_round(k)``; a round completes when every worker has
+  ``policy.sync_round(k)`` (the engine's wait, :meth:`tfsync.policies.base.Policy.sync_round`);
+  a round completes when every worker has
   pushed it, plus one allreduce (rounds complete in order, one allreduce at
   a time, as on the communication thread).  DSSP asks
   :meth:`tfsync.DSSP.grant` with the coordinator's :class:`PushTable`
@@ -16,8 +17,9 @@ policy's own pure function, the same object a training run uses:
   costs a control round trip.
 * ElasticBSP: supersteps from :meth:`tfsync.ElasticBSP.next_schedule`
   (ZipLine on the predicted end times, from the barrier round's push times
-  and each worker's median interval); each worker skips the superstep's first
-  steps and computes its last ``k_p``, entering every round; at the barrier
+  and each worker's median interval); each worker computes the steps
+  :meth:`tfsync.policies.dynamic.Schedule.computes` gives it (the superstep's
+  last ``k_p``) and skips the others, entering every round; at the barrier
   every worker waits for the barrier round.
 * PSP and backup workers: a worker's ready notice reaches the coordinator
   one control latency after its push; :meth:`close_round` decides (with its
@@ -50,7 +52,7 @@ import time
 import numpy as np
 
 from tfsync.bench.training import DEFAULT_SCENARIOS, add_scenario_arguments, scenario_spec
-from tfsync.policies import DSSP, SSP, ElasticBSP, Policy, registry, resolve
+from tfsync.policies import DSSP, ElasticBSP, Policy, registry
 from tfsync.policies.base import decide_round
 from tfsync.policies.dynamic import PushTable
 from tfsync.stragglers import Stragglers
@@ -66,20 +68,42 @@ def delays(stragglers: Stragglers, workers: int, steps: int) -> np.ndarray:
     return np.stack([stragglers.for_rank(p).next_delays_s(steps) for p in range(workers)])
 
 
-def simulate(policy: Policy, iteration_s: np.ndarray, allreduce_s: float = 0.005, control_s: float = 0.001) -> dict:
+class Log:
+    """What a simulated run decided, in the terms of an engine's run (``simulate(..., log=Log())``):
+    ``events``, ``(time, kind, rank, step)`` with ``kind`` one of ``"compute"`` (the step's
+    computation starts), ``"push"`` and ``"skip"``; ``accepted``: round -> the ranks its
+    closing took (coordinated modes)."""
+
+    def __init__(self):
+        self.events, self.accepted = [], {}
+
+    def add(self, t, kind, rank, step):
+        self.events.append((float(t), kind, int(rank), int(step)))
+
+
+class _NoLog(Log):
+    def add(self, t, kind, rank, step):
+        pass
+
+
+def simulate(
+    policy: Policy, iteration_s: np.ndarray, allreduce_s: float = 0.005, control_s: float = 0.001, log=None
+) -> dict:
     """Play ``policy`` on workers whose step ``k`` on rank ``p`` takes ``iteration_s[p, k]``.
 
     Returns the run's figures (see the module docstring); every worker does
-    ``steps`` Keras steps, computed or skipped.
+    ``steps`` Keras steps, computed or skipped.  ``log``: a :class:`Log` to
+    record every decision in (the tests compare it with an engine's run).
     """
     workers, steps = iteration_s.shape
     policy.validate(workers)
+    log = _NoLog() if log is None else log
     if policy.coordinated:
-        run = _coordinated(policy, iteration_s, allreduce_s, control_s)
+        run = _coordinated(policy, iteration_s, allreduce_s, control_s, log)
     elif isinstance(policy, ElasticBSP):
-        run = _elastic(policy, iteration_s, allreduce_s)
+        run = _elastic(policy, iteration_s, allreduce_s, log)
     else:
-        run = _bounded(policy, iteration_s, allreduce_s, control_s)
+        run = _bounded(policy, iteration_s, allreduce_s, control_s, log)
     wall = run.pop("wall_s")
     decisions = run.pop("decision_s")
     mean_iteration = float(iteration_s.mean())
@@ -108,7 +132,7 @@ def simulate(policy: Policy, iteration_s: np.ndarray, allreduce_s: float = 0.005
     return result
 
 
-def _bounded(policy, d, allreduce_s, control_s):
+def _bounded(policy, d, allreduce_s, control_s, log):
     """BSP, SSP, DSSP: rounds that every worker enters after computing its step."""
     workers, steps = d.shape
     dssp = isinstance(policy, DSSP)
@@ -120,21 +144,25 @@ def _bounded(policy, d, allreduce_s, control_s):
     table, grant_left, decisions = (PushTable(workers), np.zeros(workers, np.int64), []) if dssp else (None,) * 3
     events = [(d[p, 0], p, 0) for p in range(workers)]  # (push time, worker, step)
     heapq.heapify(events)
+    for p in range(workers):
+        log.add(0.0, "compute", p, 0)
 
     def resume(p, k, pushed_s, at_s):
         wait[p] += at_s - pushed_s
         if k + 1 < steps:
+            log.add(at_s, "compute", p, k + 1)
             heapq.heappush(events, (at_s + d[p, k + 1], p, k + 1))
 
     while events:
         now, p, k = heapq.heappop(events)
+        log.add(now, "push", p, k)
         pushes[k] += 1
         latest_push[k] = max(latest_push[k], now)
         if pushes[k] == workers:  # the round's last contribution: its allreduce follows
             complete_s[k] = max(complete_s[k - 1] if k else 0.0, latest_push[k]) + allreduce_s
             for q, j, at, earliest in waiting.pop(k, ()):
                 resume(q, j, at, max(complete_s[k], earliest))
-        required, ready_s = policy.required_round(k), now
+        required, ready_s = policy.sync_round(k), now
         if dssp:
             table.record(p, k, now)
             completed = int(np.searchsorted(complete_s, now, side="right")) - 1
@@ -160,7 +188,7 @@ def _dssp_required(policy, table, grant_left, decisions, p, k, completed, now, c
     """DSSP after worker ``p`` pushed step ``k``, by the policy's own rule
     (:meth:`tfsync.DSSP.next_required`, as the engine's grants ask): the round its next
     step waits for, and when it may go on at the earliest."""
-    required, room, asks = policy.next_required(k, policy.required_round(k), completed, int(grant_left[p]))
+    required, room, asks = policy.next_required(k, policy.sync_round(k), completed, int(grant_left[p]))
     if grant_left[p] > 0:
         grant_left[p] -= 1
         return required, now
@@ -176,7 +204,7 @@ def _dssp_required(policy, table, grant_left, decisions, p, k, completed, now, c
     return required, now + 2 * control_s
 
 
-def _elastic(policy, d, allreduce_s):
+def _elastic(policy, d, allreduce_s, log):
     """ElasticBSP: supersteps between ZipLine barriers; every worker computes its last ``k_p``."""
     workers, steps = d.shape
     schedule = policy.first_schedule(workers)
@@ -187,16 +215,24 @@ def _elastic(policy, d, allreduce_s):
     while schedule.start < steps:
         barrier = min(schedule.barrier, steps - 1)
         length = barrier - schedule.start + 1
-        chosen = np.minimum(np.asarray(schedule.iterations), length)
-        computes = np.arange(length)[None, :] >= (length - chosen)[:, None]  # skips come first
+        rounds = range(schedule.start, barrier + 1)
+        computes = np.array([[schedule.computes(w, k) for k in rounds] for w in range(workers)])
+        chosen = computes.sum(axis=1)
         work = np.where(computes, d[:, schedule.start : barrier + 1], 0.0)
         entered = start_s + np.cumsum(work, axis=1)  # when each worker enters each round
+        for w in range(workers):
+            for j, k in enumerate(rounds):
+                log.add(entered[w, j] - work[w, j], "compute" if computes[w, j] else "skip", w, k)
+                if computes[w, j]:
+                    log.add(entered[w, j], "push", w, k)
         for j in range(length):
             complete_s = max(complete_s, float(entered[:, j].max())) + allreduce_s
         wait += complete_s - entered[:, -1]
         computed += int(chosen.sum())
         skipped += int(workers * length - chosen.sum())
         start_s = complete_s
+        if barrier == steps - 1:
+            break  # the last superstep: no schedule after it
         intervals = [float(np.median(work[w, computes[w]])) for w in range(workers)]  # as the engine's
         schedule = policy.next_schedule(barrier, entered[:, -1], intervals)
         if schedule.decision_s:
@@ -212,7 +248,7 @@ def _elastic(policy, d, allreduce_s):
     }
 
 
-def _coordinated(policy, d, allreduce_s, control_s):
+def _coordinated(policy, d, allreduce_s, control_s, log):
     """PSP and backup workers: the coordinator closes each round by ``policy.close_round``."""
     workers, steps = d.shape
     closed_s = np.full(steps, np.inf)  # when the coordinator closed each round
@@ -233,10 +269,12 @@ def _coordinated(policy, d, allreduce_s, control_s):
         # needs the result of the last round skipped too
         while k < steps and closed_s[k] + control_s <= at_s:
             counts["skipped"] += 1
+            log.add(at_s, "skip", p, k)
             at_s = max(at_s, complete_s[k])
             k += 1
         if k < steps:
             counts["computed"] += 1
+            log.add(at_s, "compute", p, k)
             pushed = at_s + d[p, k]
             heapq.heappush(events, (pushed + control_s, next(sequence), "ready", p, k))
             heapq.heappush(events, (pushed, next(sequence), "pushed", p, k))
@@ -253,6 +291,7 @@ def _coordinated(policy, d, allreduce_s, control_s):
                     heapq.heappush(events, (closing.recheck_s, next(sequence), "recheck", -1, r))
                 return
             closed_s[r] = now
+            log.accepted[r] = sorted(closing.accepted)
             counts["applied"] += len(closing.accepted)
             counts["dropped"] += len(ready.pop(r)) - len(closing.accepted)  # ready, not taken (backups)
             complete_s[r] = max(complete_s[r - 1] if r else 0.0, now + control_s) + allreduce_s
@@ -266,6 +305,7 @@ def _coordinated(policy, d, allreduce_s, control_s):
     while events:
         now, _, kind, p, k = heapq.heappop(events)
         if kind == "pushed":  # the worker waits for its round's result, whoever closes it
+            log.add(now, "push", p, k)
             if np.isfinite(complete_s[k]):
                 wait[p] += compute(p, k, max(now, complete_s[k])) - now
             else:
@@ -296,7 +336,7 @@ def parse_args(argv):
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     p.add_argument("--scenarios", nargs="+", default=list(SIM_SCENARIOS), choices=SIM_SCENARIOS)
     add_scenario_arguments(p)
-    p.add_argument("--staleness", type=int, default=3, help="SSP's bound")
+    p.add_argument("--staleness", type=int, default=3, help="SSP's bound (the modes that take one)")
     p.add_argument("--allreduce-ms", type=float, default=5.0, help="one round's allreduce")
     p.add_argument("--control-ms", type=float, default=1.0, help="one way on the control path (coordinator)")
     p.add_argument("--json", help="write every run's figures here")
@@ -319,8 +359,9 @@ def profile(scenario: str, workers: int, args) -> Stragglers:
     return Stragglers.parse(scenario_spec(scenario, argparse.Namespace(**{**vars(args), "workers": workers})))
 
 
-def _policy(mode, args):
-    return SSP(staleness=args.staleness) if mode == "ssp" else resolve(mode)
+def policy(mode: str, args):
+    """``mode``'s policy with the command line's settings (``--staleness`` for the modes that take it)."""
+    return registry.get(mode).build(staleness=args.staleness)
 
 
 def main(argv=None):
@@ -337,7 +378,12 @@ def main(argv=None):
             iteration_s = delays(stragglers, workers, args.steps)
             bsp = None
             for mode in args.modes:
-                run = simulate(_policy(mode, args), iteration_s, args.allreduce_ms / 1e3, args.control_ms / 1e3)
+                run = simulate(
+                    policy(mode, args),
+                    iteration_s,
+                    args.allreduce_ms / 1e3,
+                    args.control_ms / 1e3,
+                )
                 run.update(scenario=scenario, stragglers=stragglers.spec())
                 runs.append(run)
                 if mode == "bsp":

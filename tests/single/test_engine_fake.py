@@ -1,8 +1,8 @@
 """Real ``SyncEngine``s, N ranks on threads of one process, every policy.
 
 Each rank runs the real engine (real control path and coordinator over gRPC on
-localhost, real policies, real step protocols, production's round collective
-and ``mask_stale``) over :mod:`fake_cluster`, an in-process stand-in for
+localhost, real policies, real step protocols, production's round collective)
+over :mod:`fake_cluster`, an in-process stand-in for
 Horovod injected as ``SyncEngine(..., cluster=...)``.  A rank's thread is a
 training loop: ``begin_step()``, sleep a delay drawn from its seeded profile
 (the step's computation), ``sync_step([gradient])``, or ``skip_step()``; then
@@ -15,6 +15,7 @@ Every wait is bounded (the fake's collectives, the engine's own waits, the
 threads' joins), so a bug fails instead of hanging.
 """
 
+import collections
 import json
 import os
 import random
@@ -28,9 +29,9 @@ from fake_cluster import FakeCluster, on_threads
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from tfsync import _horovod
+from tfsync import _horovod, simulate
 from tfsync.engine import SyncEngine, WorkerLostError, protocols
-from tfsync.policies import BSP, PSP, SSP, BackupWorkers
+from tfsync.policies import BSP, DSSP, PSP, SSP, BackupWorkers
 from tfsync.stragglers import Stragglers
 
 WIDTH = 4
@@ -490,6 +491,68 @@ def test_a_rank_that_dies_stops_the_others_naming_it(tmp_path, policy):
     assert errors[2] is None
     for k in (0, 1):
         assert isinstance(errors[k], WorkerLostError) and "lost rank 2" in str(errors[k]), errors[k]
+
+
+# ------------------------------------------------ the engine and the simulator, one scenario
+
+
+def decisions(events, size, skipped, accepted=None):
+    """What a run decided, from its events in time order (``(kind, rank, step)``): per rank,
+    the steps it computed, each with the rounds every rank had pushed when it started (the
+    rounds complete by then: what a bounded mode waited for), and the steps it skipped;
+    with ``accepted``, the ranks each round's closing took."""
+    pushes, complete, out = collections.Counter(), 0, [{"computed": [], "skipped": sorted(s)} for s in skipped]
+    for kind, rank, step in events:
+        if kind == "push":
+            pushes[step] += 1
+            while pushes[complete] == size:
+                complete += 1
+        elif kind == "compute":
+            out[rank]["computed"].append((step, complete))
+    return out if accepted is None else (out, accepted)
+
+
+SCENARIO = {  # one slow rank, far enough apart that the engine's own time cannot reorder a decision
+    "bounded": [[0.02] * 8, [0.13] * 8],
+    "coordinated": [[0.02] * 8, [1.0] * 8],  # the slow rank's first step outlasts every round
+}
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [BSP(), SSP(staleness=1), SSP(staleness=2), DSSP(low=1, high=3), BackupWorkers(backups=1)],
+    ids=["bsp", "ssp1", "ssp2", "dssp", "backup"],
+)
+def test_the_simulator_decides_as_the_engine_does(tmp_path, policy):
+    """One scenario through the real engines (on threads, in real time) and through
+    ``tfsync.simulate`` (the same policy objects, simulated time): the same steps computed and
+    skipped, each computed step started with the same rounds complete (SSP's and DSSP's waits),
+    the same ranks in every round (the coordinator's closings).
+
+    ElasticBSP is not compared: ZipLine picks the barrier whose predicted wait is least, and
+    with real times a few milliseconds apart decide between barriers whose predicted waits
+    differ by that much (the engine's and the simulator's schedules come from the same
+    ``next_schedule``, and which steps a schedule computes from the same ``Schedule.computes``).
+    """
+    delays = SCENARIO["coordinated" if policy.coordinated else "bounded"]
+    job = Job(policy, delays, str(tmp_path)).run()
+    size = len(delays)
+    engine = decisions(
+        job.events,
+        size,
+        [w.skipped for w in job.workers],
+        [sorted(a) for _, a in job.closed] if policy.coordinated else None,
+    )
+    log = simulate.Log()
+    simulate.simulate(policy, np.array(delays), allreduce_s=0.002, control_s=0.001, log=log)
+    events = sorted(log.events, key=lambda e: (e[0], e[1] != "push"))  # a push before what it allows
+    simulated = decisions(
+        [(kind, rank, step) for _, kind, rank, step in events],
+        size,
+        [[k for _, kind, r, k in log.events if kind == "skip" and r == rank] for rank in range(size)],
+        [log.accepted[r] for r in sorted(log.accepted)] if policy.coordinated else None,
+    )
+    assert engine == simulated
 
 
 # ----------------------------------------------------------------- the fake itself

@@ -5,8 +5,8 @@ Three layers, each against what it promises:
 * the policies' ``close_round`` as pure functions (hypothesis over arrival
   orders, clocks and sizes 1..16) and their argument checks;
 * :class:`RoundExchange` in coordinated mode: N ranks on threads, an
-  in-process allreduce that divides by ``d`` as Horovod's post-scale does, the
-  NumPy twin of ``mask_stale``, and a coordinator that accepts only ranks whose
+  in-process allreduce that divides by ``d`` as Horovod's post-scale does, and
+  a coordinator that accepts only ranks whose
   contribution was pushed before the close, over thousands of random rounds;
 * rank 0's coordinator in :class:`ControlServer`, over gRPC on localhost.
 
@@ -316,15 +316,6 @@ def test_backup_workers_validate_keeps_at_least_one_worker_per_round():
 # ------------------------------------------------------------- the exchange, coordinated
 
 
-def mask_twin(payload, stamp, round_):
-    """NumPy twin of ``protocols.mask_stale_payload``: ``mask_stale`` with staleness 0, which
-    refuses a contribution from a round after the one it enters."""
-    if stamp > round_:
-        raise ValueError(f"timestamp = {stamp} is after step {round_}")
-    fresh = stamp == round_
-    return [p if fresh else np.zeros_like(p) for p in payload], fresh
-
-
 class FakeAllreduce:
     """N ranks' collectives on threads, as Horovod runs them (:meth:`FakeCluster.meet`: the
     k-th call of every rank meets the k-th call of every other, bounded by ``timeout_s``);
@@ -381,12 +372,10 @@ def expected_mean(accepted, round_, guess):
     return means if d == guess else [t * (guess / d) for t in means]
 
 
-def _exchanges(size, collective_for, t0=0.0, mask=mask_twin, enters_when_ready=False):
+def _exchanges(size, collective_for, t0=0.0, enters_when_ready=False):
     absent = [np.zeros(s, np.float32) for s in SHAPES]
     return [
-        RoundExchange(
-            collective_for(r), rank=r, size=size, t0=t0, absent=absent, mask=mask, enters_when_ready=enters_when_ready
-        )
+        RoundExchange(collective_for(r), rank=r, size=size, t0=t0, absent=absent, enters_when_ready=enters_when_ready)
         for r in range(size)
     ]
 
@@ -609,7 +598,6 @@ def test_a_newer_push_drops_the_contribution_still_waiting():
         size=2,
         t0=0.0,
         absent=[np.zeros(3, np.float32)],
-        mask=mask_twin,
     )
     try:
         ex.push(3, [np.ones(3, np.float32)], 0.0, 0.0)
@@ -620,7 +608,7 @@ def test_a_newer_push_drops_the_contribution_still_waiting():
         ex.close()
 
 
-def _one_rank(mask=mask_twin, collective=None, enters_when_ready=False):
+def _one_rank(collective=None, enters_when_ready=False):
     """Rank 1 of 3 alone, with a collective that must not be reached unless given."""
     calls = []
 
@@ -634,7 +622,6 @@ def _one_rank(mask=mask_twin, collective=None, enters_when_ready=False):
         size=3,
         t0=0.0,
         absent=[np.zeros(3, np.float32)],
-        mask=mask,
         enters_when_ready=enters_when_ready,
     )
     return ex, calls
@@ -663,16 +650,13 @@ def test_an_accepted_rank_whose_contribution_is_stale_fails_and_counts_the_drop(
         ex.close()
 
 
-def test_an_accepted_rank_whose_outbox_holds_another_round_fails():
-    lenient = lambda payload, stamp, round_: (payload, True)  # noqa: E731 - a mask that keeps all
-    ex, calls = _one_rank(mask=lenient)
+def test_a_rank_whose_outbox_holds_a_later_round_fails():
+    ex, calls = _one_rank()
     try:
-        ex.push(0, [np.ones(3, np.float32)], 0.0, 0.0)
-        ex.close_round(1, (1,))
-        with pytest.raises(
-            RuntimeError, match=r"accepted for round 1 but its outbox holds a " r"contribution to round 0"
-        ):
-            ex.wait(1, timeout_s=WAIT_S)
+        ex.push(1, [np.ones(3, np.float32)], 0.0, 0.0)
+        ex.close_round(0, (1,))
+        with pytest.raises(RuntimeError, match=r"enters round 0 with a contribution to the later round 1"):
+            ex.wait(0, timeout_s=WAIT_S)
         assert calls == []
     finally:
         ex.close()

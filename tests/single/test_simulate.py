@@ -116,7 +116,7 @@ def test_the_ordering_of_the_real_four_worker_runs():
         args = sim.parse_args([])
         d = sim.delays(sim.profile(scenario, 4, args), 4, 150)
         for mode in sim.MODES:
-            runs[scenario, mode] = sim.simulate(sim._policy(mode, args), d)["effective_per_s"]
+            runs[scenario, mode] = sim.simulate(sim.policy(mode, args), d)["effective_per_s"]
     for scenario in ("straggler", "rare"):
         assert runs[scenario, "backup"] > runs[scenario, "bsp"] and runs[scenario, "psp"] > runs[scenario, "bsp"]
     assert runs["heterogeneous", "elasticbsp"] > 1.3 * runs["heterogeneous", "bsp"]

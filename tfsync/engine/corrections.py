@@ -27,7 +27,7 @@ class Corrections(StepComponent):
         with engine.guard():
             engine.delays.sleep()
             t = engine.now()
-            applied = engine.wait_and_apply(engine.protocol.sync_round(engine.policy, engine.step))
+            applied = engine.wait_and_apply(engine.policy.sync_round(engine.step))
             self._wait = (engine.now() - t, applied)
             if engine.applied_through >= 0:  # w̄ moved past the weights the gradients were computed at
                 self._rounds.add(engine.step)

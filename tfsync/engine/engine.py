@@ -230,7 +230,7 @@ class SyncEngine:
             payload = self.protocol.contribution(list(inputs))
             t_push = self.now()
             compute_s = t_push - t_start
-            required = self.protocol.sync_round(self.policy, step)
+            required = self.policy.sync_round(step)
             inline = required >= step and not any(c.runs_ahead(step) for c in self.components)
             for c in self.components:
                 compute_s = c.interval(step, compute_s)
@@ -260,7 +260,7 @@ class SyncEngine:
                 answer = c.skip(step)
                 required = answer if answer is not None else required
             if required is None:
-                required = self.protocol.sync_round(self.policy, step)
+                required = self.policy.sync_round(step)
             applied = self.wait_and_apply(required)
             self._end_step(step, t_start, t_start, applied, skipped=True)
             return self.protocol.result()

@@ -17,8 +17,6 @@
 
 import abc
 
-from tfsync.engine import protocols
-
 
 class RoundEntry(abc.ABC):
     """The interface of both entries (the engine holds one, chosen by ``Policy.coordinated``)."""
@@ -81,7 +79,6 @@ class CoordinatedRounds(RoundEntry):
     def exchange_options(self):
         return dict(
             absent=lambda: self.engine.protocol.absent(),
-            mask=protocols.mask_stale_payload,
             enters_when_ready=self.policy.enters_when_ready,
         )
 

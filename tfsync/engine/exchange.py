@@ -38,10 +38,9 @@ ranks A" notice to :meth:`RoundExchange.close_round`, and the communication
 thread enters round ``r``'s allreduce with what the outbox holds: the
 contribution if this rank is in A, zeros otherwise.  Every rank's thread can
 always enter, whatever its training thread is doing, so a round needs no
-slow worker's compute.  Before that, the outbox is checked with
-:func:`tfsync.ops.mask_stale` (injected as ``mask``): a contribution stamped
-older than ``r`` missed its round, is dropped (zeros go in its place) and
-counted; a fresh one that arrived after its round closed (backup workers)
+slow worker's compute.  Before that, the outbox's stamp is checked: a
+contribution stamped older than ``r`` missed its round, is dropped (zeros go
+in its place) and counted; a fresh one that arrived after its round closed (backup workers)
 waits, and is stale at the next round.
 
 A rank whose contribution the round will take for certain does not wait for
@@ -185,7 +184,6 @@ class RoundExchange:
         t0: float,
         *,
         absent=None,
-        mask=None,
         keep_stale=False,
         enters_when_ready=False,
         abort=None,
@@ -200,9 +198,9 @@ class RoundExchange:
         self._closing = threading.Event()
         self.rank, self.size, self.t0 = rank, size, t0
         # coordinated rounds: the payload of a rank that contributes nothing (or a
-        # function returning it, called once when first needed), the
-        # staleness mask, the outbox and what happened to this rank's contributions
-        self._absent, self._mask = absent, mask
+        # function returning it, called once when first needed), the outbox and
+        # what happened to this rank's contributions
+        self._absent = absent
         # keep_stale: a contribution that missed its round stays for the engine to
         # withdraw (and delay-compensate) instead of being dropped here
         self._keep_stale = keep_stale
@@ -535,19 +533,17 @@ class RoundExchange:
         try:
             if item is not None:
                 stamp, contribution, push_time, compute_s = item
-                masked, fresh = self._mask(contribution, stamp, round_)
-                if not fresh:  # it missed its round: the mask's zeros go out instead
+                if stamp > round_:
+                    raise RuntimeError(
+                        f"tfsync: rank {self.rank} enters round {round_} with a contribution to the "
+                        f"later round {stamp} in its outbox; rounds are entered in order"
+                    )
+                if stamp < round_:  # it missed its round: zeros (the absent payload) go out instead
                     with self._cond:
                         if self._outbox is item and not self._keep_stale:
                             self._drop_locked(stamp, round_)
-                    payload = masked
-                elif mine or (self._enters_when_ready and stamp == round_):  # (ready since the closing)
-                    if stamp != round_:
-                        raise RuntimeError(
-                            f"tfsync: rank {self.rank} was accepted for round {round_} "
-                            f"but its outbox holds a contribution to round {stamp}"
-                        )
-                    payload = masked
+                elif mine or self._enters_when_ready:  # (ready since the closing)
+                    payload = contribution
                     meta[self.rank, :4] = (1.0, stamp, push_time, compute_s)
                     with self._cond:
                         self._outbox = None

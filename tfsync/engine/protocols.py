@@ -110,11 +110,6 @@ class GradientProtocol:
         """What the engine adds to its step for this protocol (nothing)."""
         return []
 
-    @staticmethod
-    def sync_round(policy, step):
-        """The round that must be complete before step ``step``'s gradient is applied."""
-        return policy.required_round(step)
-
     def __init__(self, tensors, size, policy=None):
         self.shapes = [tuple(t.shape) for t in tensors]
         self.dtypes = [tf.as_dtype(t.dtype) for t in tensors]
@@ -174,11 +169,6 @@ class UpdateProtocol:
     def components():
         """What the engine adds to its step for this protocol (nothing)."""
         return []
-
-    @staticmethod
-    def sync_round(policy, step):
-        """The round that must be complete before step ``step + 1`` is computed."""
-        return policy.required_round(step + 1)
 
     def __init__(self, variables, size, policy=None):
         self.variables = [tf_variable(v) for v in variables]
@@ -318,11 +308,6 @@ class CompensatedUpdateProtocol:
 
         return [Corrections()]
 
-    @staticmethod
-    def sync_round(policy, step):
-        """The round that must be complete before step ``step``'s gradient is corrected."""
-        return policy.required_round(step)
-
     def __init__(self, variables, size, policy):
         self.variables = [tf_variable(v) for v in variables]
         self.dtypes = [v.dtype for v in self.variables]
@@ -425,20 +410,6 @@ def _copy(sources, targets):
 
 def _accumulation_dtype(dtype):
     return tf.float64 if dtype == tf.float64 else tf.float32
-
-
-def mask_stale_payload(payload, stamp, round_):
-    """A contribution as it enters round ``round_``: ``(payload, True)`` if it was computed
-    for that round, else ``(zeros, False)``, by :func:`tfsync.ops.mask_stale`.
-
-    The tensors share one stamp, so the op's verdict on the first decides; only a
-    stale payload is masked tensor by tensor (a fresh one passes through as it is,
-    which is what the op returns for it): one op call per round on the common path.
-    """
-    first, weight = ops.mask_stale(payload[0], stamp, round_)
-    if float(weight) == 1.0:
-        return list(payload), True
-    return [first] + [ops.mask_stale(t, stamp, round_).masked for t in payload[1:]], False
 
 
 PROTOCOLS = {p.payload: p for p in (GradientProtocol, UpdateProtocol, CompensatedUpdateProtocol)}

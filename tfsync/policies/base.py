@@ -75,6 +75,15 @@ class Policy(abc.ABC):
     def required_round(self, step: int) -> int:
         """Newest round that must be complete at the sync point of ``step`` (-1: none)."""
 
+    def sync_round(self, step: int) -> int:
+        """The round a worker that pushed ``step`` waits for before it goes on (the engine's
+        wait and the simulator's, one rule): :meth:`required_round` of the next use of the
+        weights its step protocol makes.  Under the gradient protocols that is step ``step``'s
+        own apply (DC-S3GD: its correction); under the update protocol (SSP, DSSP, ElasticBSP)
+        it is computing step ``step + 1``.
+        """
+        return self.required_round(step + 1 if self.payload == "updates" else step)
+
     def validate(self, size: int) -> None:  # noqa: B027 (a hook: most policies take any size)
         """Raise ``ValueError`` if the settings cannot work with ``size`` workers."""
 

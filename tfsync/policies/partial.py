@@ -29,7 +29,7 @@ Backup workers take exactly the first ``N`` (``accepts_ready``): the
 coordinator's answer to a ready notice tells that rank it counts, and it
 enters on the answer.  Either way only the ranks not ready by the closing
 wait for it.  A contribution that misses its round is
-stale from then on and dropped (:func:`tfsync.ops.mask_stale`, counted);
+stale from then on and dropped (zeros go out in its place; counted);
 the worker that produced it skips the steps whose rounds have closed and
 rejoins at the current one, so a slow worker no longer sets the job's length.
 

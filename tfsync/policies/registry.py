@@ -59,6 +59,12 @@ class Mode:
                 kwargs[o.field] = o.build(args) if o.build is not None else getattr(args, o.dest)
         return self.cls(**kwargs)
 
+    def build(self, **settings):
+        """The policy with ``settings`` (values by field, ``staleness=3``) for the options this
+        mode takes, its defaults for the rest: the settings a tool gives every mode at once."""
+        fields = {o.field for o in self.options if o.field is not None}
+        return self.cls(**{k: v for k, v in settings.items() if k in fields})
+
 
 _MODES = {}
 
