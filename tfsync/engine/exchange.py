@@ -216,7 +216,8 @@ class RoundExchange:
         self._entered_through = -1  # newest coordinated round this rank entered (on a closing or early)
         self._entered_early = {}  # round -> (ranks, late ranks) it aggregated, until its closing is checked
         self.early_rounds = 0  # coordinated rounds this rank entered on its ready notice's answer
-        self.counts = {"produced": 0, "applied": 0, "compensated": 0, "dropped": 0}
+        # this rank's drops (stamp, round at which it was found stale) not yet taken; the rest of
+        # what happens to its contributions is in the rounds' metadata (the engine's Tally counts)
         self._drops = []  # (stamp, round at which it was found stale) not yet taken
         self._queue = queue.Queue()
         self._results = {}
@@ -252,7 +253,6 @@ class RoundExchange:
             if self._outbox is not None:
                 self._drop_locked(self._outbox[0], stamp)
             self._outbox = (stamp, list(payload), push_time, compute_s)
-            self.counts["produced"] += 1
 
     def close_round(self, round_: int, accepted: tuple, late: tuple = ()):
         """The coordinator closed ``round_`` accepting ``accepted`` (and the late, compensated
@@ -296,9 +296,8 @@ class RoundExchange:
             return payload
 
     def drop(self, stamp: int, round_: int):
-        """Count a withdrawn contribution as dropped (no round will take it)."""
+        """Record a withdrawn contribution as dropped (no round will take it)."""
         with self._cond:
-            self.counts["dropped"] += 1
             self._drops.append((stamp, round_))
 
     def set_late(self, round_: int, stamp: int, payload: list):
@@ -337,11 +336,7 @@ class RoundExchange:
                 )
             return list(total)
 
-        total = self.call(run, timeout_s)
-        if late is not None:
-            with self._cond:
-                self.counts["compensated"] += 1
-        return total
+        return self.call(run, timeout_s)
 
     def take_drops(self) -> list:
         """``(stamp, round)`` of every contribution dropped since the last call."""
@@ -351,7 +346,6 @@ class RoundExchange:
 
     def _drop_locked(self, stamp, round_):
         self._outbox = None
-        self.counts["dropped"] += 1
         self._drops.append((stamp, round_))
 
     def submit(
@@ -547,7 +541,6 @@ class RoundExchange:
                     meta[self.rank, :4] = (1.0, stamp, push_time, compute_s)
                     with self._cond:
                         self._outbox = None
-                        self.counts["applied"] += 1
             if mine and meta[self.rank, 0] != 1.0:
                 raise RuntimeError(
                     f"tfsync: rank {self.rank} was accepted for round {round_} "
@@ -565,8 +558,6 @@ class RoundExchange:
                 meta[self.rank, 4:6] = (1.0, late_stamp)
                 # a fresh contribution in the same round: one row, both summed
                 payload = late_payload if not mine else [a + b for a, b in zip(payload, late_payload)]
-                with self._cond:
-                    self.counts["compensated"] += 1
             if payload is None:
                 if callable(self._absent):  # built on first use
                     self._absent = self._absent()
