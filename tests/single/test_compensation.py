@@ -208,6 +208,7 @@ class LateJob:
         self.pushed = [{} for _ in range(size)]  # step -> (weights it was computed at, gradient)
         self.offers = [[] for _ in range(size)]  # (step offered at, weights then, w_now, w_stale, g, g̃)
         self.means = [{} for _ in range(size)]  # step -> the mean this rank applied
+        self.aggregated = [{} for _ in range(size)]  # round -> the fresh ranks its metadata names
         self.counts, self.final, self.engines = [None] * size, [None] * size, [None] * size
 
     def _train(self, rank):
@@ -221,6 +222,14 @@ class LateJob:
         self.engines[rank] = engine
         var = tf.Variable(self.w0)
         engine.start([var])
+        pop = engine.exchange.pop
+
+        def pop_and_note(round_):  # what the round aggregated (PSP: the closing's ranks, or more)
+            res = pop(round_)
+            self.aggregated[rank][round_] = tuple(res.accepted)
+            return res
+
+        engine.exchange.pop = pop_and_note
         protocol, original = engine.protocol, engine.protocol.compensate
         state = {}
 
@@ -298,17 +307,20 @@ def test_late_contributions_are_compensated_not_dropped(policy):
         if step in late_rounds:
             offered[step] = corrected
     assert set(offered) == set(late_rounds), (sorted(offered), sorted(late_rounds))
-    # every round's update: the accepted fresh gradients and the late corrected ones, over the
-    # number of fresh ones (a late gradient weighs what a fresh one does, on top of them)
+    # every round's update: the fresh gradients it aggregated and the late corrected ones, over
+    # the number of fresh ones (a late gradient weighs what a fresh one does, on top of them).
+    # What it aggregated is its metadata's: the closing's ranks, or more under PSP, whose ranks
+    # ready before the closing reached them enter with their gradient
     for entry in job.closed:
-        r, accepted = entry[0], entry[1]
+        r, accepted = entry[0], job.aggregated[0][entry[0]]
+        assert set(entry[1]) <= set(accepted) and all(a[r] == accepted for a in job.aggregated), (entry, r)
         parts = [job.pushed[k][r][1].astype(np.float64) for k in accepted]
         parts += [offered[r].astype(np.float64)] if len(entry) > 2 else []
         for k in range(job.size):
             np.testing.assert_allclose(job.means[k][r], np.sum(parts, axis=0) / len(accepted), rtol=1e-5, atol=1e-6)
     if final:  # after the last step: the late gradients still held, corrected at the final weights,
         # each weighing what it would in the last round (its fresh count)
-        d_last = len(job.closed[-1][1])
+        d_last = len(job.aggregated[0][job.steps - 1])
         for k in range(job.size):
             want = np.sum([c.astype(np.float64) for c in final.values()], axis=0) / d_last
             np.testing.assert_allclose(job.means[k][job.steps], want, rtol=1e-5, atol=1e-6)
