@@ -27,7 +27,7 @@ import pytest
 from tfsync.launch import REPO_ROOT
 
 NVCC = shutil.which("nvcc")
-CUDA_OPS = ("TfSync>PartialAggregate", "TfSync>MaskStale", "TfSync>DelayCompensate", "TfSync>DelayCompensateAdaptive")
+CUDA_OPS = ("TfSync>DelayCompensate", "TfSync>DelayCompensateAdaptive")
 
 if NVCC is None and os.environ.get("CI"):
     raise RuntimeError("CI must check the GPU build, but nvcc is not on the PATH (the machine has the CUDA toolkit)")
@@ -110,7 +110,7 @@ def test_the_library_holds_sass_for_each_architecture_and_ptx_of_the_newest(gpu_
     assert re.search(rf"\.sm_{archs[-1]}\.ptx", ptx), f"no PTX for compute_{archs[-1]}:\n{ptx}"
     # the kernels themselves, not only an empty fat binary
     names = _run([cuobjdump, "--dump-elf-symbols", gpu_build["library"]], 120)
-    for kernel in ("PartialAggregateKernel", "DelayCompensateKernel", "DelayCompensateAdaptiveKernel"):
+    for kernel in ("DelayCompensateKernel", "DelayCompensateAdaptiveKernel"):
         assert kernel in names, f"{kernel} is not in the library's device code"
 
 

@@ -1,6 +1,6 @@
-"""Tests of tfsync.ops (PSP partial aggregation, staleness masking, DC-ASGD delay
-compensation, the "updates" protocol's state updates) against NumPy, run for BOTH
-implementations: the compiled kernels and the pure-TensorFlow reference. The compiled library must be built first
+"""Tests of tfsync.ops (DC-ASGD delay compensation, the "updates" protocol's state
+updates) against NumPy, run for BOTH implementations: the compiled kernels and the
+pure-TensorFlow reference. The compiled library must be built first
 (``pip install --no-build-isolation -e .``); a missing library fails these tests, it
 is never skipped.
 """
@@ -42,15 +42,6 @@ def _values(rng, shape, dtype, scale=1.0):
     return t, tf.cast(t, tf.float64).numpy()
 
 
-def np_partial_aggregate(contributions, timestamps, step, c, max_staleness, reduction):
-    fresh = (step - timestamps) <= max_staleness
-    total = contributions[fresh].sum(axis=0)
-    d = int(fresh.sum())
-    if reduction == "mean":
-        total = total / max(d, 1)
-    return total, d, ~fresh, d >= c
-
-
 def np_delay_compensate(g, w_now, w_stale, lam):
     return g + lam * g * g * (w_now - w_stale)
 
@@ -67,201 +58,6 @@ class OpsTestCase(tf.test.TestCase, parameterized.TestCase):
     def assertClose(self, actual, expected, dtype):
         rtol, atol = TOLERANCE[dtype]
         self.assertAllClose(tf.cast(actual, tf.float64).numpy(), expected, rtol=rtol, atol=atol)
-
-
-class PartialAggregateTest(OpsTestCase):
-    @parameterized.product(impl=IMPLS, dtype=DTYPES, shape=SHAPES, reduction=("mean", "sum"))
-    def test_matches_numpy(self, impl, dtype, shape, reduction):
-        self.use(impl)
-        rng = np.random.default_rng(0)
-        contributions, expected_in = _values(rng, (5,) + shape, dtype)
-        timestamps = np.array([10, 9, 10, 8, 10])
-        r = ops.partial_aggregate(contributions, timestamps, 10, 2, max_staleness=1, reduction=reduction)
-        total, d, dropped, met = np_partial_aggregate(expected_in, timestamps, 10, 2, 1, reduction)
-        self.assertEqual(r.aggregate.dtype, dtype)
-        self.assertEqual(r.aggregate.shape, shape)
-        self.assertClose(r.aggregate, total, dtype)
-        self.assertEqual(int(r.num_accepted), d)
-        self.assertAllEqual(r.dropped, dropped)
-        self.assertEqual(bool(r.min_contributions_met), met)
-
-    @parameterized.product(impl=IMPLS)
-    def test_large_uses_threads_and_matches_numpy(self, impl):
-        self.use(impl)
-        contributions, expected_in = _values(np.random.default_rng(1), (4, LARGE), tf.float32)
-        timestamps = np.array([3, 3, 2, 3])
-        r = ops.partial_aggregate(contributions, timestamps, 3, 3)
-        total, _, _, _ = np_partial_aggregate(expected_in, timestamps, 3, 3, 0, "mean")
-        self.assertClose(r.aggregate, total, tf.float32)
-
-    @parameterized.product(impl=IMPLS)
-    def test_held_results_survive_later_calls(self, impl):
-        self.use(impl)
-        first = ops.partial_aggregate(tf.fill([2, LARGE], 1.0), [1, 1], 1, 1).aggregate
-        second = ops.partial_aggregate(tf.fill([2, LARGE], 3.0), [1, 1], 1, 1).aggregate
-        self.assertEqual(float(tf.reduce_max(first)), 1.0)
-        self.assertEqual(float(tf.reduce_min(first)), 1.0)
-        self.assertEqual(float(tf.reduce_min(second)), 3.0)
-
-    @parameterized.product(impl=IMPLS, dtype=(tf.float32, tf.float64))
-    def test_large_outputs_streamed(self, impl, dtype):
-        self.use(impl)
-        contributions, expected_in = _values(np.random.default_rng(8), (3, STREAMED), dtype)
-        r = ops.partial_aggregate(contributions, [5, 4, 5], 5, 2, reduction="sum")
-        self.assertClose(r.aggregate, expected_in[0] + expected_in[2], dtype)
-
-    @parameterized.product(impl=IMPLS, reduction=("mean", "sum"))
-    def test_all_stale_gives_zeros_and_reports_it(self, impl, reduction):
-        self.use(impl)
-        r = ops.partial_aggregate(tf.ones([3, 4]), [1, 2, 3], 5, 1, reduction=reduction)
-        self.assertAllEqual(r.aggregate, np.zeros(4))
-        self.assertEqual(int(r.num_accepted), 0)
-        self.assertAllEqual(r.dropped, [True, True, True])
-        self.assertFalse(bool(r.min_contributions_met))
-
-    @parameterized.product(impl=IMPLS)
-    def test_all_fresh(self, impl):
-        self.use(impl)
-        x = np.arange(12, dtype=np.float32).reshape(3, 4)
-        r = ops.partial_aggregate(x, [5, 5, 5], 5, 3)
-        self.assertAllClose(r.aggregate, x.mean(axis=0))
-        self.assertEqual(int(r.num_accepted), 3)
-        self.assertAllEqual(r.dropped, [False] * 3)
-        self.assertTrue(bool(r.min_contributions_met))
-
-    @parameterized.product(impl=IMPLS)
-    def test_stale_rows_holding_nan_do_not_leak(self, impl):
-        self.use(impl)
-        x = np.array([[1.0, 2.0], [np.nan, np.inf]], np.float32)
-        r = ops.partial_aggregate(x, [4, 3], 4, 1)
-        self.assertAllEqual(r.aggregate, [1.0, 2.0])
-
-    @parameterized.product(impl=IMPLS)
-    def test_staleness_window(self, impl):
-        self.use(impl)
-        r = ops.partial_aggregate(tf.ones([5, 2]), [10, 9, 8, 7, 6], 10, 0, max_staleness=2, reduction="sum")
-        self.assertAllEqual(r.dropped, [False, False, False, True, True])
-        self.assertAllEqual(r.aggregate, [3.0, 3.0])
-
-    # d = 2 accepted out of k = 4: c = 0, c = d, c = d + 1, c = k.
-    @parameterized.product(impl=IMPLS, c_and_met=((0, True), (2, True), (3, False), (4, False)))
-    def test_min_contributions_boundaries(self, impl, c_and_met):
-        self.use(impl)
-        c, met = c_and_met
-        r = ops.partial_aggregate(tf.ones([4, 3]), [7, 6, 7, 5], 7, c)
-        self.assertEqual(int(r.num_accepted), 2)
-        self.assertEqual(bool(r.min_contributions_met), met)
-
-    @parameterized.product(impl=IMPLS)
-    def test_zero_contributions(self, impl):
-        self.use(impl)
-        r = ops.partial_aggregate(tf.zeros([0, 3]), tf.zeros([0], tf.int64), 1, 0)
-        self.assertAllEqual(r.aggregate, np.zeros(3))
-        self.assertEqual(int(r.num_accepted), 0)
-        self.assertTrue(bool(r.min_contributions_met))
-
-    @parameterized.product(impl=IMPLS)
-    def test_inside_tf_function(self, impl):
-        self.use(impl)
-        fn = tf.function(lambda x, ts, step: ops.partial_aggregate(x, ts, step, 1))
-        x = np.arange(6, dtype=np.float32).reshape(3, 2)
-        r = fn(tf.constant(x), tf.constant([2, 1, 2], tf.int64), tf.constant(2, tf.int64))
-        self.assertAllClose(r.aggregate, (x[0] + x[2]) / 2)
-        self.assertEqual(int(r.num_accepted), 2)
-
-    @parameterized.product(
-        impl=IMPLS,
-        case=(
-            ("future", dict(timestamps=[3, 6]), r"timestamps\[1\] = 6 is after the current step 5"),
-            ("c<0", dict(c=-1), r"min_contributions must be >= 0, got -1"),
-            ("c>k", dict(c=3), r"min_contributions must be <= k = 2 .*got 3"),
-            ("staleness<0", dict(max_staleness=-1), r"max_staleness must be >= 0"),
-            ("k mismatch", dict(timestamps=[5, 5, 5]), r"timestamps must have one entry per contribution"),
-            ("rank 0", dict(contributions=1.0), r"contributions must have rank >= 1"),
-            ("timestamps rank", dict(timestamps=[[5, 5]]), r"timestamps must be a vector"),
-            ("step rank", dict(step=[5]), r"step must be a scalar"),
-        ),
-    )
-    def test_bad_input_raises(self, impl, case):
-        self.use(impl)
-        _, overrides, message = case
-        args = dict(contributions=tf.ones([2, 3]), timestamps=[5, 5], step=5, c=1, max_staleness=0)
-        args.update(overrides)
-        with self.assertRaisesRegex(tf.errors.InvalidArgumentError, message):
-            ops.partial_aggregate(
-                args["contributions"], args["timestamps"], args["step"], args["c"], max_staleness=args["max_staleness"]
-            )
-
-    @parameterized.product(impl=IMPLS)
-    def test_graph_construction_checks_shapes_and_constants(self, impl):
-        self.use(impl)
-        with self.assertRaisesRegex(ValueError, "timestamps must have one entry per contribution"):
-            tf.function(lambda: ops.partial_aggregate(tf.ones([2, 3]), [1, 1, 1], 1, 1))()
-        if impl == "compiled":  # the shape function also checks constant inputs
-            with self.assertRaisesRegex(ValueError, "min_contributions must be <= k = 2"):
-                tf.function(lambda: ops.partial_aggregate(tf.ones([2, 3]), [1, 1], 1, 3))()
-        fn = tf.function(lambda ts: ops.partial_aggregate(tf.ones([2, 3]), ts, 1, 1))
-        with self.assertRaisesRegex(tf.errors.InvalidArgumentError, "is after the current step"):
-            fn(tf.constant([1, 2], tf.int64))
-
-    def test_timestamps_must_be_integers(self):
-        with self.assertRaisesRegex(TypeError, "timestamps must be an integer step count, got float32"):
-            ops.partial_aggregate(tf.ones([2]), [1.5, 1.0], 1, 1)
-
-    def test_unknown_reduction(self):
-        with self.assertRaisesRegex(ValueError, "reduction must be 'mean' or 'sum'"):
-            ops.partial_aggregate(tf.ones([2]), [1, 1], 1, 1, reduction="max")
-
-
-class MaskStaleTest(OpsTestCase):
-    @parameterized.product(impl=IMPLS, dtype=DTYPES, shape=SHAPES)
-    def test_fresh_passes_through_and_stale_is_zero(self, impl, dtype, shape):
-        self.use(impl)
-        x, expected = _values(np.random.default_rng(2), shape, dtype)
-        fresh = ops.mask_stale(x, 9, 10, max_staleness=1)
-        self.assertEqual(fresh.masked.dtype, dtype)
-        self.assertClose(fresh.masked, expected, dtype)
-        self.assertEqual(float(fresh.weight), 1.0)
-        self.assertEqual(fresh.weight.dtype, tf.float32)
-        stale = ops.mask_stale(x, 8, 10, max_staleness=1)
-        self.assertAllEqual(tf.cast(stale.masked, tf.float64), np.zeros(shape))
-        self.assertEqual(float(stale.weight), 0.0)
-
-    @parameterized.product(impl=IMPLS)
-    def test_sum_over_workers_gives_mean_of_accepted(self, impl):
-        # Emulates an allreduce sum over 4 workers, one of them a step behind.
-        self.use(impl)
-        rng = np.random.default_rng(3)
-        grads = [rng.standard_normal(LARGE).astype(np.float32) for _ in range(4)]
-        timestamps = [4, 4, 3, 4]
-        outs = [ops.mask_stale(g, ts, 4) for g, ts in zip(grads, timestamps)]
-        total = tf.add_n([o.masked for o in outs])
-        weight = tf.add_n([o.weight for o in outs])
-        self.assertEqual(float(weight), 3.0)
-        self.assertAllClose(total / weight, (grads[0] + grads[1] + grads[3]) / 3, rtol=1e-5, atol=1e-6)
-
-    @parameterized.product(impl=IMPLS)
-    def test_stale_inside_tf_function(self, impl):
-        self.use(impl)
-        fn = tf.function(lambda x, ts: ops.mask_stale(x * 2.0, ts, 5))
-        r = fn(tf.ones([LARGE]), tf.constant(4, tf.int64))
-        self.assertEqual(float(tf.reduce_max(tf.abs(r.masked))), 0.0)
-        r = fn(tf.ones([LARGE]), tf.constant(5, tf.int64))
-        self.assertEqual(float(tf.reduce_min(r.masked)), 2.0)
-
-    @parameterized.product(
-        impl=IMPLS,
-        case=(
-            ((6, 5, 0), r"timestamp = 6 is after the current step 5"),
-            ((4, 5, -2), r"max_staleness must be >= 0 .*-2"),
-            (([4], 5, 0), r"timestamp must be a scalar"),
-        ),
-    )
-    def test_bad_input_raises(self, impl, case):
-        self.use(impl)
-        (timestamp, step, max_staleness), message = case
-        with self.assertRaisesRegex(tf.errors.InvalidArgumentError, message):
-            ops.mask_stale(tf.ones([3]), timestamp, step, max_staleness)
 
 
 class DelayCompensateTest(OpsTestCase):
@@ -704,7 +500,7 @@ class BenchmarkTest(tf.test.TestCase):
         with open(path) as f:
             records = json.load(f)
         seen = {(r["op"], r["impl"]) for r in records}
-        for op in ("delay_compensate", "delay_compensate_adaptive", "partial_aggregate", "mask_stale(stale)"):
+        for op in ("delay_compensate", "delay_compensate_adaptive"):
             for impl in ("fused", "composed_eager", "composed_xla", "fused_result_held"):
                 self.assertIn((op, impl), seen)
         for op in ("update_push_share", "update_apply_round"):

@@ -11,9 +11,8 @@ Timings are the median of ``--repeats`` calls after warm-up, the implementations
 of an op (and the copy) timed round-robin, with TensorFlow's default thread settings.
 ``fused_result_held`` is the fused op called while the caller still holds its
 previous result, so that its output buffer cannot be reused and is freshly
-allocated on every call. Ops: DC-ASGD-c / DC-ASGD-a delay compensation, PSP partial
-aggregation (k contributions, one of them stale), masking one stale contribution, and
-the "updates" protocol's push and round application (whose reference the protocol
+allocated on every call. Ops: DC-ASGD-c / DC-ASGD-a delay compensation and the
+"updates" protocol's push and round application (whose reference the protocol
 ran before the kernels: its eager row is the apply's old path, its XLA row the push's).
 """
 
@@ -80,7 +79,7 @@ class _HoldingResult:
         self._held = None
 
 
-def _cases(tf, ops, n, contributions):
+def _cases(tf, ops, n):
     """(op, bytes moved, {impl: callable}) for every benchmarked op at n elements."""
     rng = np.random.default_rng(0)
     g = tf.constant(rng.standard_normal(n, dtype=np.float32))
@@ -132,55 +131,6 @@ def _cases(tf, ops, n, contributions):
         )
     )
 
-    k = contributions
-    stacked = tf.constant(rng.standard_normal((k, n), dtype=np.float32))
-    step = tf.constant(10, tf.int64)
-    # One straggler: the last contribution is one step old and is dropped.
-    timestamps = tf.constant([10] * (k - 1) + [9], tf.int64)
-    min_contributions = tf.constant(k - 1, tf.int64)
-    max_staleness = tf.constant(0, tf.int64)
-
-    def pa_composed(stacked, timestamps, step):
-        fresh = step - timestamps <= max_staleness
-        d = tf.reduce_sum(tf.cast(fresh, tf.int64))
-        # A select, not a multiply by the mask: a stale row may hold inf/NaN.
-        total = tf.reduce_sum(tf.where(fresh[:, None], stacked, 0.0), axis=0)
-        return (total / tf.cast(tf.maximum(d, 1), tf.float32), d, tf.logical_not(fresh), d >= min_contributions)
-
-    pa_xla = tf.function(pa_composed, jit_compile=True)
-    # Reads the k - 1 accepted rows, writes one.
-    cases.append(
-        (
-            "partial_aggregate",
-            k * n * FLOAT32_BYTES,
-            {
-                "fused": lambda: ops.partial_aggregate(stacked, timestamps, step, min_contributions, max_staleness),
-                "composed_eager": lambda: pa_composed(stacked, timestamps, step),
-                "composed_xla": lambda: pa_xla(stacked, timestamps, step),
-            },
-        )
-    )
-
-    stale_timestamp = tf.constant(9, tf.int64)
-
-    def mask_composed(x, timestamp, step):
-        fresh = step - timestamp <= max_staleness
-        return tf.where(fresh, x, tf.zeros_like(x)), tf.cast(fresh, tf.float32)
-
-    mask_xla = tf.function(mask_composed, jit_compile=True)
-    # A stale contribution: the fused op only writes zeros (a fresh one is returned
-    # as is, without touching memory, so it is not worth timing).
-    cases.append(
-        (
-            "mask_stale(stale)",
-            n * FLOAT32_BYTES,
-            {
-                "fused": lambda: ops.mask_stale(g, stale_timestamp, step, max_staleness),
-                "composed_eager": lambda: mask_composed(g, stale_timestamp, step),
-                "composed_xla": lambda: mask_xla(g, stale_timestamp, step),
-            },
-        )
-    )
     # The "updates" protocol's state updates (SSP, DSSP, ElasticBSP), against their
     # reference (the TensorFlow ops the protocol ran before): eager, and under XLA as
     # the protocol compiled the push.  Each implementation updates its own variables.
@@ -233,7 +183,7 @@ def _cases(tf, ops, n, contributions):
 NO_OUTPUT = ("update_apply_round",)
 
 
-def run(sizes, repeats, warmup, contributions):
+def run(sizes, repeats, warmup):
     """Runs the benchmark and returns its records (dicts, JSON-ready)."""
     import tensorflow as tf
 
@@ -259,7 +209,7 @@ def run(sizes, repeats, warmup, contributions):
         dst = np.empty_like(src)
         copy_seconds = []
         first_of_size = len(records)
-        for op, nbytes, impls in _cases(tf, ops, n, contributions):
+        for op, nbytes, impls in _cases(tf, ops, n):
             copy = lambda dst=dst, src=src: np.copyto(dst, src)
             medians = _interleaved_medians(dict(impls, copy=copy), repeats, warmup)
             copy_seconds.append(medians.pop("copy"))
@@ -314,13 +264,10 @@ def main(argv=None):
         default=[1 << 20, 16 << 20],
         help="float32 elements per tensor, e.g. 1M 16M (default)",
     )
-    parser.add_argument(
-        "--contributions", type=int, default=4, help="k for partial_aggregate; one of them is stale (default 4)"
-    )
     args = parser.parse_args(argv)
-    if args.repeats < 1 or args.warmup < 0 or args.contributions < 2:
-        parser.error("expected --repeats >= 1, --warmup >= 0 and --contributions >= 2")
-    records = run(args.sizes, args.repeats, args.warmup, args.contributions)
+    if args.repeats < 1 or args.warmup < 0:
+        parser.error("expected --repeats >= 1 and --warmup >= 0")
+    records = run(args.sizes, args.repeats, args.warmup)
     print(format_table(records))
     if args.json:
         with open(args.json, "w") as f:

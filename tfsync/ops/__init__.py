@@ -1,13 +1,6 @@
-"""TensorFlow ops for relaxed synchronization: partial aggregation, staleness masking,
-delay compensation.
+"""TensorFlow ops for relaxed synchronization: delay compensation and the "updates"
+protocol's state updates.
 
-* :func:`partial_aggregate`: PSP partial pushing (Algorithm 1, server lines 5-13) and
-  Sync-SGD with backup workers (Algorithm 4): aggregate the contributions stamped
-  within ``max_staleness`` steps of the current one, drop the rest, report how many
-  were aggregated (``d``, for the linear learning-rate scaling ``lr * d / k``) and
-  whether at least ``min_contributions`` were.
-* :func:`mask_stale`: the same test on one worker's own contribution before a
-  Horovod allreduce, which then does the sum.
 * :func:`delay_compensate`, :func:`delay_compensate_adaptive`: DC-ASGD's first-order
   correction of a stale gradient (Zheng et al., 2017), as used by DC-S3GD.
 * :func:`update_push_share`, :func:`update_apply_round`: the state updates of the
@@ -21,9 +14,6 @@ ops accept float16, bfloat16, float32 and float64 (half and bfloat16 are compute
 float32) and have no gradient. See ``docs/ops.md``.
 """
 
-import collections
-
-import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from tfsync.ops._loader import OpLibraryError, load_library  # noqa: E402
@@ -33,43 +23,17 @@ from tfsync.ops._select import backend as _backend
 from tfsync.ops._select import get_implementation, set_implementation
 
 __all__ = [
-    "MaskStaleResult",
     "OpLibraryError",
-    "PartialAggregateResult",
     "delay_compensate",
     "delay_compensate_adaptive",
     "get_implementation",
     "load_library",
-    "mask_stale",
-    "partial_aggregate",
     "set_implementation",
     "update_apply_round",
     "update_push_share",
 ]
 
-PartialAggregateResult = collections.namedtuple(
-    "PartialAggregateResult", ["aggregate", "num_accepted", "dropped", "min_contributions_met"]
-)
-PartialAggregateResult.__doc__ = """What :func:`partial_aggregate` returns.
-
-Attributes:
-  aggregate: sum or mean of the accepted contributions, shape ``contributions.shape[1:]``,
-    dtype of ``contributions``.
-  num_accepted: int64 scalar ``d``, the number of accepted contributions.
-  dropped: bool ``[k]``, true for each dropped (stale) contribution.
-  min_contributions_met: bool scalar, ``d >= min_contributions``.
-"""
-
-MaskStaleResult = collections.namedtuple("MaskStaleResult", ["masked", "weight"])
-MaskStaleResult.__doc__ = """What :func:`mask_stale` returns.
-
-Attributes:
-  masked: the tensor itself when fresh, zeros of its shape and dtype when stale.
-  weight: float32 scalar, 1.0 when fresh, 0.0 when stale.
-"""
-
 _FLOAT_DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
-_REDUCTIONS = ("mean", "sum")
 
 
 def _float_tensor(value, arg, dtype=None, of="gradient"):
@@ -83,94 +47,6 @@ def _float_tensor(value, arg, dtype=None, of="gradient"):
     if dtype is not None and tensor.dtype != dtype:
         raise TypeError(f"{arg} must have the dtype of {of} ({dtype.name}), got " f"{tensor.dtype.name}")
     return tensor
-
-
-def _int64(value, arg):
-    if isinstance(value, int | np.integer) and not isinstance(value, bool):
-        # a Python or NumPy int straight to int64: one constant, not a conversion and a cast
-        # (two eager ops; three such arguments were most of an eager call's 0.2 ms here)
-        return tf.constant(int(value), tf.int64)
-    tensor = tf.convert_to_tensor(value)
-    if not tensor.dtype.is_integer:
-        raise TypeError(f"{arg} must be an integer step count, got {tensor.dtype.name}")
-    return tf.cast(tensor, tf.int64)
-
-
-def partial_aggregate(contributions, timestamps, step, min_contributions, max_staleness=0, reduction="mean", name=None):
-    """Aggregates the fresh contributions of one tensor and drops the stale ones.
-
-    Contribution ``i`` is accepted when ``step - max_staleness <= timestamps[i] <= step``
-    (with ``max_staleness=0``, only those stamped with the current step, as in PSP
-    Algorithm 1 and the backup-workers Algorithm 4). Fewer than ``min_contributions``
-    accepted is not an error: it is reported in ``min_contributions_met``.
-
-    Args:
-      contributions: float tensor ``[k, ...]``, one row per contribution.
-      timestamps: integer ``[k]``, the step each contribution was computed at.
-      step: integer scalar, the current step ``t``.
-      min_contributions: integer scalar ``c`` in ``[0, k]``.
-      max_staleness: integer scalar ``>= 0`` (default 0).
-      reduction: ``"mean"`` (default; zeros when nothing is accepted) or ``"sum"``.
-      name: optional name scope.
-
-    Returns:
-      A :class:`PartialAggregateResult` ``(aggregate, num_accepted, dropped,
-      min_contributions_met)``.
-
-    Raises:
-      tf.errors.InvalidArgumentError: a timestamp after ``step``, ``c`` outside
-        ``[0, k]``, negative ``max_staleness``, mismatched shapes (``ValueError``
-        instead when the shapes are known while building a graph).
-
-    Example:
-      >>> r = partial_aggregate([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]], [7, 7, 6], step=7,
-      ...                       min_contributions=2)
-      >>> r.aggregate.numpy(), int(r.num_accepted), r.dropped.numpy().tolist()
-      (array([2., 3.], dtype=float32), 2, [False, False, True])
-    """
-    if reduction not in _REDUCTIONS:
-        raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
-    result = _backend().partial_aggregate(
-        _float_tensor(contributions, "contributions"),
-        _int64(timestamps, "timestamps"),
-        _int64(step, "step"),
-        _int64(min_contributions, "min_contributions"),
-        _int64(max_staleness, "max_staleness"),
-        reduction,
-        name=name,
-    )
-    return PartialAggregateResult(*result)
-
-
-def mask_stale(tensor, timestamp, step, max_staleness=0, name=None):
-    """One worker's contribution before an allreduce: itself if fresh, zeros if stale.
-
-    Fresh means ``step - max_staleness <= timestamp <= step``. Summing both outputs
-    over workers (``hvd.allreduce(..., op=hvd.Sum)``), ``sum(masked) / sum(weight)``
-    is the mean of the accepted contributions and ``sum(weight)`` is their count ``d``.
-    The compiled op returns a fresh tensor without copying it.
-
-    Args:
-      tensor: float tensor, any shape.
-      timestamp: integer scalar, the step the tensor was computed at.
-      step: integer scalar, the current step.
-      max_staleness: integer scalar ``>= 0`` (default 0).
-      name: optional name scope.
-
-    Returns:
-      A :class:`MaskStaleResult` ``(masked, weight)``; ``weight`` is a float32 scalar.
-
-    Raises:
-      tf.errors.InvalidArgumentError: ``timestamp > step`` or ``max_staleness < 0``.
-    """
-    result = _backend().mask_stale(
-        _float_tensor(tensor, "tensor"),
-        _int64(timestamp, "timestamp"),
-        _int64(step, "step"),
-        _int64(max_staleness, "max_staleness"),
-        name=name,
-    )
-    return MaskStaleResult(*result)
 
 
 def delay_compensate(gradient, w_now, w_stale, lambda_, name=None):

@@ -2,29 +2,11 @@
 
 Same functions and signatures as :mod:`tfsync.ops._reference`; arguments arrive
 already converted and checked by :mod:`tfsync.ops`. The kernels are in
-``ops/cc/kernels`` (PSP Algorithm 1 / backup-workers Algorithm 4 aggregation,
-DC-ASGD delay compensation, the "updates" protocol's state updates).
+``ops/cc/kernels`` (DC-ASGD delay compensation, the "updates" protocol's state
+updates).
 """
 
 from tfsync.ops._loader import load_library
-
-
-def partial_aggregate(contributions, timestamps, step, min_contributions, max_staleness, reduction, name=None):
-    return load_library().tf_sync_partial_aggregate(
-        contributions=contributions,
-        timestamps=timestamps,
-        step=step,
-        min_contributions=min_contributions,
-        max_staleness=max_staleness,
-        reduction=reduction,
-        name=name,
-    )
-
-
-def mask_stale(tensor, timestamp, step, max_staleness, name=None):
-    return load_library().tf_sync_mask_stale(
-        tensor=tensor, timestamp=timestamp, step=step, max_staleness=max_staleness, name=name
-    )
 
 
 def delay_compensate(gradient, w_now, w_stale, lambda_, name=None):

@@ -1,7 +1,7 @@
 """The one loader of tfsync's compiled TensorFlow op library (``_tfsync_ops.so``).
 
-The library holds the kernels of :mod:`tfsync.ops` (PSP partial aggregation with
-timestamped staleness dropping, DC-ASGD delay compensation; see ``docs/ops.md``).
+The library holds the kernels of :mod:`tfsync.ops` (DC-ASGD delay compensation, the
+"updates" protocol's state updates; see ``docs/ops.md``).
 It is loaded lazily, on the first call of a compiled op, never at import, so that
 ``import tfsync`` works without it when the reference implementation is selected.
 
@@ -23,8 +23,6 @@ BUILD_COMMAND = "`pip install --no-build-isolation -e .` (or `make install`) in 
 
 # Op names as registered in ops/cc/ops/tfsync_ops.cc.
 OP_NAMES = (
-    "TfSync>PartialAggregate",
-    "TfSync>MaskStale",
     "TfSync>DelayCompensate",
     "TfSync>DelayCompensateAdaptive",
     "TfSync>UpdatePushShare",

@@ -4,10 +4,6 @@ Same functions, signatures, outputs and error messages as :mod:`tfsync.ops._comp
 (composed from stock TensorFlow ops, so slower: every intermediate is a tensor), for
 machines without the compiled library and as the oracle the tests compare with:
 
-* :func:`partial_aggregate`: PSP Algorithm 1, server lines 5-13; Sync-SGD with
-  backup workers, Algorithm 4.
-* :func:`mask_stale`: the same timestamp test for one worker's contribution before
-  an allreduce.
 * :func:`delay_compensate`, :func:`delay_compensate_adaptive`: DC-ASGD-c and
   DC-ASGD-a (Zheng et al., 2017).
 * :func:`update_push_share`, :func:`update_apply_round`: the "updates"
@@ -20,13 +16,6 @@ value error an ``InvalidArgumentError`` when the graph runs.
 """
 
 import tensorflow as tf
-
-_FUTURE = (
-    "is after the current step",
-    "a contribution cannot come from the future; "
-    "stamp each contribution with the step of the weights it was computed on",
-)
-_STALENESS = "max_staleness must be >= 0 (0 accepts only the current step), got"
 
 
 def _accumulator(dtype):
@@ -82,77 +71,6 @@ def _require_finite(value, name):
         value,
         "; check the schedule or config that produced it",
     )
-
-
-def partial_aggregate(contributions, timestamps, step, min_contributions, max_staleness, reduction, name=None):
-    with tf.name_scope(name or "partial_aggregate"):
-        if contributions.shape.rank is not None and contributions.shape.rank < 1:
-            raise _shape_error(
-                "contributions must have rank >= 1 (shape [k, ...], one row per contribution), "
-                f"got shape {contributions.shape}"
-            )
-        if timestamps.shape.rank is not None and timestamps.shape.rank != 1:
-            raise _shape_error(f"timestamps must be a vector of shape [k], got shape {timestamps.shape}")
-        if not contributions.shape[:1].is_compatible_with(timestamps.shape):
-            raise _shape_error(
-                "timestamps must have one entry per contribution: contributions has shape "
-                f"{contributions.shape} (k = {contributions.shape[0]}), timestamps has shape "
-                f"{timestamps.shape}"
-            )
-        _require_scalar(step, "step")
-        _require_scalar(min_contributions, "min_contributions")
-        _require_scalar(max_staleness, "max_staleness")
-        k = tf.shape(timestamps, out_type=tf.int64)[0]
-        checks = []
-        checks += _require(min_contributions >= 0, "min_contributions must be >= 0, got ", min_contributions)
-        checks += _require(
-            min_contributions <= k,
-            "min_contributions must be <= k = ",
-            k,
-            " (the number of contributions), got ",
-            min_contributions,
-            "; never wait for more contributions than there are workers",
-        )
-        checks += _require(max_staleness >= 0, _STALENESS, " ", max_staleness)
-        future = timestamps > step
-        if tf.executing_eagerly() and bool(tf.reduce_any(future)):
-            first = int(tf.argmax(tf.cast(future, tf.int32)))
-            checks += _require(
-                False, f"timestamps[{first}] = ", timestamps[first], f" {_FUTURE[0]} ", step, ": ", _FUTURE[1]
-            )
-        else:
-            checks += _require(
-                tf.logical_not(tf.reduce_any(future)),
-                "timestamps ",
-                timestamps,
-                f" {_FUTURE[0]} ",
-                step,
-                ": ",
-                _FUTURE[1],
-            )
-        with tf.control_dependencies(checks):
-            fresh = step - timestamps <= max_staleness
-            accepted = tf.boolean_mask(contributions, fresh)
-            total = tf.reduce_sum(tf.cast(accepted, _accumulator(contributions.dtype)), axis=0)
-            num_accepted = tf.reduce_sum(tf.cast(fresh, tf.int64))
-            if reduction == "mean":
-                # Nothing accepted: zeros (a sum of nothing), as in the kernel.
-                total = total / tf.cast(tf.maximum(num_accepted, 1), total.dtype)
-            aggregate = tf.cast(total, contributions.dtype)
-            return (tf.stop_gradient(aggregate), num_accepted, tf.logical_not(fresh), num_accepted >= min_contributions)
-
-
-def mask_stale(tensor, timestamp, step, max_staleness, name=None):
-    with tf.name_scope(name or "mask_stale"):
-        _require_scalar(timestamp, "timestamp")
-        _require_scalar(step, "step")
-        _require_scalar(max_staleness, "max_staleness")
-        checks = _require(max_staleness >= 0, _STALENESS, " ", max_staleness)
-        checks += _require(timestamp <= step, "timestamp = ", timestamp, f" {_FUTURE[0]} ", step, ": ", _FUTURE[1])
-        with tf.control_dependencies(checks):
-            fresh = step - timestamp <= max_staleness
-            masked = tf.where(fresh, tensor, tf.zeros_like(tensor))
-            return tf.stop_gradient(masked), tf.cast(fresh, tf.float32)
 
 
 def delay_compensate(gradient, w_now, w_stale, lambda_, name=None):

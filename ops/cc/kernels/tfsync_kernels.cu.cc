@@ -1,6 +1,6 @@
-// CUDA kernels of tfsync's ops (see partial_aggregate_kernels.cc and
-// delay_compensation_kernels.cc for the semantics and the CPU versions they mirror:
-// same formulas, same association order, half/bfloat16 computed in float).
+// CUDA kernels of tfsync's ops (see delay_compensation_kernels.cc for the semantics
+// and the CPU versions they mirror: same formulas, same association order,
+// half/bfloat16 computed in float).
 // Compiled by setup.py with nvcc only when TensorFlow has CUDA; NOT tested: the
 // machines this project is developed on have no GPU.
 #if GOOGLE_CUDA
@@ -21,19 +21,6 @@ using GPUDevice = Eigen::GpuDevice;
 tensorflow::GpuLaunchConfig Config(const GPUDevice& d, int64_t n) {
   // The loops below are grid-stride over int64, so a capped grid covers any n.
   return tensorflow::GetGpuLaunchConfig(static_cast<int>(std::min<int64_t>(n, INT_MAX)), d);
-}
-
-template <typename T, typename A>
-__global__ void PartialAggregateKernel(const T* __restrict__ contributions, int64_t k, int64_t n,
-                                       RowMask accepted, int64_t divisor, T* __restrict__ out) {
-  const A scale = A(1) / static_cast<A>(divisor);
-  for (int64_t j : tensorflow::GpuGridRangeX<int64_t>(n)) {
-    A acc = A(0);
-    for (int64_t i = 0; i < k; ++i) {
-      if ((accepted.bits[i / 64] >> (i % 64)) & 1) acc += static_cast<A>(contributions[i * n + j]);
-    }
-    out[j] = static_cast<T>(acc * scale);
-  }
 }
 
 template <typename T, typename A>
@@ -64,23 +51,6 @@ __global__ void DelayCompensateAdaptiveKernel(A* __restrict__ v, const T* g,
 }
 
 }  // namespace
-
-template <typename T>
-void GpuLaunch<T>::PartialAggregate(const GPUDevice& d, const T* contributions, int64_t k,
-                                    int64_t n, const RowMask& accepted, int64_t divisor,
-                                    T* out) {
-  using A = typename Accumulator<T>::type;
-  if (n == 0) return;
-  auto cfg = Config(d, n);
-  TF_CHECK_OK(tensorflow::GpuLaunchKernel(PartialAggregateKernel<T, A>, cfg.block_count,
-                                          cfg.thread_per_block, 0, d.stream(), contributions, k,
-                                          n, accepted, divisor, out));
-}
-
-template <typename T>
-void GpuLaunch<T>::Zero(const GPUDevice& d, T* out, int64_t n) {
-  if (n > 0) d.memset(out, 0, n * sizeof(T));
-}
 
 template <typename T>
 void GpuLaunch<T>::DelayCompensate(const GPUDevice& d, const T* g, const T* w_now,

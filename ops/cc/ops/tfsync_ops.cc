@@ -1,12 +1,6 @@
 // Op definitions (REGISTER_OP + shape functions) for tfsync's relaxed-synchronization
 // kernels; the kernels themselves live in ops/cc/kernels/.
 //
-//  * TfSync>PartialAggregate: PSP (partial pushing) Algorithm 1, server lines 5-13,
-//    and Sync-SGD with backup workers, Algorithm 4: sum the contributions stamped
-//    recently enough, drop the rest, report how many were aggregated (d, for the
-//    linear learning-rate scaling lr*d/k) and whether the minimum c was reached.
-//  * TfSync>MaskStale: the same timestamp test applied to ONE worker's own
-//    contribution before a Horovod allreduce (the sum happens in the collective).
 //  * TfSync>DelayCompensate / TfSync>DelayCompensateAdaptive: DC-ASGD (Zheng et
 //    al., ICML 2017) g~ = g + lambda * g (.) g (.) (w_now - w_stale), with constant
 //    lambda (DC-ASGD-c) or lambda_t = lambda0 / sqrt(v_t + eps) (DC-ASGD-a).
@@ -19,14 +13,11 @@
 #include "tensorflow/core/framework/common_shape_fns.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/shape_inference.h"
-#include "tensorflow/core/framework/tensor.h"
 
 namespace tfsync {
 namespace {
 
 using ::tensorflow::Status;
-using ::tensorflow::Tensor;
-using ::tensorflow::shape_inference::DimensionHandle;
 using ::tensorflow::shape_inference::InferenceContext;
 using ::tensorflow::shape_inference::ShapeHandle;
 namespace errors = ::tensorflow::errors;
@@ -47,85 +38,6 @@ Status RequireSameShape(InferenceContext* c, ShapeHandle a, const char* a_name, 
                                    " has shape ", c->DebugString(a), ", ", b_name, " has shape ",
                                    c->DebugString(b));
   }
-  return absl::OkStatus();
-}
-
-// The value of a scalar int64 input when it is a graph constant, to check it at graph
-// construction; returns false when it is only known at run time.
-bool ConstantInt64(InferenceContext* c, int index, int64_t* value) {
-  const Tensor* t = c->input_tensor(index);
-  if (t == nullptr || t->dims() != 0) return false;
-  *value = t->scalar<int64_t>()();
-  return true;
-}
-
-Status PartialAggregateShape(InferenceContext* c) {
-  ShapeHandle contributions = c->input(0);
-  if (c->RankKnown(contributions) && c->Rank(contributions) < 1) {
-    return errors::InvalidArgument(
-        "contributions must have rank >= 1 (shape [k, ...], one row per contribution), got "
-        "shape ",
-        c->DebugString(contributions));
-  }
-  ShapeHandle timestamps = c->input(1);
-  if (c->RankKnown(timestamps) && c->Rank(timestamps) != 1) {
-    return errors::InvalidArgument("timestamps must be a vector of shape [k], got shape ",
-                                   c->DebugString(timestamps));
-  }
-  TF_RETURN_IF_ERROR(RequireScalar(c, 2, "step"));
-  TF_RETURN_IF_ERROR(RequireScalar(c, 3, "min_contributions"));
-  TF_RETURN_IF_ERROR(RequireScalar(c, 4, "max_staleness"));
-
-  DimensionHandle k = c->UnknownDim();
-  if (c->RankKnown(contributions)) k = c->Dim(contributions, 0);
-  if (c->RankKnown(timestamps)) {
-    DimensionHandle kt = c->Dim(timestamps, 0);
-    if (!c->Merge(k, kt, &k).ok()) {
-      return errors::InvalidArgument(
-          "timestamps must have one entry per contribution: contributions has shape ",
-          c->DebugString(contributions), " (k = ", c->DebugString(c->Dim(contributions, 0)),
-          "), timestamps has shape ", c->DebugString(timestamps));
-    }
-  }
-
-  int64_t min_contributions, max_staleness;
-  if (ConstantInt64(c, 3, &min_contributions)) {
-    if (min_contributions < 0) {
-      return errors::InvalidArgument("min_contributions must be >= 0, got ", min_contributions);
-    }
-    if (c->ValueKnown(k) && min_contributions > c->Value(k)) {
-      return errors::InvalidArgument("min_contributions must be <= k = ", c->Value(k),
-                                     " (the number of contributions), got ", min_contributions,
-                                     "; never wait for more contributions than there are workers");
-    }
-  }
-  if (ConstantInt64(c, 4, &max_staleness) && max_staleness < 0) {
-    return errors::InvalidArgument("max_staleness must be >= 0 (0 accepts only the current step), got ",
-                                   max_staleness);
-  }
-
-  ShapeHandle aggregate = c->UnknownShape();
-  if (c->RankKnown(contributions)) {
-    TF_RETURN_IF_ERROR(c->Subshape(contributions, 1, &aggregate));
-  }
-  c->set_output(0, aggregate);
-  c->set_output(1, c->Scalar());
-  c->set_output(2, c->Vector(k));
-  c->set_output(3, c->Scalar());
-  return absl::OkStatus();
-}
-
-Status MaskStaleShape(InferenceContext* c) {
-  TF_RETURN_IF_ERROR(RequireScalar(c, 1, "timestamp"));
-  TF_RETURN_IF_ERROR(RequireScalar(c, 2, "step"));
-  TF_RETURN_IF_ERROR(RequireScalar(c, 3, "max_staleness"));
-  int64_t max_staleness;
-  if (ConstantInt64(c, 3, &max_staleness) && max_staleness < 0) {
-    return errors::InvalidArgument("max_staleness must be >= 0 (0 accepts only the current step), got ",
-                                   max_staleness);
-  }
-  c->set_output(0, c->input(0));
-  c->set_output(1, c->Scalar());
   return absl::OkStatus();
 }
 
@@ -195,45 +107,6 @@ Status UpdateApplyRoundShape(InferenceContext* c) {
 }
 
 }  // namespace
-
-REGISTER_OP("TfSync>PartialAggregate")
-    .Input("contributions: T")
-    .Input("timestamps: int64")
-    .Input("step: int64")
-    .Input("min_contributions: int64")
-    .Input("max_staleness: int64")
-    .Output("aggregate: T")
-    .Output("num_accepted: int64")
-    .Output("dropped: bool")
-    .Output("min_contributions_met: bool")
-    .Attr("T: {half, bfloat16, float, double}")
-    .Attr("reduction: {'sum', 'mean'} = 'mean'")
-    .SetShapeFn(PartialAggregateShape)
-    .Doc(R"doc(
-Aggregates the contributions stamped within max_staleness steps of `step`.
-
-Contribution i is accepted when step - max_staleness <= timestamps[i] <= step;
-a timestamp after `step` is an error. aggregate is the sum (reduction='sum') or the
-mean (reduction='mean', zeros when none is accepted) of the accepted rows,
-num_accepted is d, dropped[i] is true for rejected rows and min_contributions_met
-is d >= min_contributions.
-)doc");
-
-REGISTER_OP("TfSync>MaskStale")
-    .Input("tensor: T")
-    .Input("timestamp: int64")
-    .Input("step: int64")
-    .Input("max_staleness: int64")
-    .Output("masked: T")
-    .Output("weight: float")
-    .Attr("T: {half, bfloat16, float, double}")
-    .SetShapeFn(MaskStaleShape)
-    .Doc(R"doc(
-One worker's contribution before an allreduce: `tensor` unchanged with weight 1.0
-when step - max_staleness <= timestamp <= step, zeros with weight 0.0 otherwise.
-After summing both over workers, sum(masked) / sum(weight) is the mean of the
-accepted contributions.
-)doc");
 
 REGISTER_OP("TfSync>DelayCompensate")
     .Input("gradient: T")
