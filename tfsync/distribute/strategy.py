@@ -119,8 +119,8 @@ class _SyncExtended(one_device_strategy.OneDeviceExtended):
 
     # One replica per process: the dataset feeds the step as it does without a strategy (what
     # TF's default strategy does).  OneDeviceStrategy's distributed dataset builds a new
-    # multi-device iterator every epoch, which took 0.1-1.9 s on one of four workers sharing
-    # two cores, and under BSP every worker waits for the slowest at each epoch's first step.
+    # multi-device iterator every epoch, which can take a second on a busy host, and under BSP
+    # every worker waits for the slowest at each epoch's first step.
     def _experimental_distribute_dataset(self, dataset, options):
         if _per_replica(options):
             return super()._experimental_distribute_dataset(dataset, options)  # (raises as TF does)

@@ -80,7 +80,7 @@ class HorovodCluster:
     def abort(self):
         """``hvd.shutdown()``: a pending collective on this rank raises at once (Horovod's
         "has been shut down" error), and Horovod tells the other ranks, whose pending and
-        later collectives fail too (measured here with 3 ranks: all within the same 0.1 s)."""
+        later collectives fail too, at once."""
         self.hvd.shutdown()
 
     def barrier(self, name):

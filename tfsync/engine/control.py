@@ -460,7 +460,7 @@ class ControlServer:
         # is rank 0 the others must already know why, not just that rank 0 vanished.
         # A stream's write is no proof: gRPC finishes a send once the bytes are in the
         # transport, and when rank 0's process ends its connections reset, which can
-        # take unread messages with them (CI saw "lost rank 0" where rank 0 had said why).
+        # take unread messages with them (the others would report "lost rank 0" instead of its reason).
         deadline = time.monotonic() + STOP_NOTICE_GRACE_S
         with self._lock:
             self._stopped.setdefault(int(request["rank"]), dict(request))

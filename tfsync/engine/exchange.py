@@ -62,11 +62,9 @@ enters early cannot know ``d`` when it enters, so every rank asks Horovod
 for the sum post-scaled by the previous round's ``d`` (the same on every
 rank) and rescales it when the round's own ``d``, read from its metadata,
 differs: every replica receives the same sum of exactly the contributions
-the round took, over ``d``.  Measured (4 workers, no straggler, 20 ms
-simulated device time, one instrumented launch each): entering without the
-answer's round trip, not sending closings that took every rank, and the
-rescaling that replaced a division after every round took PSP from 38.8 to
-33.9-36.2 ms per step, against BSP's 32.1-33.7.
+the round took, over ``d``.  So a coordinated round costs about what an
+open one does: no round trip before entering, no closing sent for a round
+that took every rank, no division after every round.
 
 With delay compensation (``keep_stale``) a contribution that missed its
 round is not dropped here: the engine withdraws it (:meth:`RoundExchange.withdraw`),
@@ -117,9 +115,8 @@ def encode_meta(meta: np.ndarray) -> np.ndarray:
     float32 base-2^16 digits (``size * META_WIDTH``).
 
     Only the non-zero rows are encoded (a rank fills its own row), one Python
-    integer at a time: measured with 2 workers under horovodrun here, this and
-    :func:`decode_meta` took 0.15 ms per round on the step's path as ten NumPy
-    calls each, on cores the other worker keeps busy.
+    integer at a time: for a few small rows that is cheaper than a chain of
+    NumPy calls, and it runs on every round's path.
     """
     meta = np.asarray(meta, np.float64)
     wire = np.zeros((meta.shape[0], META_WIDTH), np.float32)
@@ -594,9 +591,8 @@ class RoundExchange:
         ``guess / d`` afterwards, the same way on every rank.  With a steady
         ``d`` (no straggler: every rank; a persistent one or backup workers:
         the same count each round) no eager operation touches the payload
-        after the collective: measured with 4 workers here, dividing the small
-        bench model's 6 tensors after every round cost 0.7 ms per round
-        (median; 2.3 ms at the 90th percentile) on the training thread's path.
+        after the collective (a division of every tensor after every round
+        would sit on the training thread's path).
         ``accepted`` (None: entered early) and ``late`` are then checked
         against it.
         """

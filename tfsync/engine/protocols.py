@@ -29,9 +29,7 @@ beyond the share itself (the in-flight payload).
 One grouped call per round, not one flat buffer: Horovod's tensor fusion packs
 the group into its fusion buffer anyway (``HOROVOD_FUSION_THRESHOLD``, 128 MiB
 by default), so concatenating first and splitting after only adds two payload
-copies.  Measured here (2 workers under ``horovodrun --gloo``, the 17.9M
-parameter MLP's 6 tensors, compiled, median of 15 rounds, two passes):
-grouped 91-92 ms per round, concat + allreduce + split 107-121 ms.
+copies.
 """
 
 import tensorflow as tf
@@ -57,8 +55,7 @@ def horovod_collective(average: bool, hvd=None):
     in its fusion buffer, as ``hvd.Average`` does for plain Horovod users) or
     summed.  The metadata rides in the same call, encoded as float32 digits
     that survive either reduction exactly (:func:`~tfsync.engine.exchange.encode_meta`):
-    measured with 4 workers here, a second allreduce for it cost a second
-    negotiation, 14 ms per round against 8 ms for one grouped call.  A group
+    a second allreduce for it would cost a second negotiation per round.  A group
     must share one dtype, so a model with several weight dtypes makes one call
     per dtype (the metadata joins the float32 one).
 
@@ -83,7 +80,7 @@ def horovod_collective(average: bool, hvd=None):
         total = [None] * len(payload)
         for k, (dtype, index) in enumerate(groups.items()):
             tensors = [payload[i] for i in index]
-            if dtype == tf.float32:  # (NumPy: the op converts it, 0.1 ms sooner than tf.constant here)
+            if dtype == tf.float32:  # (NumPy: the op converts it itself)
                 tensors.append(encode_meta(meta))
             outs = hvd.grouped_allreduce(tensors, op=op, name=f"tfsync.round.{k}", **scale)
             for i, o in zip(index, outs):
@@ -251,14 +248,10 @@ def compile_flat(fn, specs=(), jit_compile=False):
 
     A ``tf.function`` call binds its arguments to the traced signature in Python
     every time, and that is most of what a small model's per-step state update
-    costs.  Measured here (one process, the bench's small model, CPU time of the
-    calling thread): a round's update called as ``tf.function`` with its
-    variables and tensors as arguments took 950 us; its concrete function called
-    with the 12 tensors, 350 us, of which 317 us is the binding (an empty
-    function with 12 arguments); through the concrete function's flat entry
-    point, which TensorFlow itself calls once the arguments are bound, an empty
-    function took 68 us.  That entry point is private (``_call_flat``, TF 2.18):
-    where a TensorFlow lacks it, the concrete function is called as it is.
+    costs; the concrete function's flat entry point, which TensorFlow itself
+    calls once the arguments are bound, skips the binding.  That entry point is
+    private (``_call_flat``): where a TensorFlow lacks it, the concrete function
+    is called as it is.
     """
     with tf.init_scope():  # (an engine may start while a frontend traces its first step)
         concrete = tf.function(fn, autograph=False, jit_compile=jit_compile).get_concrete_function(*specs)
@@ -283,9 +276,8 @@ class CompensatedUpdateProtocol:
 
     Both hooks are plain TensorFlow ops that the frontends build into the
     compiled train step, so a step costs two ``tf.py_function`` calls (wait,
-    push) and no extra function dispatch: measured on one worker here, a
-    compiled function per hook cost 2 ms a step more, as much as the
-    allreduce the overlap hides.  :meth:`correct` and :meth:`contribution`
+    push) and no extra function dispatch (a compiled function per hook would
+    cost about as much per step as the allreduce the overlap hides).  :meth:`correct` and :meth:`contribution`
     run the same ops eagerly (the engine's own API, used by the tests).
 
     The correction runs after any change the optimizer makes before its
