@@ -128,3 +128,31 @@ def test_auto_mode_decides_the_same_on_every_rank_and_counts_every_engine():
         assert counts["produced"] + counts["skipped"] == STEPS * EPOCHS, counts
         assert sum(counts[k] for k in COUNTS if k not in ("produced", "skipped")) == counts["produced"]
     assert any(name == "tfsync.auto.window" for _, _, name in fake.log)
+
+
+def test_a_fit_that_raised_leaves_no_engine_in_the_way_of_the_next():
+    """Keras calls no ``on_train_end`` when ``fit`` raises: the next ``fit`` with the same
+    callback abandons the engine left running and trains as usual."""
+    fake = FakeCluster(SIZE, timeout_s=60)
+
+    class Boom(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            raise RuntimeError("boom")
+
+    def fit_twice(rank):
+        model = build()
+        sync = tfsync.keras.SyncCallback("bsp", cluster=fake.rank(rank), wait_timeout_s=30)
+        x, y = data(rank)
+        with pytest.raises(RuntimeError, match="boom"):
+            model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, verbose=0, callbacks=[sync, Boom()])
+        first = sync.engine
+        assert first.started  # left running
+        model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, verbose=0, callbacks=[sync])
+        assert not first.started and sync.engine is not first and not sync.engine.started
+        return model.get_weights(), sync.counts
+
+    results, errors = on_threads([lambda r=r: fit_twice(r) for r in range(SIZE)], JOIN_S)
+    assert not any(errors), errors
+    for a, b in zip(results[0][0], results[1][0]):
+        np.testing.assert_array_equal(a, b)
+    assert results[0][1]["produced"] == STEPS * EPOCHS

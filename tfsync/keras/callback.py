@@ -134,6 +134,8 @@ class SyncCallback(keras.callbacks.Callback):
                 "tfsync.keras.SyncCallback: the model has no optimizer; call "
                 "model.compile(optimizer=..., loss=...) before model.fit"
             )
+        if frontend.running:  # a fit that raised left its engine running (Keras skips on_train_end)
+            frontend.engine.abandon()
         steps = self.params.get("steps")
         all_steps = frontend.allgather(steps, "tfsync.steps")
         if len(set(all_steps)) != 1 or steps is None:
