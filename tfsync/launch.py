@@ -126,27 +126,10 @@ def mode_from_args(args):
 
 
 def describe_mode(policy):
-    """``"ssp(s=3)"``, ``"psp(c=3)"``, ``"backup(b=1)+dc(lambda=0.04)"``, ``"dcs3gd(lambda=0.04)"``:
-    a short label for tables (settings left at an adaptive default, ``None``, are not shown)."""
-    from tfsync.policies import Auto, registry
+    """A short label for tables: :func:`tfsync.policies.registry.describe`."""
+    from tfsync.policies import registry
 
-    def compensation(comp):
-        return f"lambda={comp.strength}" + (", adaptive" if comp.adaptive else "")
-
-    if isinstance(policy, Auto):  # the modes it runs are in its decisions
-        return "auto"
-    options, suffix = [], ""
-    short = {o.field: o.short for o in registry.options() if o.field and o.short}
-    for k, v in policy.config().items():
-        if k == "compensation":  # DC-S3GD's own
-            options.append(compensation(policy.compensation))
-        elif k == "compensate":  # PSP's and backup workers' late gradients
-            suffix = "" if policy.compensate is None else f"+dc({compensation(policy.compensate)})"
-        elif k == "pull_fraction" and v == 1.0:  # PSP without partial pulling
-            continue
-        elif k != "mode" and v is not None:
-            options.append(f"{short.get(k, k)}={v}")
-    return policy.name + (f"({', '.join(options)})" if options else "") + suffix
+    return registry.describe(policy)
 
 
 def contribution_totals(hvd, counts, batch_size, wall_s):

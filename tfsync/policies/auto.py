@@ -356,7 +356,7 @@ class AutoController:
         worker computed nothing in the window (it skipped every step): decided later.  A switch
         at the first decision, later only after ``confirm`` consecutive decisions agree.
         """
-        from tfsync.launch import describe_mode
+        from tfsync.policies.registry import describe
 
         window, t = self._window, time.monotonic()
         profile = found
@@ -382,8 +382,8 @@ class AutoController:
             "spread": profile.spread,
             "steps": profile.steps,
             "early": found is not None,  # from the rounds' metadata after EARLY_STEPS steps
-            "running": describe_mode(self.policy),
-            "mode": describe_mode(wanted),
+            "running": describe(self.policy),
+            "mode": describe(wanted),
             "switched": switch,
             "wait_s": wait_s,  # this rank's wait for the others to reach the decision
         }

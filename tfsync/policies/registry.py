@@ -123,3 +123,26 @@ def options() -> list:
         for o in m.options:
             seen.setdefault(o.flag, o)
     return list(seen.values())
+
+
+def describe(policy) -> str:
+    """``"ssp(s=3)"``, ``"psp(c=3)"``, ``"backup(b=1)+dc(lambda=0.04)"``, ``"dcs3gd(lambda=0.04)"``:
+    a short label for tables (settings left at an adaptive default, ``None``, are not shown)."""
+
+    def compensation(comp):
+        return f"lambda={comp.strength}" + (", adaptive" if comp.adaptive else "")
+
+    if policy.name == "auto":  # tfsync.Auto (no mode may register that name): its modes are in its decisions
+        return "auto"
+    parts, suffix = [], ""
+    short = {o.field: o.short for o in options() if o.field and o.short}
+    for k, v in policy.config().items():
+        if k == "compensation":  # DC-S3GD's own
+            parts.append(compensation(policy.compensation))
+        elif k == "compensate":  # PSP's and backup workers' late gradients
+            suffix = "" if policy.compensate is None else f"+dc({compensation(policy.compensate)})"
+        elif k == "pull_fraction" and v == 1.0:  # PSP without partial pulling
+            continue
+        elif k != "mode" and v is not None:
+            parts.append(f"{short.get(k, k)}={v}")
+    return policy.name + (f"({', '.join(parts)})" if parts else "") + suffix
