@@ -22,6 +22,9 @@ $(STAMP): $(BUILD_INPUTS)
 	@# system packages Horovod's build needs (Debian); skipped when present
 	@command -v cmake >/dev/null && command -v g++ >/dev/null && command -v patch >/dev/null || \
 	  (apt-get update && apt-get install -y --no-install-recommends cmake g++ make patch)
+	@# what the multi-host tests' simulated hosts need (tests/multihost): skipped when present
+	@command -v ip >/dev/null && command -v unshare >/dev/null && test -x /usr/sbin/sshd && command -v ssh-keygen >/dev/null || \
+	  (apt-get update && apt-get install -y --no-install-recommends iproute2 util-linux openssh-server openssh-client)
 	$(PIP_INSTALL) "$(TENSORFLOW)==$(TF_VERSION)" -r requirements.txt
 	@# Horovod from its sdist with our patch, compiled against the installed TensorFlow
 	@# (rebuilt when TensorFlow or the patch changes): third_party/horovod/

@@ -1,0 +1,189 @@
+"""Several hosts on one machine: network namespaces on one bridge, each with its own sshd and hostname.
+
+Host ``i`` (1-based) is the namespace ``tfsync-h<i>``: one interface ``eth1``
+with the address ``198.18.0.<i>/24`` (RFC 2544's benchmarking range, never
+routed), joined to the others by a veth pair to a bridge in the namespace
+``tfsync-hbr``; its own hostname ``tfh<i>`` (``unshare --uts``), which only
+it resolves (``/etc/netns/tfsync-h<i>/hosts``, which ``ip netns exec`` mounts
+over ``/etc/hosts``), as in containers without cluster DNS; and its own sshd
+on port 22 of its address, which takes a key made for this harness, so
+``horovodrun -H 198.18.0.1:2,198.18.0.2:2 --ssh-identity-file KEY`` launches
+remote ranks as it would on a cluster.
+
+Everything it creates is removed on exit (namespaces, the hosts files, the
+sshds, the known-hosts entries ssh adds), whatever happened.  It needs root;
+without root :class:`Hosts` raises, saying so (the tests using it fail loudly
+rather than pass).
+"""
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+
+SUBNET = "198.18.0"
+IFACE = "eth1"
+PREFIX = "tfsync-h"
+BRIDGE_NS = PREFIX + "br"
+SSHD = "/usr/sbin/sshd"
+COMMAND_TIMEOUT_S = 20.0  # one ip/ssh-keygen call
+
+
+def _run(*cmd, timeout_s=COMMAND_TIMEOUT_S, check=True):
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    if check and out.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({out.returncode}): {out.stderr.strip()}")
+    return out
+
+
+class Hosts:
+    """``n`` simulated hosts (a context manager); ``address(i)``, ``name(i)``, ``namespace(i)``.
+
+    ``run(i, argv, timeout_s)`` runs a command as host ``i`` (in its namespace, with its
+    hostname), bounded; ``popen(i, argv)`` starts one.
+    """
+
+    def __init__(self, n=2):
+        if not 2 <= n <= 9:
+            raise ValueError(f"Hosts(n={n}): between 2 and 9 hosts")
+        self.n = n
+        self._sshd = []
+        self._dir = None
+
+    # --------------------------------------------------------------- naming
+    def address(self, i):
+        return f"{SUBNET}.{i}"
+
+    def name(self, i):
+        return f"tfh{i}"
+
+    def namespace(self, i):
+        return f"{PREFIX}{i}"
+
+    @property
+    def key(self):
+        """The private key every host's sshd accepts (``horovodrun --ssh-identity-file``)."""
+        return os.path.join(self._dir, "id_ed25519")
+
+    # -------------------------------------------------------------- lifecycle
+    def __enter__(self):
+        if os.geteuid() != 0:
+            raise RuntimeError(
+                "the multi-host harness needs root (network namespaces, one sshd per host); "
+                "run the suite as root, as CI does"
+            )
+        for tool in ("ip", "unshare", "ssh-keygen", SSHD):
+            if shutil.which(tool) is None:
+                raise RuntimeError(f"the multi-host harness needs {tool}; `make install` installs it")
+        self._remove_namespaces()  # what a killed earlier run left
+        self._dir = tempfile.mkdtemp(prefix="tfsync-hosts-")
+        try:
+            self._create()
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def _create(self):
+        _run("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", self.key)
+        shutil.copy(self.key + ".pub", os.path.join(self._dir, "authorized_keys"))
+        _run("ip", "netns", "add", BRIDGE_NS)
+        _run("ip", "-n", BRIDGE_NS, "link", "add", "br0", "type", "bridge")
+        _run("ip", "-n", BRIDGE_NS, "link", "set", "br0", "up")
+        for i in range(1, self.n + 1):
+            ns, peer = self.namespace(i), f"h{i}"
+            _run("ip", "netns", "add", ns)
+            veth = ("ip", "link", "add", f"tfsync{i}a", "netns", ns, "type", "veth")
+            _run(*veth, "peer", "name", peer, "netns", BRIDGE_NS)
+            _run("ip", "-n", ns, "link", "set", f"tfsync{i}a", "name", IFACE)
+            _run("ip", "-n", ns, "addr", "add", f"{self.address(i)}/24", "dev", IFACE)
+            _run("ip", "-n", ns, "link", "set", IFACE, "up")
+            _run("ip", "-n", ns, "link", "set", "lo", "up")
+            _run("ip", "-n", BRIDGE_NS, "link", "set", peer, "master", "br0")
+            _run("ip", "-n", BRIDGE_NS, "link", "set", peer, "up")
+            etc = f"/etc/netns/{ns}"
+            os.makedirs(etc, exist_ok=True)
+            with open(os.path.join(etc, "hosts"), "w") as f:
+                f.write(f"127.0.0.1 localhost\n{self.address(i)} {self.name(i)}\n")
+            self._start_sshd(i)
+
+    def _start_sshd(self, i):
+        host_key = os.path.join(self._dir, f"host{i}_key")
+        _run("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", host_key)
+        config = os.path.join(self._dir, f"sshd{i}.conf")
+        with open(config, "w") as f:
+            f.write(
+                f"ListenAddress {self.address(i)}\nPort 22\nHostKey {host_key}\n"
+                f"PidFile {self._dir}/sshd{i}.pid\nAuthorizedKeysFile {self._dir}/authorized_keys\n"
+                "PermitRootLogin prohibit-password\nPasswordAuthentication no\nStrictModes no\nUsePAM no\n"
+                "AcceptEnv *\n"
+            )
+        os.makedirs("/run/sshd", exist_ok=True)
+        self._sshd.append(self.popen(i, [SSHD, "-D", "-e", "-f", config], stderr=subprocess.DEVNULL))
+
+    def __exit__(self, *exc):
+        self.kill_all(keep_sshd=False)
+        for p in self._sshd:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=COMMAND_TIMEOUT_S)
+        self._sshd = []
+        self._remove_namespaces()
+        for i in range(1, self.n + 1):  # what ssh added to root's known hosts for these addresses
+            _run("ssh-keygen", "-R", self.address(i), check=False)
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
+
+    def kill_all(self, keep_sshd=True):
+        """SIGKILL every process running on the hosts but their sshd listeners (``keep_sshd``):
+        what ssh started for a launcher (its remote ranks) is in no process group the launcher
+        holds, so a launch that ended or was killed may have left it."""
+        keep = {p.pid for p in self._sshd} if keep_sshd else set()
+        for i in range(1, self.n + 1):
+            pids = _run("ip", "netns", "pids", self.namespace(i), check=False).stdout.split()
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError, ValueError):
+                    if int(pid) not in keep:
+                        os.kill(int(pid), signal.SIGKILL)
+
+    def _remove_namespaces(self):
+        listed = _run("ip", "netns", "list").stdout.split()
+        for ns in [x for x in listed if x.startswith(PREFIX)]:
+            _run("ip", "netns", "del", ns, check=False)  # (its veth ends go with it)
+            shutil.rmtree(f"/etc/netns/{ns}", ignore_errors=True)
+
+    # ------------------------------------------------------------- commands
+    def _as_host(self, i, argv):
+        quoted = " ".join(_quote(a) for a in argv)
+        return ["ip", "netns", "exec", self.namespace(i), "unshare", "--uts", "sh", "-c",
+                f"hostname {self.name(i)} && exec {quoted}"]  # fmt: skip
+
+    def popen(self, i, argv, **kwargs):
+        """Start ``argv`` as host ``i`` in a process group of its own (killed with :meth:`kill`)."""
+        return subprocess.Popen(self._as_host(i, argv), start_new_session=True, **kwargs)
+
+    def run(self, i, argv, timeout_s, env=None):
+        """Run ``argv`` as host ``i``; ``(returncode, output)``; its group is killed past ``timeout_s``."""
+        p = self.popen(i, argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        try:
+            out, _ = p.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            kill(p)
+            out, _ = p.communicate()
+            return 124, out
+        return p.returncode, out
+
+
+def kill(p):
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(p.pid, signal.SIGKILL)
+
+
+def _quote(arg):
+    import shlex
+
+    return shlex.quote(str(arg))
