@@ -74,6 +74,8 @@ class Log:
     computation starts), ``"push"`` and ``"skip"``; ``accepted``: round -> the ranks its
     closing took (coordinated modes)."""
 
+    enabled = True
+
     def __init__(self):
         self.events, self.accepted = [], {}
 
@@ -82,6 +84,8 @@ class Log:
 
 
 class _NoLog(Log):
+    enabled = False
+
     def add(self, t, kind, rank, step):
         pass
 
@@ -216,15 +220,15 @@ def _elastic(policy, d, allreduce_s, log):
         barrier = min(schedule.barrier, steps - 1)
         length = barrier - schedule.start + 1
         rounds = range(schedule.start, barrier + 1)
-        computes = np.array([[schedule.computes(w, k) for k in rounds] for w in range(workers)])
+        computes = schedule.computing(rounds)
         chosen = computes.sum(axis=1)
         work = np.where(computes, d[:, schedule.start : barrier + 1], 0.0)
         entered = start_s + np.cumsum(work, axis=1)  # when each worker enters each round
-        for w in range(workers):
-            for j, k in enumerate(rounds):
-                log.add(entered[w, j] - work[w, j], "compute" if computes[w, j] else "skip", w, k)
+        if log.enabled:
+            for w, j in np.ndindex(computes.shape):
+                log.add(entered[w, j] - work[w, j], "compute" if computes[w, j] else "skip", w, rounds[j])
                 if computes[w, j]:
-                    log.add(entered[w, j], "push", w, k)
+                    log.add(entered[w, j], "push", w, rounds[j])
         for j in range(length):
             complete_s = max(complete_s, float(entered[:, j].max())) + allreduce_s
         wait += complete_s - entered[:, -1]

@@ -18,6 +18,7 @@ rather than pass).
 
 import contextlib
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -158,7 +159,7 @@ class Hosts:
 
     # ------------------------------------------------------------- commands
     def _as_host(self, i, argv):
-        quoted = " ".join(_quote(a) for a in argv)
+        quoted = " ".join(shlex.quote(str(a)) for a in argv)
         return ["ip", "netns", "exec", self.namespace(i), "unshare", "--uts", "sh", "-c",
                 f"hostname {self.name(i)} && exec {quoted}"]  # fmt: skip
 
@@ -181,9 +182,3 @@ class Hosts:
 def kill(p):
     with contextlib.suppress(ProcessLookupError):
         os.killpg(p.pid, signal.SIGKILL)
-
-
-def _quote(arg):
-    import shlex
-
-    return shlex.quote(str(arg))

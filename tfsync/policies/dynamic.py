@@ -242,6 +242,10 @@ class Schedule:
     def computes(self, rank: int, step: int) -> bool:
         return step > self.barrier - self.iterations[rank]
 
+    def computing(self, steps):
+        """:meth:`computes` for every rank (rows) and each of ``steps`` (columns) at once."""
+        return np.asarray(steps)[None, :] > self.barrier - np.asarray(self.iterations)[:, None]
+
     def record(self) -> dict:
         return {
             "start": self.start,
