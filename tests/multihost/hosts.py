@@ -22,6 +22,7 @@ import shlex
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 
 SUBNET = "198.18.0"
@@ -29,6 +30,7 @@ IFACE = "eth1"
 PREFIX = "tfsync-h"
 BRIDGE_NS = PREFIX + "br"
 SSHD = "/usr/sbin/sshd"
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 COMMAND_TIMEOUT_S = 20.0  # one ip/ssh-keygen call
 
 
@@ -157,7 +159,39 @@ class Hosts:
             _run("ip", "netns", "del", ns, check=False)  # (its veth ends go with it)
             shutil.rmtree(f"/etc/netns/{ns}", ignore_errors=True)
 
+    # ---------------------------------------------------------------- faults
+    def set_link(self, i, up):
+        """Bring host ``i``'s ``eth1`` up or down (a cut cable: no reset reaches either side)."""
+        _run("ip", "-n", self.namespace(i), "link", "set", IFACE, "up" if up else "down")
+
+    def pids(self, i):
+        """The processes running on host ``i``, its sshd listener excepted."""
+        keep = {p.pid for p in self._sshd}
+        out = _run("ip", "netns", "pids", self.namespace(i), check=False).stdout.split()
+        return sorted(int(pid) for pid in out if int(pid) not in keep)
+
+    def listening(self, i):
+        """The TCP ports something listens on at host ``i`` (its sshd's 22 included)."""
+        out = _run("ip", "netns", "exec", self.namespace(i), "ss", "-Htln", check=False).stdout
+        return sorted({int(line.split()[3].rpartition(":")[2]) for line in out.splitlines() if line.strip()})
+
     # ------------------------------------------------------------- commands
+    def horovodrun(self, per_host, argv, env=None, gloo_timeout_s=60):
+        """The ``horovodrun`` command line that runs ``argv`` with ``per_host`` ranks on every host,
+        over ``eth1``, remote ranks started over ssh with this harness's key (run it as host 1)."""
+        slots = ",".join(f"{self.address(i)}:{per_host}" for i in range(1, self.n + 1))
+        return [
+            "env",
+            f"PYTHONPATH={REPO_ROOT}",
+            "TF_CPP_MIN_LOG_LEVEL=2",
+            "PYTHONUNBUFFERED=1",
+            f"HOROVOD_GLOO_TIMEOUT_SECONDS={gloo_timeout_s}",
+            *[f"{k}={v}" for k, v in (env or {}).items()],
+            "horovodrun", "-np", str(per_host * self.n), "-H", slots, "--gloo",
+            "--network-interfaces", IFACE, "--ssh-identity-file", self.key,
+            sys.executable, *map(str, argv),
+        ]  # fmt: skip
+
     def _as_host(self, i, argv):
         quoted = " ".join(shlex.quote(str(a)) for a in argv)
         return ["ip", "netns", "exec", self.namespace(i), "unshare", "--uts", "sh", "-c",
