@@ -8,7 +8,10 @@ model's trainable variables, hook the optimizer's path
 when training ends and close the engine.  :class:`Frontend` does that once for
 both, and is their only way to the other workers: every collective goes
 through its cluster (:mod:`tfsync.engine.cluster`; Horovod in production,
-in-process ranks in the single-process tests), in the same order on every rank.
+in-process ranks in the single-process tests), in the same order on every rank,
+and each is bounded by the wait bound (:func:`tfsync.engine.cluster.run_bounded`),
+engine running or not: a rank that does not come stops every rank with an error
+that names the collective and the ranks that had not reached it.
 """
 
 import os
@@ -17,7 +20,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfsync.engine import SyncEngine, lifecycle, protocols
-from tfsync.engine.cluster import HorovodCluster
+from tfsync.engine.cluster import HorovodCluster, run_bounded
 
 
 class Frontend:
@@ -68,26 +71,26 @@ class Frontend:
     def running(self) -> bool:
         return self.engine is not None and self.engine.started
 
-    def collective(self, fn):
-        """Run ``fn`` (a collective on :attr:`cluster`) in the job's order of collectives: on the
-        engine's exchange thread after every queued round while an engine runs, bounded by the
-        wait bound; here otherwise."""
-        if self.running:
-            return self.engine.exchange.call(fn, timeout_s=self.engine.wait_timeout_s)
-        return fn()
+    def collective(self, fn, name, purpose):
+        """Run ``fn``, the collective ``name`` on :attr:`cluster` (``purpose``: what it is for, in
+        words, for its errors), in the job's order of collectives: on the engine's exchange
+        thread after every queued round while an engine runs, here otherwise; bounded by the
+        wait bound either way (:func:`tfsync.engine.cluster.run_bounded`)."""
+        on = self.engine.exchange.call if self.running else None
+        return run_bounded(self.cluster, fn, name=name, purpose=purpose, timeout_s=self.wait_timeout_s, on=on)
 
-    def allgather(self, obj, name):
+    def allgather(self, obj, name, purpose):
         """Every rank's ``obj``, in rank order (collective)."""
-        return self.collective(lambda: self.cluster.allgather_object(obj, name=name))
+        return self.collective(lambda: self.cluster.allgather_object(obj, name=name), name, purpose)
 
-    def average(self, values, name):
+    def average(self, values, name, purpose):
         """The mean over the ranks of a list of floats (collective), as float64."""
         values = tf.constant(np.asarray(values, np.float64))
-        return self.collective(lambda: self.cluster.average([values], name)[0].numpy())
+        return self.collective(lambda: self.cluster.average([values], name)[0].numpy(), name, purpose)
 
-    def broadcast_variables(self, variables, name):
+    def broadcast_variables(self, variables, name, purpose):
         """Set ``variables`` to rank 0's values on every rank, in place (collective)."""
-        return self.collective(lambda: self.cluster.broadcast_variables(list(variables), 0, name))
+        return self.collective(lambda: self.cluster.broadcast_variables(list(variables), 0, name), name, purpose)
 
     def finish(self, apply_mean=None):
         """Wait for every round in flight and apply it: identical weights on every rank

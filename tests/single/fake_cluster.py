@@ -6,6 +6,10 @@ k-th collective call of every rank meets the k-th call of every other rank;
 they must agree on the kind, the name and the operation (a disagreement fails
 every rank, where Horovod would stall), and every wait is bounded: a rank that
 never arrives makes the others raise ``TimeoutError`` naming it, never hang.
+``abort()`` is Horovod's shutdown: every pending and later collective of every
+rank raises at once, with Horovod's "has been shut down" in its message.  The
+arrival record (``arrival_key``, ``arrive``, ``leave``, ``missing``) is kept
+here, per rank, as production's keeps it in Horovod's rendezvous store.
 
 The round collective is production's own
 :func:`tfsync.engine.protocols.horovod_collective` (grouping by dtype, the
@@ -17,6 +21,7 @@ over ranks in float32, then ``Average`` times ``1 / size`` and
 (Horovod's ``ScaleBuffer``).
 """
 
+import collections
 import copy
 import threading
 import time
@@ -42,16 +47,37 @@ class FakeCluster:
         self._out = {}  # call index -> [results per rank or an exception, ranks yet to read]
         self.log = []  # (call index, kind, name) of every collective that completed
         self.reductions = []  # (op, postscale_factor) of every grouped allreduce, in order
+        self.entered = []  # (rank, name, time.monotonic()) of every collective call, as it began
+        self.aborted_at = None  # time.monotonic() of the first abort()
+        self.aborted_by = None  # the rank that called it
+        self._keys = [collections.Counter() for _ in range(size)]  # per rank: calls per name
+        self.arrivals = {}  # arrival key -> ranks arrived and not left
 
     def rank(self, rank):
         if not 0 <= rank < self.size:
             raise ValueError(f"rank {rank} is not in a cluster of {self.size}")
         return FakeRank(self, rank)
 
+    def abort(self, rank):
+        """Horovod's shutdown, called by ``rank``: every pending and later collective raises."""
+        with self._cond:
+            if self.aborted_at is None:
+                self.aborted_at, self.aborted_by = time.monotonic(), rank
+            self._cond.notify_all()
+
+    def _shut_down(self, rank, kind, name):
+        return RuntimeError(
+            f"fake cluster: Horovod has been shut down (rank {self.aborted_by} called abort()); "
+            f"rank {rank}'s {kind} {name!r} failed"
+        )
+
     def meet(self, rank, kind, name, value, reduce, detail=None):
         """Rank ``rank``'s next collective: wait (bounded) for every rank's, reduce, return this rank's."""
         signature = (kind, name, detail)
         with self._cond:
+            self.entered.append((rank, name, time.monotonic()))
+            if self.aborted_at is not None:
+                raise self._shut_down(rank, kind, name)
             k = self._calls[rank]
             self._calls[rank] += 1
             slot = self._slots.setdefault(k, {})
@@ -74,6 +100,8 @@ class FakeCluster:
                 self._cond.notify_all()
             deadline = time.monotonic() + self.timeout_s
             while k not in self._out:
+                if self.aborted_at is not None:
+                    raise self._shut_down(rank, kind, name)
                 left = deadline - time.monotonic()
                 if left <= 0:
                     missing = sorted(set(range(self.size)) - set(self._slots.get(k, {})))
@@ -162,6 +190,32 @@ class FakeRank:
 
     def barrier(self, name):
         return lambda: self._cluster.meet(self._rank, "barrier", name, None, lambda objs: [None] * len(objs))
+
+    def abort(self):
+        self._cluster.abort(self._rank)
+
+    # the arrival record, kept in the shared cluster
+    def arrival_key(self, name):
+        with self._cluster._cond:
+            counter = self._cluster._keys[self._rank]
+            n = counter[name]
+            counter[name] += 1
+        return f"{name}#{n}"
+
+    def arrive(self, key):
+        with self._cluster._cond:
+            self._cluster.arrivals.setdefault(key, set()).add(self._rank)
+
+    def leave(self, key):
+        with self._cluster._cond:
+            ranks = self._cluster.arrivals.get(key, set())
+            ranks.discard(self._rank)
+            if not ranks:
+                self._cluster.arrivals.pop(key, None)
+
+    def missing(self, key):
+        with self._cluster._cond:
+            return sorted(set(range(self._cluster.size)) - self._cluster.arrivals.get(key, set()))
 
     # what horovod_collective needs from Horovod
     def grouped_allreduce(self, tensors, op, name, postscale_factor=1.0):

@@ -146,8 +146,13 @@ class _SyncExtended(one_device_strategy.OneDeviceExtended):
             self._var_count += 1
             value = tf.convert_to_tensor(initial)
             cluster = self._frontend.cluster
-            # (while training, on the exchange thread after the queued rounds)
-            kwargs["initial_value"] = self._frontend.collective(lambda: cluster.broadcast(value, 0, name))
+            # (bounded; while training, on the exchange thread after the queued rounds)
+            kwargs["initial_value"] = self._frontend.collective(
+                lambda: cluster.broadcast(value, 0, name),
+                name,
+                "rank 0's initial value of a variable created in SyncStrategy's scope (every rank "
+                "creates its variables in the same order)",
+            )
         return super()._create_variable(next_creator, **kwargs)
 
     # strategy.run: one traced train, test or predict step (Keras passes its

@@ -116,8 +116,8 @@ class SyncEngine:
             "stragglers": self.stragglers.spec(),
             **(extra_config or {}),
         }
-        lifecycle.agree_config(cluster, config)
-        self.t0 = lifecycle.agree_t0(cluster)
+        lifecycle.agree_config(cluster, config, self.wait_timeout_s)
+        self.t0 = lifecycle.agree_t0(cluster, self.wait_timeout_s)
         address, token = lifecycle.open_control(self, cluster)  # (sets self._server on rank 0)
         options = self.entry.exchange_options()
         for c in self.components:

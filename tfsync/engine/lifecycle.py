@@ -1,7 +1,9 @@
 """An engine's life: what every rank agrees on before the first step, and how it ends.
 
 Each runs once per :meth:`SyncEngine.start <tfsync.engine.SyncEngine.start>`
-through the cluster's own collectives (Horovod's in production), so a job
+through the cluster's own collectives (Horovod's in production), each bounded
+by the engine's wait bound (:func:`tfsync.engine.cluster.run_bounded`: a rank
+that does not come stops every rank with an error naming it), so a job
 whose ranks disagree stops with both sides named before any round runs, and
 the control path's token reaches the workers over Horovod's channel, never
 the control path itself (its settings are checked earlier still, by
@@ -19,6 +21,7 @@ import weakref
 
 from tfsync import _env
 from tfsync.engine.address import choose as choose_control_address
+from tfsync.engine.cluster import run_bounded
 from tfsync.engine.control import ControlServer
 from tfsync.stragglers import Stragglers
 
@@ -40,9 +43,16 @@ def settings(*, stragglers=None, trace_dir=None, wait_timeout_s=None) -> dict:
     return {"stragglers": stragglers, "trace_dir": trace_dir, "wait_timeout_s": _env.wait_timeout_s(wait_timeout_s)}
 
 
-def agree_config(cluster, config: dict) -> None:
-    """Raise ``ValueError`` naming the ranks whose ``config`` differs from rank 0's, and how."""
-    configs = cluster.allgather_object(config, name="tfsync.config")
+def agree_config(cluster, config: dict, timeout_s: float) -> None:
+    """Raise ``ValueError`` naming the ranks whose ``config`` differs from rank 0's, and how
+    (collective, bounded by ``timeout_s``)."""
+    configs = run_bounded(
+        cluster,
+        lambda: cluster.allgather_object(config, name="tfsync.config"),
+        name="tfsync.config",
+        purpose="every rank's mode, model and straggler settings, gathered when the engine starts to check they match",
+        timeout_s=timeout_s,
+    )
     mismatched = [r for r, c in enumerate(configs) if c != configs[0]]
     if mismatched:
         diffs = {k: [c.get(k) for c in configs] for k in config if any(c.get(k) != configs[0].get(k) for c in configs)}
@@ -54,17 +64,26 @@ def agree_config(cluster, config: dict) -> None:
         )
 
 
-def agree_t0(cluster) -> float:
-    """Rank 0's clock, the job's t0 (every time in rounds and traces is relative to it)."""
-    return cluster.broadcast_object(time.time(), root_rank=0, name="tfsync.t0")
+def agree_t0(cluster, timeout_s: float) -> float:
+    """Rank 0's clock, the job's t0 (every time in rounds and traces is relative to it; collective,
+    bounded by ``timeout_s``)."""
+    now = time.time()
+    return run_bounded(
+        cluster,
+        lambda: cluster.broadcast_object(now, root_rank=0, name="tfsync.t0"),
+        name="tfsync.t0",
+        purpose="rank 0's clock, the job's t0, broadcast when the engine starts",
+        timeout_s=timeout_s,
+    )
 
 
 def open_control(engine, cluster):
     """Rank 0 starts the control service; every rank learns its address and the job's token.
 
-    Returns ``(address, token)``; rank 0's server is ``engine._server`` (set before
-    anything can fail, so :func:`abandon` stops it).  From here on the engine is
-    abandoned at interpreter exit unless closed (:func:`leave_at_exit`).
+    Returns ``(address, token)`` (collective, bounded by the engine's wait bound); rank
+    0's server is ``engine._server`` (set before anything can fail, so :func:`abandon`
+    stops it).  From here on the engine is abandoned at interpreter exit unless closed
+    (:func:`leave_at_exit`).
     """
     server, contact = None, None
     if engine.rank == 0:
@@ -79,7 +98,13 @@ def open_control(engine, cluster):
         contact = (server.address, token)
     engine._server = server
     leave_at_exit(engine)  # from here on something runs that must not outlive the process
-    return cluster.broadcast_object(contact, root_rank=0, name="tfsync.control_address")
+    return run_bounded(
+        cluster,
+        lambda: cluster.broadcast_object(contact, root_rank=0, name="tfsync.control_address"),
+        name="tfsync.control_address",
+        purpose="the address and token of rank 0's control service, broadcast when the engine starts",
+        timeout_s=engine.wait_timeout_s,
+    )
 
 
 def leave_at_exit(engine):
@@ -107,15 +132,39 @@ def close(engine):
     # Two barriers on the exchange thread, after every round, each bounded: every
     # rank is done with the control path before any leaves it, and every rank has
     # left it (its stream ended, its channel closed) before rank 0 stops the server,
-    # so no server goes away under a worker's open stream.
+    # so no server goes away under a worker's open stream.  A barrier that failed (a rank
+    # did not come within the bound) ends the job: everything is released all the same,
+    # or rank 0's server's threads would keep the process alive.
     try:
-        engine.exchange.call(engine.cluster.barrier("tfsync.close"), timeout_s=engine.wait_timeout_s)
+        _barrier(
+            engine,
+            "tfsync.close",
+            "the barrier every rank reaches, its rounds done, before any leaves the control path",
+        )
         engine.control.close()
-        engine.exchange.call(engine.cluster.barrier("tfsync.left"), timeout_s=engine.wait_timeout_s)
+        _barrier(
+            engine,
+            "tfsync.left",
+            "the barrier every rank reaches once it left the control path, before rank 0 stops it",
+        )
     finally:
-        engine.exchange.close()
-        engine.control.close()
-    _release(engine)
+        try:
+            engine.exchange.close()
+            engine.control.close()
+        finally:
+            _release(engine)
+
+
+def _barrier(engine, name, purpose):
+    """The cluster's barrier ``name`` on the exchange thread, after every round, bounded."""
+    run_bounded(
+        engine.cluster,
+        engine.cluster.barrier(name),
+        name=name,
+        purpose=purpose,
+        timeout_s=engine.wait_timeout_s,
+        on=engine.exchange.call,
+    )
 
 
 def abandon(engine):

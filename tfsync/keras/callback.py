@@ -137,7 +137,9 @@ class SyncCallback(keras.callbacks.Callback):
         if frontend.running:  # a fit that raised left its engine running (Keras skips on_train_end)
             frontend.engine.abandon()
         steps = self.params.get("steps")
-        all_steps = frontend.allgather(steps, "tfsync.steps")
+        all_steps = frontend.allgather(
+            steps, "tfsync.steps", "the number of steps per epoch of every rank, gathered at the start of fit"
+        )
         if len(set(all_steps)) != 1 or steps is None:
             raise ValueError(
                 f"tfsync: the ranks run different or unknown numbers of steps per epoch "
@@ -146,7 +148,9 @@ class SyncCallback(keras.callbacks.Callback):
                 f"steps_per_epoch to model.fit"
             )
         # every model variable (trainable or not) from rank 0, in its own dtype
-        frontend.broadcast_variables(model.variables, "tfsync.weights")
+        frontend.broadcast_variables(
+            model.variables, "tfsync.weights", "rank 0's weights, broadcast to every rank at the start of fit"
+        )
         self.variables = list(model.trainable_variables)
         self._steps = steps
         self._earlier_counts = dict.fromkeys(COUNTS, 0)  # of the engines auto mode stopped
@@ -157,7 +161,9 @@ class SyncCallback(keras.callbacks.Callback):
                 self.auto,
                 frontend.cluster.size(),
                 steps * self.params.get("epochs", 1),
-                gather=lambda window: frontend.allgather(window, "tfsync.auto.window"),
+                gather=lambda window: frontend.allgather(
+                    window, "tfsync.auto.window", "every rank's iteration times, gathered for auto mode's decision"
+                ),
             )
         self._start_engine()
 
@@ -265,7 +271,9 @@ class SyncCallback(keras.callbacks.Callback):
             logs[f"tfsync_{key}"] = float(n)
         if self.average_epoch_logs:
             keys = sorted(k for k, v in logs.items() if np.ndim(v) == 0)
-            mean = self._frontend.average([float(logs[k]) for k in keys], "tfsync.epoch_logs")
+            mean = self._frontend.average(
+                [float(logs[k]) for k in keys], "tfsync.epoch_logs", "the epoch's logs, averaged over the ranks"
+            )
             logs.update({k: float(v) for k, v in zip(keys, mean)})
         if self._controller is not None:
             logs.update(self._controller.epoch_logs())
@@ -304,7 +312,11 @@ class SyncCallback(keras.callbacks.Callback):
         before, now = self._switched_totals, self.engine.totals
         self._switched_totals = now if before is None else {k: before[k] + now[k] for k in now}
         opt = self.model.optimizer
-        self._frontend.broadcast_variables(self.model.variables + list(opt.variables), "tfsync.auto.switch")
+        self._frontend.broadcast_variables(
+            self.model.variables + list(opt.variables),
+            "tfsync.auto.switch",
+            "rank 0's weights and optimizer state, broadcast when auto mode switches modes",
+        )
         self.policy = policy
         self._segment += 1
         self._start_engine()
@@ -316,7 +328,7 @@ class SyncCallback(keras.callbacks.Callback):
             return
         self._stop_engine()
         if self.average_statistics:  # the engine is closed: no other thread issues collectives
-            average_statistics(self.model, cluster=self._frontend.cluster)
+            average_statistics(self.model, cluster=self._frontend.cluster, wait_timeout_s=self._frontend.wait_timeout_s)
 
     # ---------------------------------------------------------------- internals
     def _stop_engine(self, keep_step=False):

@@ -10,7 +10,8 @@ which synchronizes every batch instead.
 
 import tensorflow as tf
 
-from tfsync.engine.cluster import HorovodCluster
+from tfsync import _env
+from tfsync.engine.cluster import HorovodCluster, run_bounded
 from tfsync.engine.protocols import tf_variable
 
 
@@ -19,7 +20,7 @@ def floating_statistics(model):
     return [v for v in model.non_trainable_variables if tf.as_dtype(v.dtype).is_floating]
 
 
-def average_statistics(model, name="tfsync.statistics", *, cluster=None):
+def average_statistics(model, name="tfsync.statistics", *, cluster=None, wait_timeout_s=None):
     """Set every non-trainable floating-point variable of ``model`` to its mean over the workers.
 
     A collective: every rank calls it, with the same model, when no training step
@@ -28,11 +29,21 @@ def average_statistics(model, name="tfsync.statistics", *, cluster=None):
     rounded once, so a variable that is equal on every worker (a frozen layer's
     weights) keeps its exact value.  Returns the number of variables averaged.
     ``cluster``: the job's ranks (:mod:`tfsync.engine.cluster`); default: Horovod's.
+    ``wait_timeout_s``: the bound on each of its two collectives (default 120 s, or
+    ``TFSYNC_WAIT_TIMEOUT_S``; :func:`tfsync.engine.cluster.run_bounded`): a worker that does
+    not come stops every worker with an error naming it.
     """
     cluster = HorovodCluster() if cluster is None else cluster
+    timeout_s = _env.wait_timeout_s(wait_timeout_s)
     variables = floating_statistics(model)
     shapes = [tuple(int(d) for d in v.shape) for v in variables]
-    every = cluster.allgather_object(shapes, name=f"{name}.shapes")
+    every = run_bounded(
+        cluster,
+        lambda: cluster.allgather_object(shapes, name=f"{name}.shapes"),
+        name=f"{name}.shapes",
+        purpose="the shapes of every rank's non-trainable statistics, gathered to check the models match",
+        timeout_s=timeout_s,
+    )
     if any(s != shapes for s in every):
         raise ValueError(
             f"tfsync.keras.average_statistics: the workers' models differ in their non-trainable "
@@ -42,7 +53,13 @@ def average_statistics(model, name="tfsync.statistics", *, cluster=None):
     if not variables:
         return 0
     values = [tf.cast(tf_variable(v), tf.float64) for v in variables]
-    means = cluster.average(values, name)
+    means = run_bounded(
+        cluster,
+        lambda: cluster.average(values, name),
+        name=name,
+        purpose="the mean over the ranks of the model's non-trainable statistics (e.g. BatchNormalization's)",
+        timeout_s=timeout_s,
+    )
     for v, mean in zip(variables, means):
         v.assign(tf.cast(mean, v.dtype))
     return len(variables)
