@@ -8,6 +8,8 @@ itself, since the package is not importable while it is being built.)
 """
 
 import dataclasses
+import math
+import numbers
 import os
 
 
@@ -45,6 +47,7 @@ SCHEDULER_IMPL = Var(
 
 def wait_timeout_s(value=None) -> float:
     """The bound on one wait for peers: ``value``, else ``TFSYNC_WAIT_TIMEOUT_S``; checked."""
+    from_env = value is None
     if value is None:
         raw = WAIT_TIMEOUT_S.get()
         try:
@@ -54,9 +57,26 @@ def wait_timeout_s(value=None) -> float:
                 f"{WAIT_TIMEOUT_S.name}={raw!r} is not a number of seconds; set it "
                 f"to e.g. {WAIT_TIMEOUT_S.default} or unset it"
             ) from None
-    if not value > 0:
-        raise ValueError(f"wait_timeout_s={value!r} must be a positive number of seconds")
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (0 < value < math.inf):
+        source = f"{WAIT_TIMEOUT_S.name}={WAIT_TIMEOUT_S.get()!r}" if from_env else f"wait_timeout_s={value!r}"
+        raise ValueError(
+            f"{source}: the bound on one wait for peers must be a finite, positive number of seconds "
+            f"(a wait without a bound would hang the job on a stuck worker); pass e.g. "
+            f"{WAIT_TIMEOUT_S.default}, or a larger finite bound for long steps"
+        )
     return float(value)
+
+
+def single_process() -> bool:
+    """Whether ``TFSYNC_SINGLE_PROCESS`` asks to train one worker without ``horovodrun``
+    (``1``; ``0`` or unset: no); another value is refused rather than read as no."""
+    raw = SINGLE_PROCESS.get()
+    if raw not in ("0", "1"):
+        raise ValueError(
+            f"{SINGLE_PROCESS.name}={raw!r}: expected 1 (train one worker without horovodrun, on "
+            f"purpose) or 0 (the default: refuse to train outside horovodrun); set it to 1 or 0, or unset it"
+        )
+    return raw == "1"
 
 
 ALL = (STRAGGLERS, WAIT_TIMEOUT_S, CONTROL_HOST, SINGLE_PROCESS, OPS_IMPL, SCHEDULER_IMPL)

@@ -11,8 +11,10 @@ SINGLE_PROCESS_ENV = _env.SINGLE_PROCESS.name
 def horovod():
     """Return ``horovod.tensorflow`` after checking it is initialized and launched.
 
-    Raises ``RuntimeError`` saying how to fix it otherwise.
+    Raises ``RuntimeError`` saying how to fix it otherwise (``ValueError`` for a
+    ``TFSYNC_SINGLE_PROCESS`` that is neither 0 nor 1).
     """
+    single_process = _env.single_process()
     try:
         import horovod.tensorflow as hvd
     except ImportError as exc:
@@ -31,7 +33,7 @@ def horovod():
             "process per worker with e.g. `horovodrun -np 4 -H localhost:4 --gloo python train.py`"
         )
     launched = any(k in os.environ for k in LAUNCHER_ENV) or hvd.size() > 1
-    if not launched and _env.SINGLE_PROCESS.get() != "1":
+    if not launched and not single_process:
         raise RuntimeError(
             "tfsync: this process was not started by horovodrun (or mpirun), so it would train "
             "alone with nothing to synchronize; launch it with e.g. "

@@ -140,6 +140,17 @@ class Stragglers:
         items.append(f"seed={self.seed}")
         return ",".join(items) if self.enabled else "none"
 
+    def validate(self, size: int) -> None:
+        """Refuse slow ranks the job does not have (checked when an engine starts, when the
+        number of workers is known): a delay meant for a rank that does not exist would
+        silently simulate nothing."""
+        missing = [r for r, _ in self.slow_ranks if r >= size]
+        if missing:
+            raise ValueError(
+                f"Stragglers: slow ranks {missing} in {self.spec()!r}, but this job has {size} workers "
+                f"(ranks 0..{size - 1}); name ranks below {size}, or launch more workers"
+            )
+
     def for_rank(self, rank: int) -> "RankDelays":
         return RankDelays(self, rank)
 

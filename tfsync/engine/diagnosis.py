@@ -23,9 +23,18 @@ class SyncTimeoutError(RuntimeError):
 class Diagnosis:
     """One worker's fault diagnosis over its control client."""
 
-    def __init__(self, control, rank, mode_name, wait_timeout_s, timeout_env):
+    def __init__(self, control, rank, mode_name, wait_timeout_s, timeout_env, hosts=None):
         self.control, self.rank, self.mode_name = control, rank, mode_name
         self.wait_timeout_s, self.timeout_env = wait_timeout_s, timeout_env
+        self.hosts = hosts  # each rank's host name, in rank order (None: not known)
+
+    def on_hosts(self, ranks) -> str:
+        """`` on host tfh2`` / `` on hosts tfh1, tfh2``: where ``ranks`` run, when known and
+        when the job spans several hosts (on one host it says nothing new)."""
+        if not self.hosts or len(set(self.hosts)) < 2 or not ranks:
+            return ""
+        names = sorted({self.hosts[r] for r in ranks if 0 <= r < len(self.hosts)})
+        return f" on host{'s' if len(names) > 1 else ''} {', '.join(names)}" if names else ""
 
     def check_while_waiting(self, round_, last_pushed, deadline):
         """Called about once a second while waiting for ``round_``: raise if the job must stop."""
@@ -67,8 +76,11 @@ class Diagnosis:
         behind = [r for r, c in enumerate(clocks) if c < round_]
         if not clocks:
             return "no clock table was available to say which rank is behind"
+        if not behind:
+            return f"every rank had pushed it (last pushed step per rank, as reported at most 1 s ago: {clocks})"
         return (
-            f"ranks {behind} have not pushed it (last pushed step per rank, as reported at " f"most 1 s ago: {clocks})"
+            f"ranks {behind}{self.on_hosts(behind)} have not pushed it (last pushed step per rank, as "
+            f"reported at most 1 s ago: {clocks})"
         )
 
     def stop(self, error):
@@ -109,7 +121,7 @@ class Diagnosis:
             return peer_stop
         if lost:
             names = ", ".join(
-                f"rank {int(d['rank'])} ({d['reason']}"
+                f"rank {int(d['rank'])}{self.on_hosts([int(d['rank'])])} ({d['reason']}"
                 + (f", last pushed step {int(d['clock'])}" if d.get("clock") is not None else "")
                 + ")"
                 for d in lost

@@ -102,6 +102,8 @@ class SyncEngine:
         self.rank, self.size = cluster.rank(), cluster.size()
         policy = self.policy
         policy.validate(self.size)
+        self.stragglers.validate(self.size)
+        lifecycle.check_trainable(tensors)
         self.protocol_cls = protocols.for_policy(policy)
         self.entry = (CoordinatedRounds if policy.coordinated else OpenRounds)(self)
         self.shapes = [[int(d) for d in t.shape] for t in tensors]
@@ -116,7 +118,7 @@ class SyncEngine:
             "stragglers": self.stragglers.spec(),
             **(extra_config or {}),
         }
-        lifecycle.agree_config(cluster, config, self.wait_timeout_s)
+        self.hosts = lifecycle.agree_config(cluster, config, self.wait_timeout_s)
         self.t0 = lifecycle.agree_t0(cluster, self.wait_timeout_s)
         address, token = lifecycle.open_control(self, cluster)  # (sets self._server on rank 0)
         options = self.entry.exchange_options()
@@ -136,7 +138,9 @@ class SyncEngine:
         self.control = ControlClient(address, self.rank, token, on_close=self.entry.on_close())
         # an inline round that waits reports this worker's clock, as the polling wait does
         self.exchange.on_inline_wait = lambda: self.control.report(self.last_pushed, min_interval_s=0.0)
-        self._diagnosis = Diagnosis(self.control, self.rank, policy.name, self.wait_timeout_s, WAIT_TIMEOUT_ENV)
+        self._diagnosis = Diagnosis(
+            self.control, self.rank, policy.name, self.wait_timeout_s, WAIT_TIMEOUT_ENV, hosts=self.hosts
+        )
         self.delays = self.stragglers.for_rank(self.rank)
         self.step, self.last_pushed, self.applied_through = 0, -1, -1
         self.tally = Tally()

@@ -15,6 +15,7 @@ threads.
 
 import os
 import secrets
+import socket
 import threading
 import time
 import weakref
@@ -43,16 +44,34 @@ def settings(*, stragglers=None, trace_dir=None, wait_timeout_s=None) -> dict:
     return {"stragglers": stragglers, "trace_dir": trace_dir, "wait_timeout_s": _env.wait_timeout_s(wait_timeout_s)}
 
 
-def agree_config(cluster, config: dict, timeout_s: float) -> None:
+def check_trainable(tensors) -> None:
+    """Refuse a trainable variable that is not floating point, before any collective: rounds
+    average the workers' contributions, which only floating-point weights have."""
+    import tensorflow as tf
+
+    for i, t in enumerate(tensors):
+        dtype = tf.as_dtype(t.dtype)
+        if not dtype.is_floating:
+            name = getattr(t, "path", None) or getattr(t, "name", None) or f"#{i}"
+            raise TypeError(
+                f"tfsync: trainable variable {name} has dtype {dtype.name}; every trainable variable "
+                f"must be floating point (tfsync averages them across workers). Create it with "
+                f"trainable=False, or with a float dtype"
+            )
+
+
+def agree_config(cluster, config: dict, timeout_s: float) -> list:
     """Raise ``ValueError`` naming the ranks whose ``config`` differs from rank 0's, and how
-    (collective, bounded by ``timeout_s``)."""
-    configs = run_bounded(
+    (collective, bounded by ``timeout_s``).  Returns every rank's host name, in rank order
+    (gathered with the configs: the errors name the host of a rank at fault)."""
+    gathered = run_bounded(
         cluster,
-        lambda: cluster.allgather_object(config, name="tfsync.config"),
+        lambda: cluster.allgather_object((config, socket.gethostname()), name="tfsync.config"),
         name="tfsync.config",
         purpose="every rank's mode, model and straggler settings, gathered when the engine starts to check they match",
         timeout_s=timeout_s,
     )
+    configs, hosts = [c for c, _ in gathered], [h for _, h in gathered]
     mismatched = [r for r, c in enumerate(configs) if c != configs[0]]
     if mismatched:
         diffs = {k: [c.get(k) for c in configs] for k in config if any(c.get(k) != configs[0].get(k) for c in configs)}
@@ -62,6 +81,7 @@ def agree_config(cluster, config: dict, timeout_s: float) -> None:
             + ". Every worker must run the same mode, model and straggler settings: "
             "launch the same script with the same arguments on every rank"
         )
+    return hosts
 
 
 def agree_t0(cluster, timeout_s: float) -> float:
