@@ -1,13 +1,15 @@
 """The control path accepts only this job's workers (one process, no Horovod)."""
 
 import logging
+import threading
 import time
 
 import grpc
 import pytest
 
 from tfsync.engine import control as control_module
-from tfsync.engine.control import ControlClient, ControlServer, _decode, _encode
+from tfsync.engine.control import READY_TIMEOUT_S, ControlClient, ControlServer, _decode, _encode
+from tfsync.policies import PSP
 
 TOKEN = "a" * 32
 
@@ -151,3 +153,60 @@ def test_close_ends_the_stream_reader_before_the_channel_and_is_idempotent(serve
     assert reader_alive_at_channel_close == [False]
     assert client.host_lost is None  # leaving is not losing the host
     assert _wait_until(lambda: 1 in server._left)
+
+
+FLOOD_HELD_CALLS = 8  # per method: twice the spare threads the server once had beside its streams
+FLOOD_QUICK_CALLS = 200
+FLOOD_HOLD_S = 8.0  # the longest a held stray call lasts (its deadline): past READY_TIMEOUT_S
+
+
+def test_a_flood_of_refused_calls_delays_no_ready_notice():
+    # issue 31, item 4: a stray process on the host floods rank 0's control service with calls
+    # that carry no token, some of them holding their request back as long as the server lets
+    # them (a slow client).  Each worker's Ready notice must still be answered at once, and
+    # every round of a PSP run must take every rank (a notice held past push_timeout_s
+    # would close the round without that rank: its contribution dropped for lateness)
+    size, rounds = 3, 4
+    server = ControlServer(
+        size=size, t0=time.time(), token=TOKEN, host="127.0.0.1", policy=PSP(min_contributions=2, push_timeout_s=1.0)
+    )
+    clients, held = [], []
+    stray = grpc.insecure_channel(server.address)
+    release = threading.Event()
+
+    def withheld_request():  # sends nothing until the test ends (bounded)
+        release.wait(FLOOD_HOLD_S)
+        yield from ()
+
+    try:
+        clients = [ControlClient(server.address, r, TOKEN, connect_timeout_s=5) for r in range(size)]
+        for method in ("Ready", "Attach", "Table"):
+            stub = stray.stream_unary(
+                f"/tfsync.Control/{method}", request_serializer=_encode, response_deserializer=_decode
+            )
+            held += [stub.future(withheld_request(), timeout=FLOOD_HOLD_S) for _ in range(FLOOD_HELD_CALLS)]
+        quick = stray.unary_unary("/tfsync.Control/Report", request_serializer=_encode, response_deserializer=_decode)
+        quick_calls = [quick.future({"rank": 1, "clock": 99}, timeout=FLOOD_HOLD_S) for _ in range(FLOOD_QUICK_CALLS)]
+        time.sleep(0.5)  # the flood reaches the server
+        answered_s = []
+        for round_ in range(rounds):
+            start = time.monotonic()
+            for client in clients:
+                client.ready(round_)
+            for call in [client._ready_calls[-1] for client in clients]:
+                call.result(timeout=READY_TIMEOUT_S + 1)  # raises DEADLINE_EXCEEDED if held back
+            answered_s.append(time.monotonic() - start)
+        assert server.closed == [[r, list(range(size))] for r in range(rounds)]
+        assert max(answered_s) < 1.0, answered_s
+        for call in quick_calls:
+            assert call.exception(timeout=FLOOD_HOLD_S).code() == grpc.StatusCode.PERMISSION_DENIED
+        assert server.rejected_count >= FLOOD_QUICK_CALLS + len(held)
+        assert server._clocks[1] == -1  # nothing of the flood was applied
+    finally:
+        release.set()
+        for call in held:
+            call.cancel()
+        for client in clients:
+            client.close()
+        stray.close()
+        server.stop()
