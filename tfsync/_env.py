@@ -38,6 +38,11 @@ CONTROL_HOST = Var(
     "address rank 0's control service listens on and the workers dial; empty: the address of "
     "Horovod's Gloo interface (HOROVOD_GLOO_IFACE), else of rank 0's host name (tfsync.engine.address)",
 )
+CONTROL_PORT = Var(
+    "TFSYNC_CONTROL_PORT",
+    "0",
+    "TCP port rank 0's control service listens on; 0: one the system picks (open a fixed one in a firewall)",
+)
 SINGLE_PROCESS = Var("TFSYNC_SINGLE_PROCESS", "0", "1: train one worker without horovodrun, on purpose")
 OPS_IMPL = Var("TFSYNC_OPS_IMPL", "compiled", "compiled | reference: the kernels tfsync.ops runs")
 SCHEDULER_IMPL = Var(
@@ -67,6 +72,21 @@ def wait_timeout_s(value=None) -> float:
     return float(value)
 
 
+def control_port(environ=None) -> int:
+    """The port of rank 0's control service from ``TFSYNC_CONTROL_PORT`` (0: the system picks); checked."""
+    raw = CONTROL_PORT.get(environ)
+    try:
+        port = int(raw)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise ValueError(
+            f"{CONTROL_PORT.name}={raw!r}: expected a TCP port number, 1 to 65535 (or 0, the default: "
+            f"a free port the system picks); set it to a port every worker's host may reach on rank 0's host"
+        )
+    return port
+
+
 def single_process() -> bool:
     """Whether ``TFSYNC_SINGLE_PROCESS`` asks to train one worker without ``horovodrun``
     (``1``; ``0`` or unset: no); another value is refused rather than read as no."""
@@ -79,4 +99,4 @@ def single_process() -> bool:
     return raw == "1"
 
 
-ALL = (STRAGGLERS, WAIT_TIMEOUT_S, CONTROL_HOST, SINGLE_PROCESS, OPS_IMPL, SCHEDULER_IMPL)
+ALL = (STRAGGLERS, WAIT_TIMEOUT_S, CONTROL_HOST, CONTROL_PORT, SINGLE_PROCESS, OPS_IMPL, SCHEDULER_IMPL)

@@ -91,3 +91,47 @@ def test_the_control_path_works_over_ipv6():
         client.close()
     finally:
         server.stop()
+
+
+def _free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_fixed_control_port_is_the_one_bound_and_advertised():
+    # a firewall or a container publishes one known port, not the system's pick
+    port = _free_port()
+    env = {"HOROVOD_GLOO_IFACE": "lo", "TFSYNC_CONTROL_PORT": str(port)}
+    chosen = choose(env, hostname="tfh1", interfaces=lambda: INTERFACES, resolver=no_resolver)
+    assert (chosen.bind, chosen.port) == ("127.0.0.1", port)
+    server = ControlServer(size=1, t0=time.time(), token=TOKEN, host=chosen.bind, port=chosen.port)
+    try:
+        assert server.address == f"127.0.0.1:{port}"
+        ControlClient(server.address, 0, TOKEN, connect_timeout_s=5).close()
+    finally:
+        server.stop()
+
+
+def test_without_a_fixed_port_the_system_picks_one():
+    chosen = choose({"HOROVOD_GLOO_IFACE": "lo"}, hostname="tfh1", interfaces=lambda: INTERFACES, resolver=no_resolver)
+    assert chosen.port == 0
+
+
+@pytest.mark.parametrize("raw", ["http", "-1", "65536", "8.5"])
+def test_a_control_port_that_is_not_a_port_number_is_refused(raw):
+    with pytest.raises(ValueError, match=f"TFSYNC_CONTROL_PORT='{raw}': expected a TCP port number, 1 to 65535"):
+        choose({"TFSYNC_CONTROL_PORT": raw}, hostname="tfh1", interfaces=lambda: INTERFACES, resolver=no_resolver)
+
+
+def test_a_control_port_in_use_says_which_variable_to_change():
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(RuntimeError, match="TFSYNC_CONTROL_PORT to a free port"):
+            ControlServer(size=1, t0=time.time(), token=TOKEN, host="127.0.0.1", port=port)

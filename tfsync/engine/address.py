@@ -11,7 +11,8 @@ rank 0 advertises an address, chosen in this order:
    interfaces every host has): the network every rank already reaches rank 0 on.
 3. The address rank 0's host name resolves to on its own host.
 
-In each case the service binds that one address, not every interface. Where an
+In each case the service binds that one address, not every interface, on the port
+``TFSYNC_CONTROL_PORT`` names (default 0: a free port the system picks). Where an
 interface or a name has several, a non-loopback address comes before a loopback
 one and IPv4 before IPv6; an IPv6 address works too (link-local ones, which need
 a zone, are skipped). When no
@@ -35,6 +36,7 @@ class ControlAddress:
     bind: str
     advertise: str
     source: str
+    port: int = 0  # TFSYNC_CONTROL_PORT; 0: a free port the system picks
 
 
 def _usable(address):
@@ -77,6 +79,11 @@ def choose(environ=None, hostname=None, interfaces=interface_addresses, resolver
       RuntimeError: no rule gave an address; the message lists what was tried.
     """
     environ = os.environ if environ is None else environ
+    port = _env.control_port(environ)
+    return dataclasses.replace(_choose_host(environ, hostname, interfaces, resolver), port=port)
+
+
+def _choose_host(environ, hostname, interfaces, resolver):
     explicit = _env.CONTROL_HOST.get(environ)
     if explicit:
         return ControlAddress(explicit, explicit, f"{_env.CONTROL_HOST.name}={explicit}")

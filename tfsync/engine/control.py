@@ -138,7 +138,7 @@ COORDINATOR_WAKE_S = 0.5  # the coordinator rechecks shutdown at least this ofte
 # before it reports rank 0 unreachable: a 2 s outage plus a reconnection (within
 # RECONNECT_BACKOFF_MS[1] of the link's return) fits with room to spare, and a dead worker is
 # still named before a survivor's failed collective stops waiting for the name
-# (diagnosis.LOSS_SETTLE_S, 5 s; tests/single/test_control_link.py checks the order)
+# (diagnosis.LOSS_SETTLE_S, the grace + 3 s; tests/single/test_control_link.py checks the order)
 RECONNECT_GRACE_S = 4.0
 # Both ends ping each connection this often (gRPC has no keepalive by default: a link that
 # went down silently was never noticed) ...
@@ -216,6 +216,9 @@ _KEEPALIVE_OPTIONS = (
 SERVER_OPTIONS = _KEEPALIVE_OPTIONS + (
     ("grpc.http2.min_ping_interval_without_data_ms", MIN_PING_INTERVAL_MS),
     ("grpc.http2.max_ping_strikes", 0),  # never drop a worker's connection for its pings
+    # gRPC binds with SO_REUSEPORT by default: a second job's rank 0 on the same fixed port
+    # (TFSYNC_CONTROL_PORT) would then share it, splitting the workers between two services
+    ("grpc.so_reuseport", 0),
 )
 CHANNEL_OPTIONS = _KEEPALIVE_OPTIONS + (
     ("grpc.initial_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[0]),
@@ -296,7 +299,9 @@ class _Gate(grpc.GenericRpcHandler):
 class ControlServer:
     """Runs on rank 0: the live clock table and the set of lost ranks."""
 
-    def __init__(self, size: int, t0: float, token: str, host: str = "localhost", policy=None, advertise=None):
+    def __init__(
+        self, size: int, t0: float, token: str, host: str = "localhost", policy=None, advertise=None, port: int = 0
+    ):
         """Binds ``host`` (one address or name, not every interface); ``address`` is
         ``advertise:port`` (default ``host``), what the workers dial."""
         self.size, self.t0 = size, t0
@@ -378,7 +383,7 @@ class ControlServer:
                 )
             ]
         )
-        bind = _host_port(host, 0)
+        bind, fixed_port = _host_port(host, port), port
         try:
             port = self._server.add_insecure_port(bind)
             failure = None
@@ -391,6 +396,7 @@ class ControlServer:
                 f"tfsync: rank 0 could not open its control service on host {host!r} ({bind}"
                 f"{': ' + str(failure) if failure else ''}); set TFSYNC_CONTROL_HOST to an "
                 f"address of this machine that the workers can reach"
+                + (", and TFSYNC_CONTROL_PORT to a free port (or 0)" if fixed_port else "")
             )
         self.port = port
         self.address = _host_port(advertise or host, port)

@@ -9,10 +9,13 @@ stop notices rank 0 pushes to every worker, and rank 0's clock table.
 
 import time
 
+from tfsync.engine.control import RECONNECT_GRACE_S
 from tfsync.engine.exchange import WorkerLostError
 
 TABLE_TIMEOUT_S = 1.0  # one clock-table query while diagnosing
-LOSS_SETTLE_S = 5.0  # after a failed collective, how long to wait for the loss notice
+# after a failed collective, how long to wait for the loss notice: rank 0 names a worker on
+# another host lost only after its reconnect grace, so wait that and a few seconds more
+LOSS_SETTLE_S = RECONNECT_GRACE_S + 3.0
 LOSS_POLL_S = 0.2  # how often to look for it meanwhile
 
 
@@ -75,7 +78,10 @@ class Diagnosis:
         clocks = [int(c) for c in self.control.table(timeout_s=TABLE_TIMEOUT_S).get("clocks") or []]
         behind = [r for r, c in enumerate(clocks) if c < round_]
         if not clocks:
-            return "no clock table was available to say which rank is behind"
+            return (
+                f"rank 0's control service{self.on_hosts([0])} did not answer, so no clock table says "
+                f"which rank is behind"
+            )
         if not behind:
             return f"every rank had pushed it (last pushed step per rank, as reported at most 1 s ago: {clocks})"
         return (

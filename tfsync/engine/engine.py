@@ -138,6 +138,9 @@ class SyncEngine:
         self.control = ControlClient(address, self.rank, token, on_close=self.entry.on_close())
         # an inline round that waits reports this worker's clock, as the polling wait does
         self.exchange.on_inline_wait = lambda: self.control.report(self.last_pushed, min_interval_s=0.0)
+        # rounds run inline (on the training thread) only on one host: across hosts a collective can
+        # hang in a Gloo transfer to a cut-off or frozen host, which the watchdog's abort cannot end
+        self._inline_rounds = len(set(self.hosts)) == 1
         self._diagnosis = Diagnosis(
             self.control, self.rank, policy.name, self.wait_timeout_s, WAIT_TIMEOUT_ENV, hosts=self.hosts
         )
@@ -235,7 +238,7 @@ class SyncEngine:
             t_push = self.now()
             compute_s = t_push - t_start
             required = self.policy.sync_round(step)
-            inline = required >= step and not any(c.runs_ahead(step) for c in self.components)
+            inline = self._inline_rounds and required >= step and not any(c.runs_ahead(step) for c in self.components)
             for c in self.components:
                 compute_s = c.interval(step, compute_s)
             self.last_pushed = step  # (before an inline round: its watchdog reports this clock)

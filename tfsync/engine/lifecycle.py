@@ -111,7 +111,13 @@ def open_control(engine, cluster):
         chosen = choose_control_address()
         try:
             server = ControlServer(
-                engine.size, engine.t0, token, host=chosen.bind, advertise=chosen.advertise, policy=engine.policy
+                engine.size,
+                engine.t0,
+                token,
+                host=chosen.bind,
+                advertise=chosen.advertise,
+                port=chosen.port,
+                policy=engine.policy,
             )
         except RuntimeError as exc:
             raise RuntimeError(f"{exc} (the address came from {chosen.source})") from exc
