@@ -1,5 +1,5 @@
 """Tests of tfsync.ops (DC-ASGD delay compensation, the "updates" protocol's state
-updates) against NumPy, run for BOTH implementations: the compiled kernels and the
+updates, the finiteness check) against NumPy, run for BOTH implementations: the compiled kernels and the
 pure-TensorFlow reference. The compiled library must be built first
 (``pip install --no-build-isolation -e .``); a missing library fails these tests, it
 is never skipped.
@@ -395,6 +395,92 @@ class UpdateProtocolOpsTest(OpsTestCase):
         self.assertTrue(ops.compiled_update_kernels(v))
         self.use("reference")
         self.assertFalse(ops.compiled_update_kernels(v))
+
+
+class PushShareFinitenessTest(OpsTestCase):
+    """update_push_share's flag: whether the share is finite, from the push's own pass; where
+    it is not, pending stays as it was (so a rejected share can be taken back)."""
+
+    @parameterized.product(impl=IMPLS, dtype=DTYPES, shape=((7,), (LARGE,)), bad=("nan", "inf", "-inf", None))
+    def test_the_flag_says_whether_every_share_is_finite(self, impl, dtype, shape, bad):
+        self.use(impl)
+        rng = np.random.default_rng(3)
+        v, w, p = (tf.Variable(_values(rng, shape, dtype, 0.1)[0]) for _ in range(3))
+        d = rng.standard_normal(shape) * 0.1
+        positions = [1, shape[0] - 2] if bad else []  # one in the first thread block, one in the last
+        for i in positions:
+            d[i] = float(bad)
+        v.assign_add(tf.cast(d, dtype))
+        p_before, w_before = p.numpy().astype(np.float64), w.numpy().astype(np.float64)
+        share, finite = ops.update_push_share(v, w, p, 2, return_finite=True)
+        self.assertEqual(bool(finite), bad is None)
+        self.assertEqual(finite.shape, ())
+        ok = np.ones(shape, bool)
+        ok[positions] = False
+        share64 = tf.cast(share, tf.float64).numpy()
+        self.assertFalse(np.isfinite(share64[~ok]).any())
+        # pending and the weights as before where the share is not finite, moved elsewhere
+        self.assertAllEqual(p.numpy().astype(np.float64)[~ok], p_before[~ok])
+        self.assertClose(tf.boolean_mask(p, ok), p_before[ok] + share64[ok], dtype)
+        self.assertClose(v, w_before + p.numpy().astype(np.float64), dtype)
+        self.assertTrue(np.isfinite(v.numpy().astype(np.float64)).all())
+
+    @parameterized.product(dtype=DTYPES)
+    def test_compiled_flags_and_selects_as_the_reference(self, dtype):
+        outputs = {}
+        for impl in IMPLS:
+            self.use(impl)
+            v, w, p = (tf.Variable(tf.zeros([3, 1001], dtype)) for _ in range(3))
+            d = np.random.default_rng(9).standard_normal((3, 1001))
+            d[1, 500], d[2, 7] = np.nan, np.inf
+            v.assign_add(tf.cast(d, dtype))
+            share, finite = ops.update_push_share(v, w, p, 3, return_finite=True)
+            outputs[impl] = [bool(finite)] + [tf.cast(x, tf.float64).numpy() for x in (share, v, p)]
+        self.assertEqual(outputs["compiled"][0], outputs["reference"][0])
+        for compiled, reference in zip(outputs["compiled"][1:], outputs["reference"][1:]):
+            self.assertAllEqual(compiled, reference)
+
+    def test_without_return_finite_the_share_comes_alone(self):
+        v, w, p = (tf.Variable(tf.zeros([3])) for _ in range(3))
+        self.assertEqual(ops.update_push_share(v, w, p, 2).shape, (3,))
+
+
+class AllFiniteTest(OpsTestCase):
+    """all_finite: one bool per tensor of a list, as NumPy's isfinite says."""
+
+    @parameterized.product(impl=IMPLS, dtype=DTYPES)
+    def test_matches_numpy_per_tensor(self, impl, dtype):
+        self.use(impl)
+        rng = np.random.default_rng(4)
+        arrays = []
+        for shape, bad in (((), None), ((0,), None), ((7,), "nan"), ((3, 5), "inf"), ((LARGE,), None)):
+            a = rng.standard_normal(shape)
+            if bad:
+                a.reshape(-1)[-1] = float(bad)
+            arrays.append(a)
+        for position in (0, LARGE // 2, LARGE - 1):  # in each thread block of a large tensor
+            a = rng.standard_normal(LARGE)
+            a[position] = -np.inf
+            arrays.append(a)
+        tensors = [tf.cast(a, dtype) for a in arrays]
+        out = ops.all_finite(tensors)
+        self.assertEqual(out.dtype, tf.bool)
+        self.assertAllEqual(out, [bool(np.isfinite(tf.cast(t, tf.float64).numpy()).all()) for t in tensors])
+
+    @parameterized.product(impl=IMPLS)
+    def test_mixed_dtypes_in_one_call_and_inside_tf_function(self, impl):
+        self.use(impl)
+        tensors = [tf.constant([1.0, np.nan]), tf.constant([1.0], tf.float64), tf.constant([np.inf], tf.float16)]
+        self.assertAllEqual(ops.all_finite(tensors), [False, True, False])
+        fn = tf.function(lambda a, b: ops.all_finite([a, b]), autograph=False)
+        self.assertAllEqual(fn(tf.ones([4]), tf.fill([2, 2], np.nan)), [True, False])
+        self.assertEqual(fn.get_concrete_function(tf.ones([4]), tf.ones([2, 2])).structured_outputs.shape, (2,))
+
+    def test_bad_arguments_say_what_was_expected(self):
+        with self.assertRaisesRegex(ValueError, "at least one tensor"):
+            ops.all_finite([])
+        with self.assertRaisesRegex(TypeError, r"tensors\[1\] must be float16, bfloat16, float32 or float64"):
+            ops.all_finite([tf.ones([2]), tf.ones([2], tf.int32)])
 
 
 class ImplementationSwitchTest(tf.test.TestCase):

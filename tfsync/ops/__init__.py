@@ -1,11 +1,14 @@
-"""TensorFlow ops for relaxed synchronization: delay compensation and the "updates"
-protocol's state updates.
+"""TensorFlow ops for relaxed synchronization: delay compensation, the "updates"
+protocol's state updates, and the finiteness check of a worker's contribution.
 
 * :func:`delay_compensate`, :func:`delay_compensate_adaptive`: DC-ASGD's first-order
   correction of a stale gradient (Zheng et al., 2017), as used by DC-S3GD.
 * :func:`update_push_share`, :func:`update_apply_round`: the state updates of the
   "updates" protocol (SSP, DSSP, ElasticBSP) on every step, each one pass over a
-  weight tensor's three variables in place.
+  weight tensor's three variables in place; the push also says whether its share
+  is finite.
+* :func:`all_finite`: whether each tensor of a list is finite, one read-only pass
+  (the engine checks a worker's gradients with it before they enter a round).
 
 Each op has a compiled kernel (``ops/cc``, loaded lazily by
 :mod:`tfsync.ops._loader`) and a pure-TensorFlow twin (:mod:`tfsync.ops._reference`);
@@ -24,6 +27,7 @@ from tfsync.ops._select import get_implementation, set_implementation
 
 __all__ = [
     "OpLibraryError",
+    "all_finite",
     "delay_compensate",
     "delay_compensate_adaptive",
     "get_implementation",
@@ -188,7 +192,7 @@ def _update_backend(variable):
     return _reference
 
 
-def update_push_share(variable, w_bar, pending, size, name=None):
+def update_push_share(variable, w_bar, pending, size, name=None, return_finite=False):
     """The "updates" protocol's push (SSP, DSSP, ElasticBSP), in place.
 
     Between steps ``variable == w_bar + pending``: ``w_bar`` is the sum of every
@@ -198,6 +202,11 @@ def update_push_share(variable, w_bar, pending, size, name=None):
     pending)) / size`` (``D / size``, what the worker pushes into its round),
     ``pending += share`` and ``variable = w_bar + pending``.
 
+    The same pass says whether the share is finite. An element whose share is NaN
+    or infinite leaves ``pending`` as it was there (and ``variable`` at ``w_bar +
+    pending``), so a caller that rejects such a share can restore ``pending``
+    exactly where it is not finite and by subtracting the share elsewhere.
+
     The compiled kernel runs on CPU (on a GPU, the reference's TensorFlow ops
     run instead) and reuses its released output buffers, so that the shares in
     flight do not fault fresh memory in on every step.
@@ -206,16 +215,21 @@ def update_push_share(variable, w_bar, pending, size, name=None):
       variable, w_bar, pending: ``tf.Variable``s of one float dtype and shape.
       size: float scalar ``>= 1``, the number of workers.
       name: optional name scope.
+      return_finite: also return whether every element of the share is finite.
 
     Returns:
-      ``share``, a tensor of the variable's shape and dtype.
+      ``share``, a tensor of the variable's shape and dtype; with
+      ``return_finite=True``, ``(share, finite)``, ``finite`` a bool scalar.
 
     Raises:
       TypeError, ValueError: a non-variable, mismatched dtypes or shapes.
       tf.errors.InvalidArgumentError: ``size < 1``.
     """
     variable, w_bar, pending = _update_variables(variable, w_bar, pending)
-    return _update_backend(variable).update_push_share(variable, w_bar, pending, tf.cast(size, tf.float32), name=name)
+    share, finite = _update_backend(variable).update_push_share(
+        variable, w_bar, pending, tf.cast(size, tf.float32), name=name
+    )
+    return (share, finite) if return_finite else share
 
 
 def update_apply_round(variable, w_bar, pending, total, own_share, name=None):
@@ -246,3 +260,34 @@ def update_apply_round(variable, w_bar, pending, total, own_share, name=None):
                 f"{arg} has shape {t.shape}"
             )
     _update_backend(variable).update_apply_round(variable, w_bar, pending, total, own_share, name=name)
+
+
+def all_finite(tensors, name=None):
+    """Whether each tensor of ``tensors`` is finite: no element is NaN or infinite.
+
+    One read-only pass over each tensor (its elements' exponent bits, tested
+    without a branch), split over TensorFlow's intra-op threads for large
+    tensors; one op for the whole list, so checking a model's gradients costs
+    one call. The compiled kernel runs on CPU; tensors on a GPU are checked by
+    the reference's TensorFlow ops, on the device.
+
+    Args:
+      tensors: a non-empty list of float16, bfloat16, float32 or float64 tensors
+        (of any shapes and dtypes).
+      name: optional name scope.
+
+    Returns:
+      A bool vector of ``len(tensors)``: ``finite[i]`` for ``tensors[i]``.
+
+    Raises:
+      ValueError: an empty list.
+      TypeError: a tensor that is not floating point.
+    """
+    tensors = [_float_tensor(t, f"tensors[{i}]") for i, t in enumerate(tensors)]
+    if not tensors:
+        raise ValueError("tensors must hold at least one tensor to check; got an empty list")
+    if all(_on_cpu(t) for t in tensors):
+        return _backend().all_finite(tensors, name=name)
+    from tfsync.ops import _reference
+
+    return _reference.all_finite(tensors, name=name)

@@ -3,7 +3,7 @@
 Same functions and signatures as :mod:`tfsync.ops._reference`; arguments arrive
 already converted and checked by :mod:`tfsync.ops`. The kernels are in
 ``ops/cc/kernels`` (DC-ASGD delay compensation, the "updates" protocol's state
-updates).
+updates, the finiteness check).
 """
 
 from tfsync.ops._loader import load_library
@@ -29,9 +29,10 @@ def delay_compensate_adaptive(gradient, w_now, w_stale, mean_square, lambda0, mo
 
 
 def update_push_share(variable, w_bar, pending, size, name=None):
-    return load_library().tf_sync_update_push_share(
+    share, finite = load_library().tf_sync_update_push_share(
         variable=variable.handle, w_bar=w_bar.handle, pending=pending.handle, size=size, T=variable.dtype, name=name
     )
+    return share, finite
 
 
 def update_apply_round(variable, w_bar, pending, total, own_share, name=None):
@@ -43,3 +44,7 @@ def update_apply_round(variable, w_bar, pending, total, own_share, name=None):
         own_share=own_share,
         name=name,
     )
+
+
+def all_finite(tensors, name=None):
+    return load_library().tf_sync_all_finite(tensors=tensors, name=name)

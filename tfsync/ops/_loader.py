@@ -1,7 +1,7 @@
 """The one loader of tfsync's compiled TensorFlow op library (``_tfsync_ops.so``).
 
 The library holds the kernels of :mod:`tfsync.ops` (DC-ASGD delay compensation, the
-"updates" protocol's state updates; see ``docs/ops.md``).
+"updates" protocol's state updates, the finiteness check; see ``docs/ops.md``).
 It is loaded lazily, on the first call of a compiled op, never at import, so that
 ``import tfsync`` works without it when the reference implementation is selected.
 
@@ -27,6 +27,7 @@ OP_NAMES = (
     "TfSync>DelayCompensateAdaptive",
     "TfSync>UpdatePushShare",
     "TfSync>UpdateApplyRound",
+    "TfSync>AllFinite",
 )
 
 _lock = threading.Lock()

@@ -9,6 +9,7 @@ machines without the compiled library and as the oracle the tests compare with:
 * :func:`update_push_share`, :func:`update_apply_round`: the "updates"
   protocol's state updates (SSP, DSSP, ElasticBSP); also what runs on a GPU,
   where the compiled kernels (CPU only) do not.
+* :func:`all_finite`: whether each tensor of a list is finite; on a GPU too.
 
 Errors follow the compiled kernels: in eager mode an ``InvalidArgumentError``; while
 building a graph, a shape error is a ``ValueError`` (as from a shape function) and a
@@ -129,10 +130,13 @@ def update_push_share(variable, w_bar, pending, size, name=None):
         with tf.control_dependencies(checks):
             w, p = tf.cast(w_bar, acc), tf.cast(pending, acc)
             share = tf.cast((tf.cast(variable, acc) - (w + p)) / tf.cast(size, acc), dtype)
-            new_pending = tf.cast(p + tf.cast(share, acc), dtype)
+            # as the kernel: pending stays where the share is not finite (the share is
+            # then rejected whole, and pending restored)
+            finite = tf.math.is_finite(share)
+            new_pending = tf.where(finite, tf.cast(p + tf.cast(share, acc), dtype), pending.read_value())
             pending.assign(new_pending)
             variable.assign(tf.cast(w + tf.cast(new_pending, acc), dtype))
-        return share
+        return share, tf.reduce_all(finite)
 
 
 def update_apply_round(variable, w_bar, pending, total, own_share, name=None):
@@ -151,3 +155,8 @@ def update_apply_round(variable, w_bar, pending, total, own_share, name=None):
         w_bar.assign(new_w)
         pending.assign(new_p)
         variable.assign(tf.cast(tf.cast(new_w, acc) + tf.cast(new_p, acc), dtype))
+
+
+def all_finite(tensors, name=None):
+    with tf.name_scope(name or "all_finite"):
+        return tf.stack([tf.reduce_all(tf.math.is_finite(t)) for t in tensors])

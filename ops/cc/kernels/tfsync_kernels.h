@@ -26,6 +26,33 @@ struct Accumulator<Eigen::bfloat16> {
   using type = float;
 };
 
+// The bits of an element type and its exponent field: every exponent bit set is
+// NaN or infinity, in IEEE binary16/32/64 and bfloat16 alike. Finiteness is tested
+// on the bits (an integer AND and compare, then OR-ed into a flag) so that a loop
+// testing it has no branch and no order-bound float reduction, and still vectorizes.
+template <typename T>
+struct FloatBits;
+template <>
+struct FloatBits<Eigen::half> {
+  using type = uint16_t;
+  static constexpr type kExponent = 0x7c00u;
+};
+template <>
+struct FloatBits<Eigen::bfloat16> {
+  using type = uint16_t;
+  static constexpr type kExponent = 0x7f80u;
+};
+template <>
+struct FloatBits<float> {
+  using type = uint32_t;
+  static constexpr type kExponent = 0x7f800000u;
+};
+template <>
+struct FloatBits<double> {
+  using type = uint64_t;
+  static constexpr type kExponent = 0x7ff0000000000000ull;
+};
+
 #if GOOGLE_CUDA
 template <typename T>
 struct GpuLaunch {

@@ -9,6 +9,13 @@
 //          v = w_bar + pending                 (after the optimizer moved v by D)
 //   apply: w_bar += total;  pending -= own_share;  v = w_bar + pending
 //
+// The push also says whether the share is finite, from the same pass: the engine
+// rejects a share with a NaN or an infinity whole (it never reaches a round), and
+// must then restore pending and v. So an element whose share is not finite leaves
+// pending as it was (v returns to w_bar + pending there); every other element's
+// share can be subtracted again. The test is a select per element, not a branch, and
+// the flag an integer OR, so the loop stays one vectorized stream.
+//
 // The same arithmetic as the TensorFlow ops they replace (tfsync/ops/_reference.py),
 // in one pass each: push reads 3 and writes 3 streams, apply reads 4 and writes 3,
 // where the separate TensorFlow ops made 6 and 11 passes' worth and allocated their
@@ -20,6 +27,7 @@
 #define EIGEN_USE_THREADS
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 
@@ -136,18 +144,36 @@ class LockedVariables {
   Var* locked_[kVariables] = {nullptr, nullptr, nullptr};
 };
 
+// Returns whether every share of [0, n) is finite.
 template <typename T>
-void PushShareLoop(T* __restrict__ v, const T* __restrict__ w, T* __restrict__ p,
+bool PushShareLoop(T* __restrict__ v, const T* __restrict__ w, T* __restrict__ p,
                    typename Accumulator<T>::type size, T* __restrict__ share, int64_t n) {
   using A = typename Accumulator<T>::type;
+  using B = typename FloatBits<T>::type;
+  constexpr B kExponent = FloatBits<T>::kExponent;
+  B bad = 0;
   for (int64_t i = 0; i < n; ++i) {
     const A wi = static_cast<A>(w[i]);
-    const T s = static_cast<T>((static_cast<A>(v[i]) - (wi + static_cast<A>(p[i]))) / size);
-    const T pi = static_cast<T>(static_cast<A>(p[i]) + static_cast<A>(s));
+    const T p_old = p[i];
+    const A pi = static_cast<A>(p_old);
+    const T s = static_cast<T>((static_cast<A>(v[i]) - (wi + pi)) / size);
+    const T p_new = static_cast<T>(pi + static_cast<A>(s));
+    // p_new where the share is finite, p_old where it is not: a select on the bits
+    B s_bits, new_bits, old_bits;
+    std::memcpy(&s_bits, &s, sizeof(B));
+    std::memcpy(&new_bits, &p_new, sizeof(B));
+    std::memcpy(&old_bits, &p_old, sizeof(B));
+    const B nonfinite = static_cast<B>((s_bits & kExponent) == kExponent);
+    const B keep_old = static_cast<B>(B{0} - nonfinite);  // all ones where not finite
+    const B pn_bits = static_cast<B>((new_bits & ~keep_old) | (old_bits & keep_old));
+    T pn;
+    std::memcpy(&pn, &pn_bits, sizeof(B));
+    bad |= nonfinite;
     share[i] = s;
-    p[i] = pi;
-    v[i] = static_cast<T>(wi + static_cast<A>(pi));
+    p[i] = pn;
+    v[i] = static_cast<T>(wi + static_cast<A>(pn));
   }
+  return bad == 0;
 }
 
 template <typename T>
@@ -186,9 +212,15 @@ class UpdatePushShareOp : public OpKernel {
     T* p = vars.data(2);
     T* s = share->flat<T>().data();
     const A n = static_cast<A>(size);
+    std::atomic<bool> finite{true};
     ParallelElementwise(ctx, share->NumElements(), 6 * sizeof(T), [&](int64_t b, int64_t e) {
-      PushShareLoop<T>(v + b, w + b, p + b, n, s + b, e - b);
+      if (!PushShareLoop<T>(v + b, w + b, p + b, n, s + b, e - b)) {
+        finite.store(false, std::memory_order_relaxed);
+      }
     });
+    Tensor* flag = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, tensorflow::TensorShape({}), &flag));
+    flag->scalar<bool>()() = finite.load(std::memory_order_relaxed);
   }
 
  private:

@@ -6,7 +6,10 @@
 //    lambda (DC-ASGD-c) or lambda_t = lambda0 / sqrt(v_t + eps) (DC-ASGD-a).
 //  * TfSync>UpdatePushShare / TfSync>UpdateApplyRound: the per-step state updates of
 //    the "updates" protocol (SSP, DSSP, ElasticBSP), each one pass over the model's
-//    variable, w_bar and pending in place.
+//    variable, w_bar and pending in place; the push also says whether its share is
+//    finite.
+//  * TfSync>AllFinite: whether each tensor of a list is finite (a worker's gradients,
+//    checked before they go into a round).
 //
 // The shape functions check ranks and shapes so that graph construction fails
 // early (a ValueError in Python) with the same wording the kernels use at run time.
@@ -95,6 +98,7 @@ Status UpdatePushShareShape(InferenceContext* c) {
   TF_RETURN_IF_ERROR(UpdateVariablesShape(c, &shape));
   TF_RETURN_IF_ERROR(RequireScalar(c, 3, "size"));
   c->set_output(0, shape);
+  c->set_output(1, c->Scalar());
   return absl::OkStatus();
 }
 
@@ -144,6 +148,7 @@ REGISTER_OP("TfSync>UpdatePushShare")
     .Input("pending: resource")
     .Input("size: float")
     .Output("share: T")
+    .Output("finite: bool")
     .Attr("T: {half, bfloat16, float, double}")
     .SetIsStateful()
     .SetShapeFn(UpdatePushShareShape)
@@ -151,6 +156,21 @@ REGISTER_OP("TfSync>UpdatePushShare")
 The "updates" protocol's push (SSP, DSSP, ElasticBSP), in place, after the optimizer
 moved variable from w_bar + pending by D: share = (variable - (w_bar + pending)) /
 size, the share pushed into the round; pending += share; variable = w_bar + pending.
+An element whose share is not finite leaves pending as it was (so variable returns to
+w_bar + pending there), and finite is false: a share that is not finite is rejected
+whole, and pending can then be restored exactly where the share was not finite.
+)doc");
+
+REGISTER_OP("TfSync>AllFinite")
+    .Input("tensors: T")
+    .Output("finite: bool")
+    .Attr("T: list({half, bfloat16, float, double}) >= 1")
+    .SetShapeFn([](InferenceContext* c) {
+      c->set_output(0, c->Vector(c->num_inputs()));
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+finite[i]: whether every element of tensors[i] is finite (neither NaN nor infinite).
 )doc");
 
 REGISTER_OP("TfSync>UpdateApplyRound")
