@@ -154,6 +154,7 @@ def test_dcs3gd_corrects_each_gradient_with_the_average_and_its_own_weights(seed
             "applied": 1,  # step 0: computed at w̄ itself
             "compensated": job.steps - 1,
             "dropped": 0,
+            "rejected": 0,
             "skipped": 0,
         }, job.counts[rank]
     np.testing.assert_allclose(job.final[0], w_bar[-1], rtol=0, atol=1e-5)
@@ -234,7 +235,7 @@ class LateJob:
         state = {}
 
         def recording_compensate(grads):  # what the op reads, at the moment it runs
-            out = original(grads)
+            out, finite = original(grads)
             self.offers[rank].append(
                 (
                     state["step"],
@@ -245,7 +246,7 @@ class LateJob:
                     out[0].numpy().copy(),
                 )
             )
-            return out
+            return out, finite
 
         protocol.compensate = recording_compensate
         for step in range(self.steps):

@@ -221,6 +221,7 @@ def check_elastic(job, policy):
             "applied": len(w.computed),
             "compensated": 0,
             "dropped": 0,
+            "rejected": 0,
             "skipped": len(w.skipped),
         }
     # after every barrier every replica starts from the same weights: every update so far, over N

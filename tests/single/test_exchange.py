@@ -249,9 +249,10 @@ def test_metadata_survives_a_sum_and_a_mean_exactly(size, data):
     push_us = data.draw(st.integers(0, 2**47))
     compute_us = data.draw(st.integers(0, 2**40))
     late, late_step = data.draw(st.sampled_from([(0.0, 0), (1.0, step), (1.0, max(step - 3, 0))]))
-    fields = data.draw(st.sampled_from([4, 6]))  # rows may leave the late fields out
+    rejected = data.draw(st.sampled_from([0.0, 1.0]))
+    fields = data.draw(st.sampled_from([4, 6, 7]))  # rows may leave the late and rejected fields out
     meta = np.zeros((size, fields))
-    meta[rank] = (1.0, step, push_us / 1e6, compute_us / 1e6, late, late_step)[:fields]
+    meta[rank] = (1.0, step, push_us / 1e6, compute_us / 1e6, late, late_step, rejected)[:fields]
     wire = encode_meta(meta)
     # the collective: every other rank's wire block is zeros; Horovod's mean multiplies by 1/size in float32
     mean = (wire.astype(np.float32) * np.float32(1.0 / size)).astype(np.float32)
@@ -259,7 +260,8 @@ def test_metadata_survives_a_sum_and_a_mean_exactly(size, data):
         out = decode_meta(received, size, mean=is_mean)
         assert out[rank, 0] == 1.0 and out[rank, 1] == step
         assert round(out[rank, 2] * 1e6) == push_us and round(out[rank, 3] * 1e6) == compute_us
-        assert tuple(out[rank, 4:]) == ((late, late_step) if fields == 6 else (0.0, 0.0))
+        assert tuple(out[rank, 4:6]) == ((late, late_step) if fields >= 6 else (0.0, 0.0))
+        assert out[rank, 6] == (rejected if fields == 7 else 0.0)
         assert np.count_nonzero(np.delete(out, rank, axis=0)) == 0
 
 

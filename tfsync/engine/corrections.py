@@ -52,3 +52,6 @@ class Corrections(StepComponent):
             self._rounds.discard(res.round)
             return "compensated"
         return None
+
+    def after_apply(self, res):
+        self._rounds.discard(res.round)  # (a rejected contribution's round: not counted here)

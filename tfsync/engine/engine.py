@@ -26,10 +26,13 @@ A step runs as one :meth:`SyncEngine.sync_step`, called from inside the
 compiled train step (:mod:`tfsync.engine.tf_bridge`) with the tensors
 themselves: the payload never crosses NumPy.  When a step's round already
 closed without this worker, :meth:`SyncEngine.begin_step` says so and the
-frontends skip its computation (:meth:`SyncEngine.skip_step`).
+frontends skip its computation (:meth:`SyncEngine.skip_step`).  A
+contribution with a NaN or an infinity never reaches a round
+(:mod:`tfsync.engine.nonfinite`).
 
-Per worker, ``produced`` = ``applied`` + ``compensated`` + ``dropped`` (and
-``skipped`` steps), counted once (:mod:`tfsync.engine.tally`) and checked when training finishes.
+Per worker, ``produced`` = ``applied`` + ``compensated`` + ``dropped`` +
+``rejected`` (and ``skipped`` steps), counted once (:mod:`tfsync.engine.tally`)
+and checked when training finishes.
 """
 
 import contextlib
@@ -44,7 +47,8 @@ from tfsync.engine.control import ControlClient
 from tfsync.engine.diagnosis import Diagnosis
 from tfsync.engine.entry import CoordinatedRounds, OpenRounds
 from tfsync.engine.exchange import RoundExchange
-from tfsync.engine.tally import COUNTS, Tally, Trace, settled_fields
+from tfsync.engine.nonfinite import NonFinite, check_option
+from tfsync.engine.tally import COUNTS, Tally, Trace, round_stamps, settled_fields
 from tfsync.policies import resolve
 
 WAIT_TIMEOUT_ENV = _env.WAIT_TIMEOUT_S.name
@@ -66,6 +70,9 @@ class SyncEngine:
         cluster: what the engine takes from its peers (see :mod:`tfsync.engine.cluster`).
             Default ``None``: :class:`~tfsync.engine.cluster.HorovodCluster`, built
             by :meth:`start`.  Tests and simulators pass N in-process ranks instead.
+        on_nonfinite: ``"reject"`` (default: a contribution with a NaN or an infinity is
+            left out of its round and counted as ``rejected``) or ``"raise"`` (the job
+            stops with :class:`~tfsync.engine.nonfinite.NonFiniteError` naming the rank and step).
 
     Example::
 
@@ -75,8 +82,10 @@ class SyncEngine:
 
     WAIT_TIMEOUT_ENV = WAIT_TIMEOUT_ENV
 
-    def __init__(self, mode="bsp", *, stragglers=None, trace_dir=None, wait_timeout_s=None, cluster=None):
-        self.policy = resolve(mode)
+    def __init__(
+        self, mode="bsp", *, stragglers=None, trace_dir=None, wait_timeout_s=None, cluster=None, on_nonfinite="reject"
+    ):
+        self.policy, self.on_nonfinite = resolve(mode), check_option(on_nonfinite)
         settings = lifecycle.settings(stragglers=stragglers, trace_dir=trace_dir, wait_timeout_s=wait_timeout_s)
         self.stragglers, self.trace_dir = settings["stragglers"], settings["trace_dir"]
         self.wait_timeout_s = settings["wait_timeout_s"]
@@ -108,7 +117,8 @@ class SyncEngine:
         self.entry = (CoordinatedRounds if policy.coordinated else OpenRounds)(self)
         self.shapes = [[int(d) for d in t.shape] for t in tensors]
         self.num_params = int(sum(np.prod(s, dtype=np.int64) for s in self.shapes))
-        self.components = list(self.protocol_cls.components()) + list(policy.components())
+        self.nonfinite = NonFinite(self.on_nonfinite)
+        self.components = [*self.protocol_cls.components(), *policy.components(), self.nonfinite]
         for c in self.components:  # the model against the mode's settings, before any collective
             c.plan(self.shapes, self.num_params)
         config = {
@@ -116,12 +126,13 @@ class SyncEngine:
             "num_params": self.num_params,
             "weights": self.shapes,
             "stragglers": self.stragglers.spec(),
+            "on_nonfinite": self.on_nonfinite,
             **(extra_config or {}),
         }
         self.hosts = lifecycle.agree_config(cluster, config, self.wait_timeout_s)
         self.t0 = lifecycle.agree_t0(cluster, self.wait_timeout_s)
         address, token = lifecycle.open_control(self, cluster)  # (sets self._server on rank 0)
-        options = self.entry.exchange_options()
+        options = {"averages": self.protocol_cls.average, **self.entry.exchange_options()}
         for c in self.components:
             options.update(c.exchange_options())
         # the exchange first: a frontend may route the protocol's variable creation
@@ -178,7 +189,7 @@ class SyncEngine:
         """Wait for every pushed round and apply it (eager; identical weights on every rank).
 
         Then every contribution this worker produced has been applied,
-        compensated or dropped: checked, so nothing is lost silently.
+        compensated, dropped or rejected: checked, so nothing is lost silently.
         ``apply_mean``: how to apply one more mean gradient through the
         optimizer (the frontends pass it; collective: pass it on every rank or
         on none); components that hold late contributions use it for a final
@@ -188,7 +199,7 @@ class SyncEngine:
             t = self.now()
             applied = self.wait_and_apply(self.step - 1)
             self.tally.totals["wait_s"] += (wait_s := self.now() - t)
-            drops, compensated = self._settle()
+            drops, compensated = self.tally.settle_step(self.exchange)
             if self.tracing:
                 settled = settled_fields(applied, self.step - 1, self.applied_through, drops, compensated)
                 self.trace({"event": "finish", "rank": self.rank, "t": t, "wait_s": wait_s, **settled})
@@ -196,8 +207,8 @@ class SyncEngine:
         for c in self.components:
             drained = c.finish(apply_mean) or drained
         drained = self.entry.drain() or drained
+        drops = self.tally.settle(self.exchange)  # (and what the components counted: a final round's rejection)
         if drained:
-            drops = self.tally.settle(self.exchange)
             self.trace({"event": "drain", "rank": self.rank, "t": self.now(), "drops": drops, "dropped": len(drops)})
         self.protocol.finish()
         self.tally.check(self.rank)
@@ -234,7 +245,7 @@ class SyncEngine:
             if not before:
                 self.delays.sleep()  # (a component that waited before the push slept already)
             step, t_start = self.step, self._t_step_start
-            payload = self.protocol.contribution(list(inputs))
+            payload, rejected = self.nonfinite.screen(step, *self.protocol.contribution(list(inputs)))
             t_push = self.now()
             compute_s = t_push - t_start
             required = self.policy.sync_round(step)
@@ -242,7 +253,8 @@ class SyncEngine:
             for c in self.components:
                 compute_s = c.interval(step, compute_s)
             self.last_pushed = step  # (before an inline round: its watchdog reports this clock)
-            self.entry.push(step, payload, t_push, compute_s, inline)
+            self.entry.push(step, payload, t_push, compute_s, inline, rejected)
+            self.nonfinite.pushed()  # (on_nonfinite="raise": a rejected one stops the job, its round pushed)
             for c in self.components:
                 required = c.required(step, required)
             self.tally.add("produced")
@@ -322,17 +334,10 @@ class SyncEngine:
                 self.protocol.apply_round(res)
                 self.delays.sleep_for_round(len(self.shapes))  # (simulated slow pulls)
             # the contributions' stamps are for the trace only: not computed without one
-            stamps = None
-            if self._trace.enabled:
-                stamps = [int(res.steps[k]) for k in np.flatnonzero(res.present)]
-                stamps += [int(res.late_steps[k]) for k in np.flatnonzero(res.late)]
-            applied.append((r, res.contributors, stamps))
+            applied.append((r, res.contributors, round_stamps(res) if self._trace.enabled else None))
             if res.present.all():  # every rank's time for round r, the same table on every rank
                 self._full_round_times = res.compute_s  # (the round's own decoded array: no copy)
-            if res.present[self.rank] == 1.0:
-                self.tally.add(next((k for k in (c.own_count(res) for c in self.components) if k), "applied"))
-            if res.late[self.rank] == 1.0:
-                self.tally.add("compensated")
+            self.tally.count_round(res, self.rank, self.components)
             self.applied_through = r
             for c in self.components:
                 c.after_apply(res)
@@ -359,7 +364,7 @@ class SyncEngine:
         compute_s = t_push - t_start - waited_before_push_s
         wait_s = t_end - t_push + waited_before_push_s
         self.tally.add("skipped", int(skipped))
-        drops, compensated = self._settle()
+        drops, compensated = self.tally.settle_step(self.exchange)
         round_times, self._full_round_times = self._full_round_times, None
         self.last = {
             "wait_s": wait_s,
@@ -387,12 +392,6 @@ class SyncEngine:
             self.trace({"rank": self.rank, "step": step, **times, **settled, "skipped": skipped, **extra})
         self.step = step + 1
         self._t_step_start = t_end
-
-    def _settle(self):
-        """Settle the tally: this worker's contributions dropped (``[[stamp, round]]``) and
-        compensated since the last settlement."""
-        compensated = self.tally.pending("compensated")
-        return self.tally.settle(self.exchange), compensated
 
 
 __all__ = ["COUNTS", "SyncEngine"]

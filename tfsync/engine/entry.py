@@ -33,9 +33,10 @@ class RoundEntry(abc.ABC):
         return None
 
     @abc.abstractmethod
-    def push(self, step: int, payload, t_push: float, compute_s: float, inline: bool) -> None:
+    def push(self, step: int, payload, t_push: float, compute_s: float, inline: bool, rejected: bool = False) -> None:
         """This worker's contribution to round ``step`` is ready (``inline``: the worker would
-        wait for this very round next, so it may run it on its own thread)."""
+        wait for this very round next, so it may run it on its own thread; ``rejected``: it was
+        not finite, and ``payload`` is the zeros that go in its place)."""
 
     def computes(self, step: int) -> bool:
         """False when round ``step`` already closed without this worker (the step is skipped)."""
@@ -53,9 +54,11 @@ class RoundEntry(abc.ABC):
 class OpenRounds(RoundEntry):
     """Every worker enters every round; the allreduce closes it."""
 
-    def push(self, step, payload, t_push, compute_s, inline):
+    def push(self, step, payload, t_push, compute_s, inline, rejected=False):
         engine = self.engine
-        engine.exchange.submit(step, payload, t_push, compute_s, inline=inline, timeout_s=engine.wait_timeout_s)
+        engine.exchange.submit(
+            step, payload, t_push, compute_s, inline=inline, timeout_s=engine.wait_timeout_s, rejected=rejected
+        )
 
     def skip(self, step):
         engine = self.engine
@@ -85,9 +88,11 @@ class CoordinatedRounds(RoundEntry):
     def on_close(self):
         return self.engine.exchange.close_round
 
-    def push(self, step, payload, t_push, compute_s, inline):
+    def push(self, step, payload, t_push, compute_s, inline, rejected=False):
+        # a rejected contribution is still announced: the policy's rule may wait for this rank's
+        # notice, and a round that takes it gets this rank's zeros
         exchange, control = self.engine.exchange, self.engine.control
-        exchange.push(step, payload, t_push, compute_s)
+        exchange.push(step, payload, t_push, compute_s, rejected)
         if self.policy.enters_when_ready:  # the round takes what its ranks hold when they enter
             exchange.enter_accepted(step)
             control.ready(step)

@@ -66,6 +66,17 @@ the round took, over ``d``.  So a coordinated round costs about what an
 open one does: no round trip before entering, no closing sent for a round
 that took every rank, no division after every round.
 
+A contribution that is not finite is rejected by the engine before it gets
+here (:mod:`tfsync.engine.nonfinite`): it comes as zeros with ``rejected``
+set, and its row says ``present`` 0, ``rejected`` 1.  So an open round whose
+collective averages over every rank (``averages``: BSP's gradients,
+DC-S3GD's updates) is rescaled to the mean over the ranks present, as a
+coordinated round is divided by its ``d`` of fresh contributions; a round
+with no rank present keeps its zeros.  A coordinated round that takes a
+rejected contribution counts that rank among those it took (its closing
+named it) but not in ``d``; one that does not take it discards it: it is
+neither dropped nor withdrawn, since it was counted when it was rejected.
+
 With delay compensation (``keep_stale``) a contribution that missed its
 round is not dropped here: the engine withdraws it (:meth:`RoundExchange.withdraw`),
 corrects it and puts it up for a later round (:meth:`RoundExchange.set_late`);
@@ -88,11 +99,12 @@ import time
 
 import numpy as np
 
-META_FIELDS = ("present", "step", "push_time", "compute_s", "late", "late_step")
+META_FIELDS = ("present", "step", "push_time", "compute_s", "late", "late_step", "rejected")
 _K = len(META_FIELDS)
+_REJECTED = META_FIELDS.index("rejected")
 # wire digits per field: present 1, step 2 (< 2^32), push time and compute time in
-# microseconds 3 each (< 2^48 us, 8.9 years), late 1, late step 2
-_DIGITS = (1, 2, 3, 3, 1, 2)
+# microseconds 3 each (< 2^48 us, 8.9 years), late 1, late step 2, rejected 1
+_DIGITS = (1, 2, 3, 3, 1, 2, 1)
 _TIMES = (2, 3)  # the fields in seconds, sent as microseconds
 META_WIDTH = sum(_DIGITS)
 _BASE = 1 << 16
@@ -153,6 +165,7 @@ class RoundResult:
     accepted: tuple = None  # coordinated rounds: the ranks whose contribution it aggregated
     late: np.ndarray = None  # [size] 1.0 where that rank added a late, delay-compensated contribution
     late_steps: np.ndarray = None  # [size] the step that late contribution was computed for
+    rejected: np.ndarray = None  # [size] 1.0 where that rank's contribution was rejected (not finite): zeros
 
     @property
     def contributors(self) -> int:
@@ -167,10 +180,11 @@ class WorkerLostError(RuntimeError):
 class RoundExchange:
     """Ordered rounds over ``collective(payload, meta) -> (total, meta_sum)`` on one thread.
 
-    ``payload`` is a list of tensors, ``meta`` a ``[size, 4]`` float64 array;
-    the collective returns the element-wise reduction of both over every rank
-    (a sum for the metadata; the payload's reduction is the collective's own,
-    e.g. a mean of gradients).
+    ``payload`` is a list of tensors, ``meta`` a ``[size, len(META_FIELDS)]``
+    float64 array; the collective returns the element-wise reduction of both
+    over every rank (a sum for the metadata; the payload's reduction is the
+    collective's own, e.g. a mean of gradients: then ``averages``, and a round
+    with ranks absent is rescaled to the mean of those present).
     """
 
     def __init__(
@@ -184,8 +198,10 @@ class RoundExchange:
         keep_stale=False,
         enters_when_ready=False,
         abort=None,
+        averages=False,
     ):
         self._collective = collective
+        self._averages = averages  # the collective divides an open round's sum by size (hvd.Average)
         # abort(): make the pending collective fail (the cluster's); bounds a round run inline
         self._abort = abort
         self.inline_expired = None  # the inline round whose bound ran out (the collective was aborted)
@@ -207,7 +223,7 @@ class RoundExchange:
         # coordinated rounds: d of the previous one (the same on every rank), which Horovod's
         # post-scale divides the next one's sum by; only a round whose d differs is rescaled
         self._last_d = size
-        self._outbox = None  # (stamp, payload, push_time, compute_s)
+        self._outbox = None  # (stamp, payload, push_time, compute_s, rejected)
         self._late = None  # (round, stamp, payload): a compensated contribution the coordinator took for round
         self._closed_through = -1
         self._entered_through = -1  # newest coordinated round this rank entered (on a closing or early)
@@ -240,16 +256,18 @@ class RoundExchange:
         """Newest round the coordinator has closed, as far as this worker has heard (-1: none)."""
         return self._closed_through
 
-    def push(self, stamp: int, payload: list, push_time: float, compute_s: float):
+    def push(self, stamp: int, payload: list, push_time: float, compute_s: float, rejected: bool = False):
         """Coordinated rounds: put this worker's contribution to round ``stamp`` in the outbox.
 
         A contribution still waiting there is older, so its round has closed
-        without it: it is dropped and counted.
+        without it: it is dropped and counted (a rejected one is discarded).
+        ``rejected``: the contribution was not finite; a round that takes it gets
+        zeros and a row that says so.
         """
         with self._cond:
             if self._outbox is not None:
                 self._drop_locked(self._outbox[0], stamp)
-            self._outbox = (stamp, list(payload), push_time, compute_s)
+            self._outbox = (stamp, None if rejected else list(payload), push_time, compute_s, rejected)
 
     def close_round(self, round_: int, accepted: tuple, late: tuple = ()):
         """The coordinator closed ``round_`` accepting ``accepted`` (and the late, compensated
@@ -280,8 +298,9 @@ class RoundExchange:
         with self._cond:
             if self._outbox is None:
                 return 0
+            rejected = self._outbox[4]
             self._drop_locked(self._outbox[0], self._closed_through + 1)
-            return 1
+            return 0 if rejected else 1
 
     def withdraw(self, stamp: int):
         """Take the contribution stamped ``stamp`` back out of the outbox (it missed its round);
@@ -290,7 +309,7 @@ class RoundExchange:
             if self._outbox is None or self._outbox[0] != stamp:
                 return None
             payload, self._outbox = self._outbox[1], None
-            return payload
+            return payload  # (None for a rejected contribution: nothing to hold)
 
     def drop(self, stamp: int, round_: int):
         """Record a withdrawn contribution as dropped (no round will take it)."""
@@ -342,8 +361,12 @@ class RoundExchange:
             return drops
 
     def _drop_locked(self, stamp, round_):
+        """The outbox's contribution will go into no round: dropped (a rejected one was counted
+        when it was rejected, and is only discarded)."""
+        rejected = self._outbox is not None and self._outbox[4]
         self._outbox = None
-        self._drops.append((stamp, round_))
+        if not rejected:
+            self._drops.append((stamp, round_))
 
     def submit(
         self,
@@ -354,11 +377,14 @@ class RoundExchange:
         inline: bool = False,
         present=True,
         timeout_s: float = None,
+        rejected=False,
     ):
         """Queue round ``round_``; with ``inline``, run it now on this thread if nothing is queued.
 
         ``present=False``: this worker skipped the step (ElasticBSP) and ``payload`` is
         zeros; its row still carries ``compute_s``, its latest iteration interval.
+        ``rejected``: this worker's contribution was not finite and ``payload`` is
+        zeros; its row says so, and is not present.
 
         ``timeout_s`` bounds an inline round as the caller's wait would be
         bounded: a watchdog aborts the collective (the cluster's ``abort``)
@@ -369,7 +395,8 @@ class RoundExchange:
         stays stuck (measured: the others waited until the stuck rank exited).
         """
         meta = np.zeros((self.size, _K), np.float64)
-        meta[self.rank, :4] = (1.0 if present else 0.0, round_, push_time, compute_s)
+        meta[self.rank, :4] = (1.0 if present and not rejected else 0.0, round_, push_time, compute_s)
+        meta[self.rank, _REJECTED] = 1.0 if rejected else 0.0
         item = (round_, list(payload), meta)
         if inline and self._running.acquire(blocking=False):
             try:
@@ -523,7 +550,7 @@ class RoundExchange:
         payload = None
         try:
             if item is not None:
-                stamp, contribution, push_time, compute_s = item
+                stamp, contribution, push_time, compute_s, rejected = item
                 if stamp > round_:
                     raise RuntimeError(
                         f"tfsync: rank {self.rank} enters round {round_} with a contribution to the "
@@ -531,14 +558,15 @@ class RoundExchange:
                     )
                 if stamp < round_:  # it missed its round: zeros (the absent payload) go out instead
                     with self._cond:
-                        if self._outbox is item and not self._keep_stale:
+                        if self._outbox is item and not (self._keep_stale and not rejected):
                             self._drop_locked(stamp, round_)
                 elif mine or self._enters_when_ready:  # (ready since the closing)
-                    payload = contribution
-                    meta[self.rank, :4] = (1.0, stamp, push_time, compute_s)
+                    payload = contribution  # (None if rejected: zeros go out, and its row says so)
+                    meta[self.rank, :4] = (0.0 if rejected else 1.0, stamp, push_time, compute_s)
+                    meta[self.rank, _REJECTED] = 1.0 if rejected else 0.0
                     with self._cond:
                         self._outbox = None
-            if mine and meta[self.rank, 0] != 1.0:
+            if mine and meta[self.rank, 0] != 1.0 and meta[self.rank, _REJECTED] != 1.0:
                 raise RuntimeError(
                     f"tfsync: rank {self.rank} was accepted for round {round_} "
                     f"but has no contribution to it in its outbox"
@@ -554,7 +582,7 @@ class RoundExchange:
                 _, late_stamp, late_payload = taken
                 meta[self.rank, 4:6] = (1.0, late_stamp)
                 # a fresh contribution in the same round: one row, both summed
-                payload = late_payload if not mine else [a + b for a, b in zip(payload, late_payload)]
+                payload = late_payload if payload is None else [a + b for a, b in zip(payload, late_payload)]
             if payload is None:
                 if callable(self._absent):  # built on first use
                     self._absent = self._absent()
@@ -604,10 +632,15 @@ class RoundExchange:
                 guess = self._last_d
                 total, meta = self._collective(payload, meta, divisor=guess)
             meta = np.asarray(meta, np.float64).reshape(self.size, _K)
+            d = int(np.count_nonzero(meta[:, 0]))  # the fresh contributions (a late one adds on top)
+            if not coordinated and self._averages and 0 < d < self.size:  # a rejected rank's zeros
+                total = [t * (self.size / d) for t in total]
             if coordinated:
-                took = tuple(np.flatnonzero(meta[:, 0]).tolist()), tuple(np.flatnonzero(meta[:, 4]).tolist())
-                d = len(took[0])  # fresh ones only: a late one adds on top (module docstring)
-                if d != guess and d > 0:  # (d >= 1: every policy accepts someone)
+                # the ranks it took: those whose contribution it aggregated, and those whose
+                # contribution it took but had rejected (their zeros; not in d)
+                entered = np.flatnonzero(meta[:, 0] + meta[:, _REJECTED]).tolist()
+                took = tuple(entered), tuple(np.flatnonzero(meta[:, 4]).tolist())
+                if d != guess and d > 0:  # (no rank present: zeros, and d stays)
                     total = [t * (guess / d) for t in total]
                     self._last_d = d
                 if accepted is None:  # entered early: the closing, when it comes, is checked against this
@@ -637,6 +670,7 @@ class RoundExchange:
             accepted=accepted,
             late=meta[:, 4],
             late_steps=meta[:, 5],
+            rejected=meta[:, _REJECTED],
         )
         with self._cond:
             self._results[round_] = result

@@ -13,7 +13,9 @@ worker holds one at most: an older one is dropped.  Those still held when
 training ends go into one final round that every replica applies
 (:meth:`RoundExchange.final_round <tfsync.engine.exchange.RoundExchange.final_round>`)
 when the frontend can apply a mean gradient, else they are dropped; either
-way counted.
+way counted.  A corrected contribution with a NaN or an infinity is rejected
+(:mod:`tfsync.engine.nonfinite`) before it is offered, in a step or in the
+final round, and counted as such.
 """
 
 from tfsync.engine.components import StepComponent
@@ -39,7 +41,11 @@ class LateContributions(StepComponent):
             return True
         engine = self.engine
         stamp, payload = self.held
-        engine.exchange.set_late(step, stamp, engine.protocol.compensate(payload))
+        corrected, finite = engine.protocol.compensate(payload)
+        if engine.nonfinite.screen_late(stamp, step, finite):  # rejected: nothing to offer
+            self.held = None
+            return True
+        engine.exchange.set_late(step, stamp, corrected)
         if not engine.control.join_late(step):
             engine.exchange.clear_late()
             return False
@@ -69,20 +75,24 @@ class LateContributions(StepComponent):
     def _final_round(self, apply_mean):
         """The late gradients held when training ends, compensated and applied everywhere."""
         engine = self.engine
+        round_, late = engine.step, None
+        if self.held is not None:  # corrected first (w_now: the final weights): a rejected one is not held
+            stamp, payload = self.held
+            corrected, finite = engine.protocol.compensate(payload)
+            if engine.nonfinite.screen_late(stamp, round_, finite):
+                self.held = None
+            else:
+                late = (stamp, corrected)
         holds = engine.exchange.call(
-            lambda: engine.cluster.allgather_object(self.held is not None, name="tfsync.final_round"),
+            lambda: engine.cluster.allgather_object(late is not None, name="tfsync.final_round"),
             timeout_s=engine.wait_timeout_s,
         )
         holders = [r for r, h in enumerate(holds) if h]
         if not holders:
             return
-        round_, late = engine.step, None
-        if self.held is not None:
-            stamp, payload = self.held
-            late = (stamp, engine.protocol.compensate(payload))  # w_now: the final weights
         total = engine.exchange.final_round(round_, late, holders, engine.protocol.absent(), engine.wait_timeout_s)
         apply_mean(total)
-        if self.held is not None:
+        if late is not None:
             self.held = None
             engine.tally.add("compensated")
         compensated = engine.tally.pending("compensated")

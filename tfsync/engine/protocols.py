@@ -30,6 +30,18 @@ One grouped call per round, not one flat buffer: Horovod's tensor fusion packs
 the group into its fusion buffer anyway (``HOROVOD_FUSION_THRESHOLD``, 128 MiB
 by default), so concatenating first and splitting after only adds two payload
 copies.
+
+Every contribution comes with whether each of its tensors is finite
+(``contribution`` returns ``(payload, finite)``), found where the payload is
+built: the update protocol's push kernel says it from the pass that computes
+the share, a late gradient's correction and DC-S3GD's update are checked in
+the compiled function that builds them, and the gradient protocol, whose
+payload is the train step's own gradients, checks them with one read-only
+pass (:func:`tfsync.ops.all_finite`).  The engine rejects a contribution that
+is not finite (:mod:`tfsync.engine.nonfinite`): it sends :meth:`reject`'s
+zeros instead, and :meth:`reject` first takes back what the contribution
+already did to this worker's weights (the update protocols apply their own
+update before the exchange), so the replicas stay identical.
 """
 
 import tensorflow as tf
@@ -112,6 +124,8 @@ class GradientProtocol:
         self.dtypes = [tf.as_dtype(t.dtype) for t in tensors]
         self._zeros = None
         self.mean = None  # the applied round's mean until the step returns it (none under partial pulling)
+        specs = [tf.TensorSpec(s, d) for s, d in zip(self.shapes, self.dtypes)]
+        self._finite = compile_flat(lambda *g: ops.all_finite(list(g)), specs)
         self.compensation = None if policy is None else policy.compensate
         if self.compensation is not None:
             # a late gradient is corrected against the weights: they, not gradients, start the engine
@@ -120,17 +134,23 @@ class GradientProtocol:
                 self.w_stale = [_state_variable(tf.zeros_like(v)) for v in self.variables]
             self._compensator = compensator = Compensator(self.compensation, self.variables)
             variables, w_stale = self.variables, self.w_stale
-            specs = [tf.TensorSpec(v.shape, v.dtype) for v in variables]
+
+            def compensate(*grads):  # the corrected gradient, then whether each tensor of it is finite
+                corrected = compensator(list(grads), variables, w_stale)
+                return [*corrected, ops.all_finite(corrected)]
+
             self._keep_weights = compile_flat(lambda: _copy(variables, w_stale))
-            self._compensate = compile_flat(lambda *g: compensator(list(g), variables, w_stale), specs)
+            self._compensate = compile_flat(compensate, specs)
 
     def keep_weights(self):
         """Snapshot the weights a late gradient was computed on (its ``w_stale``)."""
         self._keep_weights()
 
     def compensate(self, grads):
-        """A late gradient corrected for the current weights: ``w_now`` = the variables now."""
-        return self._compensate(*grads)
+        """A late gradient corrected for the current weights (``w_now`` = the variables now),
+        and whether each of its tensors is finite: ``(corrected, finite)``."""
+        out = self._compensate(*grads)
+        return list(out[:-1]), out[-1]
 
     def absent(self):
         """What a rank that contributes nothing to a coordinated round sends (built once)."""
@@ -140,7 +160,12 @@ class GradientProtocol:
         return self._zeros
 
     def contribution(self, grads):
-        return grads
+        """This step's gradients as they are, and whether each is finite (one read-only pass)."""
+        return grads, self._finite(*grads)
+
+    def reject(self, payload):
+        """What a rejected contribution sends instead: zeros (the gradients moved nothing yet)."""
+        return self.absent()
 
     def apply_round(self, result):
         self.mean = result.total
@@ -192,6 +217,7 @@ class UpdateProtocol:
         self._push_share = compile_flat(lambda: _push_share(variables, w_bar, pending, size_t), jit_compile=jit)
         self._apply_round = compile_flat(lambda *t: _apply_round(variables, w_bar, pending, t[:n], t[n:]), specs * 2)
         self._settle = compile_flat(lambda: _settle(variables, w_bar, pending))
+        self._take_back = None  # compiled on the first rejected share
 
     def absent(self):
         """A skipped step's share: zeros (built once)."""
@@ -209,8 +235,22 @@ class UpdateProtocol:
         self._settle()
 
     def contribution(self, _inputs):
-        """The share ``Δ/N`` of the update the optimizer just made; moves to ``w̄ + pending``."""
-        return self._push_share()
+        """The share ``Δ/N`` of the update the optimizer just made, and whether each tensor of it
+        is finite (from the push's own pass); moves to ``w̄ + pending``."""
+        out = self._push_share()
+        return list(out[:-1]), out[-1]
+
+    def reject(self, shares):
+        """A share that is not finite goes nowhere: take it back out of ``pending`` and move the
+        weights to ``w̄ + pending`` again, the weights this step was computed on (the push left
+        ``pending`` as it was where the share is not finite; elsewhere the share is subtracted).
+        The step's update is lost on this worker as on every other; sends zeros."""
+        if self._take_back is None:
+            variables, w_bar, pending = self.variables, self.w_bar, self.pending
+            specs = [tf.TensorSpec(v.shape, v.dtype) for v in variables]
+            self._take_back = compile_flat(lambda *s: _take_back(variables, w_bar, pending, s), specs)
+        self._take_back(*shares)
+        return self.absent()
 
     def apply_round(self, result):
         self._apply_round(*result.total, *result.contribution)
@@ -227,8 +267,15 @@ class UpdateProtocol:
 def _push_share(variables, w_bar, pending, size):
     # The variables hold L + Δ, where L = w̄ + pending is what the step was
     # computed on (assigned as exactly that sum at the previous step), so the
-    # share is recovered without keeping a copy of L.
-    return [ops.update_push_share(v, w, p, size) for v, w, p in zip(variables, w_bar, pending)]
+    # share is recovered without keeping a copy of L.  The shares, then whether each is finite
+    pushed = [ops.update_push_share(v, w, p, size, return_finite=True) for v, w, p in zip(variables, w_bar, pending)]
+    return [share for share, _ in pushed] + [tf.stack([finite for _, finite in pushed])]
+
+
+def _take_back(variables, w_bar, pending, shares):
+    for v, w, p, share in zip(variables, w_bar, pending, shares):
+        p.assign(tf.where(tf.math.is_finite(share), p - share, p))
+        v.assign(w + p)
 
 
 def _settle(variables, w_bar, pending):
@@ -328,7 +375,8 @@ class CompensatedUpdateProtocol:
         return self._compensator(grads, self.w_bar, self.w_local)
 
     def push_in_graph(self):
-        """The optimizer moved the variables to ``w_local + Δ``: move them to ``w̄ + Δ``; ``Δ``."""
+        """The optimizer moved the variables to ``w_local + Δ``: move them to ``w̄ + Δ``; ``Δ``,
+        then whether each tensor of it is finite (the engine's ``sync_step`` takes both)."""
         updates = []
         for v, w, local in zip(self.variables, self.w_bar, self.w_local):
             update = v - local
@@ -336,15 +384,25 @@ class CompensatedUpdateProtocol:
             v.assign(moved)
             local.assign(moved)
             updates.append(update)
-        return updates
+        return [*updates, ops.all_finite(updates)]
 
     def correct(self, grads, mean):
         """:meth:`correct_in_graph`, eagerly."""
         return _run(self.correct_in_graph, [tf.convert_to_tensor(g) for g in grads], mean)
 
     def contribution(self, inputs):
-        """``Δ``: pushed in the train step already (``inputs``), or now, eagerly."""
-        return list(inputs) if inputs else _run(self.push_in_graph)
+        """``Δ`` and whether each tensor of it is finite: pushed in the train step already
+        (``inputs``), or now, eagerly."""
+        out = list(inputs) if inputs else _run(self.push_in_graph)
+        return out[:-1], out[-1]
+
+    def reject(self, _updates):
+        """An update that is not finite goes nowhere: this worker moves back to ``w̄`` (its update
+        zero), as every replica's ``w̄`` takes the round without it; sends zeros."""
+        for v, w, local in zip(self.variables, self.w_bar, self.w_local):
+            v.assign(w)
+            local.assign(w)
+        return self._no_round
 
     def result(self):
         return []

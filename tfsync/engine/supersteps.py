@@ -63,7 +63,8 @@ class Supersteps(StepComponent):
             return
         engine = self.engine
         engine.protocol.settle()
-        present = np.flatnonzero(res.present == 1.0)
+        # every rank pushed the barrier step: its push time counts even if its update was rejected
+        present = np.flatnonzero((res.present == 1.0) | (res.rejected == 1.0))
         self.schedule = self.policy.next_schedule(
             res.round, [float(res.push_times[k]) for k in present], [float(c) for c in res.compute_s]
         )

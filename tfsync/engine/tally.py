@@ -1,17 +1,20 @@
 """What happened to this worker's contributions and steps, counted once; and its trace.
 
-Every contribution a worker produces ends ``applied``, ``compensated`` or
-``dropped``; a step that computed nothing is ``skipped``.  Events are noted
-as they happen (:meth:`Tally.add`; drops are recorded by the exchange) and
-settled into the run's counts and the epoch's totals at the end of each
-step (:meth:`Tally.settle`), so a step's trace record says what that step
-settled.
+Every contribution a worker produces ends ``applied``, ``compensated``,
+``dropped`` or ``rejected`` (it had a NaN or an infinity and went into no
+round: :mod:`tfsync.engine.nonfinite`); a step that computed nothing is
+``skipped``.  Events are noted as they happen (:meth:`Tally.add`; drops are
+recorded by the exchange) and settled into the run's counts and the epoch's
+totals at the end of each step (:meth:`Tally.settle`), so a step's trace
+record says what that step settled.
 """
 
 import json
 import os
 
-COUNTS = ("produced", "applied", "compensated", "dropped", "skipped")
+import numpy as np
+
+COUNTS = ("produced", "applied", "compensated", "dropped", "rejected", "skipped")
 
 
 class Tally:
@@ -33,6 +36,20 @@ class Tally:
     def pending(self, key: str) -> int:
         return self._pending[key]
 
+    def count_round(self, res, rank: int, components) -> None:
+        """Note what round ``res`` did with this worker's contributions: its fresh one applied
+        (or ``compensated``, as a component says: DC-S3GD's corrected gradients), its late one
+        compensated.  A rejected one is not in the round: it was counted when it was rejected."""
+        if res.present[rank] == 1.0:
+            self.add(next((k for k in (c.own_count(res) for c in components) if k), "applied"))
+        if res.late[rank] == 1.0:
+            self.add("compensated")
+
+    def settle_step(self, exchange):
+        """:meth:`settle`, and how many contributions were compensated since the last: ``(drops, compensated)``."""
+        compensated = self._pending["compensated"]
+        return self.settle(exchange), compensated
+
     def settle(self, exchange) -> list:
         """Move what was noted, and the drops the exchange recorded, into the counts and
         totals; the drops as ``[[stamp, round]]``."""
@@ -45,14 +62,21 @@ class Tally:
         return drops
 
     def check(self, rank: int):
-        """Every contribution produced is applied, compensated or dropped (after the last drain)."""
+        """Every contribution produced is applied, compensated, dropped or rejected (after the last drain)."""
         c = self.counts
-        if c["produced"] != c["applied"] + c["compensated"] + c["dropped"]:
+        if c["produced"] != c["applied"] + c["compensated"] + c["dropped"] + c["rejected"]:
             raise RuntimeError(
                 f"tfsync: rank {rank} lost track of contributions: produced {c['produced']}, "
-                f"applied {c['applied']}, compensated {c['compensated']}, dropped {c['dropped']} "
-                f"after every round was drained"
+                f"applied {c['applied']}, compensated {c['compensated']}, dropped {c['dropped']}, "
+                f"rejected {c['rejected']} after every round was drained"
             )
+
+
+def round_stamps(res) -> list:
+    """The steps the contributions round ``res`` applied were computed for: its fresh ones',
+    then its late ones' (for the trace)."""
+    stamps = [int(res.steps[k]) for k in np.flatnonzero(res.present)]
+    return stamps + [int(res.late_steps[k]) for k in np.flatnonzero(res.late)]
 
 
 def settled_fields(applied, step: int, applied_through: int, drops: list, compensated: int) -> dict:

@@ -1,0 +1,459 @@
+"""A contribution with a NaN or an infinity never reaches a replica: real engines on in-process ranks.
+
+Each job runs N real ``SyncEngine``s on threads over :mod:`fake_cluster`, one
+rank's contribution at one step poisoned (NaN or infinity), in every family
+of modes: the gradient protocol with open rounds (BSP) and coordinated ones
+(PSP, backup workers), the update protocol (SSP, DSSP, ElasticBSP), DC-S3GD's
+corrected updates, and late gradients corrected under ``compensate=``.  Each
+rank applies what it receives as a tiny optimizer would (plain SGD), so the
+test holds every replica's weights.  The checks: every replica ends finite
+and identical; each round's result is the mean (or sum) of exactly the
+contributions its metadata says it aggregated, worked out here from what the
+ranks pushed; the poisoned rank counts one ``rejected`` and produced =
+applied + compensated + dropped + rejected on every rank; the trace names the
+rank and the step; ``on_nonfinite="raise"`` stops every rank with an error
+naming them.
+"""
+
+import json
+import logging
+import os
+import time
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from fake_cluster import FakeCluster, on_threads
+
+import tfsync
+from tfsync.engine import NonFiniteError, SyncEngine, WorkerLostError, nonfinite, protocols
+from tfsync.engine.corrections import Corrections
+from tfsync.policies import BSP, DSSP, PSP, SSP, BackupWorkers, DelayCompensation, ElasticBSP
+from tfsync.stragglers import Stragglers
+
+WIDTH = 4
+LR = 0.1
+WAIT_S = 15.0
+JOIN_S = 45.0
+
+pytestmark = pytest.mark.usefixtures("engines_on_localhost")
+
+
+def contribution(rank, step):
+    """Rank ``rank``'s gradient (or update) at ``step``: ``[1, 2^rank, step, rank]`` (a sum over a
+    set of ranks counts and names them)."""
+    return np.array([1.0, 2.0**rank, step, rank], np.float32)
+
+
+def poisoned(value):
+    g = contribution(0, 0)
+    g[1] = value
+    return g
+
+
+class Job:
+    """``size`` engines on threads, ``steps`` steps; ``bad``: {(rank, step): value} put into that
+    rank's contribution at that step; ``delays[rank]``: seconds of computation per step (or a
+    list of them, per step)."""
+
+    def __init__(self, policy, size=3, steps=10, bad=None, delays=None, on_nonfinite="reject", trace_dir=None):
+        self.policy, self.size, self.steps = policy, size, steps
+        self.bad = dict(bad or {})
+        self.delays = delays or [0.002] * size
+        self.on_nonfinite, self.trace_dir = on_nonfinite, trace_dir
+        self.updates = not protocols.for_policy(policy).reduces_gradients
+        self.cluster = FakeCluster(size, timeout_s=15.0)
+        self.pushed = [{} for _ in range(size)]  # step -> the contribution it pushed
+        self.received = [{} for _ in range(size)]  # step -> the mean it applied (gradient protocol)
+        # round -> (present, rejected, accepted, {rank: step of its late gradient}) from its metadata
+        self.rounds = [{} for _ in range(size)]
+        self.counts, self.weights, self.engines = [None] * size, [None] * size, [None] * size
+
+    def gradient(self, rank, step):
+        g = contribution(rank, step)
+        if (rank, step) in self.bad:
+            g[1] = self.bad[(rank, step)]
+        return g
+
+    def _train(self, rank):
+        engine = SyncEngine(
+            self.policy,
+            stragglers=Stragglers(),
+            trace_dir=self.trace_dir,
+            wait_timeout_s=WAIT_S,
+            cluster=self.cluster.rank(rank),
+            on_nonfinite=self.on_nonfinite,
+        )
+        self.engines[rank] = engine
+        var = tf.Variable(tf.zeros([WIDTH]))
+        engine.start([var])
+        pop = engine.exchange.pop
+
+        def pop_and_note(round_):
+            res = pop(round_)
+            late = {int(k): int(res.late_steps[k]) for k in np.flatnonzero(res.late)}  # rank -> its late step
+            self.rounds[rank][round_] = (res.present.copy(), res.rejected.copy(), res.accepted, late)
+            return res
+
+        engine.exchange.pop = pop_and_note
+        for step in range(self.steps):
+            if engine.begin_step():
+                delay = self.delays[rank]
+                time.sleep(delay[step] if isinstance(delay, list) else delay)
+                g = self.gradient(rank, step)
+                self.pushed[rank][step] = g
+                if self.updates:
+                    var.assign_add(g)  # the local optimizer's step: the update is g
+                    engine.sync_step([])
+                    continue
+                (mean,) = engine.sync_step([tf.constant(g)])
+            else:
+                result = engine.skip_step()
+                if self.updates:
+                    continue
+                (mean,) = result
+            self.received[rank][step] = mean.numpy()
+            var.assign_sub(LR * mean)  # the optimizer: plain SGD
+        # as the frontends: one more mean gradient may come (late gradients held at the end)
+        engine.finish(apply_mean=None if self.updates else (lambda mean: var.assign_sub(LR * mean[0])))
+        self.counts[rank], self.weights[rank] = dict(engine.counts), var.numpy()
+        engine.close()
+
+    def run(self, expect_errors=False):
+        _, errors = on_threads([lambda r=r: self._train(r) for r in range(self.size)], JOIN_S)
+        if any(errors):
+            for e in self.engines:  # stop what each engine started, without its collective close
+                if e is not None and e.started:
+                    e.started = False
+                    e.exchange.close(timeout_s=0.5)
+                    e.control.close()
+                    if e._server is not None:
+                        e._server.stop()
+        if expect_errors:
+            return errors
+        for exc in errors:
+            if exc is not None:
+                raise exc
+        return self
+
+    def trace(self, rank):
+        with open(os.path.join(self.trace_dir, f"rank{rank}.jsonl")) as f:
+            return [json.loads(line) for line in f]
+
+
+def check_replicas(job):
+    """Every replica ends finite and identical, and every rank's counts add up."""
+    for k in range(job.size):
+        assert np.all(np.isfinite(job.weights[k])), (k, job.weights[k])
+        np.testing.assert_array_equal(job.weights[k], job.weights[0])
+        c = job.counts[k]
+        assert c["produced"] == c["applied"] + c["compensated"] + c["dropped"] + c["rejected"], (k, c)
+        assert c["rejected"] == sum(r == k for r, _ in job.bad), (k, c)
+
+
+def check_gradient_rounds(job):
+    """Every round's mean, on every rank, is the mean of the contributions its metadata says were
+    present; a rejected rank is not among them (and, for a coordinated round, was taken)."""
+    for r in range(job.steps):
+        present, rejected, accepted, _ = job.rounds[0][r]
+        for k in range(job.size):
+            got_present, got_rejected, *_ = job.rounds[k][r]
+            np.testing.assert_array_equal(got_present, present)
+            np.testing.assert_array_equal(got_rejected, rejected)
+        ranks = np.flatnonzero(present).tolist()
+        for k in np.flatnonzero(rejected).tolist():
+            assert (k, r) in job.bad and k not in ranks, (k, r)
+            if job.policy.coordinated:
+                assert k in accepted, (k, r, accepted)
+        want = np.mean([job.pushed[k][r] for k in ranks], axis=0) if ranks else np.zeros(WIDTH)
+        for k in range(job.size):
+            if r in job.received[k]:
+                np.testing.assert_allclose(job.received[k][r], want, rtol=1e-6, err_msg=f"round {r}, rank {k}")
+    taken = {(k, r) for r in range(job.steps) for k in np.flatnonzero(job.rounds[0][r][1]).tolist()}
+    return taken
+
+
+# ------------------------------------------------------------------ gradient protocol
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf], ids=["nan", "inf", "-inf"])
+def test_bsp_leaves_a_poisoned_gradient_out_and_averages_the_rest(value, tmp_path):
+    job = Job(BSP(), bad={(1, 3): value}, trace_dir=str(tmp_path)).run()
+    check_replicas(job)
+    assert check_gradient_rounds(job) == {(1, 3)}
+    present, rejected, *_ = job.rounds[0][3]
+    assert present.tolist() == [1.0, 0.0, 1.0] and rejected.tolist() == [0.0, 1.0, 0.0]
+    # the mean over the two present ranks, not their sum over three
+    np.testing.assert_allclose(job.received[0][3], (contribution(0, 3) + contribution(2, 3)) / 2, rtol=1e-6)
+    assert job.counts[1] == {
+        "produced": 10,
+        "applied": 9,
+        "compensated": 0,
+        "dropped": 0,
+        "rejected": 1,
+        "skipped": 0,
+    }
+    # the trace names the rank and the step, and the step's record counts it
+    events = [r for r in job.trace(1) if r.get("event") == "rejected"]
+    assert [(e["rank"], e["step"], e["what"], e["tensors"]) for e in events] == [(1, 3, "gradients", [0])]
+    steps = {r["step"]: r for r in job.trace(1) if "step" in r and "event" not in r}
+    assert [s for s, r in steps.items() if r["rejected"]] == [3] and steps[3]["rejected"] == 1
+    assert not [r for r in job.trace(0) if r.get("event") == "rejected"]
+
+
+def test_a_round_whose_every_contribution_was_rejected_moves_no_replica():
+    job = Job(BSP(), size=2, bad={(0, 2): np.nan, (1, 2): np.inf}).run()
+    check_replicas(job)
+    assert job.rounds[0][2][0].tolist() == [0.0, 0.0]
+    for k in range(2):
+        np.testing.assert_array_equal(job.received[k][2], np.zeros(WIDTH))  # the mean of nothing
+
+
+@pytest.mark.parametrize(
+    "policy, bad_rank, taken",
+    [
+        (PSP(min_contributions=2, push_timeout_s=0.0), 0, True),  # ready: enters with its zeros
+        (PSP(min_contributions=2, push_timeout_s=0.0), 2, False),  # the slow rank: rounds close without it
+        (PSP(min_contributions=3), 1, True),  # waits for every rank
+        (BackupWorkers(backups=1), 0, False),  # (among the first two, nearly always)
+        (BackupWorkers(backups=0), 1, True),  # waits for every rank, each entering on its answer
+    ],
+    ids=["psp-fast", "psp-slow", "psp-all", "backup-fast", "backup-0"],
+)
+def test_coordinated_rounds_take_a_rejected_contribution_as_zeros_or_close_without_it(policy, bad_rank, taken):
+    delays = [0.002, 0.004, 0.03]  # rank 2 is slow: PSP and backup workers close rounds without it
+    job = Job(policy, steps=12, delays=delays, bad={(bad_rank, 5): np.nan})
+    if bad_rank == 2:  # it computes only some steps: poison the first it computes from step 4 on
+        job.gradient = _first_computed_from(job, bad_rank, 4)
+    job.run()
+    check_replicas(job)
+    took = check_gradient_rounds(job)  # (a rejected one a round took: in its closing, not in its mean)
+    assert took <= set(job.bad) and len(job.bad) == 1
+    if taken:
+        assert took == set(job.bad), (took, job.bad)
+
+
+def _first_computed_from(job, rank, step):
+    """A ``Job.gradient`` that poisons ``rank``'s first computed step from ``step`` on (and records
+    it in ``job.bad``)."""
+    job.bad.clear()
+    plain = Job.gradient.__get__(job)
+
+    def gradient(k, s):
+        g = plain(k, s)
+        if k == rank and s >= step and not any(b[0] == rank for b in job.bad):
+            job.bad[(k, s)] = np.nan
+            g[1] = np.nan
+        return g
+
+    return gradient
+
+
+def test_every_coordinated_rank_rejected_in_one_round_leaves_zeros_and_the_next_rounds_right():
+    job = Job(PSP(min_contributions=2), size=2, bad={(0, 3): np.nan, (1, 3): np.inf}).run()
+    check_replicas(job)
+    assert check_gradient_rounds(job) == {(0, 3), (1, 3)}
+    np.testing.assert_array_equal(job.received[0][3], np.zeros(WIDTH))
+
+
+# ------------------------------------------------------------------ update protocol
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [SSP(staleness=2), DSSP(low=1, high=3), ElasticBSP(lookahead=3)],
+    ids=["ssp", "dssp", "elasticbsp"],
+)
+@pytest.mark.parametrize("value", [np.nan, np.inf], ids=["nan", "inf"])
+def test_the_update_protocol_takes_a_poisoned_update_back_and_sums_the_rest(policy, value):
+    job = Job(policy, steps=12, bad={(1, 5): value}, delays=[0.001, 0.003, 0.002])
+    if isinstance(policy, ElasticBSP):  # rank 1 may skip step 5: poison the first it computes from 5 on
+        job.gradient = _first_computed_from(job, 1, 5)
+    job.run()
+    check_replicas(job)
+    assert len(job.bad) == 1
+    # every replica holds w̄: the sum of every update pushed but the rejected one, over N
+    want = sum(
+        (g.astype(np.float64) for k in range(job.size) for s, g in job.pushed[k].items() if (k, s) not in job.bad),
+        np.zeros(WIDTH),
+    )
+    np.testing.assert_allclose(job.weights[0], want / job.size, rtol=1e-5)
+    (bad_rank, bad_step) = next(iter(job.bad))
+    present, rejected, *_ = job.rounds[0][bad_step]
+    assert present[bad_rank] == 0.0 and rejected[bad_rank] == 1.0
+
+
+# ------------------------------------------------------------------ DC-S3GD
+
+
+def test_dcs3gd_rejects_an_update_that_is_not_finite_and_moves_that_worker_back_to_the_average():
+    size, steps, bad = 3, 8, (2, 4)
+    cluster = FakeCluster(size, timeout_s=15.0)
+    counts, final, updates = [None] * size, [None] * size, [{} for _ in range(size)]
+
+    def train(rank):
+        engine = SyncEngine("dcs3gd", stragglers=Stragglers(), wait_timeout_s=WAIT_S, cluster=cluster.rank(rank))
+        var = tf.Variable(np.linspace(-1.0, 1.0, WIDTH).astype(np.float32))
+        engine.start([var])
+        for step in range(steps):
+            time.sleep(0.001 * (rank + 1))
+            g = contribution(rank, step) * 0.1 + 0.5 * var.numpy()
+            if (rank, step) == bad:
+                g[2] = np.nan
+            (corrected,) = engine.find(Corrections).correct([tf.constant(g)])
+            before = var.numpy().copy()
+            var.assign_sub(LR * corrected)  # the optimizer: plain SGD
+            updates[rank][step] = var.numpy() - before
+            engine.sync_step([])
+            assert np.all(np.isfinite(var.numpy())), (rank, step)  # never left at a NaN
+        engine.finish()
+        counts[rank], final[rank] = dict(engine.counts), var.numpy()
+        engine.close()
+
+    _, errors = on_threads([lambda r=r: train(r) for r in range(size)], JOIN_S)
+    for exc in errors:
+        if exc is not None:
+            raise exc
+    for k in range(size):
+        assert np.all(np.isfinite(final[k]))
+        np.testing.assert_array_equal(final[k], final[0])
+        c = counts[k]
+        assert c["produced"] == c["applied"] + c["compensated"] + c["dropped"] + c["rejected"] == steps, c
+        assert c["rejected"] == (k == bad[0]), (k, c)
+    # w̄: the initial weights plus each round's mean over the ranks present (round 4 without rank 2)
+    w = np.linspace(-1.0, 1.0, WIDTH).astype(np.float64)
+    for step in range(steps):
+        ranks = [k for k in range(size) if (k, step) != bad]
+        w = w + np.mean([updates[k][step] for k in ranks], axis=0)
+    np.testing.assert_allclose(final[0], w, rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------------ late contributions (compensate=)
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [
+        BackupWorkers(backups=1, compensate=DelayCompensation(lam=0.5)),
+        PSP(min_contributions=2, push_timeout_s=0.0, compensate=DelayCompensation(lam=0.5)),
+    ],
+    ids=["backup", "psp"],
+)
+@pytest.mark.parametrize("held_to_the_end", [False, True], ids=["offered-in-a-step", "in-the-final-round"])
+def test_a_late_gradient_whose_correction_overflows_is_rejected_not_offered(policy, held_to_the_end, tmp_path):
+    # rank 2 is slow at one step, so its gradient misses that round and is corrected
+    # (g + λ·g⊙g⊙Δw) when offered later: at a later step once it has caught up by skipping, or,
+    # for the last step, in the final round.  The gradient is finite but so large that its
+    # correction overflows: it must be rejected, never offered
+    slow, steps = 2, 30
+    late_step = steps - 1 if held_to_the_end else 3
+    delays = [0.003, 0.003, [0.12 if s == late_step else 0.003 for s in range(steps)]]
+    job = Job(policy, steps=steps, delays=delays, trace_dir=str(tmp_path))
+    plain = Job.gradient.__get__(job)
+
+    def gradient(k, s):
+        g = plain(k, s)
+        if (k, s) == (slow, late_step):
+            g[0] = 1e30  # (g⊙g overflows float32)
+        return g
+
+    job.gradient = gradient
+    job.run()
+    assert job.rounds[0][late_step][0][slow] == 0.0, "the slow gradient was taken on time: the test needs it late"
+    for k in range(job.size):
+        assert np.all(np.isfinite(job.weights[k])), (k, job.weights[k])
+        np.testing.assert_array_equal(job.weights[k], job.weights[0])
+        c = job.counts[k]
+        assert c["produced"] == c["applied"] + c["compensated"] + c["dropped"] + c["rejected"], (k, c)
+        assert c["rejected"] == (k == slow), (k, c)
+    (event,) = [r for r in job.trace(slow) if r.get("event") == "rejected"]
+    assert event["rank"] == slow and event["step"] == late_step and event["what"].startswith("late gradient")
+    if held_to_the_end:
+        assert event["offered_at"] == steps, event  # the final round's
+        assert not [r for r in job.trace(slow) if r.get("event") == "final_round"]  # no holder was left
+    else:
+        assert late_step < event["offered_at"] < steps, event
+    # no round took it (the other late gradients, finite, are compensated as usual)
+    assert not any(job.rounds[0][r][3].get(slow) == late_step for r in job.rounds[0]), job.rounds[0]
+
+
+# ------------------------------------------------------------------ on_nonfinite="raise"
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [BSP(), PSP(min_contributions=2, push_timeout_s=0.0), SSP(staleness=1), "dcs3gd"],
+    ids=["bsp", "psp", "ssp", "dcs3gd"],
+)
+def test_raise_stops_every_rank_naming_the_rank_and_the_step(policy):
+    if policy == "dcs3gd":
+        policy = tfsync.DCS3GD()
+        job = _DCRaise(bad=(1, 3))
+    else:
+        job = Job(policy, bad={(1, 3): np.nan}, on_nonfinite="raise")
+    errors = job.run(expect_errors=True)
+    assert isinstance(errors[1], NonFiniteError), errors[1]
+    assert "rank 1's" in str(errors[1]) and "step 3" in str(errors[1]), errors[1]
+    for k in (0, 2):
+        # from the round's metadata, or from rank 1's stop notice where no round took its row
+        assert isinstance(errors[k], NonFiniteError | WorkerLostError), errors[k]
+        assert "rank 1" in str(errors[k]) and "step 3" in str(errors[k]), errors[k]
+    if isinstance(policy, BSP):  # the round completed with rank 1's zeros: every rank read it there
+        assert all(isinstance(e, NonFiniteError) for e in errors)
+
+
+class _DCRaise:
+    """DC-S3GD under ``on_nonfinite="raise"``, rank ``bad[0]``'s gradient NaN at step ``bad[1]``."""
+
+    def __init__(self, bad, size=3, steps=8):
+        self.bad, self.size, self.steps = bad, size, steps
+        self.cluster = FakeCluster(size, timeout_s=15.0)
+        self.engines = [None] * size
+
+    def _train(self, rank):
+        engine = SyncEngine(
+            "dcs3gd",
+            stragglers=Stragglers(),
+            wait_timeout_s=WAIT_S,
+            cluster=self.cluster.rank(rank),
+            on_nonfinite="raise",
+        )
+        self.engines[rank] = engine
+        var = tf.Variable(tf.zeros([WIDTH]))
+        engine.start([var])
+        for step in range(self.steps):
+            g = contribution(rank, step)
+            if (rank, step) == self.bad:
+                g[0] = np.nan
+            (corrected,) = engine.find(Corrections).correct([tf.constant(g)])
+            var.assign_sub(LR * corrected)
+            engine.sync_step([])
+        engine.finish()
+        engine.close()
+
+    run = Job.run
+
+
+# ------------------------------------------------------------------ settings and warnings
+
+
+def test_on_nonfinite_takes_reject_or_raise_and_says_so():
+    with pytest.raises(ValueError, match=r"on_nonfinite='ignore' is not one of \['reject', 'raise'\]"):
+        SyncEngine("bsp", on_nonfinite="ignore")
+    assert SyncEngine("bsp").on_nonfinite == "reject"
+
+
+def test_each_rejection_is_logged_as_a_warning_at_most_once_per_interval(caplog, monkeypatch):
+    monkeypatch.setattr(nonfinite, "WARN_INTERVAL_S", 3600.0)
+    with caplog.at_level(logging.WARNING, logger="tfsync.nonfinite"):
+        job = Job(BSP(), size=2, steps=8, bad={(1, 2): np.nan, (1, 4): np.nan, (1, 5): np.inf}).run()
+    check_replicas(job)
+    warnings = [r.getMessage() for r in caplog.records if r.name == "tfsync.nonfinite"]
+    assert len(warnings) == 1, warnings  # the others within the interval: counted, not logged
+    assert "rank 1 rejected its gradients at step 2" in warnings[0], warnings
+    monkeypatch.setattr(nonfinite, "WARN_INTERVAL_S", 0.0)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="tfsync.nonfinite"):
+        Job(BSP(), size=2, steps=8, bad={(1, 2): np.nan, (1, 4): np.nan}).run()
+    warnings = [r.getMessage() for r in caplog.records if r.name == "tfsync.nonfinite"]
+    assert [("step 2" in w, "step 4" in w) for w in warnings] == [(True, False), (False, True)], warnings

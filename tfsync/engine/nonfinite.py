@@ -1,0 +1,171 @@
+"""Contributions that are not finite: rejected before they reach a round, or the job stopped.
+
+One worker's batch with a NaN in its inputs, or an update that overflowed,
+makes its contribution NaN or infinite; summed into a round, it would make
+every replica's weights NaN.  Each step protocol hands the engine, with its
+contribution, whether each of its tensors is finite, found where the
+contribution is built (:mod:`tfsync.engine.protocols`), and
+:class:`NonFinite`, a component every engine holds, decides with the
+engine's ``on_nonfinite``:
+
+* ``"reject"`` (the default): the contribution is rejected.  The protocol
+  takes back what it already did to this worker's weights (the update
+  protocols apply their own update before the exchange) and zeros go in its
+  place; its row in the round's metadata says ``present`` 0 and ``rejected``
+  1, so the round's mean is over the ranks present
+  (:mod:`tfsync.engine.exchange`) and every replica applies the same finite
+  result.  A round whose every contribution was rejected moves nothing (a
+  mean of nothing: zeros).  It is counted as ``rejected`` (produced = applied
+  + compensated + dropped + rejected), traced (``{"event": "rejected",
+  "rank", "step", ...}``, and the step's record's ``rejected``) and logged as a
+  warning (logger ``tfsync.nonfinite``) at most once per ``WARN_INTERVAL_S``,
+  with the number not logged since the last.
+* ``"raise"``: the job stops with :class:`NonFiniteError` naming the rank and
+  the step.  The contribution is still sent rejected, so its round completes
+  on every rank (a peer waiting inside the collective is not left there);
+  this rank then raises, and every other rank raises the same error when it
+  applies a round whose metadata has a rejected row, or, where no round took
+  the row (a coordinated round that closed without this rank), from the stop
+  notice the control path brings.
+
+A late contribution (``compensate=``, :mod:`tfsync.engine.late`) is checked
+once corrected, before it is offered: one that is not finite is rejected the
+same way and never offered.
+"""
+
+import logging
+import time
+
+import numpy as np
+
+from tfsync.engine.components import StepComponent
+
+ON_NONFINITE = ("reject", "raise")
+WARN_INTERVAL_S = 10.0  # at most one warning per this many seconds per worker; the rest are counted in it
+
+log = logging.getLogger("tfsync.nonfinite")
+
+FIX = (
+    "look for a NaN or an infinity in that batch's inputs or labels, or an update that overflows "
+    "(lower the learning rate, clip gradients)"
+)
+
+
+class NonFiniteError(FloatingPointError):
+    """A worker's contribution was NaN or infinite under ``on_nonfinite="raise"``; the message
+    names the rank and the step."""
+
+
+def check_option(on_nonfinite) -> str:
+    """``on_nonfinite`` checked: ``"reject"`` or ``"raise"``."""
+    if on_nonfinite not in ON_NONFINITE:
+        raise ValueError(
+            f"tfsync: on_nonfinite={on_nonfinite!r} is not one of {list(ON_NONFINITE)}; use 'reject' "
+            f"(the default: a contribution with a NaN or an infinity is left out of its round, counted "
+            f"as tfsync_rejected, and training goes on) or 'raise' (the job stops, naming the rank and step)"
+        )
+    return on_nonfinite
+
+
+class NonFinite(StepComponent):
+    """Rejects this worker's contributions that are not finite, or stops the job (module docstring)."""
+
+    def __init__(self, on_nonfinite="reject"):
+        self.on_nonfinite = check_option(on_nonfinite)
+        self._error = None  # under "raise": this rank's error, raised once its round is pushed
+        self._this_step = 0  # rejected since the last step record
+        self._warned_at = None  # monotonic time of the last warning
+        self._unlogged = 0  # rejections not logged since then
+
+    def screen(self, step: int, payload: list, finite):
+        """``(payload, rejected)`` for this worker's contribution to ``step`` (``finite``: a
+        bool per tensor): a contribution that is not finite is taken back from this worker's
+        weights (``protocol.reject``) and replaced by zeros."""
+        bad = _not_finite(finite)
+        if not bad:
+            return payload, False
+        engine = self.engine
+        what = "gradients" if engine.protocol_cls.reduces_gradients else "update"
+        payload = engine.protocol.reject(payload)
+        self._reject(step, bad, what, {})
+        if self.on_nonfinite == "raise":
+            self._error = self._own_error(step, bad, what)
+        return payload, True
+
+    def pushed(self):
+        """The step's round is pushed: under ``"raise"``, a rejected contribution now stops the job."""
+        error, self._error = self._error, None
+        if error is not None:
+            raise self.engine.stop(error)
+
+    def screen_late(self, stamp: int, offered_at: int, finite) -> bool:
+        """Whether this worker's late contribution computed for step ``stamp``, corrected to be
+        offered at ``offered_at``, is rejected (under ``"raise"``: the job stops)."""
+        bad = _not_finite(finite)
+        if not bad:
+            return False
+        what = "late gradient (corrected for its delay)"
+        self._reject(stamp, bad, what, {"offered_at": offered_at})
+        if self.on_nonfinite == "raise":
+            raise self.engine.stop(self._own_error(stamp, bad, what))
+        return True
+
+    def before_apply(self, res):
+        if self.on_nonfinite != "raise" or res.rejected is None or not res.rejected.any():
+            return
+        ranks = np.flatnonzero(res.rejected).tolist()
+        steps = [int(res.steps[k]) for k in ranks]
+        named = ", ".join(f"rank {k} at step {s}" for k, s in zip(ranks, steps))
+        raise self.engine.stop(
+            NonFiniteError(
+                f"tfsync: the contribution of {named} had a NaN or an infinity (round {res.round}), and "
+                f"on_nonfinite='raise' stops the job; {FIX}, or pass on_nonfinite='reject' to train on "
+                f"without such contributions"
+            )
+        )
+
+    def end_step(self, step, wait_s, skipped):
+        rejected, self._this_step = self._this_step, 0
+        return {"rejected": rejected}
+
+    # ------------------------------------------------------------------ internals
+    def _reject(self, step, bad, what, extra):
+        engine = self.engine
+        engine.tally.add("rejected")
+        self._this_step += 1
+        record = {"event": "rejected", "rank": engine.rank, "step": step, "t": engine.now(), "what": what}
+        engine.trace({**record, "tensors": bad, "shapes": [engine.shapes[i] for i in bad], **extra})
+        now = time.monotonic()
+        if self._warned_at is not None and now - self._warned_at < WARN_INTERVAL_S:
+            self._unlogged += 1
+            return
+        since = f" ({self._unlogged} more since the last warning)" if self._unlogged else ""
+        self._warned_at, self._unlogged = now, 0
+        log.warning(
+            "tfsync: rank %d rejected its %s at step %d: weight tensors %s (of %d) have a NaN or an "
+            "infinity; the round goes on without it%s. If this repeats, %s",
+            engine.rank,
+            what,
+            step,
+            bad,
+            len(engine.shapes),
+            since,
+            FIX,
+        )
+
+    def _own_error(self, step, bad, what):
+        engine = self.engine
+        shapes = [engine.shapes[i] for i in bad]
+        return NonFiniteError(
+            f"tfsync: rank {engine.rank}'s {what} at step {step} had a NaN or an infinity (weight tensors "
+            f"{bad} of {len(engine.shapes)}, shapes {shapes}), and on_nonfinite='raise' stops the job; {FIX}, "
+            f"or pass on_nonfinite='reject' to train on without such contributions"
+        )
+
+
+def _not_finite(finite) -> list:
+    """The indices of the tensors that are not finite (``finite``: a bool tensor or array)."""
+    finite = np.asarray(finite)
+    if finite.all():
+        return []
+    return np.flatnonzero(~finite).tolist()
