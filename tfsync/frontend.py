@@ -19,7 +19,7 @@ import os
 import numpy as np
 import tensorflow as tf
 
-from tfsync.engine import SyncEngine, lifecycle, protocols
+from tfsync.engine import SyncEngine, lifecycle, nonfinite, protocols
 from tfsync.engine.cluster import HorovodCluster, run_bounded
 
 
@@ -31,14 +31,19 @@ class Frontend:
             to :meth:`start`).
         stragglers, trace_dir, wait_timeout_s: the engine's settings, checked now
             (:func:`tfsync.engine.lifecycle.settings`).
+        on_nonfinite: ``"reject"`` (default) or ``"raise"``: what the engine does with a
+            contribution that has a NaN or an infinity (:mod:`tfsync.engine.nonfinite`), checked now.
         cluster: the job's ranks; default ``None``: Horovod's
             (:class:`~tfsync.engine.cluster.HorovodCluster`, built at first use, which checks
             that Horovod is initialized and the process was launched by ``horovodrun``).
     """
 
-    def __init__(self, policy, *, stragglers=None, trace_dir=None, wait_timeout_s=None, cluster=None):
+    def __init__(
+        self, policy, *, stragglers=None, trace_dir=None, wait_timeout_s=None, cluster=None, on_nonfinite="reject"
+    ):
         self.policy = policy
         self.settings = lifecycle.settings(stragglers=stragglers, trace_dir=trace_dir, wait_timeout_s=wait_timeout_s)
+        self.settings["on_nonfinite"] = nonfinite.check_option(on_nonfinite)
         self._cluster = cluster
         self.engine = None
 

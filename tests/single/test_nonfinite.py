@@ -457,3 +457,60 @@ def test_each_rejection_is_logged_as_a_warning_at_most_once_per_interval(caplog,
         Job(BSP(), size=2, steps=8, bad={(1, 2): np.nan, (1, 4): np.nan}).run()
     warnings = [r.getMessage() for r in caplog.records if r.name == "tfsync.nonfinite"]
     assert [("step 2" in w, "step 4" in w) for w in warnings] == [(True, False), (False, True)], warnings
+
+
+# ------------------------------------------------------------------ through SyncCallback and model.fit
+
+
+def _fit_with_a_poisoned_batch(mode, on_nonfinite, size=2, steps=6, bad=(1, 2)):
+    """Each rank fits a small regression with ``SyncCallback(mode, on_nonfinite=...)`` on the fake
+    cluster; rank ``bad[0]``'s batch ``bad[1]`` has a NaN input.  ``(results, errors)`` per rank,
+    a result being ``(weights, counts, history)``."""
+    fake = FakeCluster(size, timeout_s=60)
+
+    def fit(rank):
+        import keras
+
+        rng = np.random.default_rng(rank)
+        x = rng.normal(size=(4 * steps, 3)).astype(np.float32)
+        y = x @ np.array([[1.0], [-2.0], [0.5]], np.float32)
+        if rank == bad[0]:
+            x[4 * bad[1], 1] = np.nan
+        keras.utils.set_random_seed(0)  # (the same initial weights; the callback broadcasts rank 0's anyway)
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4), keras.layers.Dense(1)])
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+        sync = tfsync.keras.SyncCallback(mode, cluster=fake.rank(rank), wait_timeout_s=30, on_nonfinite=on_nonfinite)
+        history = model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0, callbacks=[sync])
+        return model.get_weights(), sync.counts, history.history
+
+    return on_threads([lambda r=r: fit(r) for r in range(size)], 120.0)
+
+
+@pytest.mark.parametrize("mode", ["bsp", "psp", "ssp", "dcs3gd"])
+def test_sync_callback_rejects_a_nan_batch_and_logs_it(mode):
+    results, errors = _fit_with_a_poisoned_batch(mode, "reject")
+    assert not any(errors), errors
+    weights = [w for w, _, _ in results]
+    for w in weights:
+        for a, b in zip(w, weights[0]):
+            assert np.all(np.isfinite(a))
+            np.testing.assert_array_equal(a, b)
+    for rank, (_, counts, history) in enumerate(results):
+        assert counts["rejected"] == (rank == 1), (rank, counts)
+        c = counts
+        assert c["produced"] == c["applied"] + c["compensated"] + c["dropped"] + c["rejected"], c
+        assert history["tfsync_rejected"] == [0.5]  # the epoch logs, averaged over the two ranks
+
+
+def test_sync_callback_with_raise_stops_every_rank_naming_the_rank_and_step():
+    _, errors = _fit_with_a_poisoned_batch("bsp", "raise")
+    for e in errors:
+        assert isinstance(e, NonFiniteError), errors
+        assert "rank 1" in str(e) and "step 2" in str(e), e
+
+
+def test_the_frontends_check_on_nonfinite_when_they_are_built():
+    with pytest.raises(ValueError, match="on_nonfinite='skip' is not one of"):
+        tfsync.keras.SyncCallback("bsp", on_nonfinite="skip")
+    with pytest.raises(ValueError, match="on_nonfinite='skip' is not one of"):
+        tfsync.distribute.SyncStrategy("bsp", on_nonfinite="skip", cluster=FakeCluster(1).rank(0))

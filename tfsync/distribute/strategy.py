@@ -59,6 +59,9 @@ class SyncStrategy(tf.distribute.OneDeviceStrategy):
         wait_timeout_s: bound on one wait for peers (default 120 s).
         device: local device (default: ``/gpu:<local_rank>`` if GPUs exist, else ``/cpu:0``).
         cluster: the job's ranks (:mod:`tfsync.engine.cluster`); default: Horovod's.
+        on_nonfinite: ``"reject"`` (default): a worker's contribution with a NaN or an infinity
+            goes into no round (counted as ``rejected`` in ``engine.counts``); ``"raise"``: the
+            job stops with ``tfsync.engine.NonFiniteError`` naming the rank and the step.
 
     Example::
 
@@ -71,7 +74,17 @@ class SyncStrategy(tf.distribute.OneDeviceStrategy):
         strategy.finish()
     """
 
-    def __init__(self, mode="bsp", *, stragglers=None, trace_dir=None, wait_timeout_s=None, device=None, cluster=None):
+    def __init__(
+        self,
+        mode="bsp",
+        *,
+        stragglers=None,
+        trace_dir=None,
+        wait_timeout_s=None,
+        device=None,
+        cluster=None,
+        on_nonfinite="reject",
+    ):
         policy = resolve(mode)
         if policy.pulls_partially:
             raise ValueError(
@@ -81,7 +94,12 @@ class SyncStrategy(tf.distribute.OneDeviceStrategy):
                 f"with model.fit, or pull_fraction=1.0 here"
             )
         frontend = Frontend(
-            policy, stragglers=stragglers, trace_dir=trace_dir, wait_timeout_s=wait_timeout_s, cluster=cluster
+            policy,
+            stragglers=stragglers,
+            trace_dir=trace_dir,
+            wait_timeout_s=wait_timeout_s,
+            cluster=cluster,
+            on_nonfinite=on_nonfinite,
         )
         local_rank = frontend.cluster.local_rank()  # (Horovod's checks, now rather than at the first step)
         if device is None:

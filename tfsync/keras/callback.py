@@ -72,12 +72,17 @@ class SyncCallback(keras.callbacks.Callback):
         cluster: the job's ranks (:mod:`tfsync.engine.cluster`); default: Horovod's.  Every
             collective of the callback and its engine goes through it; the single-process
             tests pass ranks on threads of one process.
+        on_nonfinite: ``"reject"`` (default): a worker's contribution with a NaN or an
+            infinity goes into no round (every replica applies the others' mean; counted as
+            ``tfsync_rejected``); ``"raise"``: the job stops with
+            ``tfsync.engine.NonFiniteError`` naming the rank and the step.
 
     Logs added: per batch ``tfsync_wait_s``, ``tfsync_staleness``; per epoch
     ``tfsync_wait_fraction`` and this worker's contributions: ``tfsync_produced``
     = ``tfsync_applied`` + ``tfsync_compensated`` (applied after a delay
     compensation, DC-S3GD) + ``tfsync_dropped`` (the last epoch's counts include
-    the contributions drained at its end), and ``tfsync_skipped`` steps (PSP,
+    the contributions drained at its end) + ``tfsync_rejected`` (a NaN or an
+    infinity: left out of its round), and ``tfsync_skipped`` steps (PSP,
     backup workers: steps whose round closed before this worker computed it).
     With PSP's partial pulling also ``tfsync_blocks``, ``tfsync_late_blocks``
     and ``tfsync_delayed_blocks`` (since ``fit`` began).
@@ -101,6 +106,7 @@ class SyncCallback(keras.callbacks.Callback):
         average_epoch_logs=True,
         average_statistics=True,
         cluster=None,
+        on_nonfinite="reject",
     ):
         super().__init__()
         mode = resolve_mode(mode)
@@ -110,7 +116,12 @@ class SyncCallback(keras.callbacks.Callback):
         self.auto = mode if isinstance(mode, Auto) else None
         self.policy = mode.initial if self.auto else mode
         self._frontend = Frontend(
-            self.policy, stragglers=stragglers, trace_dir=trace_dir, wait_timeout_s=wait_timeout_s, cluster=cluster
+            self.policy,
+            stragglers=stragglers,
+            trace_dir=trace_dir,
+            wait_timeout_s=wait_timeout_s,
+            cluster=cluster,
+            on_nonfinite=on_nonfinite,
         )
         self.average_epoch_logs = average_epoch_logs
         self.average_statistics = average_statistics
