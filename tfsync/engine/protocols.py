@@ -34,10 +34,10 @@ copies.
 Every contribution comes with whether each of its tensors is finite
 (``contribution`` returns ``(payload, finite)``), found where the payload is
 built: the update protocol's push kernel says it from the pass that computes
-the share, a late gradient's correction and DC-S3GD's update are checked in
-the compiled function that builds them, and the gradient protocol, whose
-payload is the train step's own gradients, checks them with one read-only
-pass (:func:`tfsync.ops.all_finite`).  The engine rejects a contribution that
+the share; the gradient protocol, whose payload is the train step's own
+gradients, checks them with one read-only pass (:func:`tfsync.ops.all_finite`),
+and so do a late gradient's correction and DC-S3GD's update, inside the
+compiled function that computes them.  The engine rejects a contribution that
 is not finite (:mod:`tfsync.engine.nonfinite`): it sends :meth:`reject`'s
 zeros instead, and :meth:`reject` first takes back what the contribution
 already did to this worker's weights (the update protocols apply their own
