@@ -11,11 +11,17 @@ through its cluster (:mod:`tfsync.engine.cluster`; Horovod in production,
 in-process ranks in the single-process tests), in the same order on every rank,
 and each is bounded by the wait bound (:func:`tfsync.engine.cluster.run_bounded`),
 engine running or not: a rank that does not come stops every rank with an error
-that names the collective and the ranks that had not reached it.
+that names the collective and the ranks that had not reached it.  Before rank
+0's variables are broadcast, each frontend compares every rank's mode, model
+and optimizer (:func:`fingerprint`, :meth:`Frontend.agree`): a broadcast
+needs the same variables on every rank, and a rank that built another model
+must not train on silently.
 """
 
+import numbers
 import os
 
+import keras
 import numpy as np
 import tensorflow as tf
 
@@ -93,6 +99,15 @@ class Frontend:
         values = tf.constant(np.asarray(values, np.float64))
         return self.collective(lambda: self.cluster.average([values], name)[0].numpy(), name, purpose)
 
+    def agree(self, config, name, purpose, what, fix):
+        """Check that every rank's ``config`` (plain data) is rank 0's (collective): raise
+        ``ValueError`` naming the ranks that differ and the first difference
+        (:func:`tfsync.engine.lifecycle.check_agreement`); ``what`` the configs hold and how
+        to ``fix`` a difference, in words.  Returns every rank's config."""
+        configs = self.allgather(config, name, purpose)
+        lifecycle.check_agreement(configs, what, fix)
+        return configs
+
     def broadcast_variables(self, variables, name, purpose):
         """Set ``variables`` to rank 0's values on every rank, in place (collective)."""
         return self.collective(lambda: self.cluster.broadcast_variables(list(variables), 0, name), name, purpose)
@@ -110,3 +125,83 @@ class Frontend:
                 self.finish(apply_mean)
         finally:
             self.engine.close()
+
+
+# What a frontend's start check compares across ranks (Frontend.agree), before rank 0's
+# variables are broadcast over every rank's: a broadcast needs the same variables everywhere,
+# and a rank that builds another model or optimizer must not train silently on rank 0's weights.
+FINGERPRINT_FIX = (
+    "launch the same script with the same arguments on every rank, building the same model and "
+    "optimizer in the same order (Keras numbers the layers it names per process)"
+)
+
+
+def fingerprint(variables, optimizer=None, model=None) -> dict:
+    """What every rank must have in common to train one model, as plain data: each variable's
+    path, dtype, shape and trainability, in order (a path holds its layers' names); the
+    classes of ``model``'s layers, in order (which catches layers without variables, such as
+    ``Dropout``, and layers of another kind with variables of the same shapes); and the
+    optimizer's class and configuration (:func:`optimizer_fingerprint`).  A layer's own
+    arguments (an activation, an initializer's seed) are not compared."""
+    described = {
+        "variables": [
+            {
+                "path": _path(v),
+                "dtype": tf.as_dtype(v.dtype).name,
+                "shape": [int(d) if d is not None else None for d in v.shape],
+                "trainable": getattr(v, "trainable", None),
+            }
+            for v in variables
+        ]
+    }
+    if model is not None:
+        flatten = getattr(model, "_flatten_layers", None)  # (every nested layer; Keras' own walk)
+        layers = list(flatten(include_self=False)) if flatten is not None else list(model.layers)
+        described["layers"] = [f"{type(layer).__module__}.{type(layer).__qualname__}" for layer in layers]
+    if optimizer is not None:
+        described["optimizer"] = optimizer_fingerprint(optimizer)
+    return described
+
+
+def _path(variable):
+    """A variable's name in its model (Keras' ``path``, a ``tf.Variable``'s ``name``); None for
+    a tensor (a custom loop's gradients: only their dtypes and shapes are compared)."""
+    if isinstance(variable, keras.Variable):
+        return variable.path
+    return variable.name if isinstance(variable, tf.Variable) else None
+
+
+def optimizer_fingerprint(optimizer) -> dict:
+    """An optimizer's class and ``get_config()``, strict but comparable across processes.
+
+    Left out: ``name`` (Keras numbers unnamed optimizers per process) and a learning rate
+    held in a variable, which is state like the slots (broadcast with the optimizer's
+    variables; callbacks such as ``ReduceLROnPlateau`` change it); a learning-rate schedule is
+    configuration and stays.  A ``LossScaleOptimizer``'s inner optimizer is described the same
+    way.  Values that are not plain data are described by their type, never by ``repr`` (which
+    may hold a memory address)."""
+    cls = type(optimizer)
+    try:
+        config = dict(optimizer.get_config())
+    except (NotImplementedError, TypeError, ValueError):  # a custom optimizer without a config
+        config = {}
+    config.pop("name", None)
+    if isinstance(getattr(optimizer, "_learning_rate", None), tf.Variable | keras.Variable):
+        config.pop("learning_rate", None)
+    inner = getattr(optimizer, "inner_optimizer", None)
+    if inner is not None:
+        config["inner_optimizer"] = optimizer_fingerprint(inner)
+    return {"class": f"{cls.__module__}.{cls.__qualname__}", "config": _plain(config)}
+
+
+def _plain(value):
+    """``value`` as plain data (what an allgather can pickle and ``==`` compare across processes)."""
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    if value is None or isinstance(value, str | bool):
+        return value
+    if isinstance(value, numbers.Number):
+        return value.item() if isinstance(value, np.generic) else value
+    return f"<{type(value).__module__}.{type(value).__qualname__}>"

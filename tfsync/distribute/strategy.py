@@ -5,7 +5,10 @@ its local rank when there are GPUs, as Horovod's examples pin them, else the
 CPU), so Keras 3 sees and uses a real strategy.  Across processes:
 
 * variables created in its scope start from rank 0's initial values (one
-  broadcast per variable at creation);
+  broadcast per variable at creation); before the engine starts on a Keras
+  model, every rank's mode, model and optimizer are compared, and the
+  model's and the optimizer's variables are broadcast from rank 0 once more
+  (a checkpoint loaded on one rank since creation);
 * the gradient all-reduce Keras issues inside every train step
   (``ReplicaContext.all_reduce``) becomes the engine's exchange: with the
   gradient protocol (BSP) it returns the workers' mean gradient; with the
@@ -43,8 +46,17 @@ import tensorflow as tf
 from tensorflow.python.distribute import one_device_strategy
 
 from tfsync.engine.protocols import tf_variable
-from tfsync.engine.tf_bridge import after_optimizer, before_optimizer, finish_in_graph, skippable_train_step
-from tfsync.frontend import Frontend
+from tfsync.engine.tf_bridge import (
+    LossScaling,
+    after_optimizer,
+    before_optimizer,
+    check_accumulation,
+    finish_in_graph,
+    is_loss_scaled,
+    skippable_train_step,
+    static_loss_scale,
+)
+from tfsync.frontend import FINGERPRINT_FIX, Frontend, fingerprint
 from tfsync.policies import resolve
 
 
@@ -62,6 +74,25 @@ class SyncStrategy(tf.distribute.OneDeviceStrategy):
         on_nonfinite: ``"reject"`` (default): a worker's contribution with a NaN or an infinity
             goes into no round (counted as ``rejected`` in ``engine.counts``); ``"raise"``: the
             job stops with ``tfsync.engine.NonFiniteError`` naming the rank and the step.
+
+    Before the first train step of a Keras model runs, every rank's mode, model (each
+    variable's path, dtype, shape and trainability; the layers' classes) and optimizer
+    (class and ``get_config()``; a learning rate held in a variable is state, not compared)
+    are compared, and a difference stops every rank naming the first one; then every
+    variable of the model and of its optimizer (iterations, slots, learning rate, a loss
+    scale) is set to rank 0's.  A variable created in the scope with another dtype or shape
+    than rank 0's is refused when it is created.
+
+    Synchronized: every update through the model optimizer's ``apply`` or ``apply_gradients``
+    (both reach the optimizer's gradient all-reduce and ``extended.update``, the strategy's
+    hooks), from Keras' own ``train_step`` or a custom one; mixed precision's
+    ``LossScaleOptimizer`` (its ``apply`` is hooked under a gradient-exchanging mode and
+    DC-S3GD, so every rank skips the steps whose gradients overflowed on any rank);
+    ``gradient_accumulation_steps`` under BSP (the accumulated gradient is all-reduced at
+    each update step).  Refused before the first step, saying why and what to do instead: a
+    ``train_step`` that does not all-reduce its gradients through the optimizer exactly once
+    (another optimizer, or ``assign_sub``, would train each worker alone); gradient
+    accumulation under any other mode.
 
     Example::
 
@@ -134,6 +165,9 @@ class _SyncExtended(one_device_strategy.OneDeviceExtended):
         self._variables = None
         self._var_count = 0
         self._local = threading.local()
+        self._model = None  # the Keras model whose train step this strategy traced, if any
+        self._prepared = None  # the optimizer _prepare checked (and hooked)
+        self._scaling = None  # LossScaling of a hooked LossScaleOptimizer (_hook_loss_scaling)
 
     # One replica per process: the dataset feeds the step as it does without a strategy (what
     # TF's default strategy does).  OneDeviceStrategy's distributed dataset builds a new
@@ -165,42 +199,142 @@ class _SyncExtended(one_device_strategy.OneDeviceExtended):
             value = tf.convert_to_tensor(initial)
             cluster = self._frontend.cluster
             # (bounded; while training, on the exchange thread after the queued rounds)
-            kwargs["initial_value"] = self._frontend.collective(
+            received = self._frontend.collective(
                 lambda: cluster.broadcast(value, 0, name),
                 name,
                 "rank 0's initial value of a variable created in SyncStrategy's scope (every rank "
                 "creates its variables in the same order)",
             )
+            if received.dtype != value.dtype or received.shape != value.shape:
+                raise ValueError(
+                    f"tfsync.SyncStrategy: rank {cluster.rank()} creates its variable #{self._var_count - 1} "
+                    f"({kwargs.get('name')}) as {value.dtype.name} {value.shape.as_list()}, rank 0 as "
+                    f"{received.dtype.name} {received.shape.as_list()}. Every worker must create the same "
+                    f"variables in the same order: {FINGERPRINT_FIX}"
+                )
+            kwargs["initial_value"] = received
         return super()._create_variable(next_creator, **kwargs)
 
     # strategy.run: one traced train, test or predict step (Keras passes its
     # bound train_step / test_step / predict_step).
     def _call_for_each_replica(self, fn, args, kwargs):
         state = self._local
-        state.updates = []
-        state.training = False
-        state.exchanged = False
         if not state.__dict__.get("in_step"):
+            state.updates = []
+            state.training = False
+            state.exchanged = False
+            state.reductions = 0  # gradient all-reduces (optimizer applies) in this step
             state.in_step = True
             step_kind = getattr(fn, "__name__", "")
             try:
+                model = self._keras_model(fn) if step_kind == "train_step" else None
+                if model is not None:
+                    self._prepare(model)
+                    if self._engine is None:
+                        self._start_model(model)
                 flush = [] if step_kind == "train_step" else self._flush_before_non_training_step()
                 if step_kind == "train_step" and self._engine is None and self._starts_from_variables:
                     # gradients are corrected against the weights: start from the model's
                     # variables, before the step (and its branches) are traced
                     self._variables = list(self._model_of(fn).trainable_variables)
-                    self._start(self._variables)
+                    self._start(self._engine_tensors(self._variables))
                 if step_kind == "train_step" and self._policy.skips:
                     fn = self._skippable(fn)
                 with tf.control_dependencies(flush):
                     out = super()._call_for_each_replica(fn, args, kwargs)
+                if model is not None and state.reductions != 1:
+                    self._refuse_step(model, state.reductions)
                 if state.training and not self._reduces_gradients and not state.__dict__.get("exchanged"):
                     self._ensure_started(state.updates)
                     after_optimizer(self._protocol, self._engine, self._variables)
             finally:
                 state.in_step = False
             return out
+        # a nested call (a LossScaleOptimizer's merge_call): the step's state stays
         return super()._call_for_each_replica(fn, args, kwargs)
+
+    def _keras_model(self, train_step):
+        """The Keras model whose bound ``train_step`` this is, or None (a custom loop's function)."""
+        model = getattr(inspect.unwrap(train_step), "__self__", None)
+        return model if model is not None and hasattr(model, "get_metrics_result") else None
+
+    def _prepare(self, model):
+        """Before a Keras model's train step is traced: refuse an optimizer path this mode cannot
+        synchronize (gradient accumulation but under BSP), and hook a ``LossScaleOptimizer``
+        under a gradient protocol or DC-S3GD (:meth:`_hook_loss_scaling`)."""
+        self._model = model
+        optimizer = getattr(model, "optimizer", None)
+        if optimizer is None or optimizer is self._prepared:
+            return
+        check_accumulation(
+            optimizer,
+            self._policy,
+            lambda p: self._reduces_gradients and not p.skips,
+            "tfsync.SyncStrategy",
+            "Keras' optimizer all-reduces the accumulated gradients only at those steps, which BSP's "
+            "rounds follow, but a mode that skips steps or exchanges updates counts every step. Use "
+            "mode='bsp', or tfsync.keras.SyncCallback, which synchronizes accumulation under 'bsp', "
+            "'psp' and 'backup'",
+        )
+        if is_loss_scaled(optimizer) and (self._reduces_gradients or self._protocol.corrects_gradients):
+            self._hook_loss_scaling(optimizer)
+        self._prepared = optimizer
+
+    def _hook_loss_scaling(self, optimizer):
+        """Exchange before a ``LossScaleOptimizer`` decides whether to skip the step.
+
+        Its ``apply`` checks this worker's gradients for overflow and all-reduces them only
+        when they are finite, so ranks that decide differently would exchange in different
+        steps, and it all-reduces them unscaled only then.  Under a gradient protocol its
+        ``apply`` is hooked instead: the round's mean and the ranks' overflow flag
+        (:class:`~tfsync.engine.tf_bridge.LossScaling`) go to it, and its own all-reduce
+        passes them through, so every rank decides alike; under DC-S3GD the same hook
+        corrects the unscaled gradient.  (Update protocols need no hook: a skipped step
+        pushes no update.)
+        """
+        original = type(optimizer).apply.__get__(optimizer)
+        scaling = self._scaling = LossScaling(optimizer)
+        state = self._local
+
+        def apply(grads, trainable_variables=None):
+            if not state.__dict__.get("in_step") or state.__dict__.get("skipping"):
+                return original(grads, trainable_variables)
+            grads = list(grads)
+            variables = list(trainable_variables if trainable_variables is not None else optimizer._trainable_variables)
+            state.training = True
+            state.reductions += 1
+            if self._engine is None:
+                self._start(self._engine_tensors(variables))
+            to_apply = scaling.before_optimizer(self._protocol, self._engine, grads)
+            state.skipping = True  # the optimizer's all-reduce must not exchange the mean again
+            try:
+                return original(to_apply, variables)
+            finally:
+                state.skipping = False
+
+        optimizer.apply = apply
+
+    def _engine_tensors(self, tensors):
+        """What the engine exchanges for ``tensors``: with a hooked ``LossScaleOptimizer``, the
+        overflow flag too."""
+        return self._scaling.engine_tensors(tensors, self._protocol) if self._scaling is not None else list(tensors)
+
+    def _refuse_step(self, model, reductions):
+        if self._engine is not None:  # (started by the step's first all-reduce; fit raises now)
+            self._engine.abandon()
+        raise ValueError(
+            f"tfsync.SyncStrategy: the train step of {type(model).__name__} all-reduced gradients "
+            f"through model.optimizer {reductions} times; tfsync synchronizes the weights at that "
+            f"all-reduce, once per step, so "
+            + (
+                "a step that updates them some other way (another optimizer, assign_sub) would train "
+                "each worker alone"
+                if reductions == 0
+                else "every call after the first would exchange again"
+            )
+            + ". Compute the step's gradients of model.trainable_variables and call "
+            "self.optimizer.apply(grads, self.trainable_variables) (or apply_gradients) once"
+        )
 
     # ReplicaContext.all_reduce -> the optimizer's gradient all-reduce.
     def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
@@ -213,6 +347,7 @@ class _SyncExtended(one_device_strategy.OneDeviceExtended):
         ):
             return super()._batch_reduce_to(reduce_op, value_destination_pairs, options)
         state.training = True
+        state.reductions = state.__dict__.get("reductions", 0) + 1
         if self._reduces_gradients and self._engine is None:
             self._start(values)
         # (an update protocol's engine starts after the step, on the variables it updated)
@@ -241,6 +376,10 @@ class _SyncExtended(one_device_strategy.OneDeviceExtended):
         state = self._local
 
         def apply_mean(mean):
+            if self._scaling is not None:  # (the round's overflow flag decides the optimizer's skip)
+                mean = self._scaling.round_for_optimizer(list(mean))
+            elif static_loss_scale(model.optimizer) is not None:  # (the optimizer divides the true mean)
+                mean = [m * tf.cast(static_loss_scale(model.optimizer), m.dtype) for m in mean]
             state.skipping = True  # the optimizer must not exchange the mean again
             try:
                 return model.optimizer.apply_gradients(zip(mean, model.trainable_variables))
@@ -265,9 +404,42 @@ class _SyncExtended(one_device_strategy.OneDeviceExtended):
 
     # ------------------------------------------------------------------ engine
     def _start(self, tensors):
-        """Start the engine while the first train step is traced (collective)."""
+        """Start the engine while the first train step is traced (collective).  A custom
+        loop's step (no Keras model: :meth:`_prepare` compared none) first compares every
+        rank's mode and the exchanged tensors' dtypes and shapes."""
         with tf.init_scope():
+            if self._model is None:
+                self._agree(fingerprint(tensors))
             self._frontend.start(tensors)
+
+    def _agree(self, described):
+        """Compare every rank's mode and ``described`` (:func:`tfsync.frontend.fingerprint`) with
+        rank 0's (collective): a mismatch raises naming the ranks and the first difference."""
+        self._frontend.agree(
+            {"mode": self._policy.config(), **described},
+            "tfsync.model",
+            "every rank's mode, model variables and optimizer, gathered before the engine starts",
+            "mode, model and optimizer",
+            FINGERPRINT_FIX,
+        )
+
+    def _start_model(self, model):
+        """Before the engine starts on ``model``'s train step: compare every rank's mode, model
+        and optimizer, and set every variable training reads, the optimizer's included, to rank
+        0's (collective).  Variables created in the strategy's scope start as rank 0's already,
+        but a checkpoint loaded on one rank since would otherwise train on.  (Here, before the
+        step is traced: inside the optimizer's all-reduce, which has a custom gradient,
+        TensorFlow refuses functions that read variables.)"""
+        optimizer = getattr(model, "optimizer", None)
+        with tf.init_scope():
+            if optimizer is not None and not optimizer.built:
+                optimizer.build(model.trainable_variables)
+            self._agree(fingerprint(model.variables, optimizer, model))
+            self._frontend.broadcast_variables(
+                model.variables + list(optimizer.variables if optimizer is not None else []),
+                "tfsync.weights",
+                "rank 0's weights and optimizer state, broadcast to every rank before the engine starts",
+            )
 
     def _ensure_started(self, variables):
         if self._engine is None:

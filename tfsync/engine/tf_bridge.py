@@ -5,7 +5,9 @@ Both call the engine from *inside* the compiled train step with one
 tensors themselves (eager tensors over the same buffers, on the same device),
 not NumPy copies as ``tf.numpy_function`` would, so the payload goes from the
 gradient to Horovod's allreduce and back to the optimizer without leaving
-TensorFlow.
+TensorFlow.  The frontends hook the Keras optimizer's ``apply`` (the callback)
+or its all-reduce (the strategy); what a ``LossScaleOptimizer``, a fixed loss
+scale and gradient accumulation need there is here too.
 """
 
 import tensorflow as tf
@@ -115,6 +117,121 @@ class OptimizerBlocks:
 
     def settle(self, rounds):
         self._iterations.assign(self._base + rounds)
+
+
+def is_loss_scaled(optimizer) -> bool:
+    """Whether ``optimizer`` is Keras' ``LossScaleOptimizer`` (mixed precision): it wraps the
+    optimizer that updates the weights, checks every step's gradients for overflow, and skips
+    the step (halving its loss scale) when one is not finite."""
+    return hasattr(optimizer, "inner_optimizer") and hasattr(optimizer, "check_finite")
+
+
+def accumulation_steps(optimizer):
+    """The ``gradient_accumulation_steps`` of the optimizer that updates the weights (a
+    ``LossScaleOptimizer``'s inner one), or None."""
+    return getattr(getattr(optimizer, "inner_optimizer", optimizer), "gradient_accumulation_steps", None) or None
+
+
+def static_loss_scale(optimizer):
+    """A Keras optimizer's fixed loss scale (``loss_scale_factor``: the loss is multiplied by it,
+    and ``apply`` divides the gradients by it), or None."""
+    return getattr(optimizer, "loss_scale_factor", None) or None
+
+
+def before_optimizer_unscaled(factor, protocol, engine, grads):
+    """:func:`before_optimizer` on the true gradients of an optimizer with the fixed loss scale
+    ``factor``: they are divided by it first, and what the optimizer applies is multiplied by it
+    again (``apply`` divides).  A round's mean is linear in the gradients, but the corrections
+    (DC-S3GD's, a late gradient's) are not: on scaled gradients they would be ``factor`` times
+    too strong."""
+    if not (protocol.reduces_gradients or protocol.corrects_gradients):
+        return grads
+    grads = [None if g is None else tf.convert_to_tensor(g) / tf.cast(factor, g.dtype) for g in grads]
+    return [g * tf.cast(factor, g.dtype) for g in before_optimizer(protocol, engine, grads)]
+
+
+class LossScaling:
+    """The frontends' hook on a ``LossScaleOptimizer``'s ``apply`` (:func:`is_loss_scaled`).
+
+    Its gradients arrive scaled by the loss scale, and a step whose gradients
+    overflowed is skipped.  What each step protocol needs:
+
+    * gradient protocol: every rank must skip the same steps, or the replicas'
+      weights, slots and loss scales part.  This rank's gradients are pushed
+      unscaled (a late gradient then adds correctly to a round of another
+      scale) with one more float, 1 when they overflowed (sent as zeros, so no
+      inf or NaN crosses the wire); the round's mean goes back to the
+      optimizer scaled again, or as NaN when any rank's overflowed, and every
+      rank's ``LossScaleOptimizer`` skips that step and halves its scale, as one
+      optimizer on all the gradients would;
+    * DC-S3GD: the correction (``g + λ·g⊙g⊙Δw``) is not linear in ``g``, so it is
+      applied to the unscaled gradient; an overflowed one is corrected as zeros
+      (it must not reach the correction's state) and handed back as NaN;
+    * update protocols: the optimizer's own decision stands (a skipped step
+      pushes no update); each worker's loss scale follows its own gradients,
+      as its slots do.
+
+    A loss scale that is a power of two (Keras' default, and every doubling or
+    halving of it) makes unscaling and scaling again exact.
+    """
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+        self._flag = None
+
+    def engine_tensors(self, tensors, protocol):
+        """What the engine exchanges for ``tensors`` (the trainable variables): the gradient
+        protocol adds the overflow flag, a scalar variable (a protocol that corrects late
+        gradients reads it as a weight; it never changes)."""
+        if not protocol.reduces_gradients:
+            return list(tensors)
+        if self._flag is None:
+            with tf.init_scope():
+                self._flag = tf.Variable(0.0, trainable=False, name="tfsync_overflowed")
+        return [*tensors, self._flag]
+
+    def _scale(self, dtype):
+        return tf.cast(self.optimizer.dynamic_scale, dtype)
+
+    def before_optimizer(self, protocol, engine, grads):
+        """What the ``LossScaleOptimizer`` applies this step (see the class docstring)."""
+        if not (protocol.reduces_gradients or protocol.corrects_gradients):
+            return grads
+        if protocol.reduces_gradients:  # (the flag's spec is left out: zip stops at the gradients)
+            grads = _dense(grads, _getter(engine)().protocol)
+        else:
+            grads = [tf.convert_to_tensor(g) for g in grads]
+        finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in grads])
+        safe = [tf.where(finite, g / self._scale(g.dtype), tf.zeros_like(g)) for g in grads]
+        if protocol.reduces_gradients:
+            out = exchange_gradients(engine, [*safe, tf.cast(tf.logical_not(finite), self._flag.dtype)])
+            return self.round_for_optimizer(out)
+        return self._for_optimizer(correct_gradients(_getter(engine)(), safe), tf.logical_not(finite))
+
+    def round_for_optimizer(self, mean):
+        """A gradient protocol's round (the mean gradients and the overflow flag's mean), as the
+        ``LossScaleOptimizer`` takes it: scaled, or NaN when a rank's gradients overflowed."""
+        return self._for_optimizer(mean[:-1], mean[-1] > 0)
+
+    def _for_optimizer(self, grads, overflowed):
+        out = []
+        for g in grads:
+            poison = tf.where(overflowed, tf.constant(float("nan"), g.dtype), tf.constant(1.0, g.dtype))
+            out.append(g * self._scale(g.dtype) * poison)
+        return out
+
+
+def check_accumulation(optimizer, policy, synchronized, who, instead):
+    """Refuse, before training, an optimizer that accumulates gradients under a mode whose
+    exchange ``synchronized(policy)`` says it cannot follow; ``who`` makes the error's subject,
+    ``instead`` its fix."""
+    steps = accumulation_steps(optimizer)
+    if steps and not synchronized(policy):
+        raise ValueError(
+            f"{who}(mode={policy.name!r}): the optimizer accumulates gradients "
+            f"(gradient_accumulation_steps={steps}): only every {steps}th step updates the weights, "
+            f"the others add to the accumulators; {instead}"
+        )
 
 
 def check_blockwise_optimizer(optimizer, policy):

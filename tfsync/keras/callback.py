@@ -2,9 +2,10 @@
 
 Horovod's own Keras layer does not work on Keras 3 (upstream issue 4290), so
 this is written against Keras 3's public hooks: the callback wraps the model
-optimizer's ``apply_gradients`` for the duration of ``fit`` and retraces the
-train function, so the exchange runs inside the compiled step for any Keras
-optimizer.
+optimizer's ``apply`` (Keras 3's one entry for updates: ``apply_gradients``
+calls it) for the duration of ``fit`` and retraces the train function, so the
+exchange runs inside the compiled step for any Keras optimizer and any
+``train_step`` that applies its gradients through it.
 """
 
 import json
@@ -16,17 +17,22 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfsync.engine import COUNTS
+from tfsync.engine import COUNTS, lifecycle
 from tfsync.engine.pull import PartialPull
 from tfsync.engine.tf_bridge import (
+    LossScaling,
     OptimizerBlocks,
     after_optimizer,
     before_optimizer,
+    before_optimizer_unscaled,
+    check_accumulation,
     check_blockwise_optimizer,
     exchange_gradients_blockwise,
+    is_loss_scaled,
     skippable_train_step,
+    static_loss_scale,
 )
-from tfsync.frontend import Frontend
+from tfsync.frontend import FINGERPRINT_FIX, Frontend, fingerprint
 from tfsync.keras.statistics import average_statistics
 from tfsync.policies import Auto, resolve_mode
 from tfsync.policies.auto import AutoController
@@ -40,11 +46,31 @@ class SyncCallback(keras.callbacks.Callback):
     Put it first in ``callbacks`` so the tfsync metrics it adds to the logs
     reach later callbacks (``TensorBoard``, ``EarlyStopping``, the progress bar).
 
-    On ``on_train_begin`` it broadcasts rank 0's weights, checks that every
-    rank runs the same configuration and number of steps, and starts the
+    On ``on_train_begin`` it checks that every rank runs the same number of
+    steps, mode, model (each variable's path, dtype, shape and trainability;
+    the layers' classes) and optimizer (class and ``get_config()``; a learning
+    rate held in a variable is state, not compared), and names the first
+    difference if not; broadcasts rank 0's variables, the model's and the
+    optimizer's (iterations, slots, learning rate, a loss scale: a checkpoint
+    loaded on one rank alone cannot leave the replicas apart), and starts the
     engine; on ``on_train_end`` it waits for every in-flight round, so all
     replicas end with identical weights (and, with ``average_statistics``,
     identical non-trainable statistics).  State is reset at every ``fit``.
+
+    Synchronized: every update through the model optimizer's ``apply`` or
+    ``apply_gradients``, from Keras' own ``train_step`` or a custom one;
+    mixed precision's ``LossScaleOptimizer`` (under a gradient-exchanging mode
+    every rank skips the steps whose gradients overflowed on any rank, and the
+    loss scales stay identical: :class:`tfsync.engine.tf_bridge.LossScaling`);
+    ``gradient_accumulation_steps`` under ``"bsp"``, ``"psp"`` and ``"backup"``
+    (each step's gradients are averaged over the workers before they are
+    accumulated, which gives the same update).  Refused before the first step,
+    saying why and what to do instead: a ``train_step`` that does not call
+    ``apply``/``apply_gradients`` exactly once (another optimizer, or
+    ``assign_sub``, would train each worker alone); gradient accumulation under
+    a mode that exchanges updates (``"ssp"``, ``"dssp"``, ``"elasticbsp"``,
+    ``"dcs3gd"``, and ``"auto"`` with any of them), whose staleness counts
+    steps that would not be updates.
 
     Args:
         mode: ``"bsp"`` (default), ``"ssp"``, ``"dssp"``, ``"elasticbsp"``, ``"psp"``, ``"backup"``,
@@ -140,17 +166,29 @@ class SyncCallback(keras.callbacks.Callback):
     # -------------------------------------------------------------------- train
     def on_train_begin(self, logs=None):
         model, frontend = self.model, self._frontend
-        if getattr(model, "optimizer", None) is None:
+        optimizer = getattr(model, "optimizer", None)
+        if optimizer is None:
             raise ValueError(
                 "tfsync.keras.SyncCallback: the model has no optimizer; call "
                 "model.compile(optimizer=..., loss=...) before model.fit"
             )
         if frontend.running:  # a fit that raised left its engine running (Keras skips on_train_end)
             frontend.engine.abandon()
+        self._check_optimizer(optimizer)  # (before any collective: every rank refuses alike)
+        if not optimizer.built:  # its slots exist before they are compared and broadcast
+            optimizer.build(model.trainable_variables)
         steps = self.params.get("steps")
-        all_steps = frontend.allgather(
-            steps, "tfsync.steps", "the number of steps per epoch of every rank, gathered at the start of fit"
+        start = {
+            "steps": steps,
+            "mode": (self.auto if self.auto is not None else self.policy).config(),
+            **fingerprint(model.variables, optimizer, model),
+        }
+        configs = frontend.allgather(
+            start,
+            "tfsync.steps",
+            "every rank's steps per epoch, mode, model variables and optimizer, gathered at the start of fit",
         )
+        all_steps = [c["steps"] for c in configs]
         if len(set(all_steps)) != 1 or steps is None:
             raise ValueError(
                 f"tfsync: the ranks run different or unknown numbers of steps per epoch "
@@ -158,11 +196,17 @@ class SyncCallback(keras.callbacks.Callback):
                 f"into equal parts (e.g. x[rank::size] with len(x) divisible by size) or pass "
                 f"steps_per_epoch to model.fit"
             )
-        # every model variable (trainable or not) from rank 0, in its own dtype
+        lifecycle.check_agreement(configs, "mode, model and optimizer", FINGERPRINT_FIX)
+        # every variable training reads, from rank 0, in its own dtype: the model's (trainable or
+        # not) and the optimizer's (iterations, slots, learning rate, loss scale, accumulators)
         frontend.broadcast_variables(
-            model.variables, "tfsync.weights", "rank 0's weights, broadcast to every rank at the start of fit"
+            model.variables + list(optimizer.variables),
+            "tfsync.weights",
+            "rank 0's weights and optimizer state, broadcast to every rank at the start of fit",
         )
         self.variables = list(model.trainable_variables)
+        self._scaling = LossScaling(optimizer) if is_loss_scaled(optimizer) else None
+        self._applies = 0  # calls of the optimizer's apply in the train step being traced
         self._steps = steps
         self._earlier_counts = dict.fromkeys(COUNTS, 0)  # of the engines auto mode stopped
         self._compiled_kind = None  # what the compiled train step serves, if engines can share it
@@ -178,14 +222,33 @@ class SyncCallback(keras.callbacks.Callback):
             )
         self._start_engine()
 
+    def _check_optimizer(self, optimizer):
+        """Refuse, before training, an optimizer path the mode (every mode auto may run) cannot
+        synchronize: gradient accumulation under a mode that exchanges updates."""
+        frontend = self._frontend
+        for policy in (self.auto.initial, *self.auto.modes.values()) if self.auto is not None else (self.policy,):
+            check_accumulation(
+                optimizer,
+                policy,
+                lambda p: frontend.protocol(p).reduces_gradients,
+                "tfsync.keras.SyncCallback",
+                "this mode exchanges the update each step made and counts its staleness bound (or "
+                "corrects its delay) in steps, which would then not be updates. Use a mode that "
+                "exchanges gradients ('bsp', 'psp', 'backup'), where each step's gradients are "
+                "averaged before they are accumulated, or a larger batch instead of accumulating",
+            )
+
     def _start_engine(self):
         """Start the engine of ``self.policy``; compile a train step for it unless the one
         compiled already serves it (auto mode between gradient-protocol modes)."""
         model, policy = self.model, self.policy
         if policy.pulls_partially:
             check_blockwise_optimizer(model.optimizer, policy)
+        tensors = self.variables
+        if self._scaling is not None:  # (the gradient protocol exchanges an overflow flag too)
+            tensors = self._scaling.engine_tensors(tensors, self._frontend.protocol(policy))
         engine = self._frontend.start(
-            self.variables,
+            tensors,
             policy=policy,
             trace_name=f"{self._segment}-{policy.name}" if self.auto is not None else None,
             extra_config={"steps": self._steps, "optimizer": type(model.optimizer).__name__},
@@ -194,13 +257,13 @@ class SyncCallback(keras.callbacks.Callback):
             return
         kind = self._compiled_kind = self._step_kind(policy)
         self._wrap_optimizer(model.optimizer)
+        train_step = self._applying_once(type(model).train_step.__get__(model))
         if policy.skips or kind is not None:
             # (partial pulling: the engine applies the rounds itself, block by block)
             blockwise = engine.find(PartialPull) is not None
             apply_mean = self._apply_mean if engine.protocol.reduces_gradients and not blockwise else None
-            model.train_step = skippable_train_step(
-                lambda: self.engine, model, type(model).train_step.__get__(model), apply_mean
-            )
+            train_step = skippable_train_step(lambda: self.engine, model, train_step, apply_mean)
+        model.train_step = train_step
         model.make_train_function(force=True)
         train_function = model.train_function
 
@@ -213,6 +276,33 @@ class SyncCallback(keras.callbacks.Callback):
                 raise
 
         model.train_function = train_function_reraising
+
+    def _applying_once(self, train_step):
+        """``train_step``, checked when it is traced (before its first step runs): it must update
+        the weights through the model optimizer's ``apply`` or ``apply_gradients`` exactly once,
+        the path the callback synchronizes; any other path would train each worker alone."""
+
+        def checked_train_step(data):
+            self._applies = 0
+            out = train_step(data)
+            if self._applies != 1:
+                self._frontend.engine.abandon()  # (fit raises: Keras calls no on_train_end)
+                raise ValueError(
+                    f"tfsync.keras.SyncCallback: the train step of {type(self.model).__name__} called "
+                    f"model.optimizer.apply() or apply_gradients() {self._applies} times; tfsync "
+                    f"synchronizes the weights through that call, once per step, so "
+                    + (
+                        "a step that updates them some other way (another optimizer, assign_sub) would "
+                        "train each worker alone"
+                        if self._applies == 0
+                        else "every call after the first would exchange again"
+                    )
+                    + ". Compute the step's gradients of model.trainable_variables and call "
+                    "self.optimizer.apply(grads, self.trainable_variables) (or apply_gradients) once"
+                )
+            return out
+
+        return checked_train_step
 
     def _step_kind(self, policy):
         """What the compiled train step must do for ``policy``, when auto mode can share it
@@ -361,37 +451,57 @@ class SyncCallback(keras.callbacks.Callback):
         self._frontend.finish(apply_mean=self._apply_mean)
 
     def _wrap_optimizer(self, optimizer):
+        """Hook the optimizer's ``apply``, Keras 3's one entry for updates: ``apply_gradients``
+        calls it, and so does a ``LossScaleOptimizer`` (whose ``apply`` is hooked, not its inner
+        optimizer's: one exchange per step, :class:`~tfsync.engine.tf_bridge.LossScaling`)."""
         engine, expected = self.engine, [id(v) for v in self.variables]
         protocol = engine.protocol
         pull = engine.find(PartialPull)
         current = engine if self._compiled_kind is None else (lambda: self.engine)
-        original = type(optimizer).apply_gradients.__get__(optimizer)
+        original = type(optimizer).apply.__get__(optimizer)
+        scaling = self._scaling
+        factor = static_loss_scale(optimizer) if scaling is None else None
 
-        def apply_gradients(grads_and_vars):
-            grads_and_vars = list(grads_and_vars)
-            grads = [g for g, _ in grads_and_vars]
-            variables = [v for _, v in grads_and_vars]
+        def apply(grads, trainable_variables=None):
+            grads = list(grads)
+            if trainable_variables is None:  # (Keras: the variables the optimizer was built with)
+                trainable_variables = getattr(optimizer, "_trainable_variables", [])
+            variables = list(trainable_variables)
             if [id(v) for v in variables] != expected:
                 raise ValueError(
                     "tfsync: the optimizer was asked to update other variables than the "
                     "model's trainable weights at the start of fit; do not change "
                     "trainability during fit"
                 )
+            self._applies += 1
             if pull is not None:
-                return exchange_gradients_blockwise(current, grads, lambda mean: original(zip(mean, variables)))
-            result = original(zip(before_optimizer(protocol, current, grads), variables))
+                return exchange_gradients_blockwise(current, grads, lambda mean: original(list(mean), variables))
+            if scaling is not None:
+                to_apply = scaling.before_optimizer(protocol, current, grads)
+            elif factor is not None:
+                to_apply = before_optimizer_unscaled(factor, protocol, current, grads)
+            else:
+                to_apply = before_optimizer(protocol, current, grads)
+            result = original(list(to_apply), variables)
             after_optimizer(protocol, engine, variables)
             return result
 
-        optimizer.apply_gradients = apply_gradients
+        optimizer.apply = apply
         self._wrapped_optimizer = optimizer
         if pull is not None:
-            pull.applier = OptimizerBlocks(optimizer, original, self.variables, pull.groups)
+            pull.applier = OptimizerBlocks(
+                optimizer, lambda pairs: original(*map(list, zip(*pairs))), self.variables, pull.groups
+            )
         # a skipped step applies the round's mean without exchanging again
-        self._apply_mean = lambda mean: original(zip(mean, self.variables))
+        if scaling is not None and protocol.reduces_gradients:
+            self._apply_mean = lambda mean: original(scaling.round_for_optimizer(list(mean)), self.variables)
+        elif factor is not None and protocol.reduces_gradients:  # (the round's mean is of true gradients)
+            self._apply_mean = lambda mean: original([m * factor for m in mean], self.variables)
+        else:
+            self._apply_mean = lambda mean: original(list(mean), self.variables)
 
     def _unwrap_optimizer(self):
         opt = getattr(self, "_wrapped_optimizer", None)
-        if opt is not None and "apply_gradients" in vars(opt):
-            del opt.apply_gradients
+        if opt is not None and "apply" in vars(opt):
+            del opt.apply
         self._wrapped_optimizer = None
