@@ -495,11 +495,14 @@ def test_sync_callback_rejects_a_nan_batch_and_logs_it(mode):
         for a, b in zip(w, weights[0]):
             assert np.all(np.isfinite(a))
             np.testing.assert_array_equal(a, b)
-    for rank, (_, counts, history) in enumerate(results):
-        assert counts["rejected"] == (rank == 1), (rank, counts)
-        c = counts
+    rejected = [counts["rejected"] for _, counts, _ in results]
+    # DC-S3GD computes the next step while the rejected one's round is in flight, on weights its
+    # take-back has not reached yet: those contributions are rejected too, a number that depends
+    # on timing (1 to 3 of 6 seen); the other modes reject exactly the poisoned one
+    assert rejected[0] == 0 and (rejected[1] >= 1 if mode == "dcs3gd" else rejected[1] == 1), rejected
+    for _, c, history in results:
         assert c["produced"] == c["applied"] + c["compensated"] + c["dropped"] + c["rejected"], c
-        assert history["tfsync_rejected"] == [0.5]  # the epoch logs, averaged over the two ranks
+        assert history["tfsync_rejected"] == [sum(rejected) / 2]  # the epoch logs, averaged over the two ranks
 
 
 def test_sync_callback_with_raise_stops_every_rank_naming_the_rank_and_step():
