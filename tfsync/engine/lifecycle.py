@@ -230,15 +230,26 @@ def close(engine):
 
 
 def _barrier(engine, name, purpose):
-    """The cluster's barrier ``name`` on the exchange thread, after every round, bounded."""
-    run_bounded(
-        engine.cluster,
-        engine.cluster.barrier(name),
-        name=name,
-        purpose=purpose,
-        timeout_s=engine.wait_timeout_s,
-        on=engine.exchange.call,
-    )
+    """The cluster's barrier ``name`` on the exchange thread, after every round, bounded.
+
+    A rank can finish its steps before a peer's stop notice reaches it (a coordinated round
+    closed without the peer, which then stopped); the barrier then fails for want of that
+    peer, and the peer's reason, if it announced one, is the error, not the barrier's."""
+    try:
+        run_bounded(
+            engine.cluster,
+            engine.cluster.barrier(name),
+            name=name,
+            purpose=purpose,
+            timeout_s=engine.wait_timeout_s,
+            on=engine.exchange.call,
+        )
+    except Exception as exc:
+        diagnosis = getattr(engine, "_diagnosis", None)
+        stop = diagnosis.peer_stop() if diagnosis is not None else None
+        if stop is not None:
+            raise stop from exc
+        raise
 
 
 def abandon(engine):
