@@ -183,7 +183,7 @@ def optimizer_fingerprint(optimizer) -> dict:
     cls = type(optimizer)
     try:
         config = dict(optimizer.get_config())
-    except (NotImplementedError, TypeError, ValueError):  # a custom optimizer without a config
+    except (NotImplementedError, TypeError, ValueError):  # a custom optimizer without get_config: its class is compared
         config = {}
     config.pop("name", None)
     if isinstance(getattr(optimizer, "_learning_rate", None), tf.Variable | keras.Variable):
