@@ -26,9 +26,11 @@ MARGIN_S = 5.0  # the issue's bound: the error within the wait bound + this
 START_S = 180  # until every rank has passed the marked step (four TensorFlow start-ups on two cores)
 END_S = 90  # from the fault to the end of the launch
 SSH_PORT = 22
+GLOO_S = 20  # HOROVOD_GLOO_TIMEOUT_SECONDS: longer than the 2 s flap, shorter than the harness's default
 # how long the job's processes may take to go once the launch ended: a remote rank whose ssh
-# session the launcher closed still says why it stops (up to diagnosis.LOSS_SETTLE_S) and exits
-LEFT_S = 30
+# session the launcher closed still says why it stops (up to diagnosis.LOSS_SETTLE_S), and one
+# resumed after a SIGSTOP leaves once its pending Gloo transfer has timed out (GLOO_S)
+LEFT_S = GLOO_S + WAIT_S + 15
 
 
 class Job:
@@ -38,7 +40,8 @@ class Job:
         self.hosts, self.out = hosts, out
         self.log = open(os.path.join(out, "launch.log"), "w")
         argv = [os.path.join(WORKERS, "fault.py"), out, "--wait-timeout-s", WAIT_S, *args]
-        self.proc = hosts.popen(1, hosts.horovodrun(2, argv), stdout=self.log, stderr=subprocess.STDOUT)
+        launch = hosts.horovodrun(2, argv, gloo_timeout_s=GLOO_S)
+        self.proc = hosts.popen(1, launch, stdout=self.log, stderr=subprocess.STDOUT)
 
     def marks(self, run=0):
         """Every rank's ``{"pid", "t"}`` once all have passed the marked step of run ``run`` (bounded)."""
