@@ -37,8 +37,7 @@ medians would hide the slow one):
 
 The mode chosen for each slow profile (:func:`default_modes`) is the tfsync
 mode that reached 0.95 test accuracy first in that scenario in the convergence
-studies on this project's machine (README, "Which mode when"): backup workers
-(b = 1) with delay compensation.  With no slowness it is BSP, every gradient
+studies (docs/choosing.md): backup workers (b = 1) with delay compensation.  With no slowness it is BSP, every gradient
 averaged at the optimizer's own step: backup+dc reached 0.95 sooner there too,
 but through a larger effective step (a late gradient applied on top of the
 round's mean), not by waiting less.  The profiles stay distinct so
@@ -160,20 +159,15 @@ def early(step_times):
 
 
 def default_modes():
-    """Profile -> policy, from the convergence studies (module docstring)."""
+    """Profile -> policy, from the convergence studies (module docstring).
+
+    Under every kind of slowness, backup workers (b = 1) with delay compensation; with none,
+    BSP, which keeps the user's step: backup+dc adds each late gradient on top of the round's
+    mean, a step up to 4/3 of BSP's, and choosing that would change the effective learning
+    rate, not the synchronization. The measurements behind this are in docs/choosing.md.
+    """
     from tfsync.policies import BSP, BackupWorkers, DelayCompensation
 
-    # python -m tfsync.bench convergence --repeats 2 (docs/convergence.json), median time to 0.95:
-    # none: BSP 9.2 s was tfsync's fastest (plain Horovod 8.6 s); straggler, heterogeneous, jitter
-    # and rare: backup workers (b=1) were the fastest, 8.8, 8.9, 13.4 and 12.4 s, against the
-    # runners-up PSP 10.0 s, PSP 10.4 s, DC-S3GD 14.9 s and PSP 13.4 s.  After a late
-    # gradient's weight changed, backup workers with delay compensation were faster still
-    # (--modes backup backup+dc psp psp+dc --repeats 2, docs/convergence_dc.json: 7.2, 7.5, 13.3
-    # and 10.0 s against backup's 7.7, 7.7, 15.2 and 11.5), and in 3 of those 4 scenarios in
-    # one later run (docs/convergence_auto_ssp15.json; the straggler's was 12.5 against 11.1 s).
-    # With no slowness backup+dc was first as well (docs/convergence_auto_initial.json, 3 repeats:
-    # 7.1 s against BSP's 8.1) at a lower throughput: its late gradients add on top of the mean,
-    # a step up to 4/3 of BSP's (BSP at 4/3 of the learning rate: 5.6 s); BSP keeps the user's step
     slow = BackupWorkers(backups=1, compensate=DelayCompensation())
     return {"none": BSP(), "straggler": slow, "heterogeneous": slow, "jitter": slow, "rare": slow}
 

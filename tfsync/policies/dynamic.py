@@ -1,12 +1,13 @@
 """Synchronization timed from measured iteration times: DSSP and ElasticBSP.
 
-* :class:`DSSP`: dynamic stale synchronous parallel (Zhao et al. 2019,
-  ``dssp_dynamic_staleness.txt``, Algorithms 1-2): SSP with the lower bound
+* :class:`DSSP`: dynamic stale synchronous parallel (*Dynamic Stale
+  Synchronous Parallel Distributed Training for Deep Learning*, Zhao et al. 2019,
+  Section III, Algorithms 1-2): SSP with the lower bound
   ``s_L``, where a worker that reaches it as the fastest may be granted up to
   ``s_U - s_L`` extra iterations, as many as the synchronization controller
   predicts minimize its wait.
-* :class:`ElasticBSP`: barriers placed by ZipLine (Zhao et al.,
-  ``elasticbsp_zipline.txt``, Sections 3-5): at every barrier, each worker's
+* :class:`ElasticBSP`: barriers placed by ZipLine (the ElasticBSP and
+  ZipLine paper, Zhao et al., Sections 3-5): at every barrier, each worker's
   next ``R`` iteration end times are predicted and one is chosen per worker so
   that their spread (the wait) is smallest; the next barrier follows the
   latest chosen iteration, and each worker runs its chosen number of

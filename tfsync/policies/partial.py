@@ -1,7 +1,7 @@
 """Partial aggregation: rounds that close without the slowest workers.
 
-* :class:`PSP`: partially synchronous parallel, partial pushing (Algorithm 1 of
-  ``psp_partial_push_pull.txt``, server lines 5-13): round ``t`` aggregates the
+* :class:`PSP`: partially synchronous parallel, partial pushing (*Faster Distributed
+  Synchronous SGD with Weak Synchronization*, Algorithm 1, server lines 5-13): round ``t`` aggregates the
   fresh contributions that are ready once at least ``c`` are and ``τ1`` has
   passed since the ``c``-th (or once every worker's is), and the update is their
   mean, applied with the optimizer's own learning rate ``η`` (Horovod's
@@ -11,7 +11,8 @@
   ``d < N`` contributions takes the full step here where the paper's would
   take ``d/N`` of it.
 * :class:`BackupWorkers`: synchronous SGD with ``b`` backup workers
-  (Algorithms 3-4 of ``backup_workers_sync_sgd.txt``): with ``N + b`` workers,
+  (*Revisiting Distributed Synchronous SGD*, Chen et al., Section 3, Algorithms 3-4):
+  with ``N + b`` workers,
   round ``t`` aggregates the first ``N`` contributions stamped ``t``.
 
 The parameter server of the papers becomes rank 0's coordinator
@@ -31,7 +32,7 @@ enters on the answer.  Either way only the ranks not ready by the closing
 wait for it.  A contribution that misses its round is
 stale from then on and dropped (zeros go out in its place; counted);
 the worker that produced it skips the steps whose rounds have closed and
-rejoins at the current one, so a slow worker no longer sets the job's length.
+rejoins at the current one, so a slow worker does not set the job's length.
 
 With ``compensate=tfsync.DelayCompensation(...)`` a contribution that missed
 its round is not dropped but corrected (DC-ASGD, Zheng et al. 2017) and
