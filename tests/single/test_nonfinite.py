@@ -462,10 +462,11 @@ def test_each_rejection_is_logged_as_a_warning_at_most_once_per_interval(caplog,
 # ------------------------------------------------------------------ through SyncCallback and model.fit
 
 
-def _fit_with_a_poisoned_batch(mode, on_nonfinite, size=2, steps=6, bad=(1, 2)):
+def _fit_with_a_poisoned_batch(mode, on_nonfinite, size=2, steps=6, bad=(1, 2), optimizer=None):
     """Each rank fits a small regression with ``SyncCallback(mode, on_nonfinite=...)`` on the fake
     cluster; rank ``bad[0]``'s batch ``bad[1]`` has a NaN input.  ``(results, errors)`` per rank,
-    a result being ``(weights, counts, history)``."""
+    a result being ``(weights, counts, history)``; ``optimizer``: a function returning the
+    Keras optimizer (default plain SGD)."""
     fake = FakeCluster(size, timeout_s=60)
 
     def fit(rank):
@@ -478,7 +479,7 @@ def _fit_with_a_poisoned_batch(mode, on_nonfinite, size=2, steps=6, bad=(1, 2)):
             x[4 * bad[1], 1] = np.nan
         keras.utils.set_random_seed(0)  # (the same initial weights; the callback broadcasts rank 0's anyway)
         model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4), keras.layers.Dense(1)])
-        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+        model.compile(optimizer=optimizer() if optimizer else keras.optimizers.SGD(0.05), loss="mse")
         sync = tfsync.keras.SyncCallback(mode, cluster=fake.rank(rank), wait_timeout_s=30, on_nonfinite=on_nonfinite)
         history = model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0, callbacks=[sync])
         return model.get_weights(), sync.counts, history.history
@@ -496,13 +497,74 @@ def test_sync_callback_rejects_a_nan_batch_and_logs_it(mode):
             assert np.all(np.isfinite(a))
             np.testing.assert_array_equal(a, b)
     rejected = [counts["rejected"] for _, counts, _ in results]
-    # DC-S3GD computes the next step while the rejected one's round is in flight, on weights its
-    # take-back has not reached yet: those contributions are rejected too, a number that depends
-    # on timing (1 to 3 of 6 seen); the other modes reject exactly the poisoned one
-    assert rejected[0] == 0 and (rejected[1] >= 1 if mode == "dcs3gd" else rejected[1] == 1), rejected
+    assert rejected == [0, 1], rejected  # the poisoned batch's contribution, and only it
     for _, c, history in results:
         assert c["produced"] == c["applied"] + c["compensated"] + c["dropped"] + c["rejected"], c
         assert history["tfsync_rejected"] == [sum(rejected) / 2]  # the epoch logs, averaged over the two ranks
+
+
+@pytest.mark.parametrize(
+    "mode",
+    ["ssp", "dssp", "dcs3gd", tfsync.DCS3GD(tfsync.DelayCompensation(lam=2.0, adaptive=True))],
+    ids=["ssp", "dssp", "dcs3gd", "dcs3gd-adaptive"],
+)
+@pytest.mark.parametrize("optimizer", ["momentum", "adam"])
+def test_a_nan_batch_leaves_the_optimizer_of_a_mode_that_applies_its_own_gradients_untouched(mode, optimizer):
+    # these modes run the optimizer on the worker's own gradients before the exchange: a NaN
+    # there would stay in its slots (momentum, Adam's moments, DC-ASGD-a's v) and every later
+    # update of that worker would be NaN and rejected too; the step is skipped instead
+    import keras
+
+    make = {"momentum": lambda: keras.optimizers.SGD(0.05, momentum=0.9), "adam": lambda: keras.optimizers.Adam(0.01)}
+    results, errors = _fit_with_a_poisoned_batch(mode, "reject", steps=8, optimizer=make[optimizer])
+    assert not any(errors), errors
+    rejected = [counts["rejected"] for _, counts, _ in results]
+    assert rejected == [0, 1], rejected
+    weights = [w for w, _, _ in results]
+    for w in weights:
+        for a, b in zip(w, weights[0]):
+            assert np.all(np.isfinite(a))
+            np.testing.assert_array_equal(a, b)
+    for _, c, _ in results:
+        assert c["produced"] == c["applied"] + c["compensated"] + c["dropped"] + c["rejected"], c
+
+
+@pytest.mark.parametrize("mode", ["ssp", "dcs3gd"])
+def test_under_sync_strategy_a_nan_batch_reaches_no_optimizer_slot(mode):
+    # SyncStrategy hands the optimizer zeros for such a step (its all-reduce is the hook; the
+    # optimizer's apply is Keras' own), and the engine rejects the step's contribution
+    import keras
+
+    fake, steps = FakeCluster(2, timeout_s=60), 8
+
+    def fit(rank):
+        rng = np.random.default_rng(rank)
+        x = rng.normal(size=(4 * steps, 3)).astype(np.float32)
+        y = x @ np.array([[1.0], [-2.0], [0.5]], np.float32)
+        if rank == 1:
+            x[4 * 2, 1] = np.nan
+        strategy = tfsync.distribute.SyncStrategy(mode, cluster=fake.rank(rank), wait_timeout_s=30)
+        try:
+            with strategy.scope():
+                model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4), keras.layers.Dense(1)])
+                model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+            model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
+            rejected = strategy.engine.counts["rejected"]
+            strategy.finish()
+        finally:
+            if strategy.engine is not None:
+                strategy.engine.abandon()
+        return [v.numpy() for v in model.variables + list(model.optimizer.variables)], rejected
+
+    results, errors = on_threads([lambda r=r: fit(r) for r in range(2)], 120.0)
+    assert not any(errors), errors
+    assert [rejected for _, rejected in results] == [0, 1]
+    for variables, _ in results:
+        for v in variables:
+            assert np.all(np.isfinite(v)), variables  # weights and Adam's moments
+    weights = [variables[:4] for variables, _ in results]  # the two Dense layers' kernels and biases
+    for a, b in zip(*weights):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_sync_callback_with_raise_stops_every_rank_naming_the_rank_and_step():

@@ -52,6 +52,8 @@ from tfsync.engine.tf_bridge import (
     before_optimizer,
     check_accumulation,
     finish_in_graph,
+    gradients_finite,
+    guards_optimizer,
     is_loss_scaled,
     skippable_train_step,
     static_loss_scale,
@@ -89,10 +91,13 @@ class SyncStrategy(tf.distribute.OneDeviceStrategy):
     ``LossScaleOptimizer`` (its ``apply`` is hooked under a gradient-exchanging mode and
     DC-S3GD, so every rank skips the steps whose gradients overflowed on any rank);
     ``gradient_accumulation_steps`` under BSP (the accumulated gradient is all-reduced at
-    each update step).  Refused before the first step, saying why and what to do instead: a
-    ``train_step`` that does not all-reduce its gradients through the optimizer exactly once
-    (another optimizer, or ``assign_sub``, would train each worker alone); gradient
-    accumulation under any other mode.
+    each update step).  Under a mode whose optimizer runs on each worker's own gradients
+    (SSP, DSSP, ElasticBSP, DC-S3GD), a step whose gradients are not finite hands the
+    optimizer zeros, so no NaN reaches its slots, and its contribution is rejected
+    (``tfsync.keras.SyncCallback`` skips that optimizer step altogether).  Refused before the
+    first step, saying why and what to do instead: a ``train_step`` that does not all-reduce
+    its gradients through the optimizer exactly once (another optimizer, or ``assign_sub``,
+    would train each worker alone); gradient accumulation under any other mode.
 
     Example::
 
@@ -221,6 +226,7 @@ class _SyncExtended(one_device_strategy.OneDeviceExtended):
         state = self._local
         if not state.__dict__.get("in_step"):
             state.updates = []
+            state.applied = None  # an update protocol's gradients' finiteness (_batch_reduce_to)
             state.training = False
             state.exchanged = False
             state.reductions = 0  # gradient all-reduces (optimizer applies) in this step
@@ -246,7 +252,7 @@ class _SyncExtended(one_device_strategy.OneDeviceExtended):
                     self._refuse_step(model, state.reductions)
                 if state.training and not self._reduces_gradients and not state.__dict__.get("exchanged"):
                     self._ensure_started(state.updates)
-                    after_optimizer(self._protocol, self._engine, self._variables)
+                    after_optimizer(self._protocol, self._engine, self._variables, state.applied)
             finally:
                 state.in_step = False
             return out
@@ -351,7 +357,19 @@ class _SyncExtended(one_device_strategy.OneDeviceExtended):
         if self._reduces_gradients and self._engine is None:
             self._start(values)
         # (an update protocol's engine starts after the step, on the variables it updated)
-        return before_optimizer(self._protocol, self._engine, values)
+        finite = None
+        if guards_optimizer(self._protocol) and not (self._prepared is not None and is_loss_scaled(self._prepared)):
+            # (a LossScaleOptimizer all-reduces only gradients it found finite)
+            # the optimizer runs on this worker's own gradients: ones that are not finite must not
+            # reach its slots; it applies zeros instead, and the engine rejects the contribution
+            values = [tf.convert_to_tensor(v) for v in values]
+            finite = state.applied = gradients_finite(values)
+            values = tf.cond(
+                tf.reduce_all(finite),
+                lambda: [tf.identity(v) for v in values],
+                lambda: [tf.zeros_like(v) for v in values],
+            )
+        return before_optimizer(self._protocol, self._engine, values, finite)
 
     def _update(self, var, fn, args, kwargs, group):
         state = self._local
@@ -392,7 +410,7 @@ class _SyncExtended(one_device_strategy.OneDeviceExtended):
                 out = train_step(data)
                 if state.training:
                     self._ensure_started(state.updates)
-                    after_optimizer(self._protocol, self._engine, self._variables)
+                    after_optimizer(self._protocol, self._engine, self._variables, state.applied)
                     state.exchanged = True
                 return out
 

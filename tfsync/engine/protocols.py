@@ -234,11 +234,14 @@ class UpdateProtocol:
         """
         self._settle()
 
-    def contribution(self, _inputs):
+    def contribution(self, inputs):
         """The share ``Δ/N`` of the update the optimizer just made, and whether each tensor of it
-        is finite (from the push's own pass); moves to ``w̄ + pending``."""
+        is finite (from the push's own pass, and the step's gradients' when the frontend
+        guarded the optimizer: ``inputs``, see :func:`tfsync.engine.tf_bridge.apply_if_finite`);
+        moves to ``w̄ + pending``."""
         out = self._push_share()
-        return list(out[:-1]), out[-1]
+        finite = out[-1] if not inputs else tf.logical_and(out[-1], inputs[0])
+        return list(out[:-1]), finite
 
     def reject(self, shares):
         """A share that is not finite goes nowhere: take it back out of ``pending`` and move the
@@ -368,15 +371,24 @@ class CompensatedUpdateProtocol:
             return self._no_round
         return [tf.add_n(list(parts)) if len(parts) > 1 else parts[0] for parts in zip(*pending)]
 
-    def correct_in_graph(self, grads, mean):
-        """``w̄ += mean``; the gradients corrected with ``w_now = w̄``, ``w_stale = w_local``."""
+    def correct_in_graph(self, grads, mean, finite=None):
+        """``w̄ += mean``; the gradients corrected with ``w_now = w̄``, ``w_stale = w_local``.
+        ``finite``: whether each gradient is finite; unless all are, the adaptive correction's
+        ``v`` is left alone (the frontend then skips the optimizer, and the update is rejected)."""
         for w, m in zip(self.w_bar, mean):
             w.assign_add(m)
-        return self._compensator(grads, self.w_bar, self.w_local)
+        if finite is None or not self._compensator.compensation.adaptive:
+            return self._compensator(grads, self.w_bar, self.w_local)
+        return tf.cond(
+            tf.reduce_all(finite),
+            lambda: self._compensator(grads, self.w_bar, self.w_local),
+            lambda: [tf.identity(g) for g in grads],
+        )
 
-    def push_in_graph(self):
+    def push_in_graph(self, applied=None):
         """The optimizer moved the variables to ``w_local + Δ``: move them to ``w̄ + Δ``; ``Δ``,
-        then whether each tensor of it is finite (the engine's ``sync_step`` takes both)."""
+        then whether each tensor of it is finite (the engine's ``sync_step`` takes both; with
+        ``applied``, from :func:`tfsync.engine.tf_bridge.apply_if_finite`, the gradients' too)."""
         updates = []
         for v, w, local in zip(self.variables, self.w_bar, self.w_local):
             update = v - local
@@ -384,7 +396,8 @@ class CompensatedUpdateProtocol:
             v.assign(moved)
             local.assign(moved)
             updates.append(update)
-        return [*updates, ops.all_finite(updates)]
+        finite = ops.all_finite(updates)
+        return [*updates, finite if applied is None else tf.logical_and(finite, applied)]
 
     def correct(self, grads, mean):
         """:meth:`correct_in_graph`, eagerly."""

@@ -12,6 +12,7 @@ scale and gradient accumulation need there is here too.
 
 import tensorflow as tf
 
+from tfsync import ops
 from tfsync.engine.corrections import Corrections
 from tfsync.engine.protocols import compile_flat, tf_variable
 
@@ -138,7 +139,7 @@ def static_loss_scale(optimizer):
     return getattr(optimizer, "loss_scale_factor", None) or None
 
 
-def before_optimizer_unscaled(factor, protocol, engine, grads):
+def before_optimizer_unscaled(factor, protocol, engine, grads, finite=None):
     """:func:`before_optimizer` on the true gradients of an optimizer with the fixed loss scale
     ``factor``: they are divided by it first, and what the optimizer applies is multiplied by it
     again (``apply`` divides).  A round's mean is linear in the gradients, but the corrections
@@ -147,7 +148,7 @@ def before_optimizer_unscaled(factor, protocol, engine, grads):
     if not (protocol.reduces_gradients or protocol.corrects_gradients):
         return grads
     grads = [None if g is None else tf.convert_to_tensor(g) / tf.cast(factor, g.dtype) for g in grads]
-    return [g * tf.cast(factor, g.dtype) for g in before_optimizer(protocol, engine, grads)]
+    return [g * tf.cast(factor, g.dtype) for g in before_optimizer(protocol, engine, grads, finite)]
 
 
 class LossScaling:
@@ -254,14 +255,16 @@ def check_blockwise_optimizer(optimizer, policy):
         )
 
 
-def correct_gradients(engine, grads):
+def correct_gradients(engine, grads, finite=None):
     """Protocols that correct gradients (DC-S3GD): this step's gradients, corrected for
     the weights they will be applied at.
 
     One ``tf.py_function`` waits for the round the correction needs and returns
     its mean (:meth:`tfsync.engine.corrections.Corrections.round_mean`); the correction itself is built
     into the compiled step (``protocol.correct_in_graph``: the fused
-    :func:`tfsync.ops.delay_compensate`), so the engine must be started.
+    :func:`tfsync.ops.delay_compensate`), so the engine must be started.  ``finite``
+    (:func:`gradients_finite`): gradients that are not finite are handed back uncorrected
+    and leave the correction's state alone.
     """
     protocol = engine.protocol
     grads = [tf.convert_to_tensor(g) for g in grads]  # IndexedSlices become dense
@@ -269,10 +272,10 @@ def correct_gradients(engine, grads):
     mean = tf.py_function(round_mean, [], Tout=protocol.dtypes, name="tfsync_round_mean")
     for m, s in zip(mean, protocol.shapes):
         m.set_shape(s)
-    return protocol.correct_in_graph(grads, mean)
+    return protocol.correct_in_graph(grads, mean, finite)
 
 
-def exchange_updates(engine, variables):
+def exchange_updates(engine, variables, applied=None):
     """Update protocol: after the local optimizer step, push its share and move the weights.
 
     The engine reads and writes the variables in place.  The step's
@@ -280,37 +283,87 @@ def exchange_updates(engine, variables):
     variable's shape, read through the variable's handle, as input, and
     TensorFlow orders every op on a variable's handle in program order.  (It
     does not take the values: a live read would make the engine's in-place
-    writes copy the buffer first.)
+    writes copy the buffer first.)  ``applied``: what :func:`apply_if_finite`
+    returned (the optimizer did not run unless every flag is true): a
+    contribution whose gradients were not finite is rejected.
     """
     push_in_graph = getattr(engine.protocol, "push_in_graph", None)
     if push_in_graph is not None:  # DC-S3GD: the update is computed in the step, the engine pushes it
-        updates = push_in_graph()
+        updates = push_in_graph(applied)
         return tf.py_function(lambda *u: engine.sync_step(u), updates, Tout=[], name="tfsync_step")
     after_update = [tf.raw_ops.VariableShape(input=tf_variable(v).handle) for v in variables]
-    return tf.py_function(lambda *_: engine.sync_step([]), after_update, Tout=[], name="tfsync_step")
+    if applied is None:
+        return tf.py_function(lambda *_: engine.sync_step([]), after_update, Tout=[], name="tfsync_step")
+    return tf.py_function(lambda a, *_: engine.sync_step([a]), [applied, *after_update], Tout=[], name="tfsync_step")
 
 
-def before_optimizer(protocol, engine, grads):
+def guards_optimizer(protocol) -> bool:
+    """Whether the optimizer runs on this worker's own gradients before the exchange (the
+    update protocols, DC-S3GD), so a gradient that is not finite must be kept from it
+    (:func:`apply_if_finite`).  Under the gradient protocol it only ever applies a round's
+    mean, from which a non-finite contribution was rejected."""
+    return not protocol.reduces_gradients
+
+
+def gradients_finite(grads):
+    """Whether each gradient in ``grads`` is finite, a bool vector (one read-only pass,
+    :func:`tfsync.ops.all_finite`; a missing gradient is not read and counts as finite)."""
+    present = [i for i, g in enumerate(grads) if g is not None]
+    flags = [tf.constant(True)] * len(grads)
+    if present:
+        tensors = [grads[i].values if isinstance(grads[i], tf.IndexedSlices) else grads[i] for i in present]
+        checked = ops.all_finite(tensors)
+        for k, i in enumerate(present):
+            flags[i] = checked[k]
+    return tf.stack(flags)
+
+
+def apply_if_finite(finite, apply):
+    """Run ``apply()`` (the optimizer's step) only when every flag of ``finite``
+    (:func:`gradients_finite`) is true; returns ``finite``, once the step ran or was skipped.
+
+    A NaN or an infinity that reaches the optimizer stays in its slots
+    (momentum, Adam's moments) and makes every later update of this worker
+    NaN, each rejected in turn: the worker would train nothing for the rest of
+    the job.  The step is skipped instead, as Keras' ``LossScaleOptimizer``
+    skips one whose gradients overflowed (weights, slots and ``iterations``
+    untouched), and the engine rejects its contribution (``exchange_updates``'s
+    ``applied``), so it is counted.
+    """
+
+    def run():
+        apply()  # stateful: the taken branch runs it
+        return tf.constant(True)
+
+    ran = tf.cond(tf.reduce_all(finite), run, lambda: tf.constant(False))
+    with tf.control_dependencies([ran]):
+        return tf.identity(finite)
+
+
+def before_optimizer(protocol, engine, grads, finite=None):
     """What the optimizer applies this step, by the step protocol (class) ``protocol``: the
     round's mean (gradient protocol), the gradients corrected for the weights they will be
     applied at (DC-S3GD), or this worker's own (update protocols).
 
     One half of the frontends' hook on the optimizer's path, :func:`after_optimizer` the
-    other; ``engine`` may be a callable returning the engine (gradient protocol only).
+    other; ``engine`` may be a callable returning the engine (gradient protocol only);
+    ``finite``: :func:`gradients_finite` of ``grads``, where the frontend guards the
+    optimizer (DC-S3GD's correction then leaves its state alone for gradients that are not).
     """
     if protocol.reduces_gradients:
         return exchange_gradients(engine, grads)
     if protocol.corrects_gradients:
-        return correct_gradients(_getter(engine)(), grads)
+        return correct_gradients(_getter(engine)(), grads, finite)
     return grads
 
 
-def after_optimizer(protocol, engine, variables):
+def after_optimizer(protocol, engine, variables, applied=None):
     """After the optimizer applied this step: the update protocols push its share and move the
-    weights (:func:`exchange_updates`); the gradient protocol has nothing left to do (None)."""
+    weights (:func:`exchange_updates`; ``applied``: from :func:`apply_if_finite`); the
+    gradient protocol has nothing left to do (None)."""
     if protocol.reduces_gradients:
         return None
-    return exchange_updates(_getter(engine)(), variables)
+    return exchange_updates(_getter(engine)(), variables, applied)
 
 
 def finish_in_graph(engine):

@@ -23,11 +23,14 @@ from tfsync.engine.tf_bridge import (
     LossScaling,
     OptimizerBlocks,
     after_optimizer,
+    apply_if_finite,
     before_optimizer,
     before_optimizer_unscaled,
     check_accumulation,
     check_blockwise_optimizer,
     exchange_gradients_blockwise,
+    gradients_finite,
+    guards_optimizer,
     is_loss_scaled,
     skippable_train_step,
     static_loss_scale,
@@ -476,15 +479,22 @@ class SyncCallback(keras.callbacks.Callback):
             self._applies += 1
             if pull is not None:
                 return exchange_gradients_blockwise(current, grads, lambda mean: original(list(mean), variables))
-            if scaling is not None:
+            if scaling is not None:  # (it skips a step whose gradients overflowed itself)
                 to_apply = scaling.before_optimizer(protocol, current, grads)
-            elif factor is not None:
-                to_apply = before_optimizer_unscaled(factor, protocol, current, grads)
+                result = original(list(to_apply), variables)
+                after_optimizer(protocol, engine, variables)
+                return result
+            # an optimizer that runs on this worker's own gradients runs only on finite ones
+            finite = gradients_finite(grads) if guards_optimizer(protocol) else None
+            if factor is not None:
+                to_apply = before_optimizer_unscaled(factor, protocol, current, grads, finite)
             else:
-                to_apply = before_optimizer(protocol, current, grads)
-            result = original(list(to_apply), variables)
-            after_optimizer(protocol, engine, variables)
-            return result
+                to_apply = before_optimizer(protocol, current, grads, finite)
+            if finite is None:
+                return original(list(to_apply), variables)
+            applied = apply_if_finite(finite, lambda: original(list(to_apply), variables))
+            after_optimizer(protocol, engine, variables, applied)
+            return None
 
         optimizer.apply = apply
         self._wrapped_optimizer = optimizer
