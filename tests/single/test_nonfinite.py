@@ -579,3 +579,16 @@ def test_the_frontends_check_on_nonfinite_when_they_are_built():
         tfsync.keras.SyncCallback("bsp", on_nonfinite="skip")
     with pytest.raises(ValueError, match="on_nonfinite='skip' is not one of"):
         tfsync.distribute.SyncStrategy("bsp", on_nonfinite="skip", cluster=FakeCluster(1).rank(0))
+
+
+def test_the_timeline_summary_counts_the_rejected_contributions(tmp_path):
+    from tfsync import timeline
+
+    job = Job(BSP(), size=2, steps=8, bad={(1, 2): np.nan, (1, 5): np.inf}, trace_dir=str(tmp_path)).run()
+    check_replicas(job)
+    summary = timeline.summarize(timeline.load_trace(str(tmp_path)))
+    assert [summary["ranks"][k]["rejected"] for k in (0, 1)] == [0, 2], summary["ranks"]
+    assert summary["overall"]["rejected"] == 2
+    assert timeline.summarize(timeline.load_trace(str(tmp_path)), start_step=3)["ranks"][1]["rejected"] == 1
+    table = timeline.format_summary(summary)
+    assert "rejected" in table.splitlines()[1], table

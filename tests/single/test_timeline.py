@@ -131,6 +131,7 @@ def test_summarize_ssp_with_a_straggler(ssp_dir):
         "max_staleness": 1,
         "compensated": 0,
         "dropped": 0,
+        "rejected": 0,
         "skipped": 0,
     }
     assert summary["ranks"][1] == fast
@@ -143,6 +144,7 @@ def test_summarize_ssp_with_a_straggler(ssp_dir):
         "max_staleness": 0,
         "compensated": 0,
         "dropped": 0,
+        "rejected": 0,
         "skipped": 0,
     }
     overall = summary["overall"]
@@ -197,7 +199,7 @@ def test_summary_shows_drops_skips_and_the_drain(tmp_path):
     assert (summary["overall"]["dropped"], summary["overall"]["skipped"]) == (2, 1)
     # the drain happened at the end: a range that stops earlier does not count it
     assert timeline.summarize(timeline.load_trace(path), end_step=2)["ranks"][1]["dropped"] == 1
-    assert " dropped  skipped" in timeline.format_summary(summary)
+    assert " dropped rejected  skipped" in timeline.format_summary(summary)
 
 
 def test_summarize_step_range(ssp_dir):
@@ -212,6 +214,7 @@ def test_summarize_step_range(ssp_dir):
         "max_staleness": 1,
         "compensated": 0,
         "dropped": 0,
+        "rejected": 0,
         "skipped": 0,
     }
     assert summary["ranks"][2]["steps"] == 4 and summary["ranks"][2]["compute_s"] == 8.0
