@@ -14,8 +14,15 @@ engine's ``on_nonfinite``:
   place; its row in the round's metadata says ``present`` 0 and ``rejected``
   1, so the round's mean is over the ranks present
   (:mod:`tfsync.engine.exchange`) and every replica applies the same finite
-  result.  A round whose every contribution was rejected moves nothing (a
-  mean of nothing: zeros).  It is counted as ``rejected`` (produced = applied
+  result.  A round whose every contribution was rejected has zeros for its
+  result: under the modes that exchange gradients (BSP, PSP, backup workers)
+  every replica's optimizer applies them (plain SGD does not move; momentum
+  and Adam move by what their slots hold, alike on every replica); under the
+  others the average weights do not move.
+  Under the modes whose optimizer runs on each worker's own gradients first
+  (SSP, DSSP, ElasticBSP, DC-S3GD) the frontends keep a non-finite gradient
+  from that optimizer (:func:`tfsync.engine.tf_bridge.apply_if_finite`), so
+  no NaN stays in its slots.  A rejection is counted as ``rejected`` (produced = applied
   + compensated + dropped + rejected), traced (``{"event": "rejected",
   "rank", "step", ...}``, and the step's record's ``rejected``) and logged as a
   warning (logger ``tfsync.nonfinite``) at most once per ``WARN_INTERVAL_S``,
