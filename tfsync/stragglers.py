@@ -17,6 +17,7 @@ command line (``--stragglers "base=0.02,slow=3:0.04"``) or from the environment
 
 import dataclasses
 import math
+import numbers
 import time
 
 import numpy as np
@@ -64,19 +65,25 @@ class Stragglers:
     seed: int = 0
 
     def __post_init__(self):
-        slow = self.slow_ranks.items() if isinstance(self.slow_ranks, dict) else self.slow_ranks
-        slow = tuple(sorted((int(r), float(s)) for r, s in slow))
-        object.__setattr__(self, "slow_ranks", slow)
+        object.__setattr__(self, "slow_ranks", _check_slow_ranks(self.slow_ranks))
         for name in ("base_s", "rare_s", "jitter_s", "pull_s"):
             _check_seconds(name, getattr(self, name))
-        for rank, extra in slow:
-            if rank < 0:
-                raise ValueError(f"Stragglers: slow rank {rank} is negative; ranks start at 0")
+        for rank, extra in self.slow_ranks:
             _check_seconds(f"slow_ranks[{rank}]", extra)
+        object.__setattr__(self, "slow_ranks", tuple((rank, float(extra)) for rank, extra in self.slow_ranks))
         for name in ("rare_prob", "pull_prob"):
             value = getattr(self, name)
-            if not 0.0 <= value <= 1.0:
-                raise ValueError(f"Stragglers: {name}={value} must be a probability in [0, 1]")
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0.0 <= value <= 1.0:
+                raise ValueError(
+                    f"Stragglers: {name}={value!r} must be a probability, a number in [0, 1]; "
+                    f"e.g. tfsync.Stragglers(rare_prob=0.0016, rare_s=4.0) (0: never)"
+                )
+        if isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral) or self.seed < 0:
+            raise ValueError(
+                f"Stragglers: seed={self.seed!r} must be an integer >= 0 (it seeds every rank's delays); "
+                f"e.g. tfsync.Stragglers(base_s=0.02, seed=1)"
+            )
+        object.__setattr__(self, "seed", int(self.seed))
 
     @property
     def enabled(self) -> bool:
@@ -94,22 +101,27 @@ class Stragglers:
         spec = (spec or "").strip()
         if spec.lower() in ("", "none", "off"):
             return cls()
-        kwargs, slow = {}, {}
+        kwargs, slow, seen = {}, {}, set()
         for item in spec.split(","):
             key, sep, value = item.strip().partition("=")
             try:
                 if not sep:
                     raise ValueError("missing '='")
+                if key in seen and key != "slow":
+                    raise ValueError(f"{key!r} given twice; give each key once (slow= once per rank)")
+                seen.add(key)
                 if key == "base":
                     kwargs["base_s"] = float(value)
                 elif key == "slow":
-                    rank, extra = value.split(":")
+                    rank, extra = _pair(value, "RANK:SECONDS")
+                    if int(rank) in slow:
+                        raise ValueError(f"rank {int(rank)} given twice; give each slow rank once")
                     slow[int(rank)] = float(extra)
                 elif key == "rare":
-                    prob, seconds = value.split(":")
+                    prob, seconds = _pair(value, "PROBABILITY:SECONDS")
                     kwargs["rare_prob"], kwargs["rare_s"] = float(prob), float(seconds)
                 elif key == "pull":
-                    prob, seconds = value.split(":")
+                    prob, seconds = _pair(value, "PROBABILITY:SECONDS")
                     kwargs["pull_prob"], kwargs["pull_s"] = float(prob), float(seconds)
                 elif key == "jitter":
                     kwargs["jitter_s"] = float(value)
@@ -121,11 +133,18 @@ class Stragglers:
                 raise ValueError(
                     f"bad straggler spec item {item.strip()!r} in {spec!r} ({exc}); " f"expected {_SPEC_HELP}"
                 ) from None
-        return cls(slow_ranks=slow, **kwargs)
+        try:
+            return cls(slow_ranks=slow, **kwargs)
+        except ValueError as exc:
+            raise ValueError(f"bad straggler spec {spec!r}: {exc}") from None
 
     @classmethod
     def from_env(cls) -> "Stragglers":
-        return cls.parse(_env.STRAGGLERS.get())
+        """The spec in ``TFSYNC_STRAGGLERS`` (unset or empty: none); a bad one names the variable."""
+        try:
+            return cls.parse(_env.STRAGGLERS.get())
+        except ValueError as exc:
+            raise ValueError(f"{ENV_VAR}: {exc}; or unset {ENV_VAR}") from None
 
     def spec(self) -> str:
         """Inverse of :meth:`parse`, for passing the config to launched workers."""
@@ -210,6 +229,39 @@ class RankDelays:
         return delay
 
 
+def _pair(value, form):
+    """``"A:B"`` -> ``("A", "B")``; anything else is refused naming the ``form`` expected."""
+    parts = value.split(":")
+    if len(parts) != 2:
+        raise ValueError(f"{value!r} is not {form}")
+    return parts
+
+
+def _check_slow_ranks(slow_ranks):
+    """``{rank: seconds}`` or ``(rank, seconds)`` pairs -> sorted pairs; ranks are integers >= 0."""
+    hint = "e.g. tfsync.Stragglers(slow_ranks={3: 0.04}): rank 3 is 40 ms slower on every step"
+    try:
+        pairs = list(slow_ranks.items() if isinstance(slow_ranks, dict) else slow_ranks)
+        pairs = [(rank, extra) for rank, extra in pairs]
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"Stragglers: slow_ranks={slow_ranks!r} must map ranks to extra seconds per step; {hint}"
+        ) from None
+    for rank, _ in pairs:
+        if isinstance(rank, bool) or not isinstance(rank, numbers.Integral) or rank < 0:
+            problem = "is negative" if isinstance(rank, numbers.Real) and rank < 0 else "is not an integer"
+            raise ValueError(
+                f"Stragglers: slow rank {rank!r} {problem}; it must be an integer >= 0 (ranks start at 0); {hint}"
+            )
+    ranks = [int(rank) for rank, _ in pairs]
+    if len(set(ranks)) != len(ranks):
+        raise ValueError(f"Stragglers: slow_ranks={slow_ranks!r} names a rank twice; give each rank once; {hint}")
+    return tuple(sorted((int(rank), extra) for rank, extra in pairs))
+
+
 def _check_seconds(name, value):
-    if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
-        raise ValueError(f"Stragglers: {name}={value!r} must be a finite number of seconds >= 0")
+    if isinstance(value, bool) or not (isinstance(value, numbers.Real) and math.isfinite(value) and value >= 0):
+        raise ValueError(
+            f"Stragglers: {name}={value!r} must be a finite number of seconds >= 0; "
+            f"e.g. tfsync.Stragglers(base_s=0.02) or the spec 'base=0.02' (0: no delay)"
+        )
