@@ -212,14 +212,26 @@ class Auto:
     def __post_init__(self):
         from tfsync.policies import BSP, Policy
 
-        for field, value, low in (("window_steps", self.window_steps, 1), ("confirm", self.confirm, 1)):
+        for field, value, low, default in (
+            ("window_steps", self.window_steps, 1, 16),
+            ("confirm", self.confirm, 1, 2),
+        ):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"tfsync.Auto: {field}={value!r} must be an integer >= {low}")
+                raise ValueError(
+                    f"tfsync.Auto: {field}={value!r} must be an integer >= {low}; "
+                    f"e.g. tfsync.Auto({field}={default}) (the default)"
+                )
+        if self.modes is not None and not isinstance(self.modes, dict):
+            raise ValueError(
+                f"tfsync.Auto: modes={self.modes!r} must be a dict mapping profiles to policies "
+                f"(profiles: {', '.join(PROFILES)}); e.g. tfsync.Auto(modes={{'straggler': tfsync.PSP()}})"
+            )
         given = dict(self.modes or {})
-        unknown = sorted(set(given) - set(PROFILES))
+        unknown = sorted(set(given) - set(PROFILES), key=repr)
         if unknown:
             raise ValueError(
-                f"tfsync.Auto: modes has unknown profiles {unknown}; the profiles are {', '.join(PROFILES)}"
+                f"tfsync.Auto: modes has unknown profiles {unknown}; the profiles are {', '.join(PROFILES)}; "
+                f"key modes by those names, e.g. tfsync.Auto(modes={{'straggler': tfsync.PSP()}})"
             )
         chosen = {**default_modes(), **given}
         initial = BSP() if self.initial is None else self.initial
