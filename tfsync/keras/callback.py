@@ -199,6 +199,13 @@ class SyncCallback(keras.callbacks.Callback):
                 f"into equal parts (e.g. x[rank::size] with len(x) divisible by size) or pass "
                 f"steps_per_epoch to model.fit"
             )
+        if steps < 1:  # (every rank's is the same: checked above)
+            raise ValueError(
+                f"tfsync: steps per epoch is {steps!r} (Keras' params['steps']: the data holds no batch); "
+                f"expected an integer >= 1: an epoch without steps synchronizes nothing. Give every worker "
+                f"at least one batch (e.g. tfsync.shard(x, y, batch_size=...) on data with at least "
+                f"batch_size samples per worker)"
+            )
         lifecycle.check_agreement(configs, "mode, model and optimizer", FINGERPRINT_FIX)
         # every variable training reads, from rank 0, in its own dtype: the model's (trainable or
         # not) and the optimizer's (iterations, slots, learning rate, loss scale, accumulators)
