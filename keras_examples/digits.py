@@ -27,27 +27,30 @@ import time
 import keras  # importing TensorFlow does not touch the GPUs: pinning below still works
 import numpy as np
 
-from tfsync.launch import add_mode_arguments
+from tfsync.launch import add_mode_arguments, check_mode_args, integer, number, stragglers_spec
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_mode_arguments(p)
-    p.add_argument("--epochs", type=int, default=12)
-    p.add_argument("--batch-size", type=int, default=16, help="per worker")
+    p.add_argument("--epochs", type=integer(1), default=12)
+    p.add_argument("--batch-size", type=integer(1), default=16, help="per worker")
     # plain SGD: momentum compounds with staleness (asynchrony acts as extra
     # momentum), and 0.9 makes SSP's accuracy swing from run to run
-    p.add_argument("--lr", type=float, default=0.2)
-    p.add_argument("--momentum", type=float, default=0.0)
+    p.add_argument("--lr", type=number(above=0), default=0.2)
+    p.add_argument("--momentum", type=number(0, below=1), default=0.0)
     p.add_argument(
         "--target-accuracy",
-        type=float,
+        type=number(above=0, maximum=1),
         nargs="+",
         default=[0.9, 0.95],
         help="record the wall time at which the test accuracy first reaches each",
     )
     p.add_argument(
-        "--stragglers", default=None, help="straggler spec, e.g. 'base=0.02,slow=3:0.04' (default: $TFSYNC_STRAGGLERS)"
+        "--stragglers",
+        type=stragglers_spec,
+        default=None,
+        help="straggler spec, e.g. 'base=0.02,slow=3:0.04' (default: $TFSYNC_STRAGGLERS)",
     )
     p.add_argument("--trace-dir", default=None, help="write a JSON-lines trace per worker here")
     p.add_argument(
@@ -56,9 +59,11 @@ def parse_args(argv=None):
         help="train with plain Horovod BSP (in-graph hvd.grouped_allreduce) instead of tfsync: the "
         "anchor tfsync's modes are compared with (--mode is then ignored; --stragglers still applies)",
     )
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--verbose", type=int, default=0)
-    return p.parse_args(argv)
+    p.add_argument("--seed", type=integer(0), default=0)
+    p.add_argument("--verbose", type=int, default=0, choices=(0, 1, 2), help="Keras' fit verbosity (rank 0)")
+    args = p.parse_args(argv)
+    check_mode_args(p, args)  # a bad mode setting stops here, before any worker starts
+    return args
 
 
 def load_data(batch_size):

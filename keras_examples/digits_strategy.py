@@ -14,19 +14,25 @@ import time
 
 import numpy as np
 
-from tfsync.launch import add_mode_arguments
+from tfsync.launch import add_mode_arguments, check_mode_args, integer, number, stragglers_spec
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_mode_arguments(p)
+    p.add_argument("--epochs", type=integer(1), default=12)
+    p.add_argument("--batch-size", type=integer(1), default=16)
+    p.add_argument("--stragglers", type=stragglers_spec, default=None, help="e.g. 'base=0.02,slow=3:0.04'")
+    # plain SGD: momentum compounds with staleness (asynchrony acts as extra momentum)
+    p.add_argument("--lr", type=number(above=0), default=0.2)
+    p.add_argument("--momentum", type=number(0, below=1), default=0.0)
+    args = p.parse_args(argv)
+    check_mode_args(p, args)  # a bad mode setting stops here, before any worker starts
+    return args
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_mode_arguments(p)
-    p.add_argument("--epochs", type=int, default=12)
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--stragglers", default=None, help="e.g. 'base=0.02,slow=3:0.04'")
-    # plain SGD: momentum compounds with staleness (asynchrony acts as extra momentum)
-    p.add_argument("--lr", type=float, default=0.2)
-    p.add_argument("--momentum", type=float, default=0.0)
-    args = p.parse_args(argv)
+    args = parse_args(argv)
 
     from digits import build_model, init_horovod, load_data  # the callback example beside this one
 

@@ -25,29 +25,38 @@ import time
 import keras
 import numpy as np
 
-from tfsync.launch import add_mode_arguments
+from tfsync.launch import add_mode_arguments, check_mode_args, integer, number, stragglers_spec
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_mode_arguments(p)
-    p.add_argument("--epochs", type=int, default=8)
-    p.add_argument("--batch-size", type=int, default=16, help="per worker")
-    p.add_argument("--lr", type=float, default=0.002, help="Adam's learning rate")
+    p.add_argument("--epochs", type=integer(1), default=8)
+    p.add_argument("--batch-size", type=integer(1), default=16, help="per worker")
+    p.add_argument("--lr", type=number(above=0), default=0.002, help="Adam's learning rate")
     p.add_argument("--image-size", type=int, default=32, help="the 8x8 digits are upsampled to this size")
     p.add_argument(
-        "--filters", type=int, nargs="+", default=[16, 32, 64], help="filters of each ResNet stack (one per stack)"
+        "--filters",
+        type=integer(1),
+        nargs="+",
+        default=[16, 32, 64],
+        help="filters of each ResNet stack (one per stack)",
     )
-    p.add_argument("--blocks", type=int, nargs="+", default=None, help="blocks per stack (default: 1 each)")
+    p.add_argument("--blocks", type=integer(1), nargs="+", default=None, help="blocks per stack (default: 1 each)")
     # mild augmentation: the images are 8x8 digits upsampled, and BatchNormalization's moving
     # statistics (momentum 0.99) must follow the augmented inputs within a few hundred steps
-    p.add_argument("--magnitude", type=float, default=0.15, help="RandAugment's magnitude in [0, 1]")
-    p.add_argument("--augmentations-per-image", type=int, default=1, help="RandAugment's layers per image")
-    p.add_argument("--target-accuracy", type=float, nargs="+", default=[0.9, 0.95])
-    p.add_argument("--stragglers", default=None, help="e.g. 'base=0.02,slow=1:0.04' (default: $TFSYNC_STRAGGLERS)")
+    p.add_argument("--magnitude", type=number(0, 1), default=0.15, help="RandAugment's magnitude in [0, 1]")
+    p.add_argument("--augmentations-per-image", type=integer(1), default=1, help="RandAugment's layers per image")
+    p.add_argument("--target-accuracy", type=number(above=0, maximum=1), nargs="+", default=[0.9, 0.95])
+    p.add_argument(
+        "--stragglers",
+        type=stragglers_spec,
+        default=None,
+        help="e.g. 'base=0.02,slow=1:0.04' (default: $TFSYNC_STRAGGLERS)",
+    )
     p.add_argument("--trace-dir", default=None, help="write a JSON-lines trace per worker here")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--verbose", type=int, default=0)
+    p.add_argument("--seed", type=integer(0), default=0)
+    p.add_argument("--verbose", type=int, default=0, choices=(0, 1, 2), help="Keras' fit verbosity (rank 0)")
     args = p.parse_args(argv)
     args.blocks = args.blocks or [1] * len(args.filters)
     if len(args.blocks) != len(args.filters) or min(args.filters + args.blocks) < 1:
@@ -57,8 +66,7 @@ def parse_args(argv=None):
         )
     if args.image_size < 8 or args.image_size % 4:
         p.error(f"--image-size {args.image_size}: use a multiple of 4 of at least 8 (the digits are 8x8), e.g. 32")
-    if not 0.0 <= args.magnitude <= 1.0:
-        p.error(f"--magnitude {args.magnitude}: RandAugment's magnitude is in [0, 1]")
+    check_mode_args(p, args)  # a bad mode setting stops here, before any worker starts
     return args
 
 

@@ -22,7 +22,7 @@ import json
 import os
 import sys
 
-from tfsync.launch import REPO_ROOT, horovodrun
+from tfsync.launch import REPO_ROOT, horovodrun, integer, number, stragglers_spec
 from tfsync.policies import registry
 
 EXAMPLE = os.path.join(REPO_ROOT, "keras_examples", "digits.py")
@@ -47,15 +47,27 @@ DEMO_MODES = ("bsp", "ssp", "ssp(s=15)", "dssp", "elasticbsp", "psp", "backup", 
 
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m tfsync.demo", description=__doc__.splitlines()[0])
-    p.add_argument("--workers", type=int, default=4)
-    p.add_argument("--epochs", type=int, default=12)
-    p.add_argument("--staleness", type=int, default=3)
+    p.add_argument("--workers", type=integer(2), default=4, help="local workers (2 or more: the modes compare them)")
+    p.add_argument("--epochs", type=integer(1), default=12)
+    p.add_argument("--staleness", type=integer(0), default=3, help="SSP's bound s")
     p.add_argument("--scenarios", nargs="+", default=list(DEMO_SCENARIOS), choices=list(SCENARIOS))
     p.add_argument("--modes", nargs="+", default=list(DEMO_MODES), choices=list(MODES))
-    p.add_argument("--stragglers", default=None, help="run one custom scenario with this straggler spec instead")
-    p.add_argument("--target-accuracy", type=float, nargs="+", default=[0.9, 0.95])
+    p.add_argument(
+        "--stragglers",
+        type=stragglers_spec,
+        default=None,
+        help="run one custom scenario with this straggler spec instead",
+    )
+    p.add_argument("--target-accuracy", type=number(above=0, maximum=1), nargs="+", default=[0.9, 0.95])
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     args = p.parse_args(argv)
+    if args.stragglers:  # a slow rank the job does not have would simulate nothing
+        from tfsync.stragglers import Stragglers
+
+        try:
+            Stragglers.parse(args.stragglers).validate(args.workers)
+        except ValueError as exc:
+            p.error(f"argument --stragglers: {exc}")
     if not os.path.exists(EXAMPLE):
         sys.exit(
             f"tfsync.demo: {EXAMPLE} not found; run the demo from a tfsync checkout "

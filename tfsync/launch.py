@@ -1,10 +1,16 @@
 """Launch a Python script on N local workers with ``horovodrun --gloo``, bounded in time.
 
 Used by ``python -m tfsync.bench`` and ``python -m tfsync.demo``; workers print
-one ``TFSYNC_RESULT {json}`` line (rank 0) that is parsed back here.
+one ``TFSYNC_RESULT {json}`` line (rank 0) that is parsed back here.  The
+command-line checks those tools and the examples share are here too
+(:func:`integer`, :func:`number`, :func:`stragglers_spec`,
+:func:`check_mode_args`): a bad option stops at parse time, naming the option,
+what it takes and the way out, before any worker is launched.
 """
 
+import argparse
 import json
+import math
 import os
 import shutil
 import signal
@@ -76,6 +82,74 @@ def horovodrun(script, args=(), workers=4, timeout_s=600, env=None):
 def print_result(result):
     """Called by rank 0 of a launched script."""
     print(RESULT_PREFIX + json.dumps(result), flush=True)
+
+
+def integer(minimum):
+    """An argparse ``type``: a whole number ``>= minimum``, refused at parse time otherwise
+    (argparse names the option: ``argument --epochs: expected ...``)."""
+
+    def parse(raw):
+        try:
+            value = int(raw)
+        except ValueError:
+            value = None
+        if value is None or value < minimum:
+            raise argparse.ArgumentTypeError(
+                f"expected a whole number >= {minimum}, got {raw!r}; pass one, "
+                f"or leave the option out for its default"
+            )
+        return value
+
+    parse.__name__ = f"integer >= {minimum}"
+    return parse
+
+
+def number(minimum=None, maximum=None, *, above=None, below=None):
+    """An argparse ``type``: a finite number within the bounds (``minimum``/``maximum``
+    inclusive, ``above``/``below`` exclusive), refused at parse time otherwise."""
+    bounds = [(">=", minimum), (">", above), ("<=", maximum), ("<", below)]
+    expected = " and ".join(f"{op} {b}" for op, b in bounds if b is not None)
+    expected = f"a finite number {expected}".strip()
+
+    def parse(raw):
+        try:
+            value = float(raw)
+        except ValueError:
+            value = math.nan
+        ok = math.isfinite(value)
+        ok = ok and (minimum is None or value >= minimum) and (maximum is None or value <= maximum)
+        ok = ok and (above is None or value > above) and (below is None or value < below)
+        if not ok:
+            raise argparse.ArgumentTypeError(
+                f"expected {expected}, got {raw!r}; pass one, or leave the option out for its default"
+            )
+        return value
+
+    parse.__name__ = expected
+    return parse
+
+
+def stragglers_spec(raw):
+    """An argparse ``type``: a straggler spec (:meth:`tfsync.Stragglers.parse`), checked at parse time."""
+    from tfsync.stragglers import Stragglers
+
+    try:
+        Stragglers.parse(raw)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return raw
+
+
+def check_mode_args(parser, args):
+    """Build the policy the parsed ``--mode`` flags describe now, at parse time, so that a bad
+    setting (``--staleness -1``, ``--push-timeout-s nan``) stops with the usage line before any
+    worker starts; returns the policy (:func:`mode_from_args`)."""
+    try:
+        return mode_from_args(args)
+    except SystemExit as exc:
+        parser.error(str(exc))
+    except (TypeError, ValueError) as exc:
+        parser.error(f"--mode {args.mode}: {exc}")
 
 
 def mode_names() -> tuple:
