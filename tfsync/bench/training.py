@@ -40,8 +40,9 @@ import json
 import os
 import sys
 
-from tfsync.launch import horovodrun
+from tfsync.launch import horovodrun, integer
 from tfsync.policies import registry
+from tfsync.stragglers import Stragglers
 
 # the worker's flags for each mode and named variant (tfsync.policies.registry), after the two
 # baselines the worker runs itself: no synchronization, plain Horovod
@@ -98,10 +99,10 @@ def add_scenario_arguments(p):
 
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m tfsync.bench", description=__doc__.splitlines()[0])
-    p.add_argument("--workers", type=int, default=4)
-    p.add_argument("--steps", type=int, default=150, help="timed steps per worker (after 10 warm-up)")
+    p.add_argument("--workers", type=integer(2), default=4, help="local workers (2 or more: the modes compare them)")
+    p.add_argument("--steps", type=integer(1), default=150, help="timed steps per worker (after 10 warm-up)")
     add_scenario_arguments(p)
-    p.add_argument("--staleness", type=int, default=3)
+    p.add_argument("--staleness", type=integer(0), default=3, help="SSP's bound s")
     p.add_argument(
         "--modes",
         nargs="+",
@@ -119,18 +120,25 @@ def parse_args(argv):
     )
     p.add_argument(
         "--repeats",
-        type=int,
+        type=integer(1),
         default=3,
         help="launches per (mode, scenario), interleaved across modes; the median is reported",
     )
     p.add_argument("--json", metavar="PATH", help="write the records here")
     p.add_argument("--quick", action="store_true", help="2 workers, 20 steps: a smoke test")
-    p.add_argument("--timeout-s", type=int, default=600, help="bound on each launch")
+    p.add_argument("--timeout-s", type=integer(1), default=600, help="bound on each launch, in seconds")
     args = p.parse_args(argv)
     if args.quick:
         args.workers, args.steps, args.repeats = 2, 20, 1
-    if args.workers < 2:
-        p.error("--workers must be at least 2")
+    # the delays of every scenario asked for, checked here rather than in each launched worker
+    for name in args.scenarios:
+        try:
+            Stragglers.parse(scenario_spec(name, args))
+        except ValueError as exc:
+            p.error(
+                f"scenario {name!r}: {exc} (set by --base-s, --slow-s, --jitter-s, --rare-prob, --rare-s, "
+                f"--pull-prob, --pull-s: seconds are finite and >= 0, probabilities in [0, 1])"
+            )
     return args
 
 
