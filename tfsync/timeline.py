@@ -377,9 +377,9 @@ def summarize(trace, start_step=None, end_step=None) -> dict:
 
     Args:
         trace: the result of :func:`load_trace`.
-        start_step, end_step: count only steps in this inclusive range (None:
-            from the first / to the last step). The finish event's final wait
-            is counted only when ``end_step`` is None.
+        start_step: count only steps from this one (inclusive; None: from the first).
+        end_step: count only steps up to this one (inclusive; None: to the last). The
+            finish event's final wait is counted only when ``end_step`` is None.
 
     Returns:
         ``{"mode", "policy", "size", "ranks": {rank: {...}}, "overall": {...}}``.
@@ -510,8 +510,9 @@ def plot_timeline(trace, path, title=None, start_step=None, end_step=None):
             ``.svg``/``.pdf``), PNG when there is none.
         title: first title line (default ``"tfsync timeline: <dir>"``); the
             mode and worker count are always added.
-        start_step, end_step: draw only steps in this inclusive range (None:
-            from the first / to the last step, the final wait included).
+        start_step: draw only steps from this one (inclusive; None: from the first).
+        end_step: draw only steps up to this one (inclusive; None: to the last, the
+            final wait included).
 
     Returns:
         The summary (:func:`summarize`) of the drawn range.

@@ -92,7 +92,9 @@ def delay_compensate_adaptive(gradient, w_now, w_stale, mean_square, lambda0, mo
     w_stale)``, all in one fused pass.
 
     Args:
-      gradient, w_now, w_stale: as for :func:`delay_compensate`.
+      gradient: as for :func:`delay_compensate`.
+      w_now: as for :func:`delay_compensate`.
+      w_stale: as for :func:`delay_compensate`.
       mean_square: ``tf.Variable`` holding ``v``, same shape as ``gradient``, dtype
         float32 (float64 when ``gradient`` is float64), e.g.
         ``tf.Variable(tf.zeros(shape, tf.float32))``.
@@ -212,7 +214,11 @@ def update_push_share(variable, w_bar, pending, size, name=None, return_finite=F
     flight do not fault fresh memory in on every step.
 
     Args:
-      variable, w_bar, pending: ``tf.Variable``s of one float dtype and shape.
+      variable: ``tf.Variable``, the weight tensor the optimizer moved.
+      w_bar: ``tf.Variable`` of the variable's dtype and shape, the sum of every
+        complete round.
+      pending: ``tf.Variable`` of the variable's dtype and shape, this worker's
+        shares in rounds not complete yet.
       size: float scalar ``>= 1``, the number of workers.
       name: optional name scope.
       return_finite: also return whether every element of the share is finite.
@@ -241,7 +247,9 @@ def update_apply_round(variable, w_bar, pending, total, own_share, name=None):
     worker, so it stays bit-identical across them.
 
     Args:
-      variable, w_bar, pending: as for :func:`update_push_share`.
+      variable: as for :func:`update_push_share`.
+      w_bar: as for :func:`update_push_share`.
+      pending: as for :func:`update_push_share`.
       total: tensor of the variable's shape and dtype.
       own_share: tensor of the variable's shape and dtype, the share this
         worker pushed into the round.
