@@ -175,7 +175,7 @@ class BuildExt(build_ext):
                 print(
                     f"tfsync: WARNING: nvcc is CUDA {nvcc_version[0]}.{nvcc_version[1]}, TensorFlow "
                     f"{flags['tensorflow_version']} was built with CUDA {tf_cuda}: the kernels need a "
-                    f"driver for CUDA {nvcc_version[0]} at run time (README: GPU build)",
+                    f"driver for CUDA {nvcc_version[0]} at run time (docs/install.md: GPU build)",
                     file=sys.stderr,
                 )
             archs = _cuda_archs(nvcc)

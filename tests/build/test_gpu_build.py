@@ -7,7 +7,7 @@ device: the CUDA kernels are in the library as SASS for every architecture the b
 chose and as PTX; every CUDA runtime symbol the library needs is exported by the
 wheel's ``libtensorflow_framework`` (so it loads in a TensorFlow process); and loaded
 in that environment, the ops have GPU kernels registered. Running the kernels needs a
-GPU (README, "GPU build").
+GPU (docs/install.md, "GPU build").
 
 Slow (a TensorFlow install and an nvcc build, a few minutes) and needs ``nvcc``: it is
 skipped where ``nvcc`` is missing, except under CI, where it must run.

@@ -107,7 +107,7 @@ def test_the_controllers_decisions_are_timed():
 
 
 def test_the_ordering_of_the_real_four_worker_runs():
-    # shape, not numbers: the README's bench tables (4 workers, 20 ms, tfsync on Horovod) put
+    # shape, not numbers: the bench tables of docs/benchmarks.md (4 workers, 20 ms, tfsync on Horovod) put
     # backup workers and PSP above BSP under the persistent straggler and the rare delays,
     # ElasticBSP above BSP under the heterogeneous worker, and BSP above both partial modes
     # (effective) with no slowness

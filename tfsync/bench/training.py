@@ -31,7 +31,7 @@ the workers.
 
 Each configuration is launched ``--repeats`` times, round-robin across the
 modes, and its median run is reported (the machine is shared and noisy).
-Prints a table with the ratios the README quotes and writes the records as
+Prints a table with the ratios docs/benchmarks.md quotes and writes the records as
 JSON with ``--json PATH``.
 """
 
