@@ -40,8 +40,8 @@ demo: install
 test: install
 	$(PYTHON) -m ruff check .
 	$(PYTHON) -m ruff format --check .
-	@# the documentation site with warnings as errors: a broken internal link or anchor, a page
-	@# left out of the nav or a docstring mkdocstrings cannot render fails here
+	@# the documentation site with warnings as errors: a broken internal link or anchor, or a
+	@# docstring mkdocstrings cannot render, fails here (tests/single/test_docs.py checks the rest)
 	$(PYTHON) -m mkdocs build --strict --quiet
 	$(PYTHON) -m pytest tests -q -p no:cacheprovider
 
