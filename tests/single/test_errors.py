@@ -861,6 +861,13 @@ def test_the_readme_lists_every_bad_input():
     assert not missing, "README.md's errors section does not list:\n" + "\n".join(missing)
 
 
+def test_the_errors_page_lists_every_bad_input():
+    with open(os.path.join(REPO_ROOT, "docs", "guide", "errors.md"), encoding="utf-8") as f:
+        page = f.read()
+    missing = [case.readme for case in BAD_INPUTS if case.readme not in page]
+    assert not missing, "docs/guide/errors.md does not list:\n" + "\n".join(missing)
+
+
 def test_the_section_finder_stops_at_the_next_heading_of_its_level():
     text = "# T\n## Errors\n\n### Arguments\n- a\n## Next\n- b\n"
     assert _errors_section(text) == "\n\n### Arguments\n- a\n"
