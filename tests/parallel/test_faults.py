@@ -1,6 +1,6 @@
 """Lost, hung and misconfigured workers stop the job with an error naming the rank.
 
-Bounds (documented in the README): a worker that exits is named within a few
+Bounds (documented in docs/guide/faults.md): a worker that exits is named within a few
 seconds (its control stream closes); a hung worker within ``wait_timeout_s``
 (5 s here) plus a second of polling.
 """

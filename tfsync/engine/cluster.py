@@ -41,8 +41,8 @@ The engine and the frontends (:mod:`tfsync.frontend`) call the collectives from
 at most one thread at a time per rank, in the same order on every rank; nothing
 else in tfsync's training path calls Horovod.  In production (``cluster=None``) it is
 :class:`HorovodCluster`: the same Horovod calls, with the same names and in
-the same order, as the engine made before this interface existed.  The
-single-process tests pass N ranks on threads (``tests/single/fake_cluster.py``),
+the same order on every rank.  The single-process tests pass N ranks on threads
+(``tests/single/fake_cluster.py``),
 and a simulator can do the same.
 
 Every collective outside the engine's rounds (the engine's start and close,

@@ -8,10 +8,7 @@ also report their clock, throttled: ``ControlClient.report``
 sends at most one report per ``REPORT_INTERVAL_S`` (0.25 s) and has at most
 one in flight, and a worker waiting for a round forces one report (of its
 last pushed step) about once a second, so a wait that times out can say which
-rank is behind from clocks at most about a second old.  Answers take well
-under a millisecond on one host (measured by
-``tests/single/test_exchange.py::test_control_path_reports_clocks_quickly``,
-printed with ``pytest -s``).
+rank is behind from clocks at most about a second old.
 
 Only this job's workers may use the service.  Rank 0 draws a random token per
 job and hands it to the workers through the launch's own collective; every
@@ -131,7 +128,7 @@ LATE_TIMEOUT_S = 5.0  # deadline of one late-contribution offer (the worker wait
 ASK_TIMEOUT_S = 5.0  # deadline of one question to the policy's service (the worker waits for the answer)
 COORDINATOR_WAKE_S = 0.5  # the coordinator rechecks shutdown at least this often
 
-# Links between hosts (issue 31, item 5).  A flap of a few seconds must not end a job; a
+# Links between hosts.  A flap of a few seconds must not end a job; a
 # dead worker or a link that stays down must still be named within seconds.
 # How long a worker on another host may take to re-attach after its stream ended without
 # Leave before rank 0 records it lost, and how long a worker whose stream broke retries
@@ -986,8 +983,8 @@ class ControlClient:
         The stream's reader thread is joined (bounded) before the channel
         closes: closing a gRPC Python channel while another thread is still
         inside one of its calls is the pattern of gRPC's segfault reports
-        (grpc/grpc#16290, #19235), and a worker once died with SIGSEGV in CI
-        right after rank 0's server went away under its open stream.
+        (grpc/grpc#16290, #19235), such as a worker's open stream when rank 0's
+        server goes away.
         """
         if self._channel_closed:
             return

@@ -50,9 +50,8 @@ class Diagnosis:
         # checked after the table query: a peer that stopped (rank 0 included)
         # told everyone why before it went, and that beats "rank 0 is unreachable"
         # and "lost rank k" for that peer.  Stopping for a peer's reason is
-        # announced too: this rank's exit must not read as a loss to the ranks
-        # still waiting (CI: rank 1 timed out, rank 0 stopped for its reason and
-        # exited unannounced, and rank 3 reported "lost rank 0")
+        # announced too: unannounced, this rank's exit would read as a loss to
+        # the ranks still waiting, and they would report it instead of the root cause
         peer_stop = self.peer_stop()
         if peer_stop is not None and not lost:
             raise self.stop(peer_stop)

@@ -86,7 +86,7 @@ contribution (added to a fresh one, if accepted too) and its ``late`` field.
 them with the weight a fresh one has (``1/d``), as DC-ASGD applies every
 corrected gradient at the full learning rate, instead of diluting the fresh
 ones' mean: a late contribution that is dropped loses its step, one that is
-compensated restores it (the README's delay compensation section measures it).
+compensated restores it (docs/choosing.md compares the two).
 :meth:`RoundExchange.final_round` takes the ones still held when training
 ends, with the same weight.
 """
@@ -392,7 +392,7 @@ class RoundExchange:
         :attr:`inline_expired` names it, so the caller can say that it timed
         out.  Without it, a peer whose process is alive but whose training
         thread is stuck would hold this thread in Horovod for as long as it
-        stays stuck (measured: the others waited until the stuck rank exited).
+        stays stuck, until that rank exits.
         """
         meta = np.zeros((self.size, _K), np.float64)
         meta[self.rank, :4] = (1.0 if present and not rejected else 0.0, round_, push_time, compute_s)

