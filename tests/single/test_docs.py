@@ -120,3 +120,10 @@ def test_every_public_name_is_in_the_api_reference(site):
 def test_the_readme_links_lead_to_files_that_exist():
     missing = [str(p) for p in _links(ROOT / "README.md") if not p.exists()]
     assert not missing, f"README.md links to files that do not exist: {missing}"
+
+
+def test_the_readme_stays_short():
+    # a user's page: what tfsync is, install, quick start, choosing a mode, errors, limits;
+    # everything else belongs to docs/ (issue 34)
+    lines = (ROOT / "README.md").read_text(encoding="utf-8").count("\n")
+    assert lines <= 250, f"README.md has {lines} lines; move detail into docs/ and link it"

@@ -166,6 +166,26 @@ BAD_INPUTS = [
         r"use 'reject' .* or 'raise'",
     ),
     Bad(
+        "stragglers-type",
+        A,
+        "`stragglers=` neither a `tfsync.Stragglers` nor `None` (e.g. a spec string)",
+        lambda: tfsync.keras.SyncCallback(stragglers="base=0.02"),
+        TypeError,
+        r"stragglers must be a tfsync\.Stragglers or None, got str",
+        r"tfsync\.Stragglers or None",
+        r"pass e\.g\. tfsync\.Stragglers\.parse\('base=0\.02,slow=1:0\.04'\)",
+    ),
+    Bad(
+        "trace-dir-type",
+        A,
+        "`trace_dir=` neither a directory path nor `None`",
+        lambda: tfsync.keras.SyncCallback(trace_dir=3),
+        TypeError,
+        r"trace_dir must be .*got int",
+        r"a directory path \(str or os\.PathLike\) or None",
+        r"pass e\.g\. trace_dir='traces/run1'",
+    ),
+    Bad(
         "steps-per-epoch",
         A,
         "steps per epoch below 1 under `SyncCallback` (a worker's data holds no batch)",
@@ -466,7 +486,7 @@ BAD_INPUTS = [
         ValueError,
         r"TFSYNC_OPS_IMPL='fast'",
         r"expected one of compiled, reference",
-        r"unset means 'compiled'",
+        r"unset it to run the compiled kernels, or set TFSYNC_OPS_IMPL=reference",
     ),
     Bad(
         "env-scheduler-impl",
@@ -476,7 +496,7 @@ BAD_INPUTS = [
         ValueError,
         r"TFSYNC_SCHEDULER_IMPL='fast'",
         r"expected one of compiled, reference",
-        r"'compiled' is the default",
+        r"unset it for 'compiled' \(the default\), or choose 'reference'",
     ),
     # ------------------------------------------------------------ straggler specs
     Bad(

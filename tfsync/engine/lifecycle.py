@@ -38,9 +38,15 @@ def settings(*, stragglers=None, trace_dir=None, wait_timeout_s=None) -> dict:
     if stragglers is None:
         stragglers = Stragglers.from_env()
     if not isinstance(stragglers, Stragglers):
-        raise TypeError(f"stragglers must be a tfsync.Stragglers, got {type(stragglers).__name__}")
+        raise TypeError(
+            f"tfsync: stragglers must be a tfsync.Stragglers or None, got {type(stragglers).__name__}; "
+            f"pass e.g. tfsync.Stragglers.parse('base=0.02,slow=1:0.04'), or None for none"
+        )
     if trace_dir is not None and not isinstance(trace_dir, str | os.PathLike):
-        raise TypeError(f"trace_dir must be a directory path or None, got {type(trace_dir).__name__}")
+        raise TypeError(
+            f"tfsync: trace_dir must be a directory path (str or os.PathLike) or None, got "
+            f"{type(trace_dir).__name__}; pass e.g. trace_dir='traces/run1', or None for no trace"
+        )
     return {"stragglers": stragglers, "trace_dir": trace_dir, "wait_timeout_s": _env.wait_timeout_s(wait_timeout_s)}
 
 

@@ -141,7 +141,10 @@ class SyncCallback(keras.callbacks.Callback):
         mode = resolve_mode(mode)
         for flag, value in (("average_epoch_logs", average_epoch_logs), ("average_statistics", average_statistics)):
             if not isinstance(value, bool):
-                raise TypeError(f"tfsync.keras.SyncCallback: {flag} must be True or False, got {value!r}")
+                raise TypeError(
+                    f"tfsync.keras.SyncCallback: {flag} must be True or False, got {value!r}; "
+                    f"pass {flag}=True (the default) or {flag}=False"
+                )
         self.auto = mode if isinstance(mode, Auto) else None
         self.policy = mode.initial if self.auto else mode
         self._frontend = Frontend(

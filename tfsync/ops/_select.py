@@ -19,7 +19,8 @@ def implementation_from_env(environ=None):
     if value not in IMPLEMENTATIONS:
         raise ValueError(
             f"{ENV_VAR}={value!r} is not an implementation of tfsync.ops; "
-            f"expected one of {', '.join(IMPLEMENTATIONS)} (unset means 'compiled')."
+            f"expected one of {', '.join(IMPLEMENTATIONS)}; unset it to run the compiled kernels, or "
+            f"set {ENV_VAR}=reference for the TensorFlow-ops twin."
         )
     return value
 

@@ -25,8 +25,8 @@ def implementation_name(implementation=None):
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(
             f"tfsync.scheduler: {source}{implementation!r} is not an implementation; "
-            f"expected one of {', '.join(IMPLEMENTATIONS)} ('compiled' is the default, "
-            "'reference' is the plain-Python twin kept for tests)"
+            f"expected one of {', '.join(IMPLEMENTATIONS)}; unset it for 'compiled' (the default), "
+            "or choose 'reference', the plain-Python twin kept for tests"
         )
     return implementation
 
