@@ -52,6 +52,7 @@ import time
 import numpy as np
 
 from tfsync.bench.training import DEFAULT_SCENARIOS, add_scenario_arguments, scenario_spec
+from tfsync.launch import number
 from tfsync.policies import DSSP, ElasticBSP, Policy, registry
 from tfsync.policies.base import decide_round
 from tfsync.policies.dynamic import PushTable
@@ -341,8 +342,10 @@ def parse_args(argv):
     p.add_argument("--scenarios", nargs="+", default=list(SIM_SCENARIOS), choices=SIM_SCENARIOS)
     add_scenario_arguments(p)
     p.add_argument("--staleness", type=int, default=3, help="SSP's bound (the modes that take one)")
-    p.add_argument("--allreduce-ms", type=float, default=5.0, help="one round's allreduce")
-    p.add_argument("--control-ms", type=float, default=1.0, help="one way on the control path (coordinator)")
+    p.add_argument("--allreduce-ms", type=number(minimum=0), default=5.0, help="one round's allreduce")
+    p.add_argument(
+        "--control-ms", type=number(minimum=0), default=1.0, help="one way on the control path (coordinator)"
+    )
     p.add_argument("--json", help="write every run's figures here")
     args = p.parse_args(argv)
     for name in ("steps", "staleness"):
@@ -350,11 +353,6 @@ def parse_args(argv):
             p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
     if min(args.workers) < 2:
         p.error(f"--workers must all be >= 2 (a synchronization mode needs peers), got {args.workers}")
-    for name in ("base_s", "slow_s", "jitter_s", "rare_s", "allreduce_ms", "control_ms"):
-        if getattr(args, name) < 0:
-            p.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
-    if not 0 <= args.rare_prob <= 1:
-        p.error(f"--rare-prob must be a probability in [0, 1], got {args.rare_prob}")
     return args
 
 

@@ -147,8 +147,10 @@ def test_the_simulator_never_imports_tensorflow():
     [
         (["--workers", "1"], "--workers must all be >= 2"),
         (["--steps", "0"], "--steps must be >= 1"),
-        (["--allreduce-ms", "-1"], "--allreduce-ms must be >= 0"),
-        (["--rare-prob", "2"], "--rare-prob must be a probability"),
+        (["--allreduce-ms", "-1"], "argument --allreduce-ms: expected a finite number >= 0, got '-1'"),
+        (["--allreduce-ms", "nan"], "argument --allreduce-ms: expected a finite number >= 0, got 'nan'"),
+        (["--base-s", "inf"], "argument --base-s: expected a finite number >= 0, got 'inf'"),
+        (["--rare-prob", "2"], "argument --rare-prob: expected a finite number >= 0 and <= 1, got '2'"),
         (["--modes", "sgd"], "invalid choice: 'sgd'"),
     ],
 )

@@ -23,6 +23,7 @@ import time
 
 import numpy as np
 
+from tfsync.launch import number
 from tfsync.scheduler import EXACT_ALGORITHMS, zipline
 
 WORKER_COUNTS = (4, 8, 16, 100, 200, 1000, 5000)
@@ -261,7 +262,7 @@ def main(argv=None):
     )
     parser.add_argument(
         "--limit-s",
-        type=float,
+        type=number(above=0),
         default=None,
         help="skip cells whose single call is predicted to exceed this " "(default 10, quick 0.5)",
     )

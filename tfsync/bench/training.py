@@ -40,7 +40,7 @@ import json
 import os
 import sys
 
-from tfsync.launch import horovodrun, integer
+from tfsync.launch import horovodrun, integer, number
 from tfsync.policies import registry
 from tfsync.stragglers import Stragglers
 
@@ -85,16 +85,18 @@ def scenario_spec(name, args):
 
 
 def add_scenario_arguments(p):
-    """The delays :func:`scenario_spec` reads (the bench's and the simulator's flags)."""
-    p.add_argument("--base-s", type=float, default=0.02, help="simulated device time per step")
-    p.add_argument("--slow-s", type=float, default=0.04, help="extra time per step of the straggler (the last rank)")
-    p.add_argument("--jitter-s", type=float, default=0.04, help="max extra time per step in 'jitter'")
-    p.add_argument("--rare-prob", type=float, default=0.01, help="probability of a rare delay in 'rare'")
-    p.add_argument("--rare-s", type=float, default=0.5, help="length of a rare delay in 'rare'")
+    """The delays :func:`scenario_spec` reads (the bench's and the simulator's flags), each
+    refused at parse time unless finite and in range."""
+    seconds, probability = number(minimum=0), number(minimum=0, maximum=1)
+    p.add_argument("--base-s", type=seconds, default=0.02, help="simulated device time per step")
+    p.add_argument("--slow-s", type=seconds, default=0.04, help="extra time per step of the straggler (the last rank)")
+    p.add_argument("--jitter-s", type=seconds, default=0.04, help="max extra time per step in 'jitter'")
+    p.add_argument("--rare-prob", type=probability, default=0.01, help="probability of a rare delay in 'rare'")
+    p.add_argument("--rare-s", type=seconds, default=0.5, help="length of a rare delay in 'rare'")
     p.add_argument(
-        "--pull-prob", type=float, default=0.0025, help="probability that a round's block reaches a worker late"
+        "--pull-prob", type=probability, default=0.0025, help="probability that a round's block reaches a worker late"
     )
-    p.add_argument("--pull-s", type=float, default=0.5, help="how late, in 'rare-pull'")
+    p.add_argument("--pull-s", type=seconds, default=0.5, help="how late, in 'rare-pull'")
 
 
 def parse_args(argv):
