@@ -347,7 +347,9 @@ def test_a_late_gradient_whose_correction_overflows_is_rejected_not_offered(poli
     # correction overflows: it must be rejected, never offered
     slow, steps = 2, 30
     late_step = steps - 1 if held_to_the_end else 3
-    delays = [0.003, 0.003, [0.12 if s == late_step else 0.003 for s in range(steps)]]
+    # the slow rank is faster than the others until its late step (so, even on a loaded machine,
+    # no round closes before it computes that step, which it would then skip), then late
+    delays = [0.02, 0.02, [0.25 if s == late_step else 0.0 for s in range(steps)]]
     job = Job(policy, steps=steps, delays=delays, trace_dir=str(tmp_path))
     plain = Job.gradient.__get__(job)
 
@@ -359,6 +361,7 @@ def test_a_late_gradient_whose_correction_overflows_is_rejected_not_offered(poli
 
     job.gradient = gradient
     job.run()
+    assert late_step in job.pushed[slow], "the slow rank skipped its late step: the test needs it computed"
     assert job.rounds[0][late_step][0][slow] == 0.0, "the slow gradient was taken on time: the test needs it late"
     for k in range(job.size):
         assert np.all(np.isfinite(job.weights[k])), (k, job.weights[k])
@@ -462,9 +465,9 @@ def test_each_rejection_is_logged_as_a_warning_at_most_once_per_interval(caplog,
 # ------------------------------------------------------------------ through SyncCallback and model.fit
 
 
-def _fit_with_a_poisoned_batch(mode, on_nonfinite, size=2, steps=6, bad=(1, 2), optimizer=None):
+def _fit_with_a_poisoned_batch(mode, on_nonfinite, size=2, steps=6, bad=(1, 2), optimizer=None, value=np.nan):
     """Each rank fits a small regression with ``SyncCallback(mode, on_nonfinite=...)`` on the fake
-    cluster; rank ``bad[0]``'s batch ``bad[1]`` has a NaN input.  ``(results, errors)`` per rank,
+    cluster; rank ``bad[0]``'s batch ``bad[1]`` has a NaN input (or ``value``).  ``(results, errors)`` per rank,
     a result being ``(weights, counts, history)``; ``optimizer``: a function returning the
     Keras optimizer (default plain SGD)."""
     fake = FakeCluster(size, timeout_s=60)
@@ -476,7 +479,7 @@ def _fit_with_a_poisoned_batch(mode, on_nonfinite, size=2, steps=6, bad=(1, 2), 
         x = rng.normal(size=(4 * steps, 3)).astype(np.float32)
         y = x @ np.array([[1.0], [-2.0], [0.5]], np.float32)
         if rank == bad[0]:
-            x[4 * bad[1], 1] = np.nan
+            x[4 * bad[1], 1] = value
         keras.utils.set_random_seed(0)  # (the same initial weights; the callback broadcasts rank 0's anyway)
         model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4), keras.layers.Dense(1)])
         model.compile(optimizer=optimizer() if optimizer else keras.optimizers.SGD(0.05), loss="mse")
@@ -527,6 +530,26 @@ def test_a_nan_batch_leaves_the_optimizer_of_a_mode_that_applies_its_own_gradien
             np.testing.assert_array_equal(a, b)
     for _, c, _ in results:
         assert c["produced"] == c["applied"] + c["compensated"] + c["dropped"] + c["rejected"], c
+
+
+@pytest.mark.parametrize("adaptive", [False, True], ids=["constant", "adaptive"])
+def test_a_gradient_whose_dcs3gd_correction_overflows_reaches_no_optimizer(adaptive):
+    # a finite gradient of about 1e30 (one input of 1e15): its correction
+    # g + lam * g * g * (w_now - w_stale) overflows float32 although the gradient is finite, and
+    # must reach neither the momentum slot nor, adaptive, DC-ASGD-a's v
+    import keras
+
+    mode = tfsync.DCS3GD(tfsync.DelayCompensation(lam=0.04, adaptive=adaptive))
+    results, errors = _fit_with_a_poisoned_batch(
+        mode, "reject", steps=8, optimizer=lambda: keras.optimizers.SGD(0.05, momentum=0.9), value=1e15
+    )
+    assert not any(errors), errors
+    assert [counts["rejected"] for _, counts, _ in results] == [0, 1]
+    weights = [w for w, _, _ in results]
+    for w in weights:
+        for a, b in zip(w, weights[0]):
+            assert np.all(np.isfinite(a))
+            np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.parametrize("mode", ["ssp", "dcs3gd"])

@@ -357,19 +357,22 @@ class _SyncExtended(one_device_strategy.OneDeviceExtended):
         if self._reduces_gradients and self._engine is None:
             self._start(values)
         # (an update protocol's engine starts after the step, on the variables it updated)
-        finite = None
-        if guards_optimizer(self._protocol) and not (self._prepared is not None and is_loss_scaled(self._prepared)):
+        if not guards_optimizer(self._protocol) or (self._prepared is not None and is_loss_scaled(self._prepared)):
             # (a LossScaleOptimizer all-reduces only gradients it found finite)
-            # the optimizer runs on this worker's own gradients: ones that are not finite must not
-            # reach its slots; it applies zeros instead, and the engine rejects the contribution
-            values = [tf.convert_to_tensor(v) for v in values]
-            finite = state.applied = gradients_finite(values)
-            values = tf.cond(
-                tf.reduce_all(finite),
-                lambda: [tf.identity(v) for v in values],
-                lambda: [tf.zeros_like(v) for v in values],
-            )
-        return before_optimizer(self._protocol, self._engine, values, finite)
+            return before_optimizer(self._protocol, self._engine, values)
+        # the optimizer runs on this worker's own gradients (DC-S3GD: corrected): ones that are not
+        # finite must not reach its slots; it applies zeros instead, and the engine rejects the
+        # contribution; a correction that keeps state is kept from gradients that are not finite
+        values = [tf.convert_to_tensor(v) for v in values]
+        stateful = self._protocol.corrects_gradients and self._engine.protocol.stateful_correction
+        raw = gradients_finite(values) if stateful else None
+        to_apply = before_optimizer(self._protocol, self._engine, values, raw)
+        finite = state.applied = gradients_finite(to_apply)
+        return tf.cond(
+            tf.reduce_all(finite),
+            lambda: [tf.identity(v) for v in to_apply],
+            lambda: [tf.zeros_like(v) for v in to_apply],
+        )
 
     def _update(self, var, fn, args, kwargs, group):
         state = self._local

@@ -359,6 +359,8 @@ class CompensatedUpdateProtocol:
             self.w_local = [_state_variable(tf.identity(v)) for v in self.variables]
             self._no_round = [tf.zeros(v.shape, v.dtype) for v in self.variables]
         self._compensator = Compensator(policy.compensation, self.variables)
+        # the correction keeps state (DC-ASGD-a's v) that gradients which are not finite must not reach
+        self.stateful_correction = policy.compensation.adaptive
         self._pending = []  # round results applied by the engine, not yet added to w̄
 
     def apply_round(self, result):
@@ -377,7 +379,7 @@ class CompensatedUpdateProtocol:
         ``v`` is left alone (the frontend then skips the optimizer, and the update is rejected)."""
         for w, m in zip(self.w_bar, mean):
             w.assign_add(m)
-        if finite is None or not self._compensator.compensation.adaptive:
+        if finite is None or not self.stateful_correction:
             return self._compensator(grads, self.w_bar, self.w_local)
         return tf.cond(
             tf.reduce_all(finite),

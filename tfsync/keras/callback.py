@@ -494,15 +494,18 @@ class SyncCallback(keras.callbacks.Callback):
                 result = original(list(to_apply), variables)
                 after_optimizer(protocol, engine, variables)
                 return result
-            # an optimizer that runs on this worker's own gradients runs only on finite ones
-            finite = gradients_finite(grads) if guards_optimizer(protocol) else None
+            if not guards_optimizer(protocol):  # (it applies the round's mean)
+                if factor is not None:
+                    return original(list(before_optimizer_unscaled(factor, protocol, current, grads)), variables)
+                return original(list(before_optimizer(protocol, current, grads)), variables)
+            # the optimizer runs on this worker's own gradients (DC-S3GD: corrected), and only on
+            # finite ones; a correction that keeps state is kept from gradients that are not
+            raw = gradients_finite(grads) if protocol.corrects_gradients and protocol.stateful_correction else None
             if factor is not None:
-                to_apply = before_optimizer_unscaled(factor, protocol, current, grads, finite)
+                to_apply = before_optimizer_unscaled(factor, protocol, current, grads, raw)
             else:
-                to_apply = before_optimizer(protocol, current, grads, finite)
-            if finite is None:
-                return original(list(to_apply), variables)
-            applied = apply_if_finite(finite, lambda: original(list(to_apply), variables))
+                to_apply = before_optimizer(protocol, current, grads, raw)
+            applied = apply_if_finite(gradients_finite(to_apply), lambda: original(list(to_apply), variables))
             after_optimizer(protocol, engine, variables, applied)
             return None
 
