@@ -11,7 +11,7 @@ def shard(*arrays, batch_size=None):
     to take the same number of steps.  Rows past that are left out on every
     rank; their count is ``len - size * per_rank``.
 
-    Example::
+    Example:
 
         x_local, y_local = tfsync.shard(x, y, batch_size=32)
     """

@@ -49,7 +49,7 @@ class Stragglers:
         pull_s: how late, in seconds.
         seed: makes the delays identical across launches (default 0).
 
-    Example::
+    Example:
 
         tfsync.Stragglers(base_s=0.02, slow_ranks={3: 0.04})
         tfsync.Stragglers.parse("base=0.02,slow=3:0.04,rare=0.0016:4")

@@ -99,7 +99,7 @@ class SyncStrategy(tf.distribute.OneDeviceStrategy):
     its gradients through the optimizer exactly once (another optimizer, or ``assign_sub``,
     would train each worker alone); gradient accumulation under any other mode.
 
-    Example::
+    Example:
 
         hvd.init()
         strategy = tfsync.distribute.SyncStrategy(mode="ssp")

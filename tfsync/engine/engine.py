@@ -74,7 +74,7 @@ class SyncEngine:
             left out of its round and counted as ``rejected``) or ``"raise"`` (the job
             stops with :class:`~tfsync.engine.nonfinite.NonFiniteError` naming the rank and step).
 
-    Example::
+    Example:
 
         engine = SyncEngine("psp", trace_dir="traces")   # Horovod's ranks
         engine.start(model.trainable_variables)

@@ -117,7 +117,7 @@ class SyncCallback(keras.callbacks.Callback):
     and ``tfsync_delayed_blocks`` (since ``fit`` began).
     Averaged over workers with ``average_epoch_logs``.
 
-    Example::
+    Example:
 
         hvd.init()
         model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")

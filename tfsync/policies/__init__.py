@@ -54,7 +54,7 @@ class BSP(Policy):
     """Bulk-synchronous parallel: every step applies the average of all workers'
     gradients of that step, as ``hvd.allreduce(grad, op=hvd.Average)`` would.
 
-    Example::
+    Example:
 
         tfsync.keras.SyncCallback(mode=tfsync.BSP())   # or mode="bsp"
     """
@@ -86,7 +86,7 @@ class SSP(Policy):
     Args:
         staleness: the bound ``s`` (int, ``>= 0``). Default 3.
 
-    Example::
+    Example:
 
         tfsync.keras.SyncCallback(mode=tfsync.SSP(staleness=3))   # or mode="ssp"
     """

@@ -197,7 +197,7 @@ class Auto:
     the epoch logs as ``tfsync_auto_profile`` (an index into ``PROFILES``) and
     ``tfsync_auto_switches``.
 
-    Example::
+    Example:
 
         tfsync.keras.SyncCallback(mode="auto")
         tfsync.keras.SyncCallback(mode=tfsync.Auto(modes={"straggler": tfsync.PSP()}))

@@ -62,7 +62,7 @@ class DelayCompensation:
         momentum: ``m`` of the adaptive form, in ``[0, 1)``. Default 0.95.
         epsilon: ``ε`` of the adaptive form, ``> 0``. Default 1e-7.
 
-    Example::
+    Example:
 
         tfsync.DCS3GD(compensation=tfsync.DelayCompensation(lam=0.04))
     """
@@ -133,7 +133,7 @@ class DCS3GD(Policy):
         compensation: a :class:`DelayCompensation`. Default: constant
             ``λ = 0.04``.
 
-    Example::
+    Example:
 
         tfsync.keras.SyncCallback(mode=tfsync.DCS3GD())   # or mode="dcs3gd"
     """

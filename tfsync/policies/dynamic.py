@@ -92,7 +92,7 @@ class DSSP(Policy):
         high: ``s_U`` (int, ``>= low``). Default 15: the paper's range of
             extra iterations ``[0, 12]``.
 
-    Example::
+    Example:
 
         tfsync.keras.SyncCallback(mode=tfsync.DSSP(low=3, high=15))   # or mode="dssp"
     """
@@ -311,7 +311,7 @@ class ElasticBSP(Policy):
             :data:`tfsync.scheduler.ALGORITHMS`. Default ``"optbs"``
             (ZipLineOptBS).
 
-    Example::
+    Example:
 
         tfsync.keras.SyncCallback(mode=tfsync.ElasticBSP(lookahead=15))   # or mode="elasticbsp"
     """

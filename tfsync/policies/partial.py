@@ -166,7 +166,7 @@ class PSP(Policy):
             balanced by size); at most the number of weight tensors.  Default
             ``None``: one block per weight tensor.
 
-    Example::
+    Example:
 
         tfsync.keras.SyncCallback(mode=tfsync.PSP(min_contributions=3))   # or mode="psp"
         tfsync.keras.SyncCallback(mode=tfsync.PSP(pull_fraction=0.75))    # partial pulling too
@@ -294,7 +294,7 @@ class BackupWorkers(Policy):
             in the next round its worker computes for (counted as
             ``compensated``), so no worker's computation is wasted.
 
-    Example::
+    Example:
 
         tfsync.keras.SyncCallback(mode=tfsync.BackupWorkers(backups=1))   # or mode="backup"
     """

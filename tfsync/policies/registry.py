@@ -8,7 +8,7 @@ the simulator, the bench, the demo and the convergence study all read it, so
 a new mode is its policy module, its tests and one :func:`register` call
 (``tfsync.register_mode`` for a mode defined outside tfsync).
 
-Example::
+Example:
 
     tfsync.register_mode("every2", Every2, label="BSP every other step")
     tfsync.keras.SyncCallback(mode="every2")
