@@ -73,10 +73,15 @@ def horovodrun(script, args=(), workers=4, timeout_s=600, env=None):
     Raises ``RuntimeError`` with the tail of the output when the job fails.
     """
     code, out = run_local_job(script, args, workers, timeout_s, env)
-    results = [json.loads(line.split(RESULT_PREFIX, 1)[1]) for line in out.splitlines() if RESULT_PREFIX in line]
+    results = results_in(out)
     if code != 0 or not results:
         raise RuntimeError(f"{script} on {workers} workers failed (exit {code}); " f"output tail:\n{out[-4000:]}")
     return results[-1]
+
+
+def results_in(output):
+    """The result dicts :func:`print_result` wrote into a job's ``output``, in order."""
+    return [json.loads(line.split(RESULT_PREFIX, 1)[1]) for line in output.splitlines() if RESULT_PREFIX in line]
 
 
 def print_result(result):

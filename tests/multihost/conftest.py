@@ -1,7 +1,8 @@
 """The multi-host harness for this directory's tests (:mod:`hosts`): two simulated hosts, made once."""
 
 import pytest
-from hosts import Hosts
+
+from tfsync.bench.hosts import Hosts
 
 
 @pytest.fixture(scope="module")

@@ -76,7 +76,7 @@ class Job:
         return open(os.path.join(self.out, "launch.log")).read()[-6000:]
 
     def close(self):
-        from hosts import kill
+        from tfsync.bench.hosts import kill
 
         kill(self.proc)
         self.hosts.kill_all()

@@ -1,4 +1,4 @@
-"""Dispatch ``python -m tfsync.bench [training|ops|scheduler|convergence] [options]``."""
+"""Dispatch ``python -m tfsync.bench [training|ops|scheduler|convergence|network] [options]``."""
 
 import importlib
 import sys
@@ -8,6 +8,7 @@ SUBCOMMANDS = {
     "ops": "tfsync.bench.ops",
     "scheduler": "tfsync.bench.scheduler",
     "convergence": "tfsync.bench.convergence",
+    "network": "tfsync.bench.network",
 }
 
 

@@ -1,5 +1,8 @@
 """Several hosts on one machine: network namespaces on one bridge, each with its own sshd and hostname.
 
+What the multi-host tests (``tests/multihost``) and the network-bound benchmark
+(:mod:`tfsync.bench.network`) run on.
+
 Host ``i`` (1-based) is the namespace ``tfsync-h<i>``: one interface ``eth1``
 with the address ``198.18.0.<i>/24`` (RFC 2544's benchmarking range, never
 routed), joined to the others by a veth pair to a bridge in the namespace
@@ -163,6 +166,17 @@ class Hosts:
     def set_link(self, i, up):
         """Bring host ``i``'s ``eth1`` up or down (a cut cable: no reset reaches either side)."""
         _run("ip", "-n", self.namespace(i), "link", "set", IFACE, "up" if up else "down")
+
+    def shape_link(self, i, rate):
+        """Limit what host ``i`` sends over ``eth1`` to ``rate`` (a ``tc`` rate: ``"1gbit"``,
+        ``"500mbit"``) with a token bucket, as a slower network would; ``None`` lifts it.
+        (``tc``'s ``netem``, for latency and loss, is not available on every kernel; ``tbf`` is.)"""
+        ns = self.namespace(i)
+        if rate is None:
+            _run("ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", IFACE, "root", check=False)
+            return
+        _run("ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", IFACE, "root",
+             "tbf", "rate", rate, "burst", "1mbit", "latency", "50ms")  # fmt: skip
 
     def pids(self, i):
         """The processes running on host ``i``, its sshd listener excepted."""

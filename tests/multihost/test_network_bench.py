@@ -1,0 +1,44 @@
+"""The network-bound benchmark (python -m tfsync.bench network) runs on two hosts whose link it
+shapes, and reports each mode against the compute floor and plain Horovod."""
+
+import subprocess
+import sys
+
+import pytest
+
+from tfsync.bench import network
+
+LINK = "200mbit"
+
+
+def test_every_mode_is_measured_on_the_shaped_link_and_the_link_is_restored(two_hosts):
+    argv = ["--rates", LINK, "--models", "small", "--modes", "local", "horovod", "bsp", "--steps", "3"]
+    args = network.parse_args([*argv, "--timeout-s", "240"])
+    shaped = []
+
+    def log(line):  # called after each launch, while the link is still shaped
+        shaped.append(two_hosts.run(2, ["tc", "qdisc", "show", "dev", "eth1"], timeout_s=20)[1])
+
+    records = network.run(two_hosts, args, log=log)
+    assert [r["key"] for r in records] == ["local", "horovod", "bsp"]
+    for r in records:
+        assert r["link"] == LINK and r["workers"] == 2 and r["ms_per_step"] > 0, r
+        assert r["compute_floor_ms"] == records[0]["ms_per_step"], r
+        assert r["vs_horovod"] > 0 and r["overlap_limit_ms"] >= r["compute_floor_ms"], r
+        assert r["produced"] == r["applied"] + r["compensated"] + r["dropped"] + r.get("rejected", 0), r
+    assert len(shaped) == 3 and all("tbf" in s and "rate 200Mbit" in s for s in shaped), shaped
+    after = two_hosts.run(2, ["tc", "qdisc", "show", "dev", "eth1"], timeout_s=20)[1]
+    assert "tbf" not in after, after
+    assert "| 200mbit | small | tfsync BSP |" in network.format_table(records)
+
+
+@pytest.mark.parametrize("raw", ["1gb", "fast", "0mbit", "2.5"])
+def test_a_rate_tc_does_not_take_is_refused_when_parsed(raw):
+    out = subprocess.run(
+        [sys.executable, "-m", "tfsync.bench", "network", "--rates", raw],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2, out
+    assert "argument --rates: expected a link rate as tc writes it" in out.stderr and "e.g. 1gbit" in out.stderr

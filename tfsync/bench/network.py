@@ -1,0 +1,155 @@
+"""Training across a slow link: two simulated hosts, the link between them rate-limited.
+
+``python -m tfsync.bench network`` runs the training benchmark's worker
+(:mod:`tfsync.bench._training_worker`: an MLP on synthetic data, real compute,
+no simulated device time) on two hosts of :class:`tfsync.bench.hosts.Hosts`
+(network namespaces on one bridge, ``horovodrun -H`` over ssh, as on a
+cluster), with what each host sends limited by a token bucket to each rate in
+``--rates``.  Every mode's step time is reported beside two references
+measured in the same launch series: the compute floor (``local``: every worker
+trains alone, nothing crosses the link) and plain Horovod's allreduce.  With a
+step's compute ``C`` and plain Horovod's ``H``, the communication a step costs
+is about ``H - C``; a mode that overlaps it with computation can at best take
+``max(C, H - C)`` a step.
+
+Needs root (the hosts are network namespaces, each with its own sshd) and
+``tc``.  One run on a shared machine is one sample: compare ratios within a
+run.
+
+Example:
+
+    python -m tfsync.bench network --rates 6gbit 1gbit --models large \\
+        --modes local horovod bsp ssp dcs3gd psp --json network.json
+"""
+
+import argparse
+import json
+import os
+import re
+import sys
+
+from tfsync.bench.hosts import Hosts
+from tfsync.bench.training import MODE_FLAGS, MODE_LABELS, MODELS, MODES
+from tfsync.launch import integer, number, results_in
+from tfsync.policies import registry
+
+DEFAULT_MODES = ("local", "horovod", "bsp", "ssp", "dcs3gd", "psp")
+_RATE = re.compile(r"^[0-9]+(\.[0-9]+)?(bit|kbit|mbit|gbit)$")
+
+
+def rate(raw):
+    """An argparse ``type``: a ``tc`` rate such as ``1gbit`` or ``500mbit``."""
+    if not _RATE.match(raw) or float(re.sub(r"[a-z]+$", "", raw)) <= 0:
+        raise argparse.ArgumentTypeError(
+            f"expected a link rate as tc writes it (a number > 0 and bit, kbit, mbit or gbit), got {raw!r}; "
+            f"e.g. 1gbit or 500mbit"
+        )
+    return raw
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="python -m tfsync.bench network", description=__doc__.splitlines()[0])
+    p.add_argument("--rates", type=rate, nargs="+", default=["6gbit", "1gbit"], help="what each host may send")
+    p.add_argument("--models", nargs="+", default=["medium", "large"], choices=MODELS)
+    p.add_argument("--modes", nargs="+", default=list(DEFAULT_MODES), choices=MODES)
+    p.add_argument("--per-host", type=integer(1), default=1, help="workers on each of the two hosts")
+    p.add_argument("--staleness", type=integer(0), default=3, help="SSP's bound s")
+    p.add_argument("--steps", type=integer(1), default=30, help="timed steps per worker (after 10 warm-up)")
+    p.add_argument("--repeats", type=integer(1), default=1, help="launches per (rate, model, mode); median reported")
+    p.add_argument("--timeout-s", type=number(above=0), default=600.0, help="bound of one launch")
+    p.add_argument("--json", help="write every record here")
+    return p.parse_args(argv)
+
+
+def run(hosts, args, log=print):
+    """Every (rate, model, mode) on ``hosts`` (two :class:`Hosts`); the records, one per combination."""
+    worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_training_worker.py")
+    records = []
+    for link in args.rates:
+        for i in range(1, hosts.n + 1):
+            hosts.shape_link(i, link)
+        try:
+            for model in args.models:
+                records += _configuration(hosts, worker, link, model, args, log)
+        finally:
+            for i in range(1, hosts.n + 1):
+                hosts.shape_link(i, None)
+    return records
+
+
+def _configuration(hosts, worker, link, model, args, log):
+    flags = {**MODE_FLAGS, **registry.configurations(staleness=args.staleness)}
+    labels = {mode: MODE_LABELS[mode].format(s=args.staleness) for mode in args.modes}
+    runs = {mode: [] for mode in args.modes}
+    for repeat in range(args.repeats):
+        for mode in args.modes:  # round-robin, so a slow spell of the machine hits every mode
+            argv = [worker, *flags[mode], "--model", model, "--stragglers", "base=0.0", "--steps", args.steps]
+            code, out = hosts.run(1, hosts.horovodrun(args.per_host, argv), timeout_s=args.timeout_s)
+            results = results_in(out)
+            hosts.kill_all()  # (what ssh started on the other host, should the launch have left it)
+            if code != 0 or not results:
+                raise RuntimeError(
+                    f"{labels[mode]} on {model} at {link} failed (exit {code}); output tail:\n{out[-4000:]}"
+                )
+            runs[mode].append(results[-1])
+            ms = results[-1]["ms_per_step"]
+            log(f"  {link:>8s} {model:6s} {labels[mode]:20s} run {repeat + 1}: {ms:8.1f} ms/step")
+    records = []
+    for mode in args.modes:
+        median = sorted(runs[mode], key=lambda r: r["ms_per_step"])[len(runs[mode]) // 2]
+        records.append(
+            {
+                "link": link,
+                "model": model,
+                "mode": labels[mode],
+                "key": mode,
+                "hosts": hosts.n,
+                "workers": hosts.n * args.per_host,
+                "steps": args.steps,
+                **median,
+                "runs_ms_per_step": [r["ms_per_step"] for r in runs[mode]],
+            }
+        )
+    floor = next((r for r in records if r["key"] == "local"), None)
+    horovod = next((r for r in records if r["key"] == "horovod"), None)
+    for r in records:
+        if floor is not None:
+            r["compute_floor_ms"] = floor["ms_per_step"]
+        if horovod is not None:
+            r["vs_horovod"] = horovod["ms_per_step"] / r["ms_per_step"]  # step rate against plain Horovod's
+        if floor is not None and horovod is not None:
+            communication = max(horovod["ms_per_step"] - floor["ms_per_step"], 0.0)
+            r["overlap_limit_ms"] = max(floor["ms_per_step"], communication)
+    return records
+
+
+def format_table(records):
+    lines = [
+        "| link | model | mode | ms/step | samples/s | effective samples/s | compute floor ms | "
+        "overlap limit ms | step rate vs plain Horovod |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in records:
+        floor, limit, ratio = r.get("compute_floor_ms"), r.get("overlap_limit_ms"), r.get("vs_horovod")
+        lines.append(
+            f"| {r['link']} | {r['model']} | {r['mode']} | {r['ms_per_step']:.1f} | {r['samples_per_s']:.0f} | "
+            f"{r['effective_samples_per_s']:.0f} | {'—' if floor is None else f'{floor:.1f}'} | "
+            f"{'—' if limit is None else f'{limit:.1f}'} | "
+            f"{'—' if ratio is None else f'{ratio:.2f}×'} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    with Hosts(2) as hosts:
+        records = run(hosts, args, log=lambda line: print(line, file=sys.stderr, flush=True))
+    print(format_table(records))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(records, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
