@@ -169,6 +169,7 @@ def main(argv=None):
     }
     if not args.plain_horovod and sync.auto is not None:  # which mode auto ran when, and why
         result["auto_decisions"] = sync.auto_decisions
+        result["auto_deferred"] = sync.auto_deferred
         # the epoch logs' counts (worker means), summed over the epochs: they must add up to the
         # totals across every switch, mid-epoch ones included
         logged = {k: sum(history.history[f"tfsync_{k}"]) * hvd.size() for k in tfsync.engine.COUNTS}

@@ -17,6 +17,10 @@ TABLE_TIMEOUT_S = 1.0  # one clock-table query while diagnosing
 # another host lost only after its reconnect grace, so wait that and a few seconds more
 LOSS_SETTLE_S = RECONNECT_GRACE_S + 3.0
 LOSS_POLL_S = 0.2  # how often to look for it meanwhile
+# A host that goes away takes every rank on it, whose losses are told apart by the spread of
+# their keepalives and re-attach graces: after the first, wait this long for the others on its
+# host, so the error names them all (only when the job spans hosts)
+HOST_SETTLE_S = 3.0
 
 
 class SyncTimeoutError(RuntimeError):
@@ -112,6 +116,20 @@ class Diagnosis:
                 return cls(f"tfsync: rank {int(notice['rank'])} stopped the job: {notice['message']}")
         return None
 
+    def _with_their_hosts(self, lost):
+        """``lost``, and the other ranks on the lost ranks' hosts once lost too, waited for up to
+        ``HOST_SETTLE_S`` (a job on one host, hosts unknown, or rank 0 lost, whose control service
+        reports the losses: ``lost`` as it is)."""
+        if not self.hosts or len(set(self.hosts)) < 2 or any(int(d["rank"]) == 0 for d in lost):
+            return lost
+        gone = {self.hosts[int(d["rank"])] for d in lost}
+        on_them = {r for r, h in enumerate(self.hosts) if h in gone and r != self.rank}
+        deadline = time.monotonic() + HOST_SETTLE_S
+        while on_them - {int(d["rank"]) for d in lost} and time.monotonic() < deadline:
+            time.sleep(LOSS_POLL_S)
+            lost = self.unexplained(self.control.known_lost) or lost
+        return lost
+
     def lost_error(self, round_, exc, lost=None):
         """The error for a failed collective (``exc``) or reported losses (``lost``)."""
         deadline = time.monotonic() + LOSS_SETTLE_S
@@ -121,6 +139,8 @@ class Diagnosis:
                 break
             time.sleep(LOSS_POLL_S)
         lost = self.unexplained(self.control.known_lost) or lost
+        if lost:
+            lost = self._with_their_hosts(lost)
         peer_stop = self.peer_stop()
         if peer_stop is not None and not lost:
             return peer_stop

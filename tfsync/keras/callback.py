@@ -82,7 +82,8 @@ class SyncCallback(keras.callbacks.Callback):
             workers' measured iteration times (first after ``window_steps`` steps, mid-epoch, or
             after ``tfsync.policies.auto.EARLY_STEPS`` under BSP when one worker is persistently
             slow; then at epoch ends) and switches to the mode chosen for the profile; each decision
-            is in ``auto_decisions``, the trace
+            is in ``auto_decisions`` (one put off because a worker computed no step in the
+            window: ``auto_deferred``), the trace
             (``trace_dir/auto.jsonl``; each mode's engine traces to ``trace_dir/<k>-<mode>/``)
             and the epoch logs (``tfsync_auto_profile``, ``tfsync_auto_switches``).
         stragglers: ``tfsync.Stragglers`` to inject simulated delays; default:
@@ -168,6 +169,13 @@ class SyncCallback(keras.callbacks.Callback):
     def auto_decisions(self):
         """Auto mode's decisions in this ``fit`` (:class:`tfsync.policies.auto.AutoController`)."""
         return self._controller.decisions if self._controller is not None else []
+
+    @property
+    def auto_deferred(self):
+        """Auto mode's decisions put off in this ``fit``, because a worker computed no step in
+        the window (a straggler whose steps were all skipped): ``{"epoch", "batch",
+        "ranks_without_steps"}`` each; the next one is taken at a later epoch end."""
+        return self._controller.deferred if self._controller is not None else []
 
     # -------------------------------------------------------------------- train
     def on_train_begin(self, logs=None):
@@ -395,7 +403,16 @@ class SyncCallback(keras.callbacks.Callback):
     def _auto_decide(self, epoch, batch, found=None):
         """Auto mode's decision after this step (every rank after the same one), and its switch."""
         decision, wanted = self._controller.decide(epoch, batch, found)
-        if decision is None:
+        if decision is None:  # put off: a worker computed no step in the window
+            if self._frontend.cluster.rank() == 0:
+                deferred = self._controller.deferred[-1]
+                log.info(
+                    "tfsync auto, epoch %d batch %d: no decision, ranks %s computed no step since the last",
+                    epoch,
+                    batch,
+                    deferred["ranks_without_steps"],
+                )
+                self._trace_auto({"event": "auto_deferred", **deferred})
             return
         if wanted is not None:
             t = time.monotonic()
@@ -410,10 +427,14 @@ class SyncCallback(keras.callbacks.Callback):
                 decision["reason"],
                 decision["mode"],
             )
-            trace_dir = self._frontend.settings["trace_dir"]
-            if trace_dir:
-                with open(os.path.join(trace_dir, "auto.jsonl"), "a") as f:
-                    f.write(json.dumps({"event": "auto", **decision}) + "\n")
+            self._trace_auto({"event": "auto", **decision})
+
+    def _trace_auto(self, record):
+        """One line of ``trace_dir/auto.jsonl`` (rank 0; nothing without ``trace_dir``)."""
+        trace_dir = self._frontend.settings["trace_dir"]
+        if trace_dir:
+            with open(os.path.join(trace_dir, "auto.jsonl"), "a") as f:
+                f.write(json.dumps(record) + "\n")
 
     def _switch(self, policy):
         """Drain the running mode (identical weights on every replica), give every replica rank 0's

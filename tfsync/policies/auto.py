@@ -304,6 +304,7 @@ class AutoController:
         self.auto, self._gather = auto, gather
         self.policy = auto.initial
         self.decisions, self.switches = [], 0
+        self.deferred = []  # decisions put off: a worker computed no step in the window
         self._window, self._window_steps, self._candidate = [], 0, (None, 0)
         self._shared = [[] for _ in range(size)]  # every rank's times, from BSP's rounds
         self._steps_left = steps
@@ -360,7 +361,8 @@ class AutoController:
         Every rank calls this after the same step.  ``found``: the profile :func:`early` found
         (no gather).  Returns ``(decision, policy to switch to or None)``; ``(None, None)`` when a
         worker computed nothing in the window (it skipped every step): decided later.  A switch
-        at the first decision, later only after ``confirm`` consecutive decisions agree.
+        at the first decision, later only after ``confirm`` consecutive decisions agree.  A
+        put-off decision is noted in ``deferred`` (with the ranks that computed nothing).
         """
         from tfsync.policies.registry import describe
 
@@ -371,6 +373,8 @@ class AutoController:
         self._window, self._window_steps, self._shared = [], 0, None
         if found is None:
             if min(len(w) for w in every) == 0:
+                idle = [r for r, w in enumerate(every) if not w]
+                self.deferred.append({"epoch": epoch, "batch": batch, "ranks_without_steps": idle})
                 return None, None
             profile = classify(every)
         current = self.decisions[-1]["profile"] if self.decisions else None
