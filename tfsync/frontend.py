@@ -183,7 +183,10 @@ def optimizer_fingerprint(optimizer) -> dict:
     cls = type(optimizer)
     try:
         config = dict(optimizer.get_config())
-    except (NotImplementedError, TypeError, ValueError):  # a custom optimizer without get_config: its class is compared
+    except (NotImplementedError, TypeError, ValueError):
+        # a custom optimizer without get_config, or with settings Keras cannot serialize (its
+        # get_config raises then): there is no configuration to compare, only the class; the
+        # optimizer's variables still come from rank 0
         config = {}
     config.pop("name", None)
     if isinstance(getattr(optimizer, "_learning_rate", None), tf.Variable | keras.Variable):

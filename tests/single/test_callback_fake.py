@@ -13,8 +13,8 @@ decisions) is tested here; tests/parallel runs the same under Horovod.
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 from fake_cluster import FakeCluster, on_threads
+from training_fake import BATCH, EPOCHS, SIZE, STEPS, data, train_on_mean_gradients
 
 import tfsync
 from tfsync.engine import COUNTS
@@ -22,17 +22,7 @@ from tfsync.engine import COUNTS
 # real engines on localhost, without stragglers from the environment (conftest.py)
 pytestmark = pytest.mark.usefixtures("engines_on_localhost")
 
-SIZE = 2
-BATCH, STEPS, EPOCHS = 4, 6, 2
 JOIN_S = 120.0  # one deadline for the job's threads (tracing two models on two cores included)
-
-
-def data(rank):
-    """Rank ``rank``'s shard of a linear regression, STEPS batches."""
-    rng = np.random.default_rng(rank)
-    x = rng.normal(size=(BATCH * STEPS, 3)).astype(np.float32)
-    y = x @ np.array([[1.0], [-2.0], [0.5]], np.float32)
-    return x, y
 
 
 def build(initial=None):
@@ -84,18 +74,7 @@ def test_bsp_trains_as_one_model_on_every_ranks_mean_gradient():
     reference = build()
     initial = reference.get_weights()
     results, _ = job("bsp", initial=initial)
-    shards = [data(r) for r in range(SIZE)]
-    loss = keras.losses.MeanSquaredError()
-    for _ in range(EPOCHS):
-        for k in range(STEPS):
-            grads = []
-            for x, y in shards:
-                with tf.GradientTape() as tape:
-                    value = loss(y[k * BATCH : (k + 1) * BATCH], reference(x[k * BATCH : (k + 1) * BATCH]))
-                grads.append(tape.gradient(value, reference.trainable_variables))
-            mean = [tf.reduce_mean(tf.stack(g), axis=0) for g in zip(*grads)]
-            reference.optimizer.apply_gradients(zip(mean, reference.trainable_variables))
-    for w, expected in zip(results[1][0], reference.get_weights()):
+    for w, expected in zip(results[1][0], train_on_mean_gradients(reference)):
         np.testing.assert_allclose(w, expected, rtol=1e-5, atol=1e-6)
 
 

@@ -37,50 +37,52 @@ def layers():
     return [keras.Input((3,)), keras.layers.Dense(4), keras.layers.Dense(1)]
 
 
-class ApplyStep(keras.Sequential):
+class _CustomStep(keras.Sequential):
+    """A model whose ``train_step`` subclasses write themselves: ``gradients`` is the part they share."""
+
+    def gradients(self, data, scaled=False):
+        """This batch's loss and the gradients of the trainable variables (``scaled``: of the loss
+        as the optimizer scales it, for a loss-scaling optimizer)."""
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = self.compute_loss(x=x, y=y, y_pred=self(x, training=True))
+            target = self.optimizer.scale_loss(loss) if scaled else loss
+        return loss, tape.gradient(target, self.trainable_variables)
+
+
+class ApplyStep(_CustomStep):
     """A custom ``train_step`` on Keras 3's documented low-level path: ``optimizer.apply``."""
 
     def train_step(self, data):
-        x, y = data
-        with tf.GradientTape() as tape:
-            loss = self.compute_loss(x=x, y=y, y_pred=self(x, training=True))
-            scaled = self.optimizer.scale_loss(loss)
-        self.optimizer.apply(tape.gradient(scaled, self.trainable_variables), self.trainable_variables)
+        loss, grads = self.gradients(data, scaled=True)
+        self.optimizer.apply(grads, self.trainable_variables)
         return {"loss": loss}
 
 
-class ApplyGradientsStep(keras.Sequential):
+class ApplyGradientsStep(_CustomStep):
     """A custom ``train_step`` that calls ``optimizer.apply_gradients``."""
 
     def train_step(self, data):
-        x, y = data
-        with tf.GradientTape() as tape:
-            loss = self.compute_loss(x=x, y=y, y_pred=self(x, training=True))
-        grads = tape.gradient(loss, self.trainable_variables)
+        loss, grads = self.gradients(data)
         self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
         return {"loss": loss}
 
 
-class AssignStep(keras.Sequential):
+class AssignStep(_CustomStep):
     """A custom ``train_step`` that updates the weights itself, past the optimizer."""
 
     def train_step(self, data):
-        x, y = data
-        with tf.GradientTape() as tape:
-            loss = self.compute_loss(x=x, y=y, y_pred=self(x, training=True))
-        for g, v in zip(tape.gradient(loss, self.trainable_variables), self.trainable_variables):
+        loss, grads = self.gradients(data)
+        for g, v in zip(grads, self.trainable_variables):
             v.assign_sub(0.01 * g)
         return {"loss": loss}
 
 
-class TwiceStep(keras.Sequential):
+class TwiceStep(_CustomStep):
     """A custom ``train_step`` that applies its gradients twice."""
 
     def train_step(self, data):
-        x, y = data
-        with tf.GradientTape() as tape:
-            loss = self.compute_loss(x=x, y=y, y_pred=self(x, training=True))
-        grads = tape.gradient(loss, self.trainable_variables)
+        loss, grads = self.gradients(data)
         self.optimizer.apply(grads, self.trainable_variables)
         self.optimizer.apply(grads, self.trainable_variables)
         return {"loss": loss}
@@ -204,6 +206,12 @@ def reference(initial, kind="adam"):
     model = keras.Sequential(layers())
     model.compile(optimizer=optimizer("adam" if kind in ("lso", "static") else kind), loss="mse")
     model.set_weights(initial)
+    return train_on_mean_gradients(model)
+
+
+def train_on_mean_gradients(model):
+    """``model`` applies, at every step, the mean of every rank's gradients of its shard (one
+    optimizer for the whole job: what BSP's replicas must end at); its weights."""
     shards = [data(r) for r in range(SIZE)]
     loss = keras.losses.MeanSquaredError()
     for _ in range(EPOCHS):
