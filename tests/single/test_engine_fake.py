@@ -292,7 +292,7 @@ def check_rounds_and_counts(job):
     # per dtype and round, the metadata in the float32 one); coordinated rounds are Horovod's
     # sum post-scaled by the previous round's d (a rank that entered on its own or on its ready
     # notice's answer did not know this round's; rescaled after when it differs), BSP's mean is
-    # Horovod's Average
+    # Horovod's plain sum, divided and checked by tfsync (ops.scale_all_finite)
     groups = len(set(job.dtypes) | {tf.float32})
     names = [name for _, _, name in job.cluster.log]
     assert names == (
@@ -303,8 +303,8 @@ def check_rounds_and_counts(job):
     if job.policy.coordinated:
         guesses = [size] + [len(acc) for acc in accepted[:-1]]
         want = [("Sum", 1.0 / g) for g in guesses for _ in range(groups)]
-    else:  # BSP's mean by Horovod's Average, SSP's sum of shares
-        want = [("Sum" if job.updates else "Average", 1.0)] * (steps * groups)
+    else:  # BSP's sum divided by tfsync, SSP's sum of shares
+        want = [("Sum", 1.0)] * (steps * groups)
     assert job.cluster.reductions == want
     return accepted
 
@@ -700,7 +700,7 @@ def test_the_default_cluster_makes_horovods_calls_in_horovods_order(monkeypatch,
         ("broadcast_object", 0, "tfsync.t0"),
         ("broadcast_object", 0, "tfsync.control_address"),
         ("size",),  # horovod_collective
-        *[("grouped_allreduce", "Average", "tfsync.round.0", ())] * 3,
+        *[("grouped_allreduce", "Sum", "tfsync.round.0", ())] * 3,
         ("allreduce", "Sum", "tfsync.close", 0.0),
         ("allreduce", "Sum", "tfsync.left", 0.0),
     ]

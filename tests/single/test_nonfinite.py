@@ -37,6 +37,8 @@ WAIT_S = 15.0
 JOIN_S = 45.0
 
 pytestmark = pytest.mark.usefixtures("engines_on_localhost")
+# the in-process collective sums with NumPy, which warns where finite contributions overflow
+OVERFLOWS = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 
 
 def contribution(rank, step):
@@ -207,6 +209,38 @@ def test_a_round_whose_every_contribution_was_rejected_moves_no_replica():
     assert job.rounds[0][2][0].tolist() == [0.0, 0.0]
     for k in range(2):
         np.testing.assert_array_equal(job.received[k][2], np.zeros(WIDTH))  # the mean of nothing
+
+
+@OVERFLOWS
+def test_finite_gradients_whose_sum_overflows_reject_their_round_on_every_rank(tmp_path):
+    # BSP checks the round's sum, not each contribution: each of these is finite, their sum is
+    # not; the redone round (each rank's own contribution checked) overflows again
+    job = Job(BSP(), size=2, bad={(0, 3): 3e38, (1, 3): 3e38}, trace_dir=str(tmp_path)).run()
+    check_replicas(job)
+    assert check_gradient_rounds(job) == {(0, 3), (1, 3)}
+    for k in range(2):
+        np.testing.assert_array_equal(job.received[k][3], np.zeros(WIDTH))
+        events = [r for r in job.trace(k) if r.get("event") == "rejected"]
+        assert [(e["rank"], e["step"], e["round"], e["tensors"]) for e in events] == [(k, 3, 3, [0])]
+        assert "overflowed" in events[0]["what"], events[0]
+
+
+@OVERFLOWS
+def test_a_poisoned_gradient_beside_an_overflowing_sum_is_named_as_its_own(tmp_path):
+    # rank 0's NaN is found when the sum is not finite; without it, ranks 1 and 2 still overflow
+    job = Job(BSP(), size=3, bad={(0, 4): np.nan, (1, 4): 3e38, (2, 4): 3e38}, trace_dir=str(tmp_path)).run()
+    check_replicas(job)
+    assert check_gradient_rounds(job) == {(0, 4), (1, 4), (2, 4)}
+    whats = [[e["what"] for e in job.trace(k) if e.get("event") == "rejected"] for k in range(3)]
+    assert whats[0] == ["gradients"] and all("overflowed" in w[0] and len(w) == 1 for w in whats[1:]), whats
+
+
+@OVERFLOWS
+def test_with_raise_an_overflowing_sum_stops_every_rank_saying_so():
+    job = Job(BSP(), size=2, bad={(0, 3): 3e38, (1, 3): 3e38}, on_nonfinite="raise")
+    errors = job.run(expect_errors=True)
+    for exc in errors:
+        assert isinstance(exc, NonFiniteError) and "round 3's gradients overflowed" in str(exc), exc
 
 
 @pytest.mark.parametrize(

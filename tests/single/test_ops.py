@@ -483,6 +483,66 @@ class AllFiniteTest(OpsTestCase):
             ops.all_finite([tf.ones([2]), tf.ones([2], tf.int32)])
 
 
+class ScaleAllFiniteTest(OpsTestCase):
+    """scale_all_finite: each tensor times the scale as Horovod's Average scales a sum (float32:
+    the scale rounded to float32 first; half and bfloat16 in float32), and one bool per tensor."""
+
+    @parameterized.product(impl=IMPLS, dtype=DTYPES)
+    def test_matches_horovods_scaling_and_numpys_isfinite(self, impl, dtype):
+        self.use(impl)
+        rng = np.random.default_rng(5)
+        arrays = []
+        for shape, bad in (((), None), ((0,), None), ((7,), "nan"), ((3, 5), "inf"), ((LARGE,), None)):
+            a = rng.standard_normal(shape) * 100
+            if bad:
+                a.reshape(-1)[-1] = float(bad)
+            arrays.append(a)
+        for position in (0, LARGE // 2, LARGE - 1):  # in each thread block of a large tensor
+            a = rng.standard_normal(LARGE)
+            a[position] = np.nan
+            arrays.append(a)
+        tensors = [tf.cast(a, dtype) for a in arrays]
+        scaled, finite = ops.scale_all_finite(tensors, 1.0 / 3)
+        self.assertEqual(finite.dtype, tf.bool)
+        self.assertAllEqual(finite, [bool(np.isfinite(tf.cast(t, tf.float64).numpy()).all()) for t in tensors])
+        acc = np.float64 if dtype == tf.float64 else np.float32
+        for t, out in zip(tensors, scaled):
+            self.assertEqual((out.dtype, out.shape), (t.dtype, t.shape))
+            want = tf.cast(acc(1.0 / 3) * tf.cast(t, acc).numpy(), dtype)  # ScaleBufferCPUImpl's arithmetic
+            self.assertAllEqual(tf.cast(out, tf.float64), tf.cast(want, tf.float64))
+
+    @parameterized.product(impl=IMPLS)
+    def test_an_output_still_held_is_not_overwritten_by_the_next_call(self, impl):
+        self.use(impl)
+        first, _ = ops.scale_all_finite([tf.ones([LARGE])], 2.0)
+        second, _ = ops.scale_all_finite([tf.ones([LARGE])], 3.0)
+        third, _ = ops.scale_all_finite([tf.ones([LARGE])], 4.0)
+        self.assertAllEqual([first[0][0], second[0][-1], third[0][LARGE // 2]], [2.0, 3.0, 4.0])
+        del first, second
+        again, _ = ops.scale_all_finite([tf.ones([LARGE])], 5.0)  # (a released buffer, reused)
+        self.assertAllEqual([third[0][0], again[0][0]], [4.0, 5.0])
+
+    @parameterized.product(impl=IMPLS)
+    def test_mixed_dtypes_in_one_call_and_inside_tf_function(self, impl):
+        self.use(impl)
+        tensors = [tf.constant([1.0, np.nan]), tf.constant([4.0], tf.float64), tf.constant([np.inf], tf.float16)]
+        scaled, finite = ops.scale_all_finite(tensors, 0.5)
+        self.assertAllEqual(finite, [False, True, False])
+        self.assertAllEqual(scaled[1], [2.0])
+        fn = tf.function(lambda a, b: ops.scale_all_finite([a, b], 0.25), autograph=False)
+        (a, b), finite = fn(tf.ones([4]), tf.fill([2, 2], np.nan))
+        self.assertAllEqual(finite, [True, False])
+        self.assertAllEqual(a, [0.25] * 4)
+
+    def test_bad_arguments_say_what_was_expected(self):
+        with self.assertRaisesRegex(ValueError, "at least one tensor"):
+            ops.scale_all_finite([], 1.0)
+        with self.assertRaisesRegex(TypeError, r"tensors\[1\] must be float16, bfloat16, float32 or float64"):
+            ops.scale_all_finite([tf.ones([2]), tf.ones([2], tf.int32)], 1.0)
+        with self.assertRaisesRegex(ValueError, "scale must be a finite number, got inf"):
+            ops.scale_all_finite([tf.ones([2])], float("inf"))
+
+
 class ImplementationSwitchTest(tf.test.TestCase):
     test_session = None
 

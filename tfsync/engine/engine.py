@@ -146,6 +146,8 @@ class SyncEngine:
             **options,
         )
         self.protocol = self.protocol_cls(tensors, self.size, policy)
+        if getattr(self.protocol, "checks_sum", False):  # (an open round's sum checked, not each contribution)
+            self.exchange.sum_check = self.protocol
         self.control = ControlClient(address, self.rank, token, on_close=self.entry.on_close())
         # an inline round that waits reports this worker's clock, as the polling wait does
         self.exchange.on_inline_wait = lambda: self.control.report(self.last_pushed, min_interval_s=0.0)

@@ -166,6 +166,9 @@ class RoundResult:
     late: np.ndarray = None  # [size] 1.0 where that rank added a late, delay-compensated contribution
     late_steps: np.ndarray = None  # [size] the step that late contribution was computed for
     rejected: np.ndarray = None  # [size] 1.0 where that rank's contribution was rejected (not finite): zeros
+    # open rounds whose sum is checked: ("own", tensors) when this rank's contribution was found not
+    # finite after the sum was, ("sum", tensors) when finite contributions' sum overflowed; else None
+    rejected_after_sum: tuple = None
 
     @property
     def contributors(self) -> int:
@@ -202,6 +205,9 @@ class RoundExchange:
     ):
         self._collective = collective
         self._averages = averages  # the collective divides an open round's sum by size (hvd.Average)
+        # open rounds whose sum is checked instead of each contribution (set by the engine once its
+        # protocol exists): scale_sum(total, d) -> (total / d, finite), finite(payload), absent()
+        self.sum_check = None
         # abort(): make the pending collective fail (the cluster's); bounds a round run inline
         self._abort = abort
         self.inline_expired = None  # the inline round whose bound ran out (the collective was aborted)
@@ -602,6 +608,50 @@ class RoundExchange:
             return False
         return set(ranks) <= set(took[0]) if self._enters_when_ready else tuple(took[0]) == ranks
 
+    def _summed(self, payload, meta):
+        """An open round's plain sum (no post-scale in Horovod) divided by its number of
+        contributions ``d`` in one checked pass: ``(total, meta, finite per tensor)``."""
+        total, wire = self._collective(payload, meta, divisor=1)
+        meta = np.asarray(wire, np.float64).reshape(self.size, _K)
+        d = int(np.count_nonzero(meta[:, 0]))
+        total, finite = self.sum_check.scale_sum(total, max(d, 1))
+        return list(total), meta, np.asarray(finite, bool)
+
+    def _checked_round(self, payload, meta):
+        """An open round whose sum is checked instead of each contribution (module docstring):
+        ``(payload, total, meta, after_sum)``.
+
+        A finite sum is the round (every rank sees the same sum, so every rank
+        takes this branch).  A sum with a NaN or an infinity is redone: each rank
+        checks its own contribution, and one that is not finite goes in as zeros
+        with a ``rejected`` row; a redone sum still not finite came from finite
+        contributions whose sum overflowed, and the round is rejected whole
+        (zeros; every row ``rejected``).  ``after_sum``: ``("own", tensors)``
+        when this rank's contribution was rejected, ``("sum", tensors)`` when
+        the round was, else None.
+        """
+        sent = meta
+        total, meta, finite = self._summed(payload, sent)
+        if finite.all():
+            return payload, total, meta, None
+        after_sum = None
+        if sent[self.rank, 0] == 1.0:
+            bad = np.flatnonzero(~np.asarray(self.sum_check.finite(payload), bool)).tolist()
+            if bad:
+                after_sum = ("own", bad)
+                payload = self.sum_check.absent()
+                sent = sent.copy()
+                sent[self.rank, 0], sent[self.rank, _REJECTED] = 0.0, 1.0
+        total, meta, finite = self._summed(payload, sent)
+        if not finite.all():
+            meta = meta.copy()
+            if after_sum is None and meta[self.rank, 0] == 1.0:
+                after_sum = ("sum", np.flatnonzero(~finite).tolist())
+            meta[:, _REJECTED] += meta[:, 0]
+            meta[:, 0] = 0.0
+            payload = total = self.sum_check.absent()
+        return payload, list(total), meta, after_sum
+
     def _fail(self, exc) -> bool:
         with self._cond:
             self._error = exc
@@ -625,15 +675,20 @@ class RoundExchange:
         against it.
         """
         round_, payload, meta = item
+        after_sum = None
         try:
-            if not coordinated:
+            if not coordinated and self.sum_check is not None:
+                payload, total, meta, after_sum = self._checked_round(payload, meta)
+            elif not coordinated:
                 total, meta = self._collective(payload, meta)
             else:
                 guess = self._last_d
                 total, meta = self._collective(payload, meta, divisor=guess)
             meta = np.asarray(meta, np.float64).reshape(self.size, _K)
             d = int(np.count_nonzero(meta[:, 0]))  # the fresh contributions (a late one adds on top)
-            if not coordinated and self._averages and 0 < d < self.size:  # a rejected rank's zeros
+            if self.sum_check is not None and not coordinated:
+                pass  # (divided by d already, checked)
+            elif not coordinated and self._averages and 0 < d < self.size:  # a rejected rank's zeros
                 total = [t * (self.size / d) for t in total]
             if coordinated:
                 # the ranks it took: those whose contribution it aggregated, and those whose
@@ -671,6 +726,7 @@ class RoundExchange:
             late=meta[:, 4],
             late_steps=meta[:, 5],
             rejected=meta[:, _REJECTED],
+            rejected_after_sum=after_sum,
         )
         with self._cond:
             self._results[round_] = result

@@ -88,6 +88,8 @@ class NonFinite(StepComponent):
         """``(payload, rejected)`` for this worker's contribution to ``step`` (``finite``: a
         bool per tensor): a contribution that is not finite is taken back from this worker's
         weights (``protocol.reject``) and replaced by zeros."""
+        if finite is None:  # not checked here: the round's sum is (open rounds of gradients)
+            return payload, False
         bad = _not_finite(finite)
         if not bad:
             return payload, False
@@ -118,6 +120,23 @@ class NonFinite(StepComponent):
         return True
 
     def before_apply(self, res):
+        found = res.rejected_after_sum
+        if found is not None:  # this rank's contribution, rejected once the round's sum was not finite
+            kind, bad = found
+            step = int(res.steps[self.engine.rank])
+            what = "gradients" if kind == "own" else "gradients (finite, but the round's sum of them overflowed)"
+            self._reject(step, bad, what, {"round": res.round})
+            if kind == "own" and self.on_nonfinite == "raise":
+                raise self.engine.stop(self._own_error(step, bad, what))
+            if kind == "sum" and self.on_nonfinite == "raise":
+                raise self.engine.stop(
+                    NonFiniteError(
+                        f"tfsync: the sum of round {res.round}'s gradients overflowed (weight tensors {bad}) "
+                        f"though every contribution was finite, and on_nonfinite='raise' stops the job; lower "
+                        f"the learning rate or clip gradients, or pass on_nonfinite='reject' to train on "
+                        f"without such rounds"
+                    )
+                )
         if self.on_nonfinite != "raise" or res.rejected is None or not res.rejected.any():
             return
         ranks = np.flatnonzero(res.rejected).tolist()

@@ -44,6 +44,7 @@ already did to this worker's weights (the update protocols apply their own
 update before the exchange), so the replicas stay identical.
 """
 
+import numpy as np
 import tensorflow as tf
 
 from tfsync import _horovod, ops
@@ -82,9 +83,10 @@ def horovod_collective(average: bool, hvd=None):
 
     def collective(payload, meta, divisor=None):
         # ``divisor``: a sum post-scaled by ``1 / divisor`` in Horovod's fusion buffer (a
-        # coordinated round's guess of d, rescaled afterwards if wrong; the final round's d)
+        # coordinated round's guess of d, rescaled afterwards if wrong; the final round's d),
+        # 1 for the plain sum an open round divides and checks itself (RoundExchange.sum_check)
         op = hvd.Average if average and divisor is None else hvd.Sum
-        scale = {} if divisor is None else {"postscale_factor": 1.0 / divisor}
+        scale = {} if divisor in (None, 1) else {"postscale_factor": 1.0 / divisor}  # (1: a plain sum)
         groups = {}
         for i, t in enumerate(payload):
             groups.setdefault(t.dtype, []).append(i)
@@ -126,6 +128,9 @@ class GradientProtocol:
         self.mean = None  # the applied round's mean until the step returns it (none under partial pulling)
         specs = [tf.TensorSpec(s, d) for s, d in zip(self.shapes, self.dtypes)]
         self._finite = compile_flat(lambda *g: ops.all_finite(list(g)), specs)
+        # open rounds: the round's sum is checked (scale_sum), not each contribution; a
+        # coordinated round's contribution is checked before it is offered
+        self.checks_sum = policy is not None and not getattr(policy, "coordinated", False)
         self.compensation = None if policy is None else policy.compensate
         if self.compensation is not None:
             # a late gradient is corrected against the weights: they, not gradients, start the engine
@@ -160,8 +165,22 @@ class GradientProtocol:
         return self._zeros
 
     def contribution(self, grads):
-        """This step's gradients as they are, and whether each is finite (one read-only pass)."""
+        """This step's gradients as they are, and whether each is finite: one read-only pass,
+        or ``None`` (not checked here) where the round's sum is checked instead."""
+        if self.checks_sum:
+            return grads, None
         return grads, self._finite(*grads)
+
+    def scale_sum(self, total, d):
+        """An open round's sum divided by its ``d`` contributions, and whether each tensor of
+        the sum is finite, from one pass (:func:`tfsync.ops.scale_all_finite`): the division
+        Horovod's ``Average`` would make, with the check riding along."""
+        scaled, finite = ops.scale_all_finite(total, 1.0 / d)
+        return scaled, np.asarray(finite)
+
+    def finite(self, payload):
+        """Whether each tensor of this worker's contribution is finite (after a sum was not)."""
+        return np.asarray(self._finite(*payload))
 
     def reject(self, payload):
         """What a rejected contribution sends instead: zeros (the gradients moved nothing yet)."""

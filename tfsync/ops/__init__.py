@@ -8,7 +8,10 @@ protocol's state updates, and the finiteness check of a worker's contribution.
   weight tensor's three variables in place; the push also says whether its share
   is finite.
 * :func:`all_finite`: whether each tensor of a list is finite, one read-only pass
-  (the engine checks a worker's gradients with it before they enter a round).
+  (the engine checks a contribution with it before it enters a round).
+* :func:`scale_all_finite`: each tensor of a list scaled, and whether it is finite,
+  from the one pass that scales it (the engine divides an open round's sum by its
+  number of contributions with it, and so checks the sum for free).
 
 Each op has a compiled kernel (``ops/cc``, loaded lazily by
 :mod:`tfsync.ops._loader`) and a pure-TensorFlow twin (:mod:`tfsync.ops._reference`);
@@ -16,6 +19,8 @@ Each op has a compiled kernel (``ops/cc``, loaded lazily by
 ops accept float16, bfloat16, float32 and float64 (half and bfloat16 are computed in
 float32) and have no gradient. See ``docs/ops.md``.
 """
+
+import math
 
 import tensorflow as tf  # noqa: E402
 
@@ -32,6 +37,7 @@ __all__ = [
     "delay_compensate_adaptive",
     "get_implementation",
     "load_library",
+    "scale_all_finite",
     "set_implementation",
     "update_apply_round",
     "update_push_share",
@@ -299,3 +305,44 @@ def all_finite(tensors, name=None):
     from tfsync.ops import _reference
 
     return _reference.all_finite(tensors, name=name)
+
+
+def scale_all_finite(tensors, scale, name=None):
+    """``scale * tensors[i]`` for each tensor of ``tensors``, and whether each is finite.
+
+    One pass over each tensor that reads it, tests each element's exponent bits
+    and writes the scaled element, split over TensorFlow's intra-op threads for
+    large tensors: what Horovod's ``Average`` does to a sum in its fusion buffer
+    (``scale`` rounded to the tensor's precision, half and bfloat16 in float32, so
+    the result equals Horovod's), with the finiteness check riding along.  The
+    engine asks Horovod for a round's plain sum and divides it with this op, so
+    the sum of every worker's gradients is checked without a pass of its own.
+    The compiled kernel runs on CPU; tensors on a GPU are handled by the
+    reference's TensorFlow ops, on the device.
+
+    Args:
+      tensors: a non-empty list of float16, bfloat16, float32 or float64 tensors.
+      scale: a finite Python or float64 scalar.
+      name: optional name scope.
+
+    Returns:
+      ``(scaled, finite)``: a list of tensors of ``tensors``' shapes and dtypes, and
+      a bool vector of ``len(tensors)``, ``finite[i]`` for ``tensors[i]`` (before
+      scaling).
+
+    Raises:
+      ValueError: an empty list, or a scale that is not finite.
+      TypeError: a tensor that is not floating point.
+    """
+    tensors = [_float_tensor(t, f"tensors[{i}]") for i, t in enumerate(tensors)]
+    if not tensors:
+        raise ValueError("tensors must hold at least one tensor to scale; got an empty list")
+    if not tf.is_tensor(scale):
+        if not math.isfinite(float(scale)):
+            raise ValueError(f"scale must be a finite number, got {scale!r}")
+        scale = tf.constant(float(scale), tf.float64)
+    if all(_on_cpu(t) for t in tensors):
+        return _backend().scale_all_finite(tensors, scale, name=name)
+    from tfsync.ops import _reference
+
+    return _reference.scale_all_finite(tensors, scale, name=name)

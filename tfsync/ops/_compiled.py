@@ -48,3 +48,8 @@ def update_apply_round(variable, w_bar, pending, total, own_share, name=None):
 
 def all_finite(tensors, name=None):
     return load_library().tf_sync_all_finite(tensors=tensors, name=name)
+
+
+def scale_all_finite(tensors, scale, name=None):
+    scaled, finite = load_library().tf_sync_scale_all_finite(tensors=tensors, scale=scale, name=name)
+    return list(scaled), finite

@@ -28,6 +28,7 @@ OP_NAMES = (
     "TfSync>UpdatePushShare",
     "TfSync>UpdateApplyRound",
     "TfSync>AllFinite",
+    "TfSync>ScaleAllFinite",
 )
 
 _lock = threading.Lock()

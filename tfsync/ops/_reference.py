@@ -10,6 +10,7 @@ machines without the compiled library and as the oracle the tests compare with:
   protocol's state updates (SSP, DSSP, ElasticBSP); also what runs on a GPU,
   where the compiled kernels (CPU only) do not.
 * :func:`all_finite`: whether each tensor of a list is finite; on a GPU too.
+* :func:`scale_all_finite`: each tensor scaled, and whether it is finite; on a GPU too.
 
 Errors follow the compiled kernels: in eager mode an ``InvalidArgumentError``; while
 building a graph, a shape error is a ``ValueError`` (as from a shape function) and a
@@ -160,3 +161,14 @@ def update_apply_round(variable, w_bar, pending, total, own_share, name=None):
 def all_finite(tensors, name=None):
     with tf.name_scope(name or "all_finite"):
         return tf.stack([tf.reduce_all(tf.math.is_finite(t)) for t in tensors])
+
+
+def scale_all_finite(tensors, scale, name=None):
+    with tf.name_scope(name or "scale_all_finite"):
+        scale = tf.convert_to_tensor(scale, tf.float64)
+        scaled = []
+        for t in tensors:
+            acc = _accumulator(t.dtype)
+            # float32 and the half types: the scale rounded to float32 first, as the kernel does
+            scaled.append(tf.cast(tf.cast(scale, acc) * tf.cast(t, acc), t.dtype))
+        return scaled, all_finite(tensors)

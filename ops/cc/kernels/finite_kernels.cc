@@ -1,5 +1,6 @@
-// Kernel for TfSync>AllFinite: whether every element of each tensor of a list is
-// finite (no NaN, no infinity), one bool per tensor.
+// Kernels for TfSync>AllFinite: whether every element of each tensor of a list is
+// finite (no NaN, no infinity), one bool per tensor; and TfSync>ScaleAllFinite: the
+// same answer from the pass that scales each tensor.
 //
 // What the sync engine checks a worker's gradients with before they go into a round
 // (tfsync/engine/protocols.py): a gradient's contribution is the tensors the train
@@ -9,12 +10,24 @@
 // comparisons are OR-ed into an integer of the element's width. Integer OR is
 // associative, so GCC vectorizes the loop (a float sum would have to keep its
 // order), and no branch depends on the data. Large tensors are split over the intra-op threads as the other kernels are.
+//
+// ScaleAllFinite is what the engine divides a round's sum by its number of
+// contributions with (tfsync/engine/exchange.py): the division Horovod's Average
+// makes in its fusion buffer, in a pass that also reads each element's exponent, so
+// the sum is checked without a pass of its own. It computes as Horovod's ScaleBuffer
+// does (float32: the scale rounded to float32 times the element; half and bfloat16
+// in float32), so a round scaled here equals one Horovod averaged. Large outputs
+// reuse a released buffer of an earlier call (ReusableOutput): a round's result is
+// the size of the model, and a fresh one would first be page-faulted in.
 // CPU only: on a GPU the reference's TensorFlow ops run on the device instead
 // (tfsync.ops chooses by the tensors' device).
 #define EIGEN_USE_THREADS
 
 #include <atomic>
+#include <cmath>
 #include <cstdint>
+#include <memory>
+#include <vector>
 
 #include "kernels/cpu_parallel.h"
 #include "kernels/tfsync_kernels.h"
@@ -92,6 +105,96 @@ class AllFiniteOp : public OpKernel {
 };
 
 REGISTER_KERNEL_BUILDER(Name("TfSync>AllFinite").Device(tensorflow::DEVICE_CPU), AllFiniteOp);
+
+// out = scale * x over [0, n) (in Accumulator<T>, as Horovod's ScaleBuffer), and
+// whether every element of x is finite, in one pass.
+template <typename T>
+bool ScaleFinite(const T* __restrict__ x, T* __restrict__ out, int64_t n,
+                 typename Accumulator<T>::type scale) {
+  using A = typename Accumulator<T>::type;
+  using B = typename FloatBits<T>::type;
+  constexpr B kExponent = FloatBits<T>::kExponent;
+  const B* bits = reinterpret_cast<const B*>(x);
+  B bad = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    bad |= static_cast<B>((bits[i] & kExponent) == kExponent);
+    out[i] = static_cast<T>(scale * static_cast<A>(x[i]));
+  }
+  return bad == 0;
+}
+
+template <typename T>
+bool ScaleTensor(OpKernelContext* ctx, const Tensor& in, Tensor* out, double scale) {
+  using A = typename Accumulator<T>::type;
+  const T* x = in.flat<T>().data();
+  T* y = out->flat<T>().data();
+  const A s = static_cast<A>(scale);
+  std::atomic<bool> finite{true};
+  ParallelElementwise(ctx, in.NumElements(), 2 * sizeof(T), [&](int64_t b, int64_t e) {
+    if (!ScaleFinite<T>(x + b, y + b, e - b, s)) finite.store(false, std::memory_order_relaxed);
+  });
+  return finite.load(std::memory_order_relaxed);
+}
+
+class ScaleAllFiniteOp : public OpKernel {
+ public:
+  // Two buffers per output: the previous round's result may still be held by the
+  // optimizer step that applies it while the next one is scaled.
+  static constexpr int kSlots = 2;
+
+  explicit ScaleAllFiniteOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
+
+  void Compute(OpKernelContext* ctx) override {
+    OpInputList tensors;
+    OP_REQUIRES_OK(ctx, ctx->input_list("tensors", &tensors));
+    const Tensor& scale_t = ctx->input(tensors.size());
+    OP_REQUIRES(ctx, tensorflow::TensorShapeUtils::IsScalar(scale_t.shape()),
+                errors::InvalidArgument("scale must be a scalar, got shape ",
+                                        scale_t.shape().DebugString()));
+    const double scale = scale_t.scalar<double>()();
+    OP_REQUIRES(ctx, std::isfinite(scale),
+                errors::InvalidArgument("scale must be finite, got ", scale));
+    {
+      tensorflow::mutex_lock lock(mu_);
+      while (static_cast<int>(outputs_.size()) < tensors.size()) {
+        outputs_.push_back(std::make_unique<ReusableOutput>(kSlots));
+      }
+    }
+    Tensor* finite_out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(tensors.size(), TensorShape({tensors.size()}), &finite_out));
+    auto finite = finite_out->vec<bool>();
+    for (int i = 0; i < tensors.size(); ++i) {
+      const Tensor& t = tensors[i];
+      Tensor* out = nullptr;
+      OP_REQUIRES_OK(ctx, outputs_[i]->Allocate(ctx, i, t.shape(), t.dtype(), &out));
+      switch (t.dtype()) {
+        case tensorflow::DT_HALF:
+          finite(i) = ScaleTensor<Eigen::half>(ctx, t, out, scale);
+          break;
+        case tensorflow::DT_BFLOAT16:
+          finite(i) = ScaleTensor<Eigen::bfloat16>(ctx, t, out, scale);
+          break;
+        case tensorflow::DT_FLOAT:
+          finite(i) = ScaleTensor<float>(ctx, t, out, scale);
+          break;
+        case tensorflow::DT_DOUBLE:
+          finite(i) = ScaleTensor<double>(ctx, t, out, scale);
+          break;
+        default:  // (the op's type constraint admits no other)
+          ctx->CtxFailure(errors::InvalidArgument("tensors[", i,
+                                                  "] must be float16, bfloat16, float32 or float64, got ",
+                                                  DataTypeString(t.dtype())));
+          return;
+      }
+    }
+  }
+
+ private:
+  tensorflow::mutex mu_;
+  std::vector<std::unique_ptr<ReusableOutput>> outputs_;  // one per output tensor, grown on first use
+};
+
+REGISTER_KERNEL_BUILDER(Name("TfSync>ScaleAllFinite").Device(tensorflow::DEVICE_CPU), ScaleAllFiniteOp);
 
 }  // namespace
 }  // namespace tfsync

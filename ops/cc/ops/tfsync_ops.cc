@@ -10,6 +10,8 @@
 //    finite.
 //  * TfSync>AllFinite: whether each tensor of a list is finite (a worker's gradients,
 //    checked before they go into a round).
+//  * TfSync>ScaleAllFinite: each tensor of a list scaled, and whether it is finite,
+//    from one pass (a round's sum divided by its number of contributions, checked).
 //
 // The shape functions check ranks and shapes so that graph construction fails
 // early (a ValueError in Python) with the same wording the kernels use at run time.
@@ -171,6 +173,24 @@ REGISTER_OP("TfSync>AllFinite")
     })
     .Doc(R"doc(
 finite[i]: whether every element of tensors[i] is finite (neither NaN nor infinite).
+)doc");
+
+REGISTER_OP("TfSync>ScaleAllFinite")
+    .Input("tensors: T")
+    .Input("scale: double")
+    .Output("scaled: T")
+    .Output("finite: bool")
+    .Attr("T: list({half, bfloat16, float, double}) >= 1")
+    .SetShapeFn([](InferenceContext* c) {
+      const int n = c->num_inputs() - 1;
+      TF_RETURN_IF_ERROR(RequireScalar(c, n, "scale"));
+      for (int i = 0; i < n; ++i) c->set_output(i, c->input(i));
+      c->set_output(n, c->Vector(n));
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+scaled[i] = scale * tensors[i] (half and bfloat16 computed in float32), and
+finite[i]: whether every element of tensors[i] is finite, from the same pass.
 )doc");
 
 REGISTER_OP("TfSync>UpdateApplyRound")
