@@ -66,7 +66,19 @@ the round took, over ``d``.  So a coordinated round costs about what an
 open one does: no round trip before entering, no closing sent for a round
 that took every rank, no division after every round.
 
-A contribution that is not finite is rejected by the engine before it gets
+An open round of gradients (BSP) checks its *sum* instead of each
+contribution (:attr:`RoundExchange.sum_check`, set by the engine): it asks
+the collective for the plain sum (Horovod makes no post-scale pass) and
+divides it by its number of contributions with one pass that also says
+whether it is finite (:func:`tfsync.ops.scale_all_finite`), so a finite
+round costs no pass of its own.  Every rank receives the same sum, so every
+rank sees a non-finite one, and the round is redone: a rank whose own
+contribution is not finite sends zeros and a ``rejected`` row, the others
+theirs again; a redone sum still not finite came from finite contributions
+whose sum overflowed, and the round is rejected whole (zeros, every row
+``rejected``).  The engine counts what :attr:`RoundResult.rejected_after_sum`
+says when it applies the round.
+Elsewhere a contribution that is not finite is rejected by the engine before it gets
 here (:mod:`tfsync.engine.nonfinite`): it comes as zeros with ``rejected``
 set, and its row says ``present`` 0, ``rejected`` 1.  So an open round whose
 collective averages over every rank (``averages``: BSP's gradients,

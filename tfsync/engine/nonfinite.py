@@ -4,7 +4,11 @@ One worker's batch with a NaN in its inputs, or an update that overflowed,
 makes its contribution NaN or infinite; summed into a round, it would make
 every replica's weights NaN.  Each step protocol hands the engine, with its
 contribution, whether each of its tensors is finite, found where the
-contribution is built (:mod:`tfsync.engine.protocols`), and
+contribution is built (:mod:`tfsync.engine.protocols`).  Under BSP the
+round's sum is checked instead: a contribution found not finite once its
+round's sum was not, or a round whose finite contributions overflowed in
+their sum, comes back in the round's result, counted on apply
+(:meth:`NonFinite.before_apply`).  Either way
 :class:`NonFinite`, a component every engine holds, decides with the
 engine's ``on_nonfinite``:
 

@@ -34,10 +34,13 @@ copies.
 Every contribution comes with whether each of its tensors is finite
 (``contribution`` returns ``(payload, finite)``), found where the payload is
 built: the update protocol's push kernel says it from the pass that computes
-the share; the gradient protocol, whose payload is the train step's own
-gradients, checks them with one read-only pass (:func:`tfsync.ops.all_finite`),
-and so do a late gradient's correction and DC-S3GD's update, inside the
-compiled function that computes them.  The engine rejects a contribution that
+the share; the gradient protocol under open rounds (BSP) says ``None``: the
+round's sum is checked instead, by the pass that divides it
+(:meth:`GradientProtocol.scale_sum`, see :mod:`tfsync.engine.exchange`);
+under coordinated rounds it checks the train step's gradients with one
+read-only pass (:func:`tfsync.ops.all_finite`), and so do a late gradient's
+correction and DC-S3GD's update, inside the compiled function that computes
+them.  The engine rejects a contribution that
 is not finite (:mod:`tfsync.engine.nonfinite`): it sends :meth:`reject`'s
 zeros instead, and :meth:`reject` first takes back what the contribution
 already did to this worker's weights (the update protocols apply their own
