@@ -36,3 +36,30 @@ def read_results(directory):
             with open(os.path.join(directory, name)) as f:
                 results[int(name[len("result_rank") : -len(".json")])] = json.load(f)
     return results
+
+
+# One host as two for Horovod's elastic driver: it blacklists the host of a worker that fails,
+# and with every worker on one host name the job would stop at the first loss.
+TWO_LOCAL_HOSTS = ("localhost", "127.0.0.1")
+
+
+def run_elastic_workers(script, np_, args, tmp_path, min_np, reset_limit=None, timeout_s=90, env=None):
+    """Launch ``script`` as an elastic job (``--min-np``, ``--max-np np_``, a discovery script
+    that lists :data:`TWO_LOCAL_HOSTS` with one slot each); returns ``(exit_code, output)``."""
+    if np_ > len(TWO_LOCAL_HOSTS):
+        raise ValueError(f"an elastic launch here has at most {len(TWO_LOCAL_HOSTS)} workers, one per host name")
+    discovery = os.path.join(tmp_path, "discover_hosts.sh")
+    with open(discovery, "w") as f:
+        f.write("#!/bin/sh\n" + "".join(f"echo {h}:1\n" for h in TWO_LOCAL_HOSTS[:np_]))
+    os.chmod(discovery, 0o755)
+    elastic = ["--min-np", min_np, "--max-np", np_, "--host-discovery-script", discovery]
+    if reset_limit is not None:
+        elastic += ["--reset-limit", reset_limit]
+    return run_local_job(
+        os.path.join(WORKERS, script),
+        args,
+        workers=np_,
+        timeout_s=timeout_s,
+        env={"HOROVOD_GLOO_TIMEOUT_SECONDS": "10", **(env or {})},
+        elastic=elastic,
+    )
