@@ -18,8 +18,8 @@ import numpy as np
 import tensorflow as tf
 
 from tfsync.engine import COUNTS, lifecycle
-from tfsync.engine.tally import SETTLED
 from tfsync.engine.pull import PartialPull
+from tfsync.engine.tally import SETTLED
 from tfsync.engine.tf_bridge import (
     LossScaling,
     OptimizerBlocks,

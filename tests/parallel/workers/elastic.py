@@ -24,10 +24,11 @@ kill_epoch, kill_batch, epochs = int(sys.argv[4]), int(sys.argv[5]), int(sys.arg
 BATCH = 16
 
 hvd = init()
-import tfsync  # noqa: E402
-import tfsync.elastic  # noqa: E402
 from sklearn.datasets import load_digits  # noqa: E402
 from sklearn.model_selection import train_test_split  # noqa: E402
+
+import tfsync  # noqa: E402
+import tfsync.elastic  # noqa: E402
 
 x, y = load_digits(return_X_y=True)
 x = (x / 16.0).astype("float32")
