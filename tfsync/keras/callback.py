@@ -107,13 +107,23 @@ class SyncCallback(keras.callbacks.Callback):
             infinity goes into no round (every replica applies the others' mean; counted as
             ``tfsync_rejected``); ``"raise"``: the job stops with
             ``tfsync.engine.NonFiniteError`` naming the rank and the step.
+        elastic: a :class:`tfsync.elastic.KerasState` (default None): elastic training under
+            ``tfsync.elastic.run`` and horovodrun's elastic launcher.  At every epoch end the
+            callback commits the state (the model, the optimizer, the next epoch, the job's
+            contributions summed over the workers); a failed collective raises at once, so
+            the job resets without waiting for loss reports; at a reset the contributions in
+            flight are counted ``tfsync_lost``.  ``counts`` and the logs then cover the whole
+            training of this process, across resets; each reset's engine traces to
+            ``trace_dir/reset<k>/``.  Refused when the mode cannot run on the membership's size
+            (``BackupWorkers(backups=1)`` on one worker).  See ``docs/guide/elastic.md``.
 
     Logs added: per batch ``tfsync_wait_s``, ``tfsync_staleness``; per epoch
     ``tfsync_wait_fraction`` and this worker's contributions: ``tfsync_produced``
     = ``tfsync_applied`` + ``tfsync_compensated`` (applied after a delay
     compensation, DC-S3GD) + ``tfsync_dropped`` (the last epoch's counts include
     the contributions drained at its end) + ``tfsync_rejected`` (a NaN or an
-    infinity: left out of its round), and ``tfsync_skipped`` steps (PSP,
+    infinity: left out of its round) + ``tfsync_lost`` (in flight when an elastic job reset;
+    counted in the epoch that follows), and ``tfsync_skipped`` steps (PSP,
     backup workers: steps whose round closed before this worker computed it).
     With PSP's partial pulling also ``tfsync_blocks``, ``tfsync_late_blocks``
     and ``tfsync_delayed_blocks`` (since ``fit`` began).
