@@ -43,14 +43,21 @@ def read_results(directory):
 TWO_LOCAL_HOSTS = ("localhost", "127.0.0.1")
 
 
-def run_elastic_workers(script, np_, args, tmp_path, min_np, reset_limit=None, timeout_s=90, env=None):
+def run_elastic_workers(script, np_, args, tmp_path, min_np, reset_limit=None, timeout_s=90, env=None, hosts_file=None):
     """Launch ``script`` as an elastic job (``--min-np``, ``--max-np np_``, a discovery script
-    that lists :data:`TWO_LOCAL_HOSTS` with one slot each); returns ``(exit_code, output)``."""
+    that lists :data:`TWO_LOCAL_HOSTS` with one slot each, or prints ``hosts_file``, which
+    the test or its workers change while the job runs); returns ``(exit_code, output)``."""
     if np_ > len(TWO_LOCAL_HOSTS):
         raise ValueError(f"an elastic launch here has at most {len(TWO_LOCAL_HOSTS)} workers, one per host name")
     discovery = os.path.join(tmp_path, "discover_hosts.sh")
+    hosts = "".join(f"{h}:1\n" for h in TWO_LOCAL_HOSTS[:np_])
     with open(discovery, "w") as f:
-        f.write("#!/bin/sh\n" + "".join(f"echo {h}:1\n" for h in TWO_LOCAL_HOSTS[:np_]))
+        if hosts_file is None:
+            f.write("#!/bin/sh\n" + "".join(f"echo {h}\n" for h in hosts.split()))
+        else:
+            with open(hosts_file, "w") as hf:
+                hf.write(hosts)
+            f.write(f"#!/bin/sh\ncat {hosts_file}\n")
     os.chmod(discovery, 0o755)
     elastic = ["--min-np", min_np, "--max-np", np_, "--host-discovery-script", discovery]
     if reset_limit is not None:

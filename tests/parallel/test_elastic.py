@@ -19,11 +19,17 @@ KILL_AT = (1, 10)  # (epoch, batch): mid-epoch, so the reset rolls back 10 steps
 RESET_BOUND_S = 10.0  # from the kill to the survivor's next step (measured well under 1 s here)
 
 
-def _launch(tmp_path, mode, victim, *, reset_limit=None, expect_success=True):
+def _launch(tmp_path, mode, victim, *, reset_limit=None, expect_success=True, epochs=EPOCHS, changes=None):
     out = tmp_path / f"{mode}-{victim}"
     out.mkdir()
-    args = [out, mode, victim, *KILL_AT, EPOCHS]
-    code, output = run_elastic_workers("elastic.py", 2, args, str(out), min_np=1, reset_limit=reset_limit)
+    args = [out, mode, victim, *KILL_AT, epochs]
+    hosts_file = None
+    if changes is not None:
+        hosts_file = str(out / "hosts")
+        args += [hosts_file, changes]
+    code, output = run_elastic_workers(
+        "elastic.py", 2, args, str(out), min_np=1, reset_limit=reset_limit, hosts_file=hosts_file, timeout_s=120
+    )
     if expect_success:
         assert code == 0, output[-8000:]
     killed = None
@@ -88,11 +94,61 @@ def test_a_killed_worker_costs_no_epoch_and_no_accuracy(tmp_path, undisturbed, m
     assert os.path.exists(traces / "reset1" / "rank0.jsonl")  # the re-formed job's engine traces apart
 
 
-def test_backup_workers_refuse_to_go_on_alone(tmp_path):
-    """BackupWorkers(backups=1) cannot close a round with one worker: the survivor says so."""
-    code, output, results, killed = _launch(tmp_path, "backup", 1, expect_success=False)
+@pytest.mark.parametrize("mode", ["dssp", "elasticbsp", "dcs3gd"])
+def test_every_other_mode_goes_on_after_a_kill(tmp_path, mode):
+    """The engine starts again on the survivor (clocks, supersteps, corrections, auto's
+    measurements from scratch) and the job finishes every epoch, its counts adding up."""
+    _, _, results, killed = _launch(tmp_path, mode, 1)
+    assert killed is not None and sorted(results) == [0], results
+    res = results[0]
+    assert res["resets"] == 1 and res["size"] == 1 and res["state_epoch"] == EPOCHS, res
+    assert res["epochs"] == list(range(EPOCHS)), res
+    assert res["accuracy"] >= 0.9, res
+    _check_counts(res["counts"])
+    _check_counts(res["state_counts"])
+
+
+@pytest.mark.parametrize(
+    "mode,says",
+    [
+        ("backup", "BackupWorkers(backups=1) with 1 workers"),  # a round needs size - 1 >= 1
+        ("psp:2", "PSP(min_contributions=2) with 1 workers"),  # an explicit c above the new size
+        ("auto", "BackupWorkers(backups=1) with 1 workers"),  # a mode auto may switch to
+    ],
+)
+def test_a_mode_that_cannot_run_on_the_survivors_says_so(tmp_path, mode, says):
+    code, output, results, killed = _launch(tmp_path, mode, 1, expect_success=False)
     assert killed is not None and code != 0 and not results
     assert "tfsync.elastic: the job has 1 workers now" in output and "--min-np" in output, output[-4000:]
+    assert says in output, output[-4000:]
+
+
+def test_a_host_removed_and_added_back_by_discovery(tmp_path):
+    """The discovery script drops a host after epoch 1 and lists it again after epoch 3: the job
+    shrinks to one worker, then a new process joins with the committed state; no epoch is
+    lost or redone (the changes take effect between epochs)."""
+    epochs = 7
+    _, _, results, killed = _launch(
+        tmp_path, "bsp", -1, epochs=epochs, changes="1=localhost:1;3=localhost:1+127.0.0.1:1"
+    )
+    assert killed is None and sorted(results) == [0, 1], results
+    survivor = next(r for r in results.values() if len(r["memberships"]) == 3)
+    joiner = next(r for r in results.values() if r is not survivor)
+    assert [m["size"] for m in survivor["memberships"]] == [2, 1, 2], survivor
+    assert survivor["resets"] == joiner["resets"] == 2
+    assert survivor["epochs"] == list(range(epochs)), survivor  # every epoch once
+    joined_at = survivor["memberships"][2]["epoch"]
+    assert joiner["memberships"] == [{"rank": 1 - survivor["rank_at_end"], "size": 2, "epoch": joined_at}], joiner
+    assert joiner["epochs"] == list(range(joined_at, epochs)), joiner
+    assert survivor["checksum"] == joiner["checksum"]  # identical replicas at the end
+    assert survivor["state_counts"] == joiner["state_counts"]
+    _check_counts(survivor["state_counts"])
+    # nothing redone: the job's steps are exactly those of the memberships' epochs
+    steps = {2: 44, 1: 89}  # per worker per epoch (the digits training split, batch 16)
+    sizes = [m["size"] for m in survivor["memberships"]]
+    starts = [m["epoch"] for m in survivor["memberships"]] + [epochs]
+    expected = sum(size * steps[size] * (b - a) for size, a, b in zip(sizes, starts, starts[1:]))
+    assert survivor["state_counts"]["produced"] == expected, (survivor["state_counts"], expected)
 
 
 def test_exceeding_the_reset_limit_fails_saying_so(tmp_path):

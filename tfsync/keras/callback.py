@@ -183,6 +183,7 @@ class SyncCallback(keras.callbacks.Callback):
         self._committed_counts = dict.fromkeys(COUNTS, 0)  # elastic: this worker's, at the last commit
         self._carried_totals = None  # elastic: the totals of an epoch a reset interrupted
         self._folded = None  # elastic: the last engine whose counts are in _earlier_counts
+        self._hosts_check_due = False  # elastic: a commit was made, the launcher's notices not yet checked
         self.average_epoch_logs = average_epoch_logs
         self.average_statistics = average_statistics
         self._controller = None
@@ -383,6 +384,8 @@ class SyncCallback(keras.callbacks.Callback):
         return kind is not None and kind == self._compiled_kind
 
     def on_epoch_begin(self, epoch, logs=None):
+        if self.elastic is not None and self._hosts_check_due:
+            self._check_hosts()
         self._epoch = epoch
         self._switched_totals = None  # the epoch's totals of engines auto mode stopped during it
         if self._controller is not None:
@@ -529,6 +532,7 @@ class SyncCallback(keras.callbacks.Callback):
                 f"waits for size - 1)"
             ) from exc
         self._fold_engine()
+        self._hosts_check_due = False  # (the state was just synchronized: run checks nothing older)
 
     def _fold_engine(self):
         """Add the last engine's counts to this worker's earlier counts, once."""
@@ -541,8 +545,8 @@ class SyncCallback(keras.callbacks.Callback):
     def _commit(self, epoch):
         """Epoch end of an elastic job: the job's contributions since the last commit (summed over
         the workers), the next epoch, and the model, committed to the state (collective).  The
-        commit may raise Horovod's ``HostsUpdatedInterrupt``: the launcher changed the hosts, and
-        ``tfsync.elastic.run`` resets."""
+        launcher's notices of changed hosts are checked when the next epoch begins
+        (:meth:`_check_hosts`), after every callback's epoch end."""
         state, counts = self.elastic, self.counts
         # only settled contributions: one in flight now (SSP's rounds) is counted at the commit that
         # follows its round, so the job's counts add up at every commit, whoever is lost later
@@ -556,7 +560,16 @@ class SyncCallback(keras.callbacks.Callback):
             state.counts[k] += int(round(float(m) * size))
         self._committed_counts = counts
         state.epoch = epoch + 1
-        state.commit()
+        state.save()
+        self._hosts_check_due = True
+
+    def _check_hosts(self):
+        """Whether the launcher changed the hosts since the last check (collective: rank 0's
+        notices, broadcast): if so, Horovod's ``HostsUpdatedInterrupt`` (``tfsync.elastic.run``
+        resets, the state just committed).  At an epoch's beginning, not in the commit at the
+        previous one's end, so every callback's ``on_epoch_end`` (checkpoints, evaluations) ran."""
+        self._hosts_check_due = False
+        self.elastic.check_host_updates()
 
     def _elastic_reset(self, reason):
         """An elastic reset (``tfsync.elastic.run``, Horovod already shut down): count this worker's
@@ -569,6 +582,7 @@ class SyncCallback(keras.callbacks.Callback):
                 before, now = self._carried_totals, engine.totals
                 self._carried_totals = now if before is None else {k: before[k] + now[k] for k in now}
             self._fold_engine()
+        self._hosts_check_due = False
         self._unwrap_optimizer()
         if "train_step" in vars(self.model):
             del self.model.train_step

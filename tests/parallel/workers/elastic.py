@@ -1,10 +1,13 @@
 """The digits MLP under tfsync.elastic, with a worker killed at a given (epoch, batch).
 
-Args: out_dir mode victim_rank kill_epoch kill_batch epochs.  ``victim_rank`` -1: nobody is
-killed (the undisturbed run).  The victim kills itself (SIGKILL) after that batch, in the
-first membership only.  Each process that finishes writes ``result_rank<R>.json`` (its rank
-at the end) with its final test accuracy, its counts and the state's; the victim writes
-``killed.json`` (when it died) first.
+Args: out_dir mode victim_rank kill_epoch kill_batch epochs [hosts_file changes].
+``mode``: a mode's name, or ``psp:C`` for ``PSP(min_contributions=C)``.  ``victim_rank`` -1:
+nobody is killed (the undisturbed run).  ``changes``: ``EPOCH=HOST:SLOTS+HOST:SLOTS;...``:
+at the end of that epoch (once per job), rank 0 writes those hosts to ``hosts_file``, which
+the launcher's discovery script prints, and waits for the launcher to see it.  The victim
+kills itself (SIGKILL) after that batch, in the first membership only.  Each process that
+finishes writes ``result_rank<R>.json`` (its rank at the end) with its final test accuracy,
+its counts and the state's; the victim writes ``killed.json`` (when it died) first.
 """
 
 import json
@@ -21,6 +24,12 @@ from common import init, write_result  # noqa: E402
 
 out_dir, mode, victim = sys.argv[1], sys.argv[2], int(sys.argv[3])
 kill_epoch, kill_batch, epochs = int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6])
+hosts_file = sys.argv[7] if len(sys.argv) > 7 else None
+changes = {}
+for item in filter(None, (sys.argv[8] if len(sys.argv) > 8 else "").split(";")):
+    at, hosts = item.split("=")
+    changes[int(at)] = hosts.split("+")
+DISCOVERY_WAIT_S = 3.0  # the launcher runs the discovery script every second
 BATCH = 16
 
 hvd = init()
@@ -40,6 +49,8 @@ model = keras.Sequential(
 )
 model.compile(optimizer=keras.optimizers.SGD(0.2), loss="sparse_categorical_crossentropy", metrics=["accuracy"])
 
+if mode.startswith("psp:"):
+    mode = tfsync.PSP(min_contributions=int(mode.split(":")[1]))
 state = tfsync.elastic.KerasState(model, epoch=0)
 sync = tfsync.keras.SyncCallback(mode, elastic=state, wait_timeout_s=30, trace_dir=os.path.join(out_dir, "trace"))
 seen = {"epochs": [], "first_step_after_reset_t": None, "memberships": []}
@@ -59,6 +70,13 @@ class Victim(keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch, logs=None):
         seen["epochs"].append(epoch)
+        marker = os.path.join(out_dir, f"hosts_changed_{epoch}")
+        if epoch in changes and hvd.rank() == 0 and not os.path.exists(marker):
+            open(marker, "w").close()
+            with open(hosts_file + ".tmp", "w") as f:
+                f.write("".join(h + "\n" for h in changes[epoch]))
+            os.replace(hosts_file + ".tmp", hosts_file)
+            time.sleep(DISCOVERY_WAIT_S)  # (the others wait in the next collective meanwhile)
 
 
 @tfsync.elastic.run
@@ -90,6 +108,7 @@ write_result(
         "resets": state.resets,
         "state_epoch": state.epoch,
         "size": hvd.size(),
+        "rank_at_end": hvd.rank(),
         "pid": os.getpid(),
         "checksum": checksum,
         **seen,
