@@ -203,3 +203,51 @@ def test_run_wants_the_state_first():
 
     with pytest.raises(TypeError, match="must be the elastic state"):
         train(42)
+
+
+def test_the_callback_commits_at_epoch_ends_and_counts_what_a_reset_lost():
+    """One rank on the in-process cluster: commits at epoch ends; a failure mid-epoch, the reset's
+    part of the callback (lost counted, engine abandoned, hooks undone), the restore, and a
+    second fit from the committed epoch."""
+    from fake_cluster import FakeCluster
+
+    model = _model()
+    state = elastic.KerasState(model, epoch=0)
+    sync = tfsync.keras.SyncCallback(
+        tfsync.SSP(staleness=2), cluster=FakeCluster(1).rank(0), elastic=state, wait_timeout_s=10
+    )
+    x, y = np.ones((32, 3), "float32"), np.zeros((32, 2), "float32")  # 8 steps of 4 per epoch
+
+    class FailOnce(keras.callbacks.Callback):
+        failed = False
+
+        def on_epoch_begin(self, epoch, logs=None):
+            self.epoch = epoch
+
+        def on_train_batch_end(self, batch, logs=None):
+            if (self.epoch, batch) == (1, 3) and not FailOnce.failed:
+                FailOnce.failed = True
+                raise WorkerLostError("tfsync: lost rank 1 (a test)")
+
+    fit = dict(batch_size=4, epochs=3, verbose=0, shuffle=False, callbacks=[sync, FailOnce()])
+    with pytest.raises(WorkerLostError):
+        model.fit(x, y, **fit)
+    # committed at epoch 0's end: its settled contributions (SSP may have one in flight then)
+    assert state.epoch == 1 and 6 <= state.counts["produced"] <= 8, state.counts
+    assert state.counts["produced"] == state.counts["applied"]
+    committed = [v.copy() for v in state._saved_values]
+    lost = sync._elastic_reset("WorkerLostError: a test")
+    assert "train_step" not in vars(model) and "apply" not in vars(model.optimizer)  # hooks undone
+    counts = sync.counts
+    assert counts["produced"] == 12 and counts["lost"] == lost, counts  # epoch 0, 4 steps of epoch 1
+    assert counts["produced"] == sum(counts[k] for k in ("applied", "compensated", "dropped", "rejected", "lost"))
+    state.restore()
+    now = [v.numpy() for v in model.variables + list(model.optimizer.variables)]
+    assert all(np.array_equal(a, b) for a, b in zip(now, committed, strict=True))
+
+    model.fit(x, y, initial_epoch=state.epoch, **fit)  # epochs 1 and 2 again, on a new engine
+    assert state.epoch == 3
+    job = state.counts  # epoch 0, the 4 steps rolled back (and what they lost), epochs 1-2
+    assert job["produced"] == 28 and job["lost"] == lost, job
+    assert job["produced"] == sum(job[k] for k in ("applied", "compensated", "dropped", "rejected", "lost"))
+    assert sync.counts == job  # one worker: the job's counts are its own
