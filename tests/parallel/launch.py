@@ -43,7 +43,9 @@ def read_results(directory):
 TWO_LOCAL_HOSTS = ("localhost", "127.0.0.1")
 
 
-def run_elastic_workers(script, np_, args, tmp_path, min_np, reset_limit=None, timeout_s=90, env=None, hosts_file=None):
+def run_elastic_workers(
+    script, np_, args, tmp_path, min_np, reset_limit=None, timeout_s=90, env=None, hosts_file=None, options=()
+):
     """Launch ``script`` as an elastic job (``--min-np``, ``--max-np np_``, a discovery script
     that lists :data:`TWO_LOCAL_HOSTS` with one slot each, or prints ``hosts_file``, which
     the test or its workers change while the job runs); returns ``(exit_code, output)``."""
@@ -62,6 +64,7 @@ def run_elastic_workers(script, np_, args, tmp_path, min_np, reset_limit=None, t
     elastic = ["--min-np", min_np, "--max-np", np_, "--host-discovery-script", discovery]
     if reset_limit is not None:
         elastic += ["--reset-limit", reset_limit]
+    elastic += list(options)  # (e.g. --blacklist-cooldown-range: a failed host comes back)
     return run_local_job(
         os.path.join(WORKERS, script),
         args,

@@ -2,7 +2,8 @@
 
 Args: out_dir mode victim_rank kill_epoch kill_batch epochs [hosts_file changes].
 ``mode``: a mode's name, or ``psp:C`` for ``PSP(min_contributions=C)``.  ``victim_rank`` -1:
-nobody is killed (the undisturbed run).  ``changes``: ``EPOCH=HOST:SLOTS+HOST:SLOTS;...``:
+nobody is killed (the undisturbed run); ``kill_epoch`` may list several (``2,6,10``: a kill loop,
+each while the job has two workers).  ``changes``: ``EPOCH=HOST:SLOTS+HOST:SLOTS;...``:
 at the end of that epoch (once per job), rank 0 writes those hosts to ``hosts_file``, which
 the launcher's discovery script prints, and waits for the launcher to see it.  The victim
 kills itself (SIGKILL) after that batch, in the first membership only.  Each process that
@@ -23,7 +24,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 from common import init, write_result  # noqa: E402
 
 out_dir, mode, victim = sys.argv[1], sys.argv[2], int(sys.argv[3])
-kill_epoch, kill_batch, epochs = int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6])
+kill_epochs, kill_batch = {int(e) for e in sys.argv[4].split(",")}, int(sys.argv[5])
+epochs = int(sys.argv[6])
 hosts_file = sys.argv[7] if len(sys.argv) > 7 else None
 changes = {}
 for item in filter(None, (sys.argv[8] if len(sys.argv) > 8 else "").split(";")):
@@ -61,9 +63,13 @@ class Victim(keras.callbacks.Callback):
         self.epoch = epoch
 
     def on_train_batch_end(self, batch, logs=None):
-        if state.resets == 0 and hvd.rank() == victim and (self.epoch, batch) == (kill_epoch, kill_batch):
-            with open(os.path.join(out_dir, "killed.json"), "w") as f:
-                json.dump({"t": time.time(), "rank": hvd.rank(), "pid": os.getpid()}, f)
+        marker = os.path.join(out_dir, f"killed_{self.epoch}.json")
+        kill = hvd.rank() == victim and hvd.size() == 2 and self.epoch in kill_epochs and batch == kill_batch
+        if kill and not os.path.exists(marker):
+            record = json.dumps({"t": time.time(), "rank": hvd.rank(), "pid": os.getpid(), "epoch": self.epoch})
+            for path in (marker, os.path.join(out_dir, "killed.json")):  # (killed.json: the last)
+                with open(path, "w") as f:
+                    f.write(record)
             os.kill(os.getpid(), signal.SIGKILL)
         if state.resets > 0 and seen["first_step_after_reset_t"] is None:
             seen["first_step_after_reset_t"] = time.time()
