@@ -26,9 +26,10 @@ only.  This module is the Keras 3 way, with tfsync's engine:
   ``on_train_begin`` starts a new engine and control path on the new members.
 
 How many resets a job may take is Horovod's launcher's bound
-(``horovodrun --reset-limit``): past it the launcher stops the job and says
-so, and a worker whose re-forming fails then raises
-:class:`ElasticResetError` saying what was tried.
+(``horovodrun --reset-limit``): past it the launcher stops the job, ends its
+workers and says so ("number of resets during elastic job exceeded limit");
+a worker whose re-forming fails before it is ended raises
+:class:`ElasticResetError`, saying what failed and what likely caused it.
 
 Example:
 

@@ -550,7 +550,7 @@ class SyncCallback(keras.callbacks.Callback):
         state, counts = self.elastic, self.counts
         # only settled contributions: one in flight now (SSP's rounds) is counted at the commit that
         # follows its round, so the job's counts add up at every commit, whoever is lost later
-        counts["produced"] -= counts["produced"] - sum(counts[k] for k in SETTLED)
+        counts["produced"] = sum(counts[k] for k in SETTLED)
         delta = [float(counts[k] - self._committed_counts[k]) for k in COUNTS]
         mean = self._frontend.average(
             delta, "tfsync.elastic.counts", "every worker's contributions since the last commit, summed for the job"
@@ -584,8 +584,9 @@ class SyncCallback(keras.callbacks.Callback):
             self._fold_engine()
         self._hosts_check_due = False
         self._unwrap_optimizer()
-        if "train_step" in vars(self.model):
-            del self.model.train_step
+        model = getattr(self, "model", None)  # (None: the failure came before the first fit)
+        if model is not None and "train_step" in vars(model):
+            del model.train_step
         self._compiled_kind = None
         return lost
 
