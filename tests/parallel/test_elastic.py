@@ -126,6 +126,7 @@ def test_every_other_mode_goes_on_after_a_kill(tmp_path, mode):
     assert res["resets"] == 1 and res["size"] == 1 and res["state_epoch"] == EPOCHS, res
     assert res["epochs"] == list(range(EPOCHS)), res
     assert res["accuracy"] >= 0.9, res
+    assert res["first_step_after_reset_t"] - killed["t"] < RESET_BOUND_S, res
     _check_counts(res["counts"])
     _check_counts(res["state_counts"])
 
