@@ -5,6 +5,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 NP=${NP:-2}
+# a survivor whose collective waits on a live peer sees a worker's death only at Gloo's timeout
+# (docs/guide/elastic.md, cost of a failure): 10 s, above this example's longest collective
+export HOROVOD_GLOO_TIMEOUT_SECONDS=${HOROVOD_GLOO_TIMEOUT_SECONDS:-10}
 exec horovodrun -np "$NP" --min-np "${MIN_NP:-1}" --max-np "${MAX_NP:-$NP}" \
   --host-discovery-script horovodrun_scripts/discover_hosts.sh --gloo \
   "${PYTHON:-python3}" keras_examples/digits.py --elastic --mode "${MODE:-bsp}" "$@"

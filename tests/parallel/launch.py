@@ -47,12 +47,13 @@ def run_elastic_workers(
     script, np_, args, tmp_path, min_np, reset_limit=None, timeout_s=90, env=None, hosts_file=None, options=()
 ):
     """Launch ``script`` as an elastic job (``--min-np``, ``--max-np np_``, a discovery script
-    that lists :data:`TWO_LOCAL_HOSTS` with one slot each, or prints ``hosts_file``, which
-    the test or its workers change while the job runs); returns ``(exit_code, output)``."""
-    if np_ > len(TWO_LOCAL_HOSTS):
-        raise ValueError(f"an elastic launch here has at most {len(TWO_LOCAL_HOSTS)} workers, one per host name")
+    that lists :data:`TWO_LOCAL_HOSTS` with ``np_ // 2`` slots each (one host with 1), or
+    prints ``hosts_file``, which the test or its workers change while the job runs); returns
+    ``(exit_code, output)``."""
+    if np_ not in (1, 2) and np_ % 2:
+        raise ValueError(f"an elastic launch here has 1 worker or an even number, one half per host name: {np_}")
     discovery = os.path.join(tmp_path, "discover_hosts.sh")
-    hosts = "".join(f"{h}:1\n" for h in TWO_LOCAL_HOSTS[:np_])
+    hosts = "".join(f"{h}:{max(np_ // 2, 1)}\n" for h in TWO_LOCAL_HOSTS[: min(np_, 2)])
     with open(discovery, "w") as f:
         if hosts_file is None:
             f.write("#!/bin/sh\n" + "".join(f"echo {h}\n" for h in hosts.split()))

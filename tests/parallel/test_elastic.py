@@ -31,6 +31,7 @@ def _launch(
     kill_epochs=None,
     options=(),
     env=None,
+    workers=2,
 ):
     out = tmp_path / f"{mode}-{victim}"
     out.mkdir()
@@ -42,7 +43,7 @@ def _launch(
         args += [hosts_file, changes]
     code, output = run_elastic_workers(
         "elastic.py",
-        2,
+        workers,
         args,
         str(out),
         min_np=1,
@@ -114,6 +115,21 @@ def test_a_killed_worker_costs_no_epoch_and_no_accuracy(tmp_path, undisturbed, m
     resets = [r for r in trace if r.get("event") == "reset"]
     assert len(resets) == 1 and resets[0]["lost"] == res["counts"]["lost"], resets
     assert os.path.exists(traces / "reset1" / "rank0.jsonl")  # the re-formed job's engine traces apart
+
+
+def test_four_workers_lose_a_host_and_go_on_with_two(tmp_path):
+    """Two host names with two slots each: rank 3 dies, Horovod takes its whole host out (rank 2
+    with it), ranks 0 and 1 go on.  A survivor whose collective waits on rank 2 (alive, its
+    own collective failed) sees the failure only at HOROVOD_GLOO_TIMEOUT_SECONDS: 5 s here."""
+    gloo_s = 5
+    _, _, results, killed = _launch(tmp_path, "bsp", 3, workers=4, env={"HOROVOD_GLOO_TIMEOUT_SECONDS": str(gloo_s)})
+    assert killed is not None and sorted(results) == [0, 1], results
+    for res in results.values():
+        assert res["resets"] == 1 and res["size"] == 2 and res["epochs"] == list(range(EPOCHS)), res
+        assert res["first_step_after_reset_t"] - killed["t"] < gloo_s + RESET_BOUND_S, res
+        _check_counts(res["counts"])
+    assert results[0]["checksum"] == results[1]["checksum"]
+    _check_counts(results[0]["state_counts"])
 
 
 @pytest.mark.parametrize("mode", ["dssp", "elasticbsp", "dcs3gd"])

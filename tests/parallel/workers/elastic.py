@@ -3,7 +3,7 @@
 Args: out_dir mode victim_rank kill_epoch kill_batch epochs [hosts_file changes].
 ``mode``: a mode's name, or ``psp:C`` for ``PSP(min_contributions=C)``.  ``victim_rank`` -1:
 nobody is killed (the undisturbed run); ``kill_epoch`` may list several (``2,6,10``: a kill loop,
-each while the job has two workers).  ``changes``: ``EPOCH=HOST:SLOTS+HOST:SLOTS;...``:
+each while the job has as many workers as at launch).  ``changes``: ``EPOCH=HOST:SLOTS+HOST:SLOTS;...``:
 at the end of that epoch (once per job), rank 0 writes those hosts to ``hosts_file``, which
 the launcher's discovery script prints, and waits for the launcher to see it.  The victim
 kills itself (SIGKILL) after that batch, in the first membership only.  Each process that
@@ -35,6 +35,7 @@ DISCOVERY_WAIT_S = 3.0  # the launcher runs the discovery script every second
 BATCH = 16
 
 hvd = init()
+FULL = hvd.size()  # the job's size at launch: kills happen while it is whole
 from sklearn.datasets import load_digits  # noqa: E402
 from sklearn.model_selection import train_test_split  # noqa: E402
 
@@ -64,7 +65,7 @@ class Victim(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         marker = os.path.join(out_dir, f"killed_{self.epoch}.json")
-        kill = hvd.rank() == victim and hvd.size() == 2 and self.epoch in kill_epochs and batch == kill_batch
+        kill = hvd.rank() == victim and hvd.size() == FULL and self.epoch in kill_epochs and batch == kill_batch
         if kill and not os.path.exists(marker):
             record = json.dumps({"t": time.time(), "rank": hvd.rank(), "pid": os.getpid(), "epoch": self.epoch})
             for path in (marker, os.path.join(out_dir, "killed.json")):  # (killed.json: the last)
