@@ -223,12 +223,13 @@ def run(func):
     answers (:func:`is_reset_error`) or Horovod's ``HostsUpdatedInterrupt`` (the launcher added
     or dropped a host; raised by ``state.commit()``), every member resets:
 
-    1. each :class:`tfsync.keras.SyncCallback` committing ``state`` counts this worker's
+    1. Horovod is shut down (``hvd.shutdown()``: every collective still pending fails);
+    2. each :class:`tfsync.keras.SyncCallback` committing ``state`` counts this worker's
        contributions in flight as ``lost`` and abandons its engine (no handshake: the peers
        are resetting too), in the trace as an ``event: reset`` record;
-    2. Horovod is re-formed (``hvd.shutdown(); hvd.init()``) by its elastic launcher: the
-       surviving and the added workers, numbered anew;
-    3. ``state`` is restored from its last commit and ``state.resets`` counted, then synchronized
+    3. Horovod is re-formed (``hvd.init()``) by its elastic launcher: the surviving and the
+       added workers, numbered anew;
+    4. ``state`` is restored from its last commit and ``state.resets`` counted, then synchronized
        from the new rank 0 (a joining worker gets the whole state), and ``func`` is called again.
 
     Any other error is raised as it is.  Without an elastic launch (``horovodrun`` without
