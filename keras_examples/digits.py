@@ -17,7 +17,10 @@ equal shard of the training set and, on rank 0, prints a JSON summary line
 test accuracy, the test accuracy after every epoch (``curve``: elapsed s,
 samples, accuracy) and the final test accuracy.  ``--plain-horovod`` trains
 the same job with plain Horovod instead, the anchor of ``python -m tfsync.bench
-convergence``.
+convergence``.  ``--elastic`` trains under ``tfsync.elastic`` (launch it with
+horovodrun's elastic options: ``horovodrun_scripts/elastic.sh``): when a worker
+dies or the discovery script changes the hosts, the others go on from the
+last epoch end, each on its shard of the new membership.
 """
 
 import argparse
@@ -59,10 +62,19 @@ def parse_args(argv=None):
         help="train with plain Horovod BSP (in-graph hvd.grouped_allreduce) instead of tfsync: the "
         "anchor tfsync's modes are compared with (--mode is then ignored; --stragglers still applies)",
     )
+    p.add_argument(
+        "--elastic",
+        action="store_true",
+        help="elastic training (tfsync.elastic): the job goes on from the last epoch end when a worker dies or "
+        "the hosts change; launch with horovodrun --min-np/--max-np/--host-discovery-script "
+        "(horovodrun_scripts/elastic.sh)",
+    )
     p.add_argument("--seed", type=integer(0), default=0)
     p.add_argument("--verbose", type=int, default=0, choices=(0, 1, 2), help="Keras' fit verbosity (rank 0)")
     args = p.parse_args(argv)
     check_mode_args(p, args)  # a bad mode setting stops here, before any worker starts
+    if args.elastic and args.plain_horovod:
+        p.error("--elastic trains with tfsync's SyncCallback; leave out --plain-horovod (or --elastic)")
     return args
 
 
@@ -133,18 +145,33 @@ def main(argv=None):
         callbacks, label = [SleepEachStep(delays), progress], "horovod"
     else:
         mode = mode_from_args(args)
-        sync = tfsync.keras.SyncCallback(mode=mode, stragglers=stragglers, trace_dir=args.trace_dir)
+        state = None
+        if args.elastic:
+            import tfsync.elastic
+
+            # the model, its optimizer, the epoch and the job's counts, committed at every epoch end
+            state = tfsync.elastic.KerasState(model, epoch=0)
+        sync = tfsync.keras.SyncCallback(mode=mode, stragglers=stragglers, trace_dir=args.trace_dir, elastic=state)
         callbacks, label = [sync, progress], describe_mode(mode)
+
+    def train(state=None):
+        nonlocal x_local, y_local, samples_per_epoch
+        if state is not None:  # (re-entered after every reset: this membership's shard, from the commit)
+            x_local, y_local, _, _ = load_data(args.batch_size)
+            samples_per_epoch = progress.samples_per_epoch = len(x_local) * hvd.size()
+        return model.fit(
+            x_local,
+            y_local,
+            batch_size=args.batch_size,
+            epochs=args.epochs,
+            initial_epoch=0 if state is None else state.epoch,
+            shuffle=True,
+            verbose=args.verbose if hvd.rank() == 0 else 0,
+            callbacks=callbacks,
+        )
+
     start = time.time()
-    history = model.fit(
-        x_local,
-        y_local,
-        batch_size=args.batch_size,
-        epochs=args.epochs,
-        shuffle=True,
-        verbose=args.verbose if hvd.rank() == 0 else 0,
-        callbacks=callbacks,
-    )
+    history = tfsync.elastic.run(train)(state) if args.elastic else train()
     wall_s = time.time() - start
     final_acc = float(model.evaluate(x_test, y_test, verbose=0)[1])
     samples = samples_per_epoch * args.epochs
@@ -167,6 +194,8 @@ def main(argv=None):
         "curve": progress.curve,
         "final_accuracy": final_acc,
     }
+    if args.elastic:  # the resets, and the job's contributions as committed at the last epoch end
+        result.update(resets=state.resets, job_counts=state.counts)
     if not args.plain_horovod and sync.auto is not None:  # which mode auto ran when, and why
         result["auto_decisions"] = sync.auto_decisions
         result["auto_deferred"] = sync.auto_deferred
@@ -193,6 +222,8 @@ class TargetAccuracy(keras.callbacks.Callback):
         self.samples_per_epoch = samples_per_epoch
 
     def on_train_begin(self, logs=None):
+        if getattr(self, "start", None) is not None:  # an elastic job's fit after a reset: one curve
+            return
         self.start = time.time()
         self.reached_s = {t: None for t in self.targets}
         self.curve = []

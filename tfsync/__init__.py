@@ -11,6 +11,7 @@ Public API::
     tfsync.Stragglers(...)                       # simulated device time and stragglers
     tfsync.keras.SyncCallback(mode=...)          # model.fit(..., callbacks=[...])
     tfsync.distribute.SyncStrategy(mode=...)     # with strategy.scope(): ...
+    tfsync.elastic.KerasState, tfsync.elastic.run # elastic training (horovodrun --min-np/--max-np)
     tfsync.shard(x, y)                           # this rank's equal share of arrays
     tfsync.register_mode(name, PolicyClass)      # a mode of your own (tfsync.policies.registry)
 """
@@ -34,7 +35,7 @@ from tfsync.stragglers import Stragglers
 
 __version__ = "0.1.0"
 
-_LAZY = {"keras", "distribute", "engine", "ops", "scheduler", "timeline"}
+_LAZY = {"keras", "distribute", "elastic", "engine", "ops", "scheduler", "timeline"}
 
 
 def __getattr__(name):
@@ -64,5 +65,6 @@ __all__ = [
     "shard",
     "keras",
     "distribute",
+    "elastic",
     "__version__",
 ]

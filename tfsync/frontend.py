@@ -39,17 +39,28 @@ class Frontend:
             (:func:`tfsync.engine.lifecycle.settings`).
         on_nonfinite: ``"reject"`` (default) or ``"raise"``: what the engine does with a
             contribution that has a NaN or an infinity (:mod:`tfsync.engine.nonfinite`), checked now.
+        elastic: the engines run under ``tfsync.elastic.run`` (default False; see
+            :class:`tfsync.engine.SyncEngine`).
         cluster: the job's ranks; default ``None``: Horovod's
             (:class:`~tfsync.engine.cluster.HorovodCluster`, built at first use, which checks
             that Horovod is initialized and the process was launched by ``horovodrun``).
     """
 
     def __init__(
-        self, policy, *, stragglers=None, trace_dir=None, wait_timeout_s=None, cluster=None, on_nonfinite="reject"
+        self,
+        policy,
+        *,
+        stragglers=None,
+        trace_dir=None,
+        wait_timeout_s=None,
+        cluster=None,
+        on_nonfinite="reject",
+        elastic=False,
     ):
         self.policy = policy
         self.settings = lifecycle.settings(stragglers=stragglers, trace_dir=trace_dir, wait_timeout_s=wait_timeout_s)
         self.settings["on_nonfinite"] = nonfinite.check_option(on_nonfinite)
+        self.settings["elastic"] = bool(elastic)
         self._cluster = cluster
         self.engine = None
 

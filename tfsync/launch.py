@@ -21,20 +21,23 @@ RESULT_PREFIX = "TFSYNC_RESULT "
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run_local_job(script, args=(), workers=4, timeout_s=600, env=None):
+def run_local_job(script, args=(), workers=4, timeout_s=600, env=None, elastic=None):
     """Run ``script`` on ``workers`` local processes; return ``(exit_code, output)``.
 
-    Past ``timeout_s`` the whole process group is killed and ``TimeoutError``
-    raised with the tail of the output: no launch can hang its caller.
+    ``elastic``: launch an elastic job instead of ``-H localhost:N``: a list of
+    ``horovodrun`` options (``--min-np``, ``--max-np``, ``--host-discovery-script``,
+    ``--reset-limit``, ...; :mod:`tfsync.elastic`).  Past ``timeout_s`` the whole
+    process group is killed and ``TimeoutError`` raised with the tail of the
+    output: no launch can hang its caller.
     """
     if shutil.which("horovodrun") is None:
         raise RuntimeError("horovodrun is not on PATH; install Horovod with `make install`")
+    hosts = ["-H", f"localhost:{workers}"] if elastic is None else list(map(str, elastic))
     cmd = [
         "horovodrun",
         "-np",
         str(workers),
-        "-H",
-        f"localhost:{workers}",
+        *hosts,
         "--gloo",
         sys.executable,
         script,

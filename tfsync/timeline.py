@@ -186,7 +186,7 @@ def _check_finish(record, path, lineno, file_rank, previous):
 
 
 def _load_rank_file(path, file_rank):
-    start, steps, finish, drained, final_compensated = None, [], None, 0, 0
+    start, steps, finish, drained, final_compensated, lost = None, [], None, 0, 0, 0
     rejected = []  # the steps of this rank's contributions rejected as not finite
     barriers, grants = [], []  # ElasticBSP's barrier decisions, DSSP's grant decisions
     with open(path, encoding="utf-8") as handle:
@@ -236,6 +236,8 @@ def _load_rank_file(path, file_rank):
                 drained += int(record.get("dropped", 0))
             elif event == "final_round":  # late gradients compensated after the last step
                 final_compensated += int(record.get("compensated", 0))
+            elif event == "reset" and _is_int(record.get("lost")):  # in flight when an elastic job reset
+                lost += record["lost"]
             elif event == "rejected" and _is_int(record.get("step")):  # not finite (tfsync.engine.nonfinite)
                 rejected.append(record["step"])
             elif event == "barrier" and _is_number(record.get("t")):
@@ -258,6 +260,7 @@ def _load_rank_file(path, file_rank):
         "finish": finish,
         "drained": drained,
         "final_compensated": final_compensated,
+        "lost": lost,
         "rejected": rejected,
         "barriers": barriers,
         "grants": grants,
@@ -390,7 +393,8 @@ def summarize(trace, start_step=None, end_step=None) -> dict:
         ``dropped`` (this rank's contributions dropped; with no ``end_step``
         also those drained when training ended), ``rejected`` (its
         contributions computed for a step in the range that had a NaN or an
-        infinity and went into no round) and ``skipped`` (steps that computed
+        infinity and went into no round), ``lost`` (with no ``end_step``: in flight
+        when an elastic job reset, its ``reset`` event) and ``skipped`` (steps that computed
         nothing because their round had closed: PSP, backup workers).
         Overall: the same sums over all ranks and ``max_clock_gap``, in SSP's
         sense (a worker's clock is the number of steps it has pushed, so SSP(s)
@@ -426,6 +430,7 @@ def summarize(trace, start_step=None, end_step=None) -> dict:
             "dropped": sum(rec["dropped"] for rec in steps)
             + (trace["ranks"][rank].get("drained", 0) if end_step is None else 0),
             "rejected": sum(_in_range(step, start_step, end_step) for step in trace["ranks"][rank].get("rejected", [])),
+            "lost": trace["ranks"][rank].get("lost", 0) if end_step is None else 0,
             "skipped": sum(rec["skipped"] for rec in steps),
         }
         for rec in steps:
@@ -455,6 +460,7 @@ def summarize(trace, start_step=None, end_step=None) -> dict:
         "compensated": sum(r["compensated"] for r in per_rank.values()),
         "dropped": sum(r["dropped"] for r in per_rank.values()),
         "rejected": sum(r["rejected"] for r in per_rank.values()),
+        "lost": sum(r["lost"] for r in per_rank.values()),
         "skipped": sum(r["skipped"] for r in per_rank.values()),
         "max_clock_gap": max_gap if max_gap is not None else 0,
         "max_clock_gap_at": max_gap_at,
@@ -472,7 +478,7 @@ def format_summary(summary) -> str:
     """The summary as a plain-text table (what the command prints)."""
     header = (
         f"{'rank':>6} {'steps':>7} {'compute_s':>11} {'wait_s':>11} {'wait %':>7} {'max stale':>9} "
-        f"{'compensated':>11} {'dropped':>8} {'rejected':>8} {'skipped':>8}"
+        f"{'compensated':>11} {'dropped':>8} {'rejected':>8} {'lost':>6} {'skipped':>8}"
     )
     lines = [f"mode: {summary['mode']}, {summary['size']} workers", header, "-" * len(header)]
 
@@ -480,7 +486,7 @@ def format_summary(summary) -> str:
         return (
             f"{label:>6} {r['steps']:>7d} {r['compute_s']:>11.3f} {r['wait_s']:>11.3f} "
             f"{100 * r['wait_fraction']:>6.1f}% {r['max_staleness']:>9d} {r['compensated']:>11d} "
-            f"{r['dropped']:>8d} {r['rejected']:>8d} {r['skipped']:>8d}"
+            f"{r['dropped']:>8d} {r['rejected']:>8d} {r['lost']:>6d} {r['skipped']:>8d}"
         )
 
     for rank, r in sorted(summary["ranks"].items()):

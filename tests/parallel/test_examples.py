@@ -76,6 +76,19 @@ def test_digits_reaches_90_percent_on_4_workers(script, epochs):
         assert res["applied"] == (res["produced"] + res["skipped"]) * 3 // 4, res
 
 
+def test_the_elastic_script_trains_digits_under_horovods_elastic_launcher():
+    # the launch line a user runs (two workers, this machine as two hosts); the kills are
+    # tests/parallel/test_elastic.py's
+    res = result_of(
+        run(["bash", os.path.join(ROOT, "horovodrun_scripts", "elastic.sh"), "--epochs", "8"], timeout_s=200)
+    )
+    assert res["final_accuracy"] >= 0.90, res
+    assert res["resets"] == 0 and res["workers"] == 2 and res["replicas_identical"], res
+    # the job's counts as committed at the last epoch end: every worker's, summed
+    assert res["job_counts"] == {k: res[k] for k in res["job_counts"]}, res
+    assert res["produced"] == res["applied"] > 0 and res["lost"] == 0, res
+
+
 @pytest.mark.parametrize("mode", ["ssp", "elasticbsp"])  # elasticbsp: the skippable train step
 def test_keras_cv_resnet_example_trains_under_tfsync(mode):
     # a tiny ResNet (two stacks of 8 and 16 filters), 2 workers, 3 epochs: it must learn, and the

@@ -155,6 +155,7 @@ def test_dcs3gd_corrects_each_gradient_with_the_average_and_its_own_weights(seed
             "compensated": job.steps - 1,
             "dropped": 0,
             "rejected": 0,
+            "lost": 0,
             "skipped": 0,
         }, job.counts[rank]
     np.testing.assert_allclose(job.final[0], w_bar[-1], rtol=0, atol=1e-5)

@@ -23,6 +23,7 @@ PUBLIC = [
     "tfsync",
     "tfsync.keras",
     "tfsync.distribute",
+    "tfsync.elastic",
     "tfsync.engine",
     "tfsync.policies",
     "tfsync.ops",
@@ -30,7 +31,7 @@ PUBLIC = [
     "tfsync.timeline",
 ]
 # names in tfsync.__all__ that are modules or metadata, documented by their own members
-NOT_OBJECTS = {"tfsync": {"keras", "distribute", "__version__"}}
+NOT_OBJECTS = {"tfsync": {"keras", "distribute", "elastic", "__version__"}}
 # tfsync.shard is loaded on first use (tfsync.__getattr__), which static analysis cannot follow
 DOCUMENTED_AT = {"tfsync.shard": "tfsync._data.shard"}
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")

@@ -222,6 +222,7 @@ def check_elastic(job, policy):
             "compensated": 0,
             "dropped": 0,
             "rejected": 0,
+            "lost": 0,
             "skipped": len(w.skipped),
         }
     # after every barrier every replica starts from the same weights: every update so far, over N

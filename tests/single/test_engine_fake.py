@@ -270,6 +270,7 @@ def check_rounds_and_counts(job):
             "compensated": 0,
             "dropped": produced - applied,
             "rejected": 0,
+            "lost": 0,
             "skipped": len(w.skipped),
         }, k
         assert w.counts["produced"] == w.counts["applied"] + w.counts["dropped"]
@@ -452,7 +453,15 @@ def test_waiting_for_everyone_never_drops_or_skips(tmp_path, policy):
     assert accepted == [(0, 1, 2)] * job.steps
     check_means(job, accepted)
     for w in job.workers:
-        assert w.counts == {"produced": 40, "applied": 40, "compensated": 0, "dropped": 0, "rejected": 0, "skipped": 0}
+        assert w.counts == {
+            "produced": 40,
+            "applied": 40,
+            "compensated": 0,
+            "dropped": 0,
+            "rejected": 0,
+            "lost": 0,
+            "skipped": 0,
+        }
 
 
 @pytest.mark.parametrize("policy", [PSP(push_timeout_s=0.0), BackupWorkers(backups=1)], ids=["psp", "backup"])

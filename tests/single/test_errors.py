@@ -98,6 +98,14 @@ def _fit_on_no_data():
     model.fit(empty, empty[:, :1], batch_size=4, epochs=1, verbose=0, callbacks=[callback])
 
 
+def _elastic_state(model, compile_):
+    import tfsync.elastic
+
+    if compile_:
+        model.compile(optimizer="sgd", loss="mse")
+    return tfsync.elastic.KerasState(model)
+
+
 def _strategy(mode):
     return lambda: tfsync.distribute.SyncStrategy(mode=mode, cluster=FakeCluster(1).rank(0))
 
@@ -164,6 +172,26 @@ BAD_INPUTS = [
         r"on_nonfinite='ignore'",
         r"is not one of \['reject', 'raise'\]",
         r"use 'reject' .* or 'raise'",
+    ),
+    Bad(
+        "elastic-type",
+        A,
+        "`elastic=` neither a `tfsync.elastic.KerasState` nor `None`",
+        lambda: tfsync.keras.SyncCallback(elastic={"epoch": 0}),
+        TypeError,
+        r"elastic must be a tfsync\.elastic\.KerasState or None, got dict",
+        r"tfsync\.elastic\.KerasState or None",
+        r"pass elastic=tfsync\.elastic\.KerasState\(model\)",
+    ),
+    Bad(
+        "elastic-state-model",
+        A,
+        "`tfsync.elastic.KerasState(model)` on a model not built, or without an optimizer",
+        lambda: _elastic_state(keras.Sequential([keras.layers.Dense(2)]), compile_=True),
+        ValueError,
+        r"the model is not built",
+        r"has no variables to keep",
+        r"start it with keras\.Input\(shape\)",
     ),
     Bad(
         "stragglers-type",
@@ -602,6 +630,16 @@ BAD_INPUTS = [
         r"e\.g\. tfsync\.SSP\(staleness=3\)",
     ),
     Bad(
+        "cli-elastic-plain",
+        C,
+        "`--elastic` with `--plain-horovod` (digits example)",
+        _digits("--elastic", "--plain-horovod"),
+        SystemExit,
+        r"--elastic trains with tfsync's SyncCallback",
+        r"SyncCallback",
+        r"leave out --plain-horovod \(or --elastic\)",
+    ),
+    Bad(
         "cli-stray-setting",
         C,
         "a mode's flag given with a mode that does not take it (`--mode bsp --staleness 5`)",
@@ -791,6 +829,12 @@ def test_a_bad_input_is_refused_naming_the_value_what_was_expected_and_a_fix(cas
 
 # The other values a README line names, each refused as well (same line, another trigger).
 VARIANTS = [
+    (
+        "elastic-state-no-optimizer",
+        lambda: _elastic_state(keras.Sequential([keras.Input((2,)), keras.layers.Dense(2)]), compile_=False),
+        ValueError,
+        r"the model has no optimizer; call model\.compile",
+    ),
     ("ssp-staleness-float", lambda: tfsync.SSP(staleness=2.5), TypeError, r"staleness must be an int >= 0.*e\.g\."),
     ("dssp-low-negative", lambda: tfsync.DSSP(low=-1), ValueError, r"DSSP\(low=-1\): low must be >= 0; e\.g\."),
     ("dssp-high-float", lambda: tfsync.DSSP(high=1.5), TypeError, r"DSSP\(high=1\.5\): high must be an int"),

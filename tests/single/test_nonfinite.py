@@ -193,6 +193,7 @@ def test_bsp_leaves_a_poisoned_gradient_out_and_averages_the_rest(value, tmp_pat
         "compensated": 0,
         "dropped": 0,
         "rejected": 1,
+        "lost": 0,
         "skipped": 0,
     }
     # the trace names the rank and the step, and the step's record counts it

@@ -132,6 +132,7 @@ def test_summarize_ssp_with_a_straggler(ssp_dir):
         "compensated": 0,
         "dropped": 0,
         "rejected": 0,
+        "lost": 0,
         "skipped": 0,
     }
     assert summary["ranks"][1] == fast
@@ -145,6 +146,7 @@ def test_summarize_ssp_with_a_straggler(ssp_dir):
         "compensated": 0,
         "dropped": 0,
         "rejected": 0,
+        "lost": 0,
         "skipped": 0,
     }
     overall = summary["overall"]
@@ -199,7 +201,7 @@ def test_summary_shows_drops_skips_and_the_drain(tmp_path):
     assert (summary["overall"]["dropped"], summary["overall"]["skipped"]) == (2, 1)
     # the drain happened at the end: a range that stops earlier does not count it
     assert timeline.summarize(timeline.load_trace(path), end_step=2)["ranks"][1]["dropped"] == 1
-    assert " dropped rejected  skipped" in timeline.format_summary(summary)
+    assert " dropped rejected   lost  skipped" in timeline.format_summary(summary)
 
 
 def test_summarize_step_range(ssp_dir):
@@ -215,6 +217,7 @@ def test_summarize_step_range(ssp_dir):
         "compensated": 0,
         "dropped": 0,
         "rejected": 0,
+        "lost": 0,
         "skipped": 0,
     }
     assert summary["ranks"][2]["steps"] == 4 and summary["ranks"][2]["compute_s"] == 8.0
@@ -494,3 +497,17 @@ def test_module_stays_light():
     )
     env = dict(os.environ, PYTHONPATH=REPO)
     subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, check=True, timeout=120)
+
+
+def test_an_elastic_reset_counts_its_lost_contributions(tmp_path):
+    """A trace that ends with an elastic job's reset event (no finish): its ``lost`` in the summary."""
+    records = [
+        {"event": "start", "rank": 0, "size": 1, "t0": 0.0, "policy": {"mode": "bsp"}},
+        {"rank": 0, "step": 0, "t_start": 0.0, "t_push": 1.0, "t_end": 1.5, "applied": [[0, 0, 1]],
+         "stamps": [[0, [0]]], "applied_through": 0, "dropped": 0, "drops": [], "compensated": 0, "skipped": False},
+        {"event": "reset", "rank": 0, "t": 2.0, "step": 1, "lost": 1, "reason": "WorkerLostError: a test"},
+    ]  # fmt: skip
+    (tmp_path / "rank0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    summary = timeline.summarize(timeline.load_trace(str(tmp_path)))
+    assert summary["ranks"][0]["lost"] == summary["overall"]["lost"] == 1
+    assert summary["ranks"][0]["steps"] == 1

@@ -190,10 +190,14 @@ class Hosts:
         return sorted({int(line.split()[3].rpartition(":")[2]) for line in out.splitlines() if line.strip()})
 
     # ------------------------------------------------------------- commands
-    def horovodrun(self, per_host, argv, env=None, gloo_timeout_s=60):
+    def horovodrun(self, per_host, argv, env=None, gloo_timeout_s=60, elastic=None):
         """The ``horovodrun`` command line that runs ``argv`` with ``per_host`` ranks on every host,
-        over ``eth1``, remote ranks started over ssh with this harness's key (run it as host 1)."""
+        over ``eth1``, remote ranks started over ssh with this harness's key (run it as host 1).
+        ``elastic``: horovodrun's elastic options (``--min-np``, ``--max-np``,
+        ``--host-discovery-script`` listing :meth:`address` ``:slots`` lines, ...) instead of
+        the fixed host list."""
         slots = ",".join(f"{self.address(i)}:{per_host}" for i in range(1, self.n + 1))
+        hosts = ["-H", slots] if elastic is None else list(map(str, elastic))
         return [
             "env",
             f"PYTHONPATH={REPO_ROOT}",
@@ -201,7 +205,7 @@ class Hosts:
             "PYTHONUNBUFFERED=1",
             f"HOROVOD_GLOO_TIMEOUT_SECONDS={gloo_timeout_s}",
             *[f"{k}={v}" for k, v in (env or {}).items()],
-            "horovodrun", "-np", str(per_host * self.n), "-H", slots, "--gloo",
+            "horovodrun", "-np", str(per_host * self.n), *hosts, "--gloo",
             "--network-interfaces", IFACE, "--ssh-identity-file", self.key,
             sys.executable, *map(str, argv),
         ]  # fmt: skip

@@ -437,11 +437,23 @@ class HorovodCluster:
 
     _keys = ArrivalKeys()  # per process
     _arrivals_lock = threading.Lock()
+    _membership = 0  # per process: bumped when Horovod re-forms the job (elastic reset)
 
     def __init__(self):
         self.hvd = _horovod.horovod()
         self._arrivals = None
         self._arrivals_known = False
+        self._membership_seen = HorovodCluster._membership
+
+    @classmethod
+    def forget_membership(cls):
+        """Horovod re-formed the job (an elastic reset: ``hvd.shutdown(); hvd.init()``): every
+        instance in this process reads its rank, size and arrival record anew, and the calls of
+        each collective are numbered from zero again, as on a worker that joins at this reset
+        (the members must number their calls alike)."""
+        with cls._arrivals_lock:
+            cls._keys = ArrivalKeys()
+            cls._membership += 1
 
     def rank(self) -> int:
         return self.hvd.rank()
@@ -493,6 +505,9 @@ class HorovodCluster:
 
     def _record(self):
         with self._arrivals_lock:
+            if self._membership_seen != HorovodCluster._membership:
+                self._arrivals, self._arrivals_known = None, False
+                self._membership_seen = HorovodCluster._membership
             if not self._arrivals_known:
                 self._arrivals = RendezvousArrivals.from_env(self.hvd.rank, self.hvd.size)
                 self._arrivals_known = True

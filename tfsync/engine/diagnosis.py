@@ -30,10 +30,14 @@ class SyncTimeoutError(RuntimeError):
 class Diagnosis:
     """One worker's fault diagnosis over its control client."""
 
-    def __init__(self, control, rank, mode_name, wait_timeout_s, timeout_env, hosts=None):
+    def __init__(self, control, rank, mode_name, wait_timeout_s, timeout_env, hosts=None, elastic=False):
         self.control, self.rank, self.mode_name = control, rank, mode_name
         self.wait_timeout_s, self.timeout_env = wait_timeout_s, timeout_env
         self.hosts = hosts  # each rank's host name, in rank order (None: not known)
+        # elastic training (tfsync.elastic): every survivor resets at its own failed collective, so
+        # the error is raised at once with what is known, without waiting for rank 0's loss
+        # notices (LOSS_SETTLE_S, HOST_SETTLE_S) or announcing a stop the others do not need
+        self.elastic = elastic
 
     def on_hosts(self, ranks) -> str:
         """`` on host tfh2`` / `` on hosts tfh1, tfh2``: where ``ranks`` run, when known and
@@ -120,7 +124,7 @@ class Diagnosis:
         """``lost``, and the other ranks on the lost ranks' hosts once lost too, waited for up to
         ``HOST_SETTLE_S`` (a job on one host, hosts unknown, or rank 0 lost, whose control service
         reports the losses: ``lost`` as it is)."""
-        if not self.hosts or len(set(self.hosts)) < 2 or any(int(d["rank"]) == 0 for d in lost):
+        if self.elastic or not self.hosts or len(set(self.hosts)) < 2 or any(int(d["rank"]) == 0 for d in lost):
             return lost
         gone = {self.hosts[int(d["rank"])] for d in lost}
         on_them = {r for r, h in enumerate(self.hosts) if h in gone and r != self.rank}
@@ -131,8 +135,9 @@ class Diagnosis:
         return lost
 
     def lost_error(self, round_, exc, lost=None):
-        """The error for a failed collective (``exc``) or reported losses (``lost``)."""
-        deadline = time.monotonic() + LOSS_SETTLE_S
+        """The error for a failed collective (``exc``) or reported losses (``lost``); elastic: at
+        once, naming the losses already known."""
+        deadline = time.monotonic() + (0.0 if self.elastic else LOSS_SETTLE_S)
         while not self.unexplained(self.control.known_lost) and time.monotonic() < deadline:
             lost = self.unexplained(lost or self.control.table(timeout_s=TABLE_TIMEOUT_S).get("lost", []))
             if lost or self.peer_stop() is not None:
@@ -153,8 +158,12 @@ class Diagnosis:
             )
             return WorkerLostError(
                 f"tfsync: lost {names} while rank {self.rank} waited for round {round_}; "
-                f"{self.behind(round_)}. Stopping this worker too; restart the job (from a "
-                f"checkpoint, if you keep one)"
+                + (
+                    "resetting (elastic training)"
+                    if self.elastic
+                    else f"{self.behind(round_)}. Stopping this worker too; restart the job (from a "
+                    "checkpoint, if you keep one)"
+                )
             )
         return WorkerLostError(
             f"tfsync: the collective for round {round_} failed on rank {self.rank} ({exc}); "

@@ -31,7 +31,8 @@ contribution with a NaN or an infinity never reaches a round
 (:mod:`tfsync.engine.nonfinite`).
 
 Per worker, ``produced`` = ``applied`` + ``compensated`` + ``dropped`` +
-``rejected`` (and ``skipped`` steps), counted once (:mod:`tfsync.engine.tally`)
+``rejected`` + ``lost`` (in flight when an elastic job reset: :meth:`SyncEngine.lose_in_flight`;
+and ``skipped`` steps), counted once (:mod:`tfsync.engine.tally`)
 and checked when training finishes.
 """
 
@@ -73,6 +74,10 @@ class SyncEngine:
         on_nonfinite: ``"reject"`` (default: a contribution with a NaN or an infinity is
             left out of its round and counted as ``rejected``) or ``"raise"`` (the job
             stops with :class:`~tfsync.engine.nonfinite.NonFiniteError` naming the rank and step).
+        elastic: the job runs under ``tfsync.elastic.run`` (default False): a failed collective
+            raises at once, without waiting for rank 0's loss notices or announcing a stop,
+            since every survivor resets on its own failure; :meth:`lose_in_flight` counts what
+            the failure took.
 
     Example:
 
@@ -83,9 +88,18 @@ class SyncEngine:
     WAIT_TIMEOUT_ENV = WAIT_TIMEOUT_ENV
 
     def __init__(
-        self, mode="bsp", *, stragglers=None, trace_dir=None, wait_timeout_s=None, cluster=None, on_nonfinite="reject"
+        self,
+        mode="bsp",
+        *,
+        stragglers=None,
+        trace_dir=None,
+        wait_timeout_s=None,
+        cluster=None,
+        on_nonfinite="reject",
+        elastic=False,
     ):
         self.policy, self.on_nonfinite = resolve(mode), check_option(on_nonfinite)
+        self.elastic = bool(elastic)
         settings = lifecycle.settings(stragglers=stragglers, trace_dir=trace_dir, wait_timeout_s=wait_timeout_s)
         self.stragglers, self.trace_dir = settings["stragglers"], settings["trace_dir"]
         self.wait_timeout_s = settings["wait_timeout_s"]
@@ -155,7 +169,13 @@ class SyncEngine:
         # hang in a Gloo transfer to a cut-off or frozen host, which the watchdog's abort cannot end
         self._inline_rounds = len(set(self.hosts)) == 1
         self._diagnosis = Diagnosis(
-            self.control, self.rank, policy.name, self.wait_timeout_s, WAIT_TIMEOUT_ENV, hosts=self.hosts
+            self.control,
+            self.rank,
+            policy.name,
+            self.wait_timeout_s,
+            WAIT_TIMEOUT_ENV,
+            hosts=self.hosts,
+            elastic=self.elastic,
         )
         self.delays = self.stragglers.for_rank(self.rank)
         self.step, self.last_pushed, self.applied_through = 0, -1, -1
@@ -223,6 +243,21 @@ class SyncEngine:
         """Leave without :meth:`close`'s handshake with the other ranks (local, bounded): for an
         engine still running when the interpreter exits (see :func:`tfsync.engine.lifecycle.abandon`)."""
         lifecycle.abandon(self)
+
+    def lose_in_flight(self, reason: str) -> int:
+        """After a failure that ends this engine unfinished (elastic training resets): count this
+        worker's contributions that were produced and never settled (in flight in a round that
+        will not complete) as ``lost``, trace it, and abandon the engine.  Returns how many."""
+        try:
+            self.tally.settle(self.exchange)
+        except Exception:  # noqa: BLE001 - the exchange may be half torn down: its drops are gone too
+            pass
+        lost = self.tally.lose_unsettled()
+        self.trace(
+            {"event": "reset", "rank": self.rank, "t": self.now(), "step": self.step, "lost": lost, "reason": reason}
+        )
+        self.abandon()
+        return lost
 
     # ------------------------------------------------------------------- the step
     def begin_step(self) -> bool:

@@ -287,6 +287,12 @@ def _release(engine):
     engine._trace.close()
 
 
+def abandon_all():
+    """Abandon every engine of this process that is still running (local, bounded): before an
+    elastic reset re-forms Horovod (:mod:`tfsync.elastic`)."""
+    _abandon_running()
+
+
 def _abandon_running():
     for engine in list(_running):
         try:

@@ -2,8 +2,9 @@
 
 Every contribution a worker produces ends ``applied``, ``compensated``,
 ``dropped`` or ``rejected`` (it had a NaN or an infinity and went into no
-round: :mod:`tfsync.engine.nonfinite`); a step that computed nothing is
-``skipped``.  Events are noted as they happen (:meth:`Tally.add`; drops are
+round: :mod:`tfsync.engine.nonfinite`) or, when an elastic job resets
+(:mod:`tfsync.elastic`), ``lost``: in flight in a round the failure ended; a step
+that computed nothing is ``skipped``.  Events are noted as they happen (:meth:`Tally.add`; drops are
 recorded by the exchange) and settled into the run's counts and the epoch's
 totals at the end of each step (:meth:`Tally.settle`), so a step's trace
 record says what that step settled.
@@ -14,7 +15,8 @@ import os
 
 import numpy as np
 
-COUNTS = ("produced", "applied", "compensated", "dropped", "rejected", "skipped")
+SETTLED = ("applied", "compensated", "dropped", "rejected", "lost")  # what becomes of a contribution
+COUNTS = ("produced", "applied", "compensated", "dropped", "rejected", "lost", "skipped")
 
 
 class Tally:
@@ -61,14 +63,27 @@ class Tally:
         self._pending = dict.fromkeys(COUNTS, 0)
         return drops
 
-    def check(self, rank: int):
-        """Every contribution produced is applied, compensated, dropped or rejected (after the last drain)."""
+    def unsettled(self) -> int:
+        """Contributions produced and not yet applied, compensated, dropped, rejected or lost."""
         c = self.counts
-        if c["produced"] != c["applied"] + c["compensated"] + c["dropped"] + c["rejected"]:
+        return c["produced"] - sum(c[k] for k in SETTLED)
+
+    def lose_unsettled(self) -> int:
+        """Count every unsettled contribution as ``lost`` (a failure ended its round); returns how
+        many.  Call after :meth:`settle`."""
+        lost = self.unsettled()
+        self.counts["lost"] += lost
+        self.totals["lost"] += lost
+        return lost
+
+    def check(self, rank: int):
+        """Every contribution produced is applied, compensated, dropped, rejected or lost (after the last drain)."""
+        c = self.counts
+        if self.unsettled() != 0:
             raise RuntimeError(
                 f"tfsync: rank {rank} lost track of contributions: produced {c['produced']}, "
-                f"applied {c['applied']}, compensated {c['compensated']}, dropped {c['dropped']}, "
-                f"rejected {c['rejected']} after every round was drained"
+                + ", ".join(f"{k} {c[k]}" for k in SETTLED)
+                + " after every round was drained"
             )
 
 

@@ -19,6 +19,7 @@ import tensorflow as tf
 
 from tfsync.engine import COUNTS, lifecycle
 from tfsync.engine.pull import PartialPull
+from tfsync.engine.tally import SETTLED
 from tfsync.engine.tf_bridge import (
     LossScaling,
     OptimizerBlocks,
@@ -106,13 +107,23 @@ class SyncCallback(keras.callbacks.Callback):
             infinity goes into no round (every replica applies the others' mean; counted as
             ``tfsync_rejected``); ``"raise"``: the job stops with
             ``tfsync.engine.NonFiniteError`` naming the rank and the step.
+        elastic: a :class:`tfsync.elastic.KerasState` (default None): elastic training under
+            ``tfsync.elastic.run`` and horovodrun's elastic launcher.  At every epoch end the
+            callback commits the state (the model, the optimizer, the next epoch, the job's
+            contributions summed over the workers); a failed collective raises at once, so
+            the job resets without waiting for loss reports; at a reset the contributions in
+            flight are counted ``tfsync_lost``.  ``counts`` and the logs then cover the whole
+            training of this process, across resets; each reset's engine traces to
+            ``trace_dir/reset<k>/``.  Refused when the mode cannot run on the membership's size
+            (``BackupWorkers(backups=1)`` on one worker).  See ``docs/guide/elastic.md``.
 
     Logs added: per batch ``tfsync_wait_s``, ``tfsync_staleness``; per epoch
     ``tfsync_wait_fraction`` and this worker's contributions: ``tfsync_produced``
     = ``tfsync_applied`` + ``tfsync_compensated`` (applied after a delay
     compensation, DC-S3GD) + ``tfsync_dropped`` (the last epoch's counts include
     the contributions drained at its end) + ``tfsync_rejected`` (a NaN or an
-    infinity: left out of its round), and ``tfsync_skipped`` steps (PSP,
+    infinity: left out of its round) + ``tfsync_lost`` (in flight when an elastic job reset;
+    counted in the epoch that follows), and ``tfsync_skipped`` steps (PSP,
     backup workers: steps whose round closed before this worker computed it).
     With PSP's partial pulling also ``tfsync_blocks``, ``tfsync_late_blocks``
     and ``tfsync_delayed_blocks`` (since ``fit`` began).
@@ -137,9 +148,20 @@ class SyncCallback(keras.callbacks.Callback):
         average_statistics=True,
         cluster=None,
         on_nonfinite="reject",
+        elastic=None,
     ):
         super().__init__()
         mode = resolve_mode(mode)
+        if elastic is not None:
+            from tfsync.elastic import KerasState
+
+            if not isinstance(elastic, KerasState):
+                raise TypeError(
+                    f"tfsync.keras.SyncCallback: elastic must be a tfsync.elastic.KerasState or None, got "
+                    f"{type(elastic).__name__}; pass elastic=tfsync.elastic.KerasState(model)"
+                )
+            elastic._attach(self)
+        self.elastic = elastic
         for flag, value in (("average_epoch_logs", average_epoch_logs), ("average_statistics", average_statistics)):
             if not isinstance(value, bool):
                 raise TypeError(
@@ -155,7 +177,13 @@ class SyncCallback(keras.callbacks.Callback):
             wait_timeout_s=wait_timeout_s,
             cluster=cluster,
             on_nonfinite=on_nonfinite,
+            elastic=elastic is not None,
         )
+        self._earlier_counts = dict.fromkeys(COUNTS, 0)
+        self._committed_counts = dict.fromkeys(COUNTS, 0)  # elastic: this worker's, at the last commit
+        self._carried_totals = None  # elastic: the totals of an epoch a reset interrupted
+        self._folded = None  # elastic: the last engine whose counts are in _earlier_counts
+        self._hosts_check_due = False  # elastic: a commit was made, the launcher's notices not yet checked
         self.average_epoch_logs = average_epoch_logs
         self.average_statistics = average_statistics
         self._controller = None
@@ -188,6 +216,8 @@ class SyncCallback(keras.callbacks.Callback):
             )
         if frontend.running:  # a fit that raised left its engine running (Keras skips on_train_end)
             frontend.engine.abandon()
+        if self.elastic is not None:
+            self._elastic_begin(model)
         self._check_optimizer(optimizer)  # (before any collective: every rank refuses alike)
         if not optimizer.built:  # its slots exist before they are compared and broadcast
             optimizer.build(model.trainable_variables)
@@ -229,7 +259,8 @@ class SyncCallback(keras.callbacks.Callback):
         self._scaling = LossScaling(optimizer) if is_loss_scaled(optimizer) else None
         self._applies = 0  # calls of the optimizer's apply in the train step being traced
         self._steps = steps
-        self._earlier_counts = dict.fromkeys(COUNTS, 0)  # of the engines auto mode stopped
+        if self.elastic is None:  # (elastic: the whole training's, across resets)
+            self._earlier_counts = dict.fromkeys(COUNTS, 0)  # of the engines auto mode stopped
         self._compiled_kind = None  # what the compiled train step serves, if engines can share it
         if self.auto is not None:
             self.policy, self._segment = self.auto.initial, 0
@@ -271,7 +302,7 @@ class SyncCallback(keras.callbacks.Callback):
         engine = self._frontend.start(
             tensors,
             policy=policy,
-            trace_name=f"{self._segment}-{policy.name}" if self.auto is not None else None,
+            trace_name=self._trace_name(policy),
             extra_config={"steps": self._steps, "optimizer": type(model.optimizer).__name__},
         )
         if self._keeps_step(policy):
@@ -297,6 +328,14 @@ class SyncCallback(keras.callbacks.Callback):
                 raise
 
         model.train_function = train_function_reraising
+
+    def _trace_name(self, policy):
+        """Where this engine's trace goes under ``trace_dir``: auto mode's ``<segment>-<mode>``,
+        under ``reset<k>`` in an elastic job (each membership's engines apart); None: there."""
+        name = f"{self._segment}-{policy.name}" if self.auto is not None else None
+        if self.elastic is not None:
+            name = os.path.join(f"reset{self.elastic.resets}", name) if name else f"reset{self.elastic.resets}"
+        return name
 
     def _applying_once(self, train_step):
         """``train_step``, checked when it is traced (before its first step runs): it must update
@@ -345,6 +384,8 @@ class SyncCallback(keras.callbacks.Callback):
         return kind is not None and kind == self._compiled_kind
 
     def on_epoch_begin(self, epoch, logs=None):
+        if self.elastic is not None and self._hosts_check_due:
+            self._check_hosts()
         self._epoch = epoch
         self._switched_totals = None  # the epoch's totals of engines auto mode stopped during it
         if self._controller is not None:
@@ -367,8 +408,10 @@ class SyncCallback(keras.callbacks.Callback):
 
     @property
     def counts(self):
-        """This worker's contributions over the whole ``fit`` (every engine auto mode ran)."""
-        now = self.engine.counts if self.engine is not None else dict.fromkeys(COUNTS, 0)
+        """This worker's contributions over the whole ``fit`` (every engine auto mode ran); with
+        ``elastic=``, over this process's whole elastic training, through every reset."""
+        engine = self.engine
+        now = engine.counts if engine is not None and engine is not self._folded else dict.fromkeys(COUNTS, 0)
         return {k: self._earlier_counts[k] + now[k] for k in COUNTS}
 
     def on_epoch_end(self, epoch, logs=None):
@@ -384,6 +427,8 @@ class SyncCallback(keras.callbacks.Callback):
         tot = self.engine.totals
         if self._switched_totals is not None:
             tot = {k: self._switched_totals[k] + tot[k] for k in tot}
+        if self._carried_totals is not None:  # elastic: the interrupted epoch's, its lost included
+            tot, self._carried_totals = {k: self._carried_totals[k] + tot[k] for k in tot}, None
         busy = tot["wait_s"] + tot["compute_s"]
         logs["tfsync_wait_fraction"] = tot["wait_s"] / busy if busy else 0.0
         for key in COUNTS:
@@ -399,6 +444,8 @@ class SyncCallback(keras.callbacks.Callback):
             logs.update({k: float(v) for k, v in zip(keys, mean)})
         if self._controller is not None:
             logs.update(self._controller.epoch_logs())
+        if self.elastic is not None:
+            self._commit(epoch)
 
     def _auto_decide(self, epoch, batch, found=None):
         """Auto mode's decision after this step (every rank after the same one), and its switch."""
@@ -464,6 +511,84 @@ class SyncCallback(keras.callbacks.Callback):
         self._stop_engine()
         if self.average_statistics:  # the engine is closed: no other thread issues collectives
             average_statistics(self.model, cluster=self._frontend.cluster, wait_timeout_s=self._frontend.wait_timeout_s)
+
+    # ------------------------------------------------------------------ elastic
+    def _elastic_begin(self, model):
+        """Before a ``fit`` of an elastic job (first, or after a reset): the state's model, a mode
+        that works with this membership's size, the last engine's counts folded in."""
+        state, size = self.elastic, self._frontend.cluster.size()
+        if model is not state.model:
+            raise ValueError(
+                "tfsync.keras.SyncCallback: elastic= holds another model than the one being fit; build "
+                "the state on the model you train: tfsync.elastic.KerasState(model)"
+            )
+        try:  # (every rank refuses alike, before any collective)
+            (self.auto if self.auto is not None else self.policy).validate(size)
+        except ValueError as exc:
+            raise ValueError(
+                f"tfsync.elastic: the job has {size} workers now (after {state.resets} resets) and the mode "
+                f"cannot run on them: {exc}. Launch with horovodrun --min-np at least the smallest number "
+                f"of workers the mode takes, or choose settings that rescale (PSP's min_contributions=None "
+                f"waits for size - 1)"
+            ) from exc
+        self._fold_engine()
+        self._hosts_check_due = False  # (the state was just synchronized: run checks nothing older)
+
+    def _fold_engine(self):
+        """Add the last engine's counts to this worker's earlier counts, once."""
+        engine = self.engine
+        if engine is not None and engine is not self._folded:
+            for k in COUNTS:
+                self._earlier_counts[k] += engine.counts[k]
+            self._folded = engine
+
+    def _commit(self, epoch):
+        """Epoch end of an elastic job: the job's contributions since the last commit (summed over
+        the workers), the next epoch, and the model, committed to the state (collective).  The
+        launcher's notices of changed hosts are checked when the next epoch begins
+        (:meth:`_check_hosts`), after every callback's epoch end."""
+        state, counts = self.elastic, self.counts
+        # only settled contributions: one in flight now (SSP's rounds) is counted at the commit that
+        # follows its round, so the job's counts add up at every commit, whoever is lost later
+        counts["produced"] = sum(counts[k] for k in SETTLED)
+        delta = [float(counts[k] - self._committed_counts[k]) for k in COUNTS]
+        mean = self._frontend.average(
+            delta, "tfsync.elastic.counts", "every worker's contributions since the last commit, summed for the job"
+        )
+        size = self._frontend.cluster.size()
+        for k, m in zip(COUNTS, mean, strict=True):
+            state.counts[k] += int(round(float(m) * size))
+        self._committed_counts = counts
+        state.epoch = epoch + 1
+        state.save()
+        self._hosts_check_due = True
+
+    def _check_hosts(self):
+        """Whether the launcher changed the hosts since the last check (collective: rank 0's
+        notices, broadcast): if so, Horovod's ``HostsUpdatedInterrupt`` (``tfsync.elastic.run``
+        resets, the state just committed).  At an epoch's beginning, not in the commit at the
+        previous one's end, so every callback's ``on_epoch_end`` (checkpoints, evaluations) ran."""
+        self._hosts_check_due = False
+        self.elastic.check_host_updates()
+
+    def _elastic_reset(self, reason):
+        """An elastic reset (``tfsync.elastic.run``, Horovod already shut down): count this worker's
+        contributions in flight as lost, abandon the engine, undo its hooks on the model; the
+        interrupted epoch's totals go into the next epoch's logs.  Returns how many were lost."""
+        engine, lost = self.engine, 0
+        if engine is not None and engine is not self._folded:
+            if engine.started:
+                lost = engine.lose_in_flight(reason)
+                before, now = self._carried_totals, engine.totals
+                self._carried_totals = now if before is None else {k: before[k] + now[k] for k in now}
+            self._fold_engine()
+        self._hosts_check_due = False
+        self._unwrap_optimizer()
+        model = getattr(self, "model", None)  # (None: the failure came before the first fit)
+        if model is not None and "train_step" in vars(model):
+            del model.train_step
+        self._compiled_kind = None
+        return lost
 
     # ---------------------------------------------------------------- internals
     def _stop_engine(self, keep_step=False):

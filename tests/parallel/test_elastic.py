@@ -1,0 +1,221 @@
+"""Elastic training (tfsync.elastic) under horovodrun's elastic launcher, on one host.
+
+Two workers on two host names of this machine (Horovod blacklists the host of a worker that
+fails); the digits MLP for EPOCHS epochs.  A worker kills itself (SIGKILL) at a given
+(epoch, batch); the survivor resets, goes on alone from the last commit (the last epoch
+end) and finishes every epoch.
+"""
+
+import json
+import os
+
+import pytest
+
+from tests.parallel.launch import read_results, run_elastic_workers
+
+pytestmark = pytest.mark.parallel
+EPOCHS = 5
+KILL_AT = (1, 10)  # (epoch, batch): mid-epoch, so the reset rolls back 10 steps
+RESET_BOUND_S = 10.0  # from the kill to the survivor's next step (measured well under 1 s here)
+
+
+def _launch(
+    tmp_path,
+    mode,
+    victim,
+    *,
+    reset_limit=None,
+    expect_success=True,
+    epochs=EPOCHS,
+    changes=None,
+    kill_epochs=None,
+    options=(),
+    env=None,
+    workers=2,
+):
+    out = tmp_path / f"{mode}-{victim}"
+    out.mkdir()
+    kill_at = KILL_AT if kill_epochs is None else (kill_epochs, KILL_AT[1])
+    args = [out, mode, victim, *kill_at, epochs]
+    hosts_file = None
+    if changes is not None:
+        hosts_file = str(out / "hosts")
+        args += [hosts_file, changes]
+    code, output = run_elastic_workers(
+        "elastic.py",
+        workers,
+        args,
+        str(out),
+        min_np=1,
+        reset_limit=reset_limit,
+        hosts_file=hosts_file,
+        timeout_s=120,
+        options=options,
+        env=env,
+    )
+    if expect_success:
+        assert code == 0, output[-8000:]
+    killed = None
+    if (out / "killed.json").exists():
+        killed = json.loads((out / "killed.json").read_text())
+    return code, output, read_results(str(out)), killed
+
+
+def _check_counts(counts):
+    settled = sum(counts[k] for k in ("applied", "compensated", "dropped", "rejected", "lost"))
+    assert counts["produced"] == settled, counts
+
+
+@pytest.fixture(scope="module")
+def undisturbed(tmp_path_factory):
+    """The same job with nobody killed: its final accuracy is the target."""
+    _, _, results, killed = _launch(tmp_path_factory.mktemp("undisturbed"), "bsp", -1)
+    assert killed is None and sorted(results) == [0, 1], results
+    for res in results.values():
+        assert res["resets"] == 0 and res["epochs"] == list(range(EPOCHS)), res
+        assert res["counts"]["lost"] == 0, res
+        _check_counts(res["counts"])
+    assert results[0]["checksum"] == results[1]["checksum"]
+    return results[0]["accuracy"]
+
+
+@pytest.mark.parametrize(
+    "mode,victim",
+    [
+        ("bsp", 1),
+        # the process that is rank 0 (PSP's coordinator, the control service) dies: the other
+        # becomes rank 0 of the re-formed job
+        ("psp", 0),
+        ("ssp", 0),  # rounds in flight when it dies: the survivor counts them lost
+    ],
+)
+def test_a_killed_worker_costs_no_epoch_and_no_accuracy(tmp_path, undisturbed, mode, victim):
+    _, _, results, killed = _launch(tmp_path, mode, victim)
+    assert killed is not None and killed["rank"] == victim, killed
+    assert sorted(results) == [0], results  # one survivor, rank 0 of the re-formed job
+    res = results[0]
+    assert res["pid"] != killed["pid"]
+    assert res["resets"] == 1 and res["size"] == 1, res
+    assert res["memberships"] == [
+        {"rank": 1 - victim, "size": 2, "epoch": 0},
+        {"rank": 0, "size": 1, "epoch": KILL_AT[0]},  # from the last commit: epoch KILL_AT[0]'s start
+    ], res
+    # every epoch finished: the interrupted one again, from its start
+    assert res["epochs"] == list(range(KILL_AT[0])) + list(range(KILL_AT[0], EPOCHS)), res
+    assert res["state_epoch"] == EPOCHS
+    assert res["accuracy"] >= undisturbed - 0.01, (res["accuracy"], undisturbed)
+    # this worker's contributions add up, lost ones included; the job's as committed too
+    _check_counts(res["counts"])
+    _check_counts(res["state_counts"])
+    if mode == "bsp":  # its round was under way when the peer died
+        assert res["counts"]["lost"] == 1, res["counts"]
+    assert res["first_step_after_reset_t"] - killed["t"] < RESET_BOUND_S, res
+    traces = tmp_path / f"{mode}-{victim}" / "trace"
+    trace = [json.loads(line) for line in open(traces / "reset0" / f"rank{1 - victim}.jsonl")]
+    resets = [r for r in trace if r.get("event") == "reset"]
+    assert len(resets) == 1 and resets[0]["lost"] == res["counts"]["lost"], resets
+    assert os.path.exists(traces / "reset1" / "rank0.jsonl")  # the re-formed job's engine traces apart
+
+
+def test_four_workers_lose_a_host_and_go_on_with_two(tmp_path):
+    """Two host names with two slots each: rank 3 dies, Horovod takes its whole host out (rank 2
+    with it), ranks 0 and 1 go on.  A survivor whose collective waits on rank 2 (alive, its
+    own collective failed) sees the failure only at HOROVOD_GLOO_TIMEOUT_SECONDS: 5 s here."""
+    gloo_s = 5
+    _, _, results, killed = _launch(tmp_path, "bsp", 3, workers=4, env={"HOROVOD_GLOO_TIMEOUT_SECONDS": str(gloo_s)})
+    assert killed is not None and sorted(results) == [0, 1], results
+    for res in results.values():
+        assert res["resets"] == 1 and res["size"] == 2 and res["epochs"] == list(range(EPOCHS)), res
+        assert res["first_step_after_reset_t"] - killed["t"] < gloo_s + RESET_BOUND_S, res
+        _check_counts(res["counts"])
+    assert results[0]["checksum"] == results[1]["checksum"]
+    _check_counts(results[0]["state_counts"])
+
+
+@pytest.mark.parametrize("mode", ["dssp", "elasticbsp", "dcs3gd"])
+def test_every_other_mode_goes_on_after_a_kill(tmp_path, mode):
+    """The engine starts again on the survivor (clocks, supersteps, corrections, auto's
+    measurements from scratch) and the job finishes every epoch, its counts adding up."""
+    _, _, results, killed = _launch(tmp_path, mode, 1)
+    assert killed is not None and sorted(results) == [0], results
+    res = results[0]
+    assert res["resets"] == 1 and res["size"] == 1 and res["state_epoch"] == EPOCHS, res
+    assert res["epochs"] == list(range(EPOCHS)), res
+    assert res["accuracy"] >= 0.9, res
+    assert res["first_step_after_reset_t"] - killed["t"] < RESET_BOUND_S, res
+    _check_counts(res["counts"])
+    _check_counts(res["state_counts"])
+
+
+@pytest.mark.parametrize(
+    "mode,says",
+    [
+        ("backup", "BackupWorkers(backups=1) with 1 workers"),  # a round needs size - 1 >= 1
+        ("psp:2", "PSP(min_contributions=2) with 1 workers"),  # an explicit c above the new size
+        ("auto", "BackupWorkers(backups=1) with 1 workers"),  # a mode auto may switch to
+    ],
+)
+def test_a_mode_that_cannot_run_on_the_survivors_says_so(tmp_path, mode, says):
+    code, output, results, killed = _launch(tmp_path, mode, 1, expect_success=False)
+    assert killed is not None and code != 0 and not results
+    assert "tfsync.elastic: the job has 1 workers now" in output and "--min-np" in output, output[-4000:]
+    assert says in output, output[-4000:]
+
+
+def test_a_host_removed_and_added_back_by_discovery(tmp_path):
+    """The discovery script drops a host after epoch 1 and lists it again after epoch 3: the job
+    shrinks to one worker, then a new process joins with the committed state; no epoch is
+    lost or redone (the changes take effect between epochs)."""
+    epochs = 7
+    _, _, results, killed = _launch(
+        tmp_path, "bsp", -1, epochs=epochs, changes="1=localhost:1;3=localhost:1+127.0.0.1:1"
+    )
+    assert killed is None and sorted(results) == [0, 1], results
+    survivor = next(r for r in results.values() if len(r["memberships"]) == 3)
+    joiner = next(r for r in results.values() if r is not survivor)
+    assert [m["size"] for m in survivor["memberships"]] == [2, 1, 2], survivor
+    assert survivor["resets"] == joiner["resets"] == 2
+    assert survivor["epochs"] == list(range(epochs)), survivor  # every epoch once
+    joined_at = survivor["memberships"][2]["epoch"]
+    assert joiner["memberships"] == [{"rank": 1 - survivor["rank_at_end"], "size": 2, "epoch": joined_at}], joiner
+    assert joiner["epochs"] == list(range(joined_at, epochs)), joiner
+    assert survivor["checksum"] == joiner["checksum"]  # identical replicas at the end
+    assert survivor["state_counts"] == joiner["state_counts"]
+    _check_counts(survivor["state_counts"])
+    # nothing redone: the job's steps are exactly those of the memberships' epochs
+    steps = {2: 44, 1: 89}  # per worker per epoch (the digits training split, batch 16)
+    sizes = [m["size"] for m in survivor["memberships"]]
+    starts = [m["epoch"] for m in survivor["memberships"]] + [epochs]
+    expected = sum(size * steps[size] * (b - a) for size, a, b in zip(sizes, starts, starts[1:]))
+    assert survivor["state_counts"]["produced"] == expected, (survivor["state_counts"], expected)
+
+
+def test_exceeding_the_reset_limit_fails_saying_so(tmp_path):
+    code, output, results, killed = _launch(tmp_path, "bsp", 1, reset_limit=0, expect_success=False)
+    assert killed is not None and code != 0 and not results
+    assert "number of resets during elastic job exceeded limit: 0" in output, output[-4000:]
+
+
+def test_a_kill_loop_with_the_host_coming_back_keeps_the_accuracy(tmp_path):
+    """Rank 1 is killed mid-epoch at epochs 2, 5 and 8 whenever two workers run; Horovod lets
+    its host back after a cooldown of 1-3 s and a new process joins.  The job finishes every
+    epoch within a point of the same job undisturbed."""
+    epochs = 10
+    (tmp_path / "calm").mkdir()
+    _, _, calm, _ = _launch(tmp_path / "calm", "bsp", -1, epochs=epochs)
+    target = calm[0]["accuracy"]
+    # 15 ms a step, so the host can come back within a few epochs
+    stragglers = {"TFSYNC_STRAGGLERS": "base=0.015"}
+    cooldown = ["--blacklist-cooldown-range", 1, 3]
+    out = tmp_path / "loop"
+    out.mkdir()
+    _, output, results, _ = _launch(out, "bsp", 1, epochs=epochs, kill_epochs="2,5,8", options=cooldown, env=stragglers)
+    kills = sorted(p.name for p in (out / "bsp-1").glob("killed_*.json"))
+    assert len(kills) >= 2, (kills, output[-4000:])
+    first = max(results.values(), key=lambda r: len(r["memberships"]))  # the longest-lived process
+    assert first["resets"] >= 2 * len(kills) - 1, first  # each kill, and each return but maybe the last
+    assert first["state_epoch"] == epochs and first["epochs"][-1] == epochs - 1, first
+    for res in results.values():
+        assert res["accuracy"] >= target - 0.01, (res["accuracy"], target)
+        _check_counts(res["counts"])
+    _check_counts(first["state_counts"])

@@ -1,0 +1,328 @@
+"""Elastic training with tfsync: the job goes on through a lost worker or host.
+
+Horovod's elastic launcher (``horovodrun --min-np N --max-np M
+--host-discovery-script ...``) re-forms a job when a worker dies or the
+discovery script adds or drops a host; Horovod's own state classes do not work
+on Keras 3 (their Keras state calls ``optimizer.variables()``, a list in Keras
+3; their TensorFlow state runs a collective when it is built, which a joining
+worker cannot match), and its ``run`` wrapper resets on Horovod's own op errors
+only.  This module is the Keras 3 way, with tfsync's engine:
+
+* :class:`KerasState`: the model's and the optimizer's variables, the epoch
+  and tfsync's job-wide contribution counts, committed in host memory
+  (NumPy copies) at every epoch end by the :class:`tfsync.keras.SyncCallback`
+  given ``elastic=state``; restored from that commit after a failure, and
+  broadcast from rank 0 to every member (joiners included) at every reset.
+* :func:`run`: calls the training function, and on a failure that a
+  membership change explains (a lost peer: tfsync's
+  :class:`~tfsync.engine.WorkerLostError`, a wait past its bound:
+  :class:`~tfsync.engine.SyncTimeoutError`, a failed Horovod collective,
+  Horovod's ``HorovodInternalError``) or a membership notice from the
+  launcher (``HostsUpdatedInterrupt``) it resets: counts the contributions
+  in flight as ``lost`` and abandons the running engine, re-forms Horovod
+  (``hvd.shutdown(); hvd.init()``: the new ranks, rank 0 possibly another
+  process), restores the last commit, broadcasts rank 0's state and calls the
+  function again, which starts ``fit`` at ``state.epoch``.  The callback's
+  ``on_train_begin`` starts a new engine and control path on the new members.
+
+How many resets a job may take is Horovod's launcher's bound
+(``horovodrun --reset-limit``): past it the launcher stops the job, ends its
+workers and says so ("number of resets during elastic job exceeded limit");
+a worker whose re-forming fails before it is ended raises
+:class:`ElasticResetError`, saying what failed and what likely caused it.
+
+Example:
+
+    hvd.init()
+    model = build_model()                           # built and compiled, the same on every worker
+    state = tfsync.elastic.KerasState(model, epoch=0)
+    sync = tfsync.keras.SyncCallback("psp", elastic=state)
+
+    @tfsync.elastic.run
+    def train(state):                               # re-entered after every reset
+        x, y = tfsync.shard(x_all, y_all, batch_size=32)   # this membership's shard
+        model.fit(x, y, batch_size=32, epochs=10, initial_epoch=state.epoch, callbacks=[sync])
+
+    train(state)
+"""
+
+import copy
+import functools
+import logging
+import os
+import re
+import time
+
+from tfsync import _env, _horovod
+from tfsync.engine import lifecycle
+from tfsync.engine.cluster import HorovodCluster, run_bounded
+from tfsync.engine.diagnosis import SyncTimeoutError
+from tfsync.engine.exchange import WorkerLostError
+from tfsync.engine.tally import COUNTS
+
+try:
+    from horovod.common.elastic import ObjectState, State, notification_manager
+    from horovod.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
+except ImportError as _exc:  # pragma: no cover - Horovod is a dependency
+    raise ImportError(
+        f"tfsync.elastic needs Horovod ({_exc}); install it with `make install` (builds horovod==0.28.1)"
+    ) from _exc
+
+log = logging.getLogger("tfsync.elastic")
+
+ELASTIC_ENV = "HOROVOD_ELASTIC"  # set to 1 by horovodrun for an elastic launch (--min-np/--max-np/discovery)
+# a TensorFlow op error from a Horovod collective or its Gloo transport (not a user's own error)
+HOROVOD_OP_ERROR = re.compile(r"horovod|gloo", re.IGNORECASE)
+RESERVED = ("resets", "counts")  # KerasState's own attributes
+
+
+class ElasticResetError(RuntimeError):
+    """Horovod could not re-form the job after a failure (the launcher stopped it: too many
+    resets, or fewer workers than ``--min-np``); the message says what failed."""
+
+
+class KerasState(ObjectState):
+    """What an elastic job keeps through a membership change: a Keras 3 model, its optimizer and
+    the progress of training.
+
+    Building it runs no collective (a worker that joins a running job builds it while the
+    others wait in their reset).  Committed (``commit()``) at every epoch end by the
+    :class:`tfsync.keras.SyncCallback` given ``elastic=state``, after that epoch's rounds:
+    NumPy copies of every model and optimizer variable (weights, non-trainable statistics,
+    iterations, slots, learning rate) and of the attributes.  Restored (``restore()``) after
+    a failure; synchronized (``sync()``: rank 0's variables and attributes broadcast to every
+    member, each collective bounded by the wait bound) when :func:`run` starts and after every
+    reset.
+
+    Args:
+        model: a built, compiled Keras 3 model, the same on every worker.
+        optimizer: default ``model.optimizer``; built now (its slots) if it is not.
+        wait_timeout_s: bound on each collective of ``sync()`` and ``commit()`` (default
+            120 s, or ``TFSYNC_WAIT_TIMEOUT_S``).
+        **attributes: values kept and restored with the model, as attributes of the state
+            (``epoch=0`` by default; any other picklable value: a learning-rate scale, a
+            data position).  ``resets`` (the resets so far) and ``counts`` (the job's
+            contributions as of the last commit, summed over the workers) are the state's own.
+
+    Example:
+
+        state = tfsync.elastic.KerasState(model, epoch=0)
+        sync = tfsync.keras.SyncCallback("bsp", elastic=state)
+    """
+
+    def __init__(self, model, optimizer=None, *, wait_timeout_s=None, **attributes):
+        optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
+        if optimizer is None:
+            raise ValueError(
+                "tfsync.elastic.KerasState: the model has no optimizer; call model.compile(optimizer=..., "
+                "loss=...) before building the state, or pass optimizer="
+            )
+        if not getattr(model, "built", False) or not model.variables:
+            raise ValueError(
+                "tfsync.elastic.KerasState: the model is not built, so it has no variables to keep; "
+                "build it before the state (start it with keras.Input(shape), or call model.build(shape))"
+            )
+        for name in RESERVED:
+            if name in attributes:
+                raise ValueError(
+                    f"tfsync.elastic.KerasState: {name!r} is the state's own attribute (resets: the resets "
+                    f"so far; counts: the job's committed contribution counts); name yours differently"
+                )
+        if not optimizer.built:  # its slots exist before the first commit and every broadcast
+            optimizer.build(model.trainable_variables)
+        self.model, self.optimizer = model, optimizer
+        self.wait_timeout_s = _env.wait_timeout_s(wait_timeout_s)
+        self._syncs = []  # the SyncCallbacks that commit this state
+        attributes.setdefault("epoch", 0)
+        attributes["resets"] = 0
+        attributes["counts"] = dict.fromkeys(COUNTS, 0)
+        super().__init__(bcast_object=self._broadcast_object, get_rank=self._rank, **attributes)
+        self._saved_values = self._values()
+
+    # -------------------------------------------------------------- Horovod's State
+    def save(self):
+        """Copy every variable and attribute to host memory (local: no collective)."""
+        self._saved_values = self._values()
+        self._saved_state = {k: copy.deepcopy(getattr(self, k)) for k in self._saved_state}
+
+    def restore(self):
+        """Set every variable and attribute back to the last commit (local)."""
+        for variable, value in zip(self._variables(), self._saved_values, strict=True):
+            variable.assign(value)
+        self._set_attrs()
+
+    def sync(self):
+        """Rank 0's variables and attributes on every member, then committed (collective, bounded)."""
+        self._collective(
+            lambda cluster: cluster.broadcast_variables(self._variables(), 0, "tfsync.elastic.variables"),
+            "tfsync.elastic.variables",
+            "rank 0's model and optimizer variables, broadcast to every member of the re-formed job",
+        )
+        super().sync()  # (the attributes, through _broadcast_object)
+        self.save()
+
+    def _set_attrs(self):
+        for attr, value in self._saved_state.items():  # copies: a commit is never changed in place
+            setattr(self, attr, copy.deepcopy(value))
+
+    # ------------------------------------------------------------------- internals
+    def _variables(self):
+        return list(self.model.variables) + list(self.optimizer.variables)
+
+    def _values(self):
+        return [v.numpy().copy() for v in self._variables()]
+
+    def _rank(self):
+        return _horovod.horovod().rank()
+
+    def _broadcast_object(self, obj):
+        return self._collective(
+            lambda cluster: cluster.broadcast_object(obj, 0, "tfsync.elastic.attributes"),
+            "tfsync.elastic.attributes",
+            "rank 0's elastic state attributes (or the launcher's membership notices), broadcast",
+        )
+
+    def _collective(self, fn, name, purpose):
+        """``fn(cluster)`` bounded by the wait bound, after the running engine's rounds if one runs
+        (the job's collectives stay in one order on every rank)."""
+        for sync in self._syncs:
+            frontend = sync._frontend
+            if frontend.running:
+                return frontend.collective(functools.partial(fn, frontend.cluster), name, purpose)
+        cluster = HorovodCluster()
+        return run_bounded(cluster, lambda: fn(cluster), name=name, purpose=purpose, timeout_s=self.wait_timeout_s)
+
+    def _attach(self, sync):
+        if sync not in self._syncs:
+            self._syncs.append(sync)
+
+
+def is_reset_error(exc) -> bool:
+    """Whether ``exc`` (or an exception it was raised from) is a failure a reset answers: a lost
+    peer, a wait past its bound, a failed Horovod collective (its TensorFlow op error names Horovod
+    or Gloo), or Horovod's ``HorovodInternalError``.  Any other error is the program's own and
+    stops the job."""
+    import tensorflow as tf
+
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, HorovodInternalError | WorkerLostError | SyncTimeoutError):
+            return True
+        if isinstance(exc, tf.errors.OpError) and HOROVOD_OP_ERROR.search(exc.message or ""):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def run(func):
+    """Run ``func(state, *args, **kwargs)`` through failures and membership changes (a decorator).
+
+    ``state`` (the first argument) is a :class:`KerasState` (or another Horovod ``State``); it is
+    synchronized from rank 0 before the first call.  When ``func`` raises a failure a reset
+    answers (:func:`is_reset_error`) or Horovod's ``HostsUpdatedInterrupt`` (the launcher added
+    or dropped a host; raised by ``state.commit()``), every member resets:
+
+    1. Horovod is shut down (``hvd.shutdown()``: every collective still pending fails);
+    2. each :class:`tfsync.keras.SyncCallback` committing ``state`` counts this worker's
+       contributions in flight as ``lost`` and abandons its engine (no handshake: the peers
+       are resetting too), in the trace as an ``event: reset`` record;
+    3. Horovod is re-formed (``hvd.init()``) by its elastic launcher: the surviving and the
+       added workers, numbered anew;
+    4. ``state`` is restored from its last commit and ``state.resets`` counted, then synchronized
+       from the new rank 0 (a joining worker gets the whole state), and ``func`` is called again.
+
+    Any other error is raised as it is.  Without an elastic launch (``horovodrun`` without
+    ``--min-np``/``--max-np``/``--host-discovery-script``: no ``HOROVOD_ELASTIC=1``) Horovod
+    cannot re-form the job: ``func`` runs once after the sync, and a failure stops the job
+    as it would without this wrapper.  Returns what ``func`` returns.
+    """
+
+    @functools.wraps(func)
+    def wrapper(state, *args, **kwargs):
+        if not isinstance(state, State):
+            raise TypeError(
+                f"tfsync.elastic.run: the first argument of {func.__name__} must be the elastic state "
+                f"(tfsync.elastic.KerasState), got {type(state).__name__}; call {func.__name__}(state, ...)"
+            )
+        hvd = _horovod.horovod()
+        if os.environ.get(ELASTIC_ENV) != "1":
+            state.sync()
+            return func(state, *args, **kwargs)
+        notification_manager.init()
+        notification_manager.register_listener(state)
+        try:
+            while True:
+                try:
+                    state.sync()
+                    return func(state, *args, **kwargs)
+                except HostsUpdatedInterrupt as exc:
+                    reason = "the launcher " + ("dropped a host" if exc.skip_sync else "changed the hosts")
+                except Exception as exc:
+                    if not is_reset_error(exc):
+                        raise
+                    reason = f"{type(exc).__name__}: {exc}"
+                _reset(hvd, state, reason)
+        finally:
+            notification_manager.remove_listener(state)
+
+    return wrapper
+
+
+def _reset(hvd, state, reason):
+    """Abandon the engines (their in-flight contributions counted lost), re-form Horovod, restore
+    the last commit.  The caller then synchronizes the state from the new rank 0."""
+    t = time.monotonic()
+    old = f"rank {_rank_or(hvd)} of {_size_or(hvd)}"
+    try:
+        hvd.shutdown()  # first: fails every collective still pending, so the engines end at once
+    except Exception:  # noqa: BLE001 - already shut down (an abort) is fine
+        pass
+    lost = 0
+    for sync in getattr(state, "_syncs", ()):
+        lost += sync._elastic_reset(reason)
+    lifecycle.abandon_all()  # any other engine of this process (a SyncStrategy's)
+    HorovodCluster.forget_membership()
+    resets = getattr(state, "resets", 0) + 1
+    try:
+        hvd.init()
+    except Exception as exc:
+        raise ElasticResetError(
+            f"tfsync.elastic: Horovod could not re-form the job for reset {resets} ({type(exc).__name__}: "
+            f"{exc}). horovodrun stops an elastic job when its resets exceed --reset-limit or fewer "
+            f"workers than --min-np remain; its output says which. The failure that started this reset "
+            f"was: {reason}"
+        ) from exc
+    state.restore()
+    if isinstance(state, KerasState):  # (in the commit too: sync() broadcasts rank 0's commit)
+        state._saved_state["resets"] = state.resets = resets
+    state.on_reset()
+    log.warning(
+        "tfsync.elastic: reset %d (%s): was %s, now rank %d of %d; %d contributions of this worker were "
+        "lost in flight; re-formed in %.2f s; training goes on from epoch %s",
+        resets,
+        reason.splitlines()[0][:300],
+        old,
+        hvd.rank(),
+        hvd.size(),
+        lost,
+        time.monotonic() - t,
+        getattr(state, "epoch", "?"),
+    )
+
+
+def _rank_or(hvd):
+    try:
+        return hvd.rank()
+    except Exception:  # noqa: BLE001 - for the log only
+        return "?"
+
+
+def _size_or(hvd):
+    try:
+        return hvd.size()
+    except Exception:  # noqa: BLE001 - for the log only
+        return "?"
+
+
+__all__ = ["ElasticResetError", "KerasState", "is_reset_error", "run"]
