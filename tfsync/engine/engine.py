@@ -26,7 +26,11 @@ A step runs as one :meth:`SyncEngine.sync_step`, called from inside the
 compiled train step (:mod:`tfsync.engine.tf_bridge`) with the tensors
 themselves: the payload never crosses NumPy.  When a step's round already
 closed without this worker, :meth:`SyncEngine.begin_step` says so and the
-frontends skip its computation (:meth:`SyncEngine.skip_step`).  A
+frontends skip its computation (:meth:`SyncEngine.skip_step`).  A step
+protocol may make only every ``H``-th step a contribution (Local SGD, DiLoCo:
+:mod:`tfsync.engine.outer`); the steps between are the worker's own
+(:meth:`SyncEngine.local_step`), and the engine's steps and rounds are the
+contributing ones.  A
 contribution with a NaN or an infinity never reaches a round
 (:mod:`tfsync.engine.nonfinite`).
 
@@ -266,6 +270,15 @@ class SyncEngine:
             for c in self.components:
                 result = c.result(result)
             return result
+
+    def local_step(self):
+        """A step that computes without contributing (an inner step of Local SGD or DiLoCo, whose
+        step protocol says only every ``H``-th step contributes): this rank's simulated compute
+        delay, nothing else.  It enters no round and is no contribution; its time counts into
+        the next contribution's compute time (the engine's steps are the contributing ones)."""
+        with self.guard():
+            self._check_started()
+            self.delays.sleep()
 
     def skip_step(self):
         """A skipped step: no contribution; wait for its round and return its result."""

@@ -36,7 +36,7 @@ from tfsync.engine.tf_bridge import (
     static_loss_scale,
 )
 from tfsync.frontend import FINGERPRINT_FIX, Frontend, fingerprint
-from tfsync.keras.statistics import average_statistics
+from tfsync.keras.statistics import average_statistics, floating_statistics
 from tfsync.policies import Auto, resolve_mode
 from tfsync.policies.auto import AutoController
 
@@ -72,13 +72,17 @@ class SyncCallback(keras.callbacks.Callback):
     ``apply``/``apply_gradients`` exactly once (another optimizer, or
     ``assign_sub``, would train each worker alone); gradient accumulation under
     a mode that exchanges updates (``"ssp"``, ``"dssp"``, ``"elasticbsp"``,
-    ``"dcs3gd"``, and ``"auto"`` with any of them), whose staleness counts
-    steps that would not be updates.
+    ``"dcs3gd"``, ``"localsgd"``, ``"diloco"``, and ``"auto"`` with any of them),
+    whose staleness (or period) counts steps that would not be updates.
 
     Args:
         mode: ``"bsp"`` (default), ``"ssp"``, ``"dssp"``, ``"elasticbsp"``, ``"psp"``, ``"backup"``,
-            ``"dcs3gd"``, ``"auto"`` or a policy object such as ``tfsync.SSP(staleness=3)`` or
-            ``tfsync.PSP(min_contributions=3)``.  ``"auto"`` (``tfsync.Auto``) classifies the
+            ``"dcs3gd"``, ``"localsgd"``, ``"diloco"``, ``"auto"`` or a policy object such as
+            ``tfsync.SSP(staleness=3)``, ``tfsync.PSP(min_contributions=3)`` or
+            ``tfsync.DiLoCo(inner_steps=8)``.  Under ``"localsgd"`` and ``"diloco"`` only every
+            ``H``-th step is a contribution (an outer step; the counts and the per-batch
+            ``tfsync_wait_s`` are the last outer step's), and the model's non-trainable
+            floating-point variables are averaged with the weights at every outer step.  ``"auto"`` (``tfsync.Auto``) classifies the
             workers' measured iteration times (first after ``window_steps`` steps, mid-epoch, or
             after ``tfsync.policies.auto.EARLY_STEPS`` under BSP when one worker is persistently
             slow; then at epoch ends) and switches to the mode chosen for the profile; each decision
@@ -268,6 +272,8 @@ class SyncCallback(keras.callbacks.Callback):
         tensors = self.variables
         if self._scaling is not None:  # (the gradient protocol exchanges an overflow flag too)
             tensors = self._scaling.engine_tensors(tensors, self._frontend.protocol(policy))
+        if self._frontend.protocol(policy).periodic:  # Local SGD, DiLoCo: averaged at every outer step
+            tensors = [*tensors, *floating_statistics(model)]
         engine = self._frontend.start(
             tensors,
             policy=policy,
