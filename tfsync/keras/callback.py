@@ -80,9 +80,10 @@ class SyncCallback(keras.callbacks.Callback):
             ``"dcs3gd"``, ``"localsgd"``, ``"diloco"``, ``"auto"`` or a policy object such as
             ``tfsync.SSP(staleness=3)``, ``tfsync.PSP(min_contributions=3)`` or
             ``tfsync.DiLoCo(inner_steps=8)``.  Under ``"localsgd"`` and ``"diloco"`` only every
-            ``H``-th step is a contribution (an outer step; the counts and the per-batch
-            ``tfsync_wait_s`` are the last outer step's), and the model's non-trainable
-            floating-point variables are averaged with the weights at every outer step.  ``"auto"`` (``tfsync.Auto``) classifies the
+            ``H``-th step is a contribution (an outer step: the counts count outer steps, and the
+            per-batch ``tfsync_wait_s`` is the last outer step's), and the model's non-trainable
+            floating-point variables are averaged with the weights at every outer step.
+            ``"auto"`` (``tfsync.Auto``) classifies the
             workers' measured iteration times (first after ``window_steps`` steps, mid-epoch, or
             after ``tfsync.policies.auto.EARLY_STEPS`` under BSP when one worker is persistently
             slow; then at epoch ends) and switches to the mode chosen for the profile; each decision
