@@ -44,6 +44,8 @@ def result_of(out):
         ("dcs3gd.sh", 12),
         ("strategy_dcs3gd.sh", 12),
         ("auto.sh", 12),
+        ("localsgd.sh", 12),
+        ("diloco.sh", 12),
     ],
 )
 def test_digits_reaches_90_percent_on_4_workers(script, epochs):
