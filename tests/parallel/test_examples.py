@@ -167,6 +167,8 @@ def test_demo_prints_the_comparison_table(tmp_path):
         "backup(b=1)",
         "backup(b=1)+dc(lambda=0.04)",
         "dcs3gd(lambda=0.04)",
+        "localsgd(H=8)",
+        "diloco(H=8, outer=SGD(lr=0.7, nesterov 0.9))",
     ]
     assert all(r["samples_per_s"] > 0 and 0 <= r["wait_fraction"] < 1 for r in rows)
 
