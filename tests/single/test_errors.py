@@ -451,7 +451,7 @@ BAD_INPUTS = [
         "auto-modes-policy",
         P,
         "`Auto(modes=...)` or `Auto(initial=...)` holding something other than a policy object, "
-        "or one that pulls partially",
+        "or one that pulls partially or takes local steps",
         lambda: tfsync.Auto(modes={"jitter": "ssp"}),
         ValueError,
         r"modes\['jitter'\]='ssp'",
@@ -815,6 +815,12 @@ VARIANTS = [
     ("ssp-staleness-float", lambda: tfsync.SSP(staleness=2.5), TypeError, r"staleness must be an int >= 0.*e\.g\."),
     ("dssp-low-negative", lambda: tfsync.DSSP(low=-1), ValueError, r"DSSP\(low=-1\): low must be >= 0; e\.g\."),
     ("dssp-high-float", lambda: tfsync.DSSP(high=1.5), TypeError, r"DSSP\(high=1\.5\): high must be an int"),
+    (
+        "auto-modes-local-steps",
+        lambda: tfsync.Auto(modes={"none": tfsync.DiLoCo()}),
+        ValueError,
+        r"modes\['none'\]=DiLoCo.*takes local steps.*use DiLoCo on its own",
+    ),
     ("localsgd-period-float", lambda: tfsync.LocalSGD(period=2.5), TypeError, r"period must be an int >= 1.*e\.g\."),
     ("diloco-inner-steps", lambda: tfsync.DiLoCo(inner_steps=0), ValueError, r"DiLoCo\(inner_steps=0\).*e\.g\."),
     (
