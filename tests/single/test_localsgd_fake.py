@@ -12,6 +12,7 @@ that is not finite is rejected.
 """
 
 import math
+import os
 
 import keras
 import numpy as np
@@ -21,6 +22,7 @@ from fake_cluster import FakeCluster, on_threads
 from training_fake import BATCH, EPOCHS, JOIN_S, SIZE, STEPS, data, layers
 
 import tfsync
+from tfsync import timeline
 
 pytestmark = pytest.mark.usefixtures("engines_on_localhost")
 
@@ -41,7 +43,7 @@ class Record(keras.callbacks.Callback):
         self.steps.append(self.model.get_weights())
 
 
-def fit_rank(cluster, frontend, mode, make_layers=layers, make_optimizer=None, initial=None, **data_kw):
+def fit_rank(cluster, frontend, mode, make_layers=layers, make_optimizer=None, initial=None, trace_dir=None, **data_kw):
     """One rank's fit: its final weights, optimizer variables, every step's weights, the counts."""
     rank = cluster.rank()
     make_optimizer = make_optimizer or (lambda: keras.optimizers.Adam(0.01))
@@ -57,7 +59,9 @@ def fit_rank(cluster, frontend, mode, make_layers=layers, make_optimizer=None, i
     x, y = data(rank, **data_kw)
     if frontend == "callback":
         model = build()
-        sync = tfsync.keras.SyncCallback(mode, cluster=cluster, wait_timeout_s=30, average_statistics=False)
+        sync = tfsync.keras.SyncCallback(
+            mode, cluster=cluster, wait_timeout_s=30, average_statistics=False, trace_dir=trace_dir
+        )
         model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0, callbacks=[sync, record])
         counts = sync.counts
     else:
@@ -248,3 +252,18 @@ def test_a_period_with_a_gradient_that_is_not_finite_is_rejected(name):
         assert np.isfinite(a).all()
     for k in (3, 7, 11):  # every outer step, the rejected ones included
         assert all(np.array_equal(a, b) for a, b in zip(results[0]["steps"][k], results[1]["steps"][k]))
+
+
+def test_the_trace_and_the_timeline_show_one_round_per_outer_step(tmp_path):
+    """Period 5 over 12 steps: three outer steps per rank in the trace (the last one, for steps
+    11-12, in the drain at the end), each applying its round; the timeline reads and plots it."""
+    job("callback", tfsync.LocalSGD(period=5), trace_dir=str(tmp_path))
+    trace = timeline.load_trace(str(tmp_path))
+    summary = timeline.summarize(trace)
+    assert summary["overall"]["max_clock_gap"] <= 1
+    for r in range(SIZE):
+        with open(os.path.join(tmp_path, f"rank{r}.jsonl")) as f:
+            steps = [line for line in f if '"step"' in line and '"event"' not in line]
+        assert len(steps) == 3, steps
+    timeline.plot_timeline(trace, str(tmp_path / "timeline.png"))
+    assert (tmp_path / "timeline.png").stat().st_size > 10_000
