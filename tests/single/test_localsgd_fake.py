@@ -267,3 +267,23 @@ def test_the_trace_and_the_timeline_show_one_round_per_outer_step(tmp_path):
         assert len(steps) == 3, steps
     timeline.plot_timeline(trace, str(tmp_path / "timeline.png"))
     assert (tmp_path / "timeline.png").stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("frontend", FRONTENDS)
+def test_mixed_precision_loss_scaling_trains_under_local_steps(frontend):
+    """A ``LossScaleOptimizer`` as the inner optimizer: it skips its own overflowed steps (none
+    here), the replicas are identical after training and every outer step counted."""
+    lso = lambda: keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(0.01))  # noqa: E731
+    results = job(frontend, tfsync.DiLoCo(inner_steps=4), make_optimizer=lso)
+    for a, b in zip(results[0]["weights"], results[1]["weights"]):
+        np.testing.assert_array_equal(a, b)
+    assert results[0]["counts"]["applied"] == 3
+
+
+def test_gradient_accumulation_is_refused_before_training():
+    fake = FakeCluster(SIZE, timeout_s=60)
+    accumulate = lambda: keras.optimizers.Adam(0.01, gradient_accumulation_steps=2)  # noqa: E731
+    fns = [lambda r=r: fit_rank(fake.rank(r), "callback", "localsgd", make_optimizer=accumulate) for r in range(SIZE)]
+    _, errors = on_threads(fns, JOIN_S)
+    for e in errors:
+        assert isinstance(e, ValueError) and "gradient_accumulation_steps=2" in str(e), e

@@ -259,9 +259,10 @@ class SyncCallback(keras.callbacks.Callback):
                 lambda p: frontend.protocol(p).reduces_gradients,
                 "tfsync.keras.SyncCallback",
                 "this mode exchanges the update each step made and counts its staleness bound (or "
-                "corrects its delay) in steps, which would then not be updates. Use a mode that "
-                "exchanges gradients ('bsp', 'psp', 'backup'), where each step's gradients are "
-                "averaged before they are accumulated, or a larger batch instead of accumulating",
+                "corrects its delay, or its period of local steps) in steps, which would then not be "
+                "updates. Use a mode that exchanges gradients ('bsp', 'psp', 'backup'), where each "
+                "step's gradients are averaged before they are accumulated, or a larger batch instead "
+                "of accumulating (under 'localsgd' and 'diloco': a larger batch or period)",
             )
 
     def _start_engine(self):
