@@ -23,6 +23,7 @@ from training_fake import BATCH, EPOCHS, JOIN_S, SIZE, STEPS, data, layers
 
 import tfsync
 from tfsync import timeline
+from tfsync.engine import NonFiniteError, WorkerLostError
 
 pytestmark = pytest.mark.usefixtures("engines_on_localhost")
 
@@ -43,7 +44,17 @@ class Record(keras.callbacks.Callback):
         self.steps.append(self.model.get_weights())
 
 
-def fit_rank(cluster, frontend, mode, make_layers=layers, make_optimizer=None, initial=None, trace_dir=None, **data_kw):
+def fit_rank(
+    cluster,
+    frontend,
+    mode,
+    make_layers=layers,
+    make_optimizer=None,
+    initial=None,
+    trace_dir=None,
+    on_nonfinite="reject",
+    **data_kw,
+):
     """One rank's fit: its final weights, optimizer variables, every step's weights, the counts."""
     rank = cluster.rank()
     make_optimizer = make_optimizer or (lambda: keras.optimizers.Adam(0.01))
@@ -60,7 +71,12 @@ def fit_rank(cluster, frontend, mode, make_layers=layers, make_optimizer=None, i
     if frontend == "callback":
         model = build()
         sync = tfsync.keras.SyncCallback(
-            mode, cluster=cluster, wait_timeout_s=30, average_statistics=False, trace_dir=trace_dir
+            mode,
+            cluster=cluster,
+            wait_timeout_s=30,
+            average_statistics=False,
+            trace_dir=trace_dir,
+            on_nonfinite=on_nonfinite,
         )
         model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0, callbacks=[sync, record])
         counts = sync.counts
@@ -287,3 +303,32 @@ def test_gradient_accumulation_is_refused_before_training():
     _, errors = on_threads(fns, JOIN_S)
     for e in errors:
         assert isinstance(e, ValueError) and "gradient_accumulation_steps=2" in str(e), e
+
+
+def test_an_outer_learning_rate_schedule_counts_outer_steps():
+    """Outer SGD whose schedule gives learning rate 1.0 at its first iteration and 0 after: the
+    first outer step (after step 4) averages, the later ones (after steps 8 and 12) move
+    nothing, so training ends on the first outer step's weights.  (Counting inner steps, the
+    schedule would be past its boundary at the first outer step already.)"""
+    schedule = keras.optimizers.schedules.PiecewiseConstantDecay(boundaries=[0], values=[1.0, 0.0])
+    mode = tfsync.DiLoCo(inner_steps=4, outer_optimizer=keras.optimizers.SGD(learning_rate=schedule))
+    results = job("callback", mode)
+    for result in results:
+        first = result["steps"][3]
+        for a, b in zip(result["weights"], first):
+            np.testing.assert_array_equal(a, b)
+        assert not all(np.array_equal(a, b) for a, b in zip(result["steps"][2], first))  # (it moved there)
+
+
+def test_raise_stops_every_rank_at_the_outer_step_of_the_period():
+    """``on_nonfinite="raise"``: rank 1's third step overflows; the job stops at the end of
+    that period (outer step 0), every rank's error naming rank 1 and the outer step."""
+    fake = FakeCluster(SIZE, timeout_s=60)
+    fns = [
+        lambda r=r: fit_rank(fake.rank(r), "callback", MODES["localsgd"], on_nonfinite="raise", overflow_at=2)
+        for r in range(SIZE)
+    ]
+    _, errors = on_threads(fns, JOIN_S)
+    assert isinstance(errors[1], NonFiniteError), errors[1]
+    assert "rank 1's outer-step pseudo-gradient" in str(errors[1]) and "step 0" in str(errors[1]), errors[1]
+    assert isinstance(errors[0], NonFiniteError | WorkerLostError) and "rank 1" in str(errors[0]), errors[0]

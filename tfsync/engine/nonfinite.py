@@ -94,7 +94,7 @@ class NonFinite(StepComponent):
         engine = self.engine
         protocol = engine.protocol_cls
         if protocol.periodic:  # (Local SGD, DiLoCo: the engine's steps are outer steps)
-            what = "period's pseudo-gradient (steps count outer steps)"
+            what = "outer-step pseudo-gradient (its period's change; steps here count outer steps)"
         else:
             what = "gradients" if protocol.reduces_gradients else "update"
         payload = engine.protocol.reject(payload)
