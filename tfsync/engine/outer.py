@@ -99,9 +99,13 @@ class OuterStepProtocol:
             for v, w in zip(variables, w_outer):
                 v.assign(w)
 
+        def restart():
+            for v, w in zip(variables, w_outer):
+                v.assign(w)
+
         self._pseudo_gradient = compile_flat(pseudo_gradient)
         self._apply_mean = compile_flat(apply_mean, specs)
-        self._restart = compile_flat(lambda: [v.assign(w) for v, w in zip(variables, w_outer)] and None)
+        self._restart = compile_flat(restart)
 
     def end_inner_step(self, finite: bool) -> bool:
         """One step of the worker's optimizer is done (``finite``: its gradients were, so it ran);

@@ -383,8 +383,9 @@ def before_optimizer(protocol, engine, grads, finite=None):
 
 def after_optimizer(protocol, engine, variables, applied=None):
     """After the optimizer applied this step: the update protocols push its share and move the
-    weights (:func:`exchange_updates`; ``applied``: from :func:`apply_if_finite`); the
-    gradient protocol has nothing left to do (None)."""
+    weights (:func:`exchange_updates`; ``applied``: from :func:`apply_if_finite`), the
+    outer-step protocol counts the step and pushes at every ``H``-th
+    (:func:`exchange_periodically`); the gradient protocol has nothing left to do (None)."""
     if protocol.reduces_gradients:
         return None
     return exchange_updates(_getter(engine)(), variables, applied)
