@@ -164,11 +164,12 @@ def test_diloco_with_outer_sgd_at_1_and_no_momentum_trains_as_localsgd(frontend)
         assert_close(diloco[r]["weights"], local[r]["weights"])
 
 
-def reference(initial, period, outer=None):
-    """Two replicas from ``initial``, each with its own Adam on its own shard; after every
-    ``period``-th step and at the end, the outer step: the average (``outer`` None) or
-    ``outer`` (a Keras optimizer) applied to the last outer weights with the mean of
-    ``w_outer - w_i`` as its gradient.  Every replica's final weights, and each one's Adam."""
+def reference(initial, period, outer=None, overlap=0, mixing=0.0):
+    """Two replicas from ``initial``, each with its own Adam on its own shard.  Every
+    ``period`` steps (and at the end) an outer step: the mean of ``w_outer - w_i`` as taken
+    ``overlap`` steps before, applied to the last outer weights as the average (``outer`` None)
+    or by ``outer`` (a Keras optimizer); the replicas then go on from
+    ``(1 - mixing)·w_outer + mixing·w_i``.  The final weights are ``w_outer``, each replica's."""
     models = []
     for _ in range(SIZE):
         m = keras.Sequential(layers())
@@ -181,20 +182,20 @@ def reference(initial, period, outer=None):
     shards = [data(r) for r in range(SIZE)]
     loss = keras.losses.MeanSquaredError()
 
-    def outer_step():
-        mean = [
-            np.mean([a.numpy() - w for w in ws], axis=0)
-            for a, ws in zip(anchor, zip(*(m.get_weights() for m in models)))
-        ]
+    def pseudo_gradient():
+        per_weight = zip(*(m.get_weights() for m in models))
+        return [np.mean([a.numpy() - w for w in ws], axis=0) for a, ws in zip(anchor, per_weight)]
+
+    def outer_step(mean):
         if outer is None:
             for a, g in zip(anchor, mean):
                 a.assign_sub(g)
         else:
             outer.apply([tf.constant(g) for g in mean], anchor)
         for m in models:
-            m.set_weights([a.numpy() for a in anchor])
+            m.set_weights([(1 - mixing) * a.numpy() + mixing * w for a, w in zip(anchor, m.get_weights())])
 
-    done = 0
+    done, in_flight = 0, None
     for _ in range(EPOCHS):
         for k in range(STEPS):
             for m, (x, y) in zip(models, shards):
@@ -203,11 +204,16 @@ def reference(initial, period, outer=None):
                     value = loss(yb, m(xb))
                 m.optimizer.apply(tape.gradient(value, m.trainable_variables), m.trainable_variables)
             done += 1
+            if done % period == (period - overlap) % period:
+                in_flight = pseudo_gradient()
             if done % period == 0:
-                outer_step()
-    if done % period:
-        outer_step()
-    return [m.get_weights() for m in models]
+                outer_step(in_flight)
+                in_flight = None
+    if in_flight is not None:  # (the drain: the round in flight lands)
+        outer_step(in_flight)
+    elif done % period:  # (a last, shorter period: its outer step)
+        outer_step(pseudo_gradient())
+    return [[a.numpy() for a in anchor] for _ in models]
 
 
 @pytest.mark.parametrize(
@@ -332,3 +338,54 @@ def test_raise_stops_every_rank_at_the_outer_step_of_the_period():
     assert isinstance(errors[1], NonFiniteError), errors[1]
     assert "rank 1's outer-step pseudo-gradient" in str(errors[1]) and "step 0" in str(errors[1]), errors[1]
     assert isinstance(errors[0], NonFiniteError | WorkerLostError) and "rank 1" in str(errors[0]), errors[0]
+
+
+STREAMING = {
+    "tau2": tfsync.DiLoCo(inner_steps=4, overlap_steps=2),
+    "tau1-mixing": tfsync.DiLoCo(inner_steps=4, overlap_steps=1, mixing=0.5),
+}
+
+
+@pytest.mark.parametrize("frontend", FRONTENDS)
+def test_overlapped_replicas_are_identical_when_each_round_lands(frontend):
+    """DiLoCo(inner_steps=4, overlap_steps=2): a worker pushes after steps 2, 6, 10 and its
+    round lands at steps 4, 8, 12; with mixing 0 the replicas are identical there (and
+    apart at the steps between, the push steps included); one counted contribution each."""
+    results = job(frontend, STREAMING["tau2"])
+    steps0, steps1 = results[0]["steps"], results[1]["steps"]
+    for k in range(TOTAL):
+        same = all(np.array_equal(a, b) for a, b in zip(steps0[k], steps1[k]))
+        assert same == ((k + 1) % 4 == 0), f"step {k}: identical={same}"
+    for a, b in zip(results[0]["weights"], results[1]["weights"]):
+        np.testing.assert_array_equal(a, b)
+    for result in results:
+        counts = result["counts"]
+        assert counts["produced"] == counts["applied"] == 3 and counts["rejected"] == 0, counts
+
+
+@pytest.mark.parametrize("name", sorted(STREAMING))
+def test_overlapped_outer_steps_match_the_reference(name):
+    """The pseudo-gradient is taken ``overlap_steps`` before the period's end, the steps after it
+    are kept with the weight ``mixing`` when the round lands (0: dropped), and the job ends on
+    ``w_outer``, identical everywhere."""
+    mode = STREAMING[name]
+    initial = initial_weights()
+    results = job("callback", mode, initial=initial)
+    outer = keras.optimizers.SGD(0.7, momentum=0.9, nesterov=True)
+    expected = reference(initial, 4, outer, overlap=mode.overlap_steps, mixing=mode.mixing)
+    for r in range(SIZE):
+        assert_close(results[r]["weights"], expected[r])
+    if mode.mixing:  # the replicas keep part of their own progress: apart after a round lands
+        assert not all(np.array_equal(a, b) for a, b in zip(results[0]["steps"][3], results[1]["steps"][3]))
+
+
+def test_an_overlapped_run_ending_mid_period_gets_a_last_outer_step():
+    """inner_steps=5, overlap_steps=2 over 12 steps: pushes after steps 3 and 8, landing at 5
+    and 10; steps 11-12 push nothing before the end, so the drain's last outer step takes them."""
+    initial = initial_weights()
+    results = job("callback", tfsync.DiLoCo(inner_steps=5, overlap_steps=2), initial=initial)
+    outer = keras.optimizers.SGD(0.7, momentum=0.9, nesterov=True)
+    expected = reference(initial, 5, outer, overlap=2)
+    for r in range(SIZE):
+        assert_close(results[r]["weights"], expected[r])
+        assert results[r]["counts"]["produced"] == results[r]["counts"]["applied"] == 3

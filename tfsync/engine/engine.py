@@ -271,14 +271,27 @@ class SyncEngine:
                 result = c.result(result)
             return result
 
-    def local_step(self):
+    def local_step(self, required_round=None):
         """A step that computes without contributing (an inner step of Local SGD or DiLoCo, whose
         step protocol says only every ``H``-th step contributes): this rank's simulated compute
-        delay, nothing else.  It enters no round and is no contribution; its time counts into
-        the next contribution's compute time (the engine's steps are the contributing ones)."""
+        delay.  It enters no round and is no contribution; its time counts into the next
+        contribution's compute time (the engine's steps are the contributing ones).
+
+        ``required_round``: a round this step must apply first (DiLoCo's overlapped outer step
+        lands here), waited for (bounded, as every wait), counted and traced (an ``apply``
+        event); None: none."""
         with self.guard():
             self._check_started()
             self.delays.sleep()
+            if required_round is None or required_round <= self.applied_through:
+                return
+            t = self.now()
+            applied = self.wait_and_apply(required_round)
+            self.tally.totals["wait_s"] += (wait_s := self.now() - t)
+            drops, compensated = self.tally.settle_step(self.exchange)
+            if self.tracing:
+                settled = settled_fields(applied, self.step - 1, self.applied_through, drops, compensated)
+                self.trace({"event": "apply", "rank": self.rank, "t": t, "wait_s": wait_s, **settled})
 
     def skip_step(self):
         """A skipped step: no contribution; wait for its round and return its result."""

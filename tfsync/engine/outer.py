@@ -19,7 +19,15 @@ contribution was finite, and every replica then moves ``w_outer`` by it:
   configuration and the same state on every replica) applies the mean ``Δ``
   as its gradient.
 
-Then every worker's weights become ``w_outer``.  The model's non-trainable
+Then every worker's weights become ``w_outer``.
+
+DiLoCo's streaming variant (``overlap_steps=τ > 0``) sends the contribution
+``τ`` inner steps before the period ends (the engine's step then waits only
+for the previous round, applied already) and trains on while the round is in
+flight; at the period's end the frontend waits for that round
+(:meth:`SyncEngine.local_step <tfsync.engine.SyncEngine.local_step>` with the
+round), the outer optimizer steps, and the worker's weights become
+``(1 − α)·w_outer + α·w_i`` (``α``: ``mixing``).  The model's non-trainable
 floating-point variables (BatchNormalization's statistics), when the frontend
 passes them, ride in the same round and are averaged plainly.  The worker's
 own optimizer state is not touched (it stays local, as in both papers).
@@ -59,8 +67,12 @@ class OuterStepProtocol:
         """The last, shorter outer step when training ends mid-period."""
         return [FinalOuterStep()]
 
+    PUSH, LAND = "push", "land"  # what a step does besides the worker's own (end_inner_step)
+
     def __init__(self, variables, size, policy):
         self.period = int(policy.inner_steps)
+        self.overlap = int(policy.overlap_steps)
+        self.mixing = float(policy.mixing)
         self.variables = [tf_variable(v) for v in variables]
         # trainable weights go through the outer optimizer; statistics are averaged plainly
         self.trainable = [bool(getattr(v, "trainable", True)) for v in variables]
@@ -73,9 +85,11 @@ class OuterStepProtocol:
             weights = [w for w, t in zip(self.w_outer, self.trainable) if t]
             if self.outer_optimizer is not None:
                 self.outer_optimizer.build(weights)
-        self.inner_done = 0  # inner steps since the last outer step, this one included
-        self.all_finite = True  # every inner step of the period had finite gradients
+        self.inner_done = 0  # inner steps of this period, this one included
+        self.pushed = False  # (overlapped) this period's contribution is in flight
+        self.all_finite = True  # every inner step since the last push had finite gradients
         variables, w_outer, trainable, outer = self.variables, self.w_outer, self.trainable, self.outer_optimizer
+        mixing = self.mixing
         specs = [tf.TensorSpec(s, d) for s, d in zip(self.shapes, self.dtypes)]
 
         def pseudo_gradient():
@@ -97,7 +111,8 @@ class OuterStepProtocol:
                 if outer is None or not t:
                     w.assign_sub(m)
             for v, w in zip(variables, w_outer):
-                v.assign(w)
+                # (overlapped, mixing α: keep that share of the worker's own weights)
+                v.assign(w if not mixing else w + mixing * (v - w))
 
         def restart():
             for v, w in zip(variables, w_outer):
@@ -107,20 +122,35 @@ class OuterStepProtocol:
         self._apply_mean = compile_flat(apply_mean, specs)
         self._restart = compile_flat(restart)
 
-    def end_inner_step(self, finite: bool) -> bool:
-        """One step of the worker's optimizer is done (``finite``: its gradients were, so it ran);
-        whether it ends the period (then the frontend calls the engine's ``sync_step``)."""
+    def end_inner_step(self, finite: bool):
+        """One step of the worker's optimizer is done (``finite``: its gradients were, so it ran).
+        What else the step does: :attr:`PUSH` (the frontend calls the engine's ``sync_step``: at
+        the period's end, or ``overlap_steps`` before it), :attr:`LAND` (overlapped: the period
+        ends, the frontend waits for its round and applies it), or None (an inner step only)."""
         self.inner_done += 1
         self.all_finite = self.all_finite and bool(finite)
-        return self.inner_done >= self.period
+        if not self.pushed and self.inner_done >= self.period - self.overlap:
+            return self.PUSH
+        if self.inner_done >= self.period:  # (overlapped: pushed overlap_steps ago)
+            self.end_period()
+            return self.LAND
+        return None
+
+    def end_period(self):
+        """The period's round is applied: the next period begins."""
+        self.inner_done, self.pushed = 0, False
 
     def contribution(self, inputs):
         """The pseudo-gradient ``w_outer - w`` and whether each tensor of it is finite (all false
-        when a gradient of the period was not: the period's steps were skipped, the contribution
-        is rejected); a new period begins."""
+        when a gradient since the last push was not: those steps were skipped, the contribution
+        is rejected); without overlap a new period begins."""
         out = self._pseudo_gradient()
         finite = out[-1] if self.all_finite else tf.zeros_like(out[-1])
-        self.inner_done, self.all_finite = 0, True
+        self.all_finite = True
+        if self.overlap:
+            self.pushed = True
+        else:
+            self.end_period()
         return list(out[:-1]), finite
 
     def reject(self, _payload):
@@ -130,8 +160,9 @@ class OuterStepProtocol:
         return self._zeros
 
     def apply_round(self, result):
-        """Move ``w_outer`` by the round's mean and every weight to it; a round without a finite
-        contribution (every rank rejected) moves nothing."""
+        """Move ``w_outer`` by the round's mean and every weight to it (overlapped with mixing α:
+        to ``(1 − α)·w_outer + α·w``); a round without a finite contribution (every rank
+        rejected) moves nothing."""
         if not result.present.any():
             self._restart()
             return
@@ -141,19 +172,24 @@ class OuterStepProtocol:
         return []
 
     def finish(self):
-        """Every round applied: the weights are ``w_outer``, identical on every worker."""
+        """Every round applied: the weights are ``w_outer``, identical on every worker (overlapped:
+        the steps since the last push, which an in-flight round has not taken, are dropped, as
+        with ``mixing=0`` during training)."""
         self._restart()
 
 
 class FinalOuterStep(StepComponent):
-    """When training ends with inner steps since the last outer step, one last outer step for
-    them (every rank has the same count: the frontends check every rank runs the same steps),
-    so the replicas end identical."""
+    """When training ends with inner steps since the last outer step and none of them pushed,
+    one last outer step for them, waited for even when overlapped (every rank has the same
+    count: the frontends check every rank runs the same steps), so the replicas end identical.
+    A round still in flight was applied by the engine's drain before."""
 
     def finish(self, apply_mean) -> bool:
-        engine = self.engine
-        if engine.protocol.inner_done:
+        engine, protocol = self.engine, self.engine.protocol
+        if protocol.inner_done and not protocol.pushed:
             engine.sync_step([])
+            engine.wait_and_apply(engine.step - 1)  # (overlapped: the push did not wait for it)
+        protocol.end_period()
         return False
 
 

@@ -303,9 +303,11 @@ def exchange_periodically(engine, variables, applied=None):
     """The outer-step protocol (:mod:`tfsync.engine.outer`): after the local optimizer step,
     count it; the ``H``-th step of a period is an outer step (the engine's ``sync_step``: the
     pseudo-gradient's round, bounded, counted, applied), the others are the worker's own
-    (:meth:`SyncEngine.local_step`).  One ``tf.py_function`` per step, ordered after the
-    optimizer's writes as :func:`exchange_updates`'s is; ``applied``: from :func:`apply_if_finite`
-    (a period with a step whose gradients were not finite is rejected at its outer step)."""
+    (:meth:`SyncEngine.local_step`).  DiLoCo overlapped: the push comes ``overlap_steps``
+    before the period's end, whose step waits for the round and applies it.  One
+    ``tf.py_function`` per step, ordered after the optimizer's writes as
+    :func:`exchange_updates`'s is; ``applied``: from :func:`apply_if_finite` (a contribution
+    with a step whose gradients were not finite is rejected at its push)."""
     # (the protocol's variables: the weights and the statistics that ride in the outer round, which
     # a BatchNormalization layer writes in the step's forward pass)
     variables = engine.protocol.variables
@@ -313,8 +315,12 @@ def exchange_periodically(engine, variables, applied=None):
     flags = tf.reshape(applied, [-1]) if applied is not None else tf.constant([True])
 
     def step(finite, *_):
-        if engine.protocol.end_inner_step(bool(finite.numpy().all())):
+        protocol = engine.protocol
+        action = protocol.end_inner_step(bool(finite.numpy().all()))
+        if action == protocol.PUSH:
             engine.sync_step([])
+        elif action == protocol.LAND:  # (DiLoCo overlapped: the round pushed overlap_steps ago)
+            engine.local_step(required_round=engine.step - 1)
         else:
             engine.local_step()
 

@@ -294,6 +294,23 @@ register(
             0.9,
             "DiLoCo's outer Nesterov momentum (--mode diloco; default 0.9, the paper's; 0: plain SGD)",
         ),
+        Option(
+            "--overlap-steps",
+            "overlap_steps",
+            int,
+            0,
+            "Streaming DiLoCo's tau: inner steps the outer exchange overlaps (--mode diloco; default 0)",
+            "tau",
+        ),
+        Option(
+            "--mixing",
+            "mixing",
+            float,
+            0.0,
+            "Streaming DiLoCo's alpha: the share of a worker's weights kept when an overlapped round lands "
+            "(--mode diloco --overlap-steps; default 0)",
+            "alpha",
+        ),
     ),
 )
 

@@ -147,6 +147,8 @@ class LocalSGD(Policy):
     period: int = DEFAULT_INNER_STEPS
     name = "localsgd"
     payload = "pseudo_gradients"
+    overlap_steps = 0  # (DiLoCo's streaming variant only: every outer step waits for its round)
+    mixing = 0.0
 
     def __post_init__(self):
         _check_steps("LocalSGD", "period", self.period, "tfsync.LocalSGD(period=8)")
@@ -197,7 +199,9 @@ class DiLoCo(Policy):
     * a round in which no worker's contribution was finite moves nothing (the
       outer optimizer does not step on zeros: its momentum would).
 
-    Guarantees (tested): replicas identical after every outer step; with
+    Guarantees (tested): replicas identical after every outer step (with ``overlap_steps``:
+    when its round lands, and only with ``mixing=0``; the outer weights ``w_outer`` are identical
+    on every replica in every case, and so is every replica at the end of training); with
     ``outer_optimizer=keras.optimizers.SGD(learning_rate=1.0)`` (no momentum)
     it trains as :class:`LocalSGD` with ``period=inner_steps`` does, to float
     tolerance; every outer step's contribution is counted.
@@ -211,6 +215,19 @@ class DiLoCo(Policy):
             paper's.  Its update rule runs on each weight (``update_step``) at its learning rate
             (a schedule counts outer steps); a ``LossScaleOptimizer``, gradient accumulation,
             clipping, weight decay, a loss scale factor and EMA are refused.
+        overlap_steps: ``τ``, the streaming variant's overlap (int, ``0 <= τ < inner_steps``).
+            Default 0: the outer step waits for its round.  With ``τ > 0`` a worker sends its
+            pseudo-gradient ``τ`` inner steps before the period ends and trains on while the
+            round is in flight; at the period's end it waits for the round (by then usually
+            complete), the outer optimizer steps, and the worker's weights become
+            ``(1 - mixing)·w_outer + mixing·w_i`` (*Streaming DiLoCo with overlapping
+            communication: Towards a Distributed Free Lunch*, Douillard et al., 2025: its
+            overlapping of communication with computation, with torchft's
+            ``fragment_sync_delay`` and ``fragment_update_alpha`` semantics for one fragment).
+        mixing: ``α`` in [0, 1], the share of the worker's own weights kept when the overlapped
+            round lands (default 0: the ``τ`` steps made meanwhile are dropped, and the replicas
+            are identical after every outer step; above 0 they keep part of that progress and
+            differ by it; only with ``overlap_steps > 0``).
 
     Example:
 
@@ -219,11 +236,34 @@ class DiLoCo(Policy):
 
     inner_steps: int = DEFAULT_INNER_STEPS
     outer_optimizer: object = None
+    overlap_steps: int = 0
+    mixing: float = 0.0
     name = "diloco"
     payload = "pseudo_gradients"
 
     def __post_init__(self):
         _check_steps("DiLoCo", "inner_steps", self.inner_steps, "tfsync.DiLoCo(inner_steps=8)")
+        example = "e.g. tfsync.DiLoCo(inner_steps=8, overlap_steps=2)"
+        tau = self.overlap_steps
+        if isinstance(tau, bool) or not isinstance(tau, int) or not 0 <= tau < self.inner_steps:
+            raise ValueError(
+                f"DiLoCo(inner_steps={self.inner_steps}, overlap_steps={tau!r}): overlap_steps must be an int "
+                f">= 0 and below inner_steps (the inner steps the outer exchange overlaps, sent that many "
+                f"steps before the period ends; 0: the outer step waits for it); {example}"
+            )
+        alpha = self.mixing
+        if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not 0.0 <= alpha <= 1.0:
+            raise ValueError(
+                f"DiLoCo(mixing={alpha!r}): mixing must be a number in [0, 1] (the share of a worker's own "
+                f"weights kept when the overlapped outer step lands; 0: the outer weights alone); "
+                f"e.g. tfsync.DiLoCo(overlap_steps=2, mixing=0.5)"
+            )
+        if alpha and not tau:
+            raise ValueError(
+                f"DiLoCo(mixing={alpha!r}, overlap_steps=0): mixing keeps part of the progress a worker made "
+                f"while its outer exchange was in flight, and without overlap_steps there is none (the "
+                f"replicas would only drift apart); set overlap_steps, {example}, or leave mixing at 0"
+            )
         if self.outer_optimizer is not None and not isinstance(self.outer_optimizer, dict):
             object.__setattr__(self, "outer_optimizer", outer_config(self.outer_optimizer))
         elif isinstance(self.outer_optimizer, dict) and "class_name" not in self.outer_optimizer:
@@ -234,7 +274,8 @@ class DiLoCo(Policy):
             )
 
     def __hash__(self):
-        return hash((self.name, self.inner_steps, json.dumps(self.outer_optimizer, sort_keys=True)))
+        outer = json.dumps(self.outer_optimizer, sort_keys=True)
+        return hash((self.name, self.inner_steps, outer, self.overlap_steps, self.mixing))
 
     @property
     def outer_optimizer_config(self) -> dict:
@@ -255,10 +296,18 @@ class DiLoCo(Policy):
         return f"{config.get('class_name')}({', '.join(parts)})"
 
     def required_round(self, step: int) -> int:
-        return step
+        # overlapped: the outer step's round lands overlap_steps inner steps later (the frontend
+        # waits for it then); the push itself needs only the previous round, applied already
+        return step - 1 if self.overlap_steps else step
 
     def config(self) -> dict:
-        return {"mode": self.name, "inner_steps": self.inner_steps, "outer_optimizer": self.outer_optimizer_config}
+        return {
+            "mode": self.name,
+            "inner_steps": self.inner_steps,
+            "outer_optimizer": self.outer_optimizer_config,
+            "overlap_steps": self.overlap_steps,
+            "mixing": self.mixing,
+        }
 
 
 __all__ = ["LocalSGD", "DiLoCo"]
