@@ -8,7 +8,7 @@ from tests.parallel.launch import read_results, run_workers
 
 pytestmark = pytest.mark.parallel
 
-OUTER_CASES = ["localsgd", "diloco", "diloco/strategy"]
+OUTER_CASES = ["localsgd", "diloco", "diloco/strategy", "diloco-overlap"]
 
 
 @pytest.fixture(scope="module")

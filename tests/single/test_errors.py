@@ -399,7 +399,8 @@ BAD_INPUTS = [
     Bad(
         "localsgd-period",
         P,
-        "`LocalSGD(period=...)` or `DiLoCo(inner_steps=...)` below 1 or not an integer",
+        "`LocalSGD(period=...)` or `DiLoCo(inner_steps=...)` below 1 or not an integer; "
+        "`DiLoCo(overlap_steps=...)` not below `inner_steps`, or `mixing` outside [0, 1] or without `overlap_steps`",
         lambda: tfsync.LocalSGD(period=0),
         ValueError,
         r"LocalSGD\(period=0\)",
@@ -820,6 +821,24 @@ VARIANTS = [
         lambda: tfsync.Auto(modes={"none": tfsync.DiLoCo()}),
         ValueError,
         r"modes\['none'\]=DiLoCo.*takes local steps.*use DiLoCo on its own",
+    ),
+    (
+        "diloco-overlap-steps",
+        lambda: tfsync.DiLoCo(inner_steps=4, overlap_steps=4),
+        ValueError,
+        r"overlap_steps=4\): overlap_steps must be an int >= 0 and below inner_steps.*e\.g\. tfsync\.DiLoCo",
+    ),
+    (
+        "diloco-mixing-range",
+        lambda: tfsync.DiLoCo(overlap_steps=2, mixing=1.5),
+        ValueError,
+        r"DiLoCo\(mixing=1\.5\): mixing must be a number in \[0, 1\].*e\.g\.",
+    ),
+    (
+        "diloco-mixing-without-overlap",
+        lambda: tfsync.DiLoCo(mixing=0.5),
+        ValueError,
+        r"DiLoCo\(mixing=0\.5, overlap_steps=0\).*set overlap_steps",
     ),
     ("localsgd-period-float", lambda: tfsync.LocalSGD(period=2.5), TypeError, r"period must be an int >= 1.*e\.g\."),
     ("diloco-inner-steps", lambda: tfsync.DiLoCo(inner_steps=0), ValueError, r"DiLoCo\(inner_steps=0\).*e\.g\."),

@@ -48,6 +48,14 @@ def test_the_launcher_flags_build_the_policies():
     assert diloco.inner_steps == 5
     assert diloco.outer_optimizer_config["config"] == {"learning_rate": 1.0, "momentum": 0.0, "nesterov": False}
     assert parsed("--mode", "diloco").outer_optimizer_config == tfsync.DiLoCo().outer_optimizer_config
+    streaming = parsed("--mode", "diloco", "--overlap-steps", "2", "--mixing", "0.5")
+    assert (streaming.overlap_steps, streaming.mixing) == (2, 0.5)
+    assert registry.describe(streaming) == "diloco(H=8, outer=SGD(lr=0.7, nesterov 0.9), tau=2, alpha=0.5)"
+
+
+def test_the_overlapped_push_waits_for_the_previous_round_only():
+    assert tfsync.DiLoCo(overlap_steps=2).sync_round(5) == 4  # (its own lands overlap_steps later)
+    assert tfsync.DiLoCo().sync_round(5) == 5
 
 
 def test_a_flag_of_another_mode_is_refused(capsys):

@@ -54,6 +54,11 @@ CASES = {
     ),
     "localsgd1": (lambda: tfsync.LocalSGD(period=1), lambda: keras.optimizers.SGD(0.05), "callback"),
     "bsp": (lambda: "bsp", lambda: keras.optimizers.SGD(0.05), "callback"),
+    "diloco-overlap": (
+        lambda: tfsync.DiLoCo(inner_steps=PERIOD, overlap_steps=2),
+        lambda: keras.optimizers.Adam(0.01),
+        "callback",
+    ),
     "diloco/strategy": (lambda: tfsync.DiLoCo(inner_steps=PERIOD), lambda: keras.optimizers.Adam(0.01), "strategy"),
 }
 
