@@ -198,7 +198,9 @@ class DiLoCo(Policy):
       statistics) are averaged at every outer step in the same round, without
       the outer optimizer (they are statistics, not parameters);
     * steps left when training ends (fewer than ``inner_steps``) get one last
-      outer step, so every replica ends identical;
+      outer step, so every replica ends identical (overlapped: if the period's
+      round is in flight it lands instead, and the steps after its push are
+      dropped, as with ``mixing=0`` during training);
     * a round in which no worker's contribution was finite moves nothing (the
       outer optimizer does not step on zeros: its momentum would).
 
