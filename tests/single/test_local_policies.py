@@ -66,5 +66,7 @@ def test_a_flag_of_another_mode_is_refused(capsys):
 
 def test_the_demo_the_study_and_the_network_bench_take_the_modes():
     assert {"localsgd", "diloco"} <= set(demo.DEMO_MODES) and {"localsgd", "diloco"} <= set(convergence.STUDY_MODES)
-    args = network.parse_args(["--modes", "horovod", "localsgd", "diloco"])
-    assert args.modes == ["horovod", "localsgd", "diloco"]
+    args = network.parse_args(["--modes", "horovod", "localsgd", "diloco", "diloco+overlap"])
+    assert args.modes == ["horovod", "localsgd", "diloco", "diloco+overlap"]
+    assert registry.configurations()["diloco+overlap"] == ["--mode", "diloco", "--overlap-steps", "2"]
+    assert parsed(*registry.configurations()["diloco+overlap"]) == tfsync.DiLoCo(overlap_steps=2)

@@ -312,6 +312,8 @@ register(
             "alpha",
         ),
     ),
+    # the streaming variant: the outer exchange overlaps the last 2 inner steps of each period
+    variants={"diloco+overlap": ["--overlap-steps", "2"]},
 )
 
 

@@ -277,6 +277,8 @@ class DiLoCo(Policy):
                 f"optimizer (keras.optimizers.serialize(...)); pass the optimizer itself, e.g. "
                 f"outer_optimizer=keras.optimizers.SGD(learning_rate=0.7, momentum=0.9, nesterov=True)"
             )
+        if self.outer_optimizer == sgd_config(DEFAULT_OUTER_LEARNING_RATE, DEFAULT_OUTER_MOMENTUM, nesterov=True):
+            object.__setattr__(self, "outer_optimizer", None)  # (the default, as the launcher spells it)
 
     def __hash__(self):
         outer = json.dumps(self.outer_optimizer, sort_keys=True)
