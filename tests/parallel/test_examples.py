@@ -78,6 +78,15 @@ def test_digits_reaches_90_percent_on_4_workers(script, epochs):
         assert res["applied"] == (res["produced"] + res["skipped"]) * 3 // 4, res
 
 
+def test_digits_reaches_90_percent_under_overlapped_diloco():
+    """diloco.sh with OVERLAP_STEPS=2: the streaming variant on 4 workers."""
+    cmd = ["bash", os.path.join(ROOT, "horovodrun_scripts", "diloco.sh"), "--epochs", "12", "--stragglers", "base=0.01"]
+    res = result_of(run(cmd, env={"OVERLAP_STEPS": "2"}))
+    assert "tau=2" in res["mode"], res
+    assert res["final_accuracy"] >= 0.90 and res["replicas_identical"], res
+    assert res["produced"] == res["applied"] and res["dropped"] == res["rejected"] == 0, res
+
+
 @pytest.mark.parametrize("mode", ["ssp", "elasticbsp"])  # elasticbsp: the skippable train step
 def test_keras_cv_resnet_example_trains_under_tfsync(mode):
     # a tiny ResNet (two stacks of 8 and 16 filters), 2 workers, 3 epochs: it must learn, and the

@@ -215,8 +215,8 @@ class DiLoCo(Policy):
         inner_steps: ``H``, inner steps per outer step (int ``>= 1``). Default 8 (the paper
             uses 500 for language models trained tens of thousands of steps).
         outer_optimizer: a Keras optimizer whose configuration runs the outer steps (a fresh
-            instance of it per training run, its state starting at zero on every replica),
-            or ``None`` (default): ``SGD(learning_rate=0.7, momentum=0.9, nesterov=True)``, the
+            instance of it per training run, its state starting at zero on every replica; or
+            that configuration, ``keras.optimizers.serialize``'s dict), or ``None`` (default): ``SGD(learning_rate=0.7, momentum=0.9, nesterov=True)``, the
             paper's.  Its update rule runs on each weight (``update_step``) at its learning rate
             (a schedule counts outer steps); a ``LossScaleOptimizer``, gradient accumulation,
             clipping, weight decay, a loss scale factor and EMA are refused.
