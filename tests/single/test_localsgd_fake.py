@@ -11,6 +11,7 @@ count inner steps; every outer step is one counted contribution and a period wit
 that is not finite is rejected.
 """
 
+import json
 import math
 import os
 
@@ -389,3 +390,18 @@ def test_an_overlapped_run_ending_mid_period_gets_a_last_outer_step():
     for r in range(SIZE):
         assert_close(results[r]["weights"], expected[r])
         assert results[r]["counts"]["produced"] == results[r]["counts"]["applied"] == 3
+
+
+def test_an_overlapped_round_landing_is_traced_and_the_timeline_reads_it(tmp_path):
+    """overlap_steps=2, period 4 over 12 steps: three outer-step records per rank (the pushes)
+    and three apply events (the landings, each applying the round pushed before it)."""
+    job("callback", STREAMING["tau2"], trace_dir=str(tmp_path))
+    for r in range(SIZE):
+        with open(os.path.join(tmp_path, f"rank{r}.jsonl")) as f:
+            records = [json.loads(line) for line in f]
+        steps = [x for x in records if "event" not in x]
+        lands = [x for x in records if x.get("event") == "apply"]
+        assert [x["step"] for x in steps] == [0, 1, 2], steps
+        assert len(lands) == 3 and all(x["wait_s"] >= 0 for x in lands), lands
+    summary = timeline.summarize(timeline.load_trace(str(tmp_path)))
+    assert summary["overall"]["max_clock_gap"] <= 1
