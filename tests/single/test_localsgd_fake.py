@@ -405,3 +405,17 @@ def test_an_overlapped_round_landing_is_traced_and_the_timeline_reads_it(tmp_pat
         assert len(lands) == 3 and all(x["wait_s"] >= 0 for x in lands), lands
     summary = timeline.summarize(timeline.load_trace(str(tmp_path)))
     assert summary["overall"]["max_clock_gap"] <= 1
+
+
+def test_overlapped_a_gradient_that_is_not_finite_rejects_only_a_contribution_it_reaches():
+    """overlap_steps=2, period 4: rank 1's third batch of each epoch overflows (steps 2 and 8).
+    Step 2 falls after the first push (step 1) and is dropped with that window when the round
+    lands (mixing 0): no rejection; step 8 falls before the third push (step 9), whose
+    contribution is rejected.  Replicas identical and finite at the end."""
+    results = job("callback", STREAMING["tau2"], overflow_at=2)
+    c0, c1 = results[0]["counts"], results[1]["counts"]
+    assert c1["rejected"] == 1 and c1["applied"] == 2 and c1["produced"] == 3, c1
+    assert c0["rejected"] == 0 and c0["applied"] == 3, c0
+    for a, b in zip(results[0]["weights"], results[1]["weights"]):
+        np.testing.assert_array_equal(a, b)
+        assert np.isfinite(a).all()

@@ -133,6 +133,8 @@ class OuterStepProtocol:
             return self.PUSH
         if self.inner_done >= self.period:  # (overlapped: pushed overlap_steps ago)
             self.end_period()
+            if not self.mixing:  # the steps since the push are dropped when the round lands
+                self.all_finite = True
             return self.LAND
         return None
 

@@ -216,9 +216,10 @@ class DiLoCo(Policy):
             uses 500 for language models trained tens of thousands of steps).
         outer_optimizer: a Keras optimizer whose configuration runs the outer steps (a fresh
             instance of it per training run, its state starting at zero on every replica; or
-            that configuration, ``keras.optimizers.serialize``'s dict), or ``None`` (default): ``SGD(learning_rate=0.7, momentum=0.9, nesterov=True)``, the
-            paper's.  Its update rule runs on each weight (``update_step``) at its learning rate
-            (a schedule counts outer steps); a ``LossScaleOptimizer``, gradient accumulation,
+            that configuration, ``keras.optimizers.serialize``'s dict), or ``None`` (default):
+            ``SGD(learning_rate=0.7, momentum=0.9, nesterov=True)``, the paper's.  Its update
+            rule runs on each weight (``update_step``) at its learning rate (a schedule counts
+            outer steps); a ``LossScaleOptimizer``, gradient accumulation,
             clipping, weight decay, a loss scale factor and EMA are refused.
         overlap_steps: ``τ``, the streaming variant's overlap (int, ``0 <= τ < inner_steps``).
             Default 0: the outer step waits for its round.  With ``τ > 0`` a worker sends its
