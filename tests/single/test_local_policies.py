@@ -70,3 +70,10 @@ def test_the_demo_the_study_and_the_network_bench_take_the_modes():
     assert args.modes == ["horovod", "localsgd", "diloco", "diloco+overlap"]
     assert registry.configurations()["diloco+overlap"] == ["--mode", "diloco", "--overlap-steps", "2"]
     assert parsed(*registry.configurations()["diloco+overlap"]) == tfsync.DiLoCo(overlap_steps=2)
+
+
+def test_the_timeline_labels_diloco_by_its_outer_optimizer_class_and_rate():
+    from tfsync import timeline
+
+    label = timeline.mode_label(tfsync.DiLoCo(inner_steps=4).config())
+    assert label == "DILOCO (inner_steps=4, outer_optimizer=SGD(lr=0.7), overlap_steps=0, mixing=0.0)"
