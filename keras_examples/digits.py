@@ -181,7 +181,7 @@ def main(argv=None):
         totals.update(produced=steps, applied=steps, effective_samples_per_s=samples / wall_s)
         wait = None
     else:
-        totals = contribution_totals(hvd, sync.counts, args.batch_size, wall_s)
+        totals = contribution_totals(hvd, sync.counts, args.batch_size, wall_s, samples=samples)
         wait = float(np.mean(history.history["tfsync_wait_fraction"]))
     result = {
         "mode": label,

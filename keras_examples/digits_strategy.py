@@ -53,7 +53,8 @@ def main(argv=None):
     engine = strategy.engine
     strategy.finish()
     wall_s = time.time() - start
-    totals = contribution_totals(hvd, engine.counts, args.batch_size, wall_s)
+    samples = len(x_local) * args.epochs * hvd.size()
+    totals = contribution_totals(hvd, engine.counts, args.batch_size, wall_s, samples=samples)
     accuracy = float(model.evaluate(x_test, y_test, verbose=0)[1])
     checksum = float(sum(np.sum(w.astype(np.float64)) for w in model.get_weights()))
     identical = len(set(hvd.allgather_object(checksum))) == 1

@@ -153,7 +153,7 @@ def main(argv=None):
         "parameters": int(model.count_params()),
         "samples_per_s": samples / wall_s,
         "wall_s": wall_s,
-        **contribution_totals(hvd, sync.counts, args.batch_size, wall_s),
+        **contribution_totals(hvd, sync.counts, args.batch_size, wall_s, samples=samples),
         "time_to_accuracy_s": {str(t): progress.reached_s[t] for t in args.target_accuracy},
         "final_accuracy": final_acc,
         "loss_per_epoch": [float(v) for v in history.history["loss"]],  # averaged over the workers

@@ -7,6 +7,7 @@ Public API::
     tfsync.ElasticBSP(lookahead=15)
     tfsync.PSP(), tfsync.BackupWorkers()
     tfsync.DCS3GD(compensation=tfsync.DelayCompensation(lam=0.04))
+    tfsync.LocalSGD(period=8), tfsync.DiLoCo(inner_steps=8)   # "localsgd", "diloco"
     tfsync.Auto()                                # "auto": picked from measured times (SyncCallback)
     tfsync.Stragglers(...)                       # simulated device time and stragglers
     tfsync.keras.SyncCallback(mode=...)          # model.fit(..., callbacks=[...])
@@ -27,7 +28,9 @@ from tfsync.policies import (
     Auto,
     BackupWorkers,
     DelayCompensation,
+    DiLoCo,
     ElasticBSP,
+    LocalSGD,
     Policy,
 )
 from tfsync.policies import register as register_mode
@@ -58,6 +61,8 @@ __all__ = [
     "BackupWorkers",
     "DCS3GD",
     "DelayCompensation",
+    "LocalSGD",
+    "DiLoCo",
     "Auto",
     "Policy",
     "register_mode",

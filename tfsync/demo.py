@@ -42,7 +42,19 @@ SCENARIOS = {
     "rare-pull": "base=0.02,pull=0.004:0.5,seed=1",
 }
 DEMO_SCENARIOS = ("straggler", "heterogeneous", "jitter")
-DEMO_MODES = ("bsp", "ssp", "ssp(s=15)", "dssp", "elasticbsp", "psp", "backup", "backup+dc", "dcs3gd")
+DEMO_MODES = (
+    "bsp",
+    "ssp",
+    "ssp(s=15)",
+    "dssp",
+    "elasticbsp",
+    "psp",
+    "backup",
+    "backup+dc",
+    "dcs3gd",
+    "localsgd",
+    "diloco",
+)
 
 
 def main(argv=None):

@@ -138,6 +138,13 @@ class Frontend:
             self.engine.close()
 
 
+def floating_statistics(model):
+    """The model's non-trainable floating-point variables (integer state such as seeds is left
+    alone): ``BatchNormalization``'s moving statistics, which Local SGD and DiLoCo average with
+    the weights at every outer step, and ``average_statistics`` at the end of training."""
+    return [v for v in model.non_trainable_variables if tf.as_dtype(v.dtype).is_floating]
+
+
 # What a frontend's start check compares across ranks (Frontend.agree), before rank 0's
 # variables are broadcast over every rank's: a broadcast needs the same variables everywhere,
 # and a rank that builds another model or optimizer must not train silently on rank 0's weights.

@@ -214,9 +214,18 @@ def describe_mode(policy):
     return registry.describe(policy)
 
 
-def contribution_totals(hvd, counts, batch_size, wall_s):
-    """Every worker's counts summed (collective), and the samples/s whose gradients were applied."""
+def contribution_totals(hvd, counts, batch_size, wall_s, samples=None):
+    """Every worker's counts summed (collective), and the samples/s whose gradients were applied.
+
+    ``samples``: the samples every worker trained on together.  With it, the applied share of
+    the contributions (each produced or skipped) scales them, which also holds where one
+    contribution covers several steps (Local SGD, DiLoCo: ``H``); without it, each applied or
+    compensated contribution counts one batch."""
     every = hvd.allgather_object(dict(counts), name="tfsync.example.counts")
     total = {k: sum(int(c[k]) for c in every) for k in counts}
-    total["effective_samples_per_s"] = (total["applied"] + total["compensated"]) * batch_size / wall_s
+    taken = total["applied"] + total["compensated"]
+    if samples is None:
+        total["effective_samples_per_s"] = taken * batch_size / wall_s
+    else:
+        total["effective_samples_per_s"] = taken / max(total["produced"] + total["skipped"], 1) * samples / wall_s
     return total

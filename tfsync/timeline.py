@@ -370,8 +370,16 @@ def _select(trace, start_step, end_step):
 
 
 def mode_label(policy) -> str:
-    """``"SSP (staleness=3)"`` from a policy config ``{"mode": "ssp", "staleness": 3}``."""
-    params = ", ".join(f"{k}={v}" for k, v in policy.items() if k != "mode")
+    """``"SSP (staleness=3)"`` from a policy config ``{"mode": "ssp", "staleness": 3}``; a
+    serialized optimizer in it (DiLoCo's outer one) by its class and learning rate."""
+
+    def short(value):
+        if isinstance(value, dict) and "class_name" in value:
+            rate = value.get("config", {}).get("learning_rate")
+            return f"{value['class_name']}(lr={rate if isinstance(rate, int | float) else 'schedule'})"
+        return value
+
+    params = ", ".join(f"{k}={short(v)}" for k, v in policy.items() if k != "mode")
     return policy["mode"].upper() + (f" ({params})" if params else "")
 
 

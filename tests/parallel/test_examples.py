@@ -44,6 +44,8 @@ def result_of(out):
         ("dcs3gd.sh", 12),
         ("strategy_dcs3gd.sh", 12),
         ("auto.sh", 12),
+        ("localsgd.sh", 12),
+        ("diloco.sh", 12),
     ],
 )
 def test_digits_reaches_90_percent_on_4_workers(script, epochs):
@@ -87,6 +89,15 @@ def test_the_elastic_script_trains_digits_under_horovods_elastic_launcher():
     # the job's counts as committed at the last epoch end: every worker's, summed
     assert res["job_counts"] == {k: res[k] for k in res["job_counts"]}, res
     assert res["produced"] == res["applied"] > 0 and res["lost"] == 0, res
+
+
+def test_digits_reaches_90_percent_under_overlapped_diloco():
+    """diloco.sh with OVERLAP_STEPS=2: the streaming variant on 4 workers."""
+    cmd = ["bash", os.path.join(ROOT, "horovodrun_scripts", "diloco.sh"), "--epochs", "12", "--stragglers", "base=0.01"]
+    res = result_of(run(cmd, env={"OVERLAP_STEPS": "2"}))
+    assert "tau=2" in res["mode"], res
+    assert res["final_accuracy"] >= 0.90 and res["replicas_identical"], res
+    assert res["produced"] == res["applied"] and res["dropped"] == res["rejected"] == 0, res
 
 
 @pytest.mark.parametrize("mode", ["ssp", "elasticbsp"])  # elasticbsp: the skippable train step
@@ -178,6 +189,8 @@ def test_demo_prints_the_comparison_table(tmp_path):
         "backup(b=1)",
         "backup(b=1)+dc(lambda=0.04)",
         "dcs3gd(lambda=0.04)",
+        "localsgd(H=8)",
+        "diloco(H=8, outer=SGD(lr=0.7, nesterov 0.9))",
     ]
     assert all(r["samples_per_s"] > 0 and 0 <= r["wait_fraction"] < 1 for r in rows)
 

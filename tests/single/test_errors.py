@@ -425,6 +425,28 @@ BAD_INPUTS = [
         r"e\.g\. tfsync\.DCS3GD\(compensation=tfsync\.DelayCompensation\(lam=0\.04\)\)",
     ),
     Bad(
+        "localsgd-period",
+        P,
+        "`LocalSGD(period=...)` or `DiLoCo(inner_steps=...)` below 1 or not an integer; "
+        "`DiLoCo(overlap_steps=...)` not below `inner_steps`, or `mixing` outside [0, 1] or without `overlap_steps`",
+        lambda: tfsync.LocalSGD(period=0),
+        ValueError,
+        r"LocalSGD\(period=0\)",
+        r"must be >= 1",
+        r"e\.g\. tfsync\.LocalSGD\(period=8\)",
+    ),
+    Bad(
+        "diloco-outer-optimizer",
+        P,
+        "`DiLoCo(outer_optimizer=...)` not a Keras optimizer, or one that scales losses, accumulates, clips, "
+        "decays weights or keeps an EMA",
+        lambda: tfsync.DiLoCo(outer_optimizer="sgd"),
+        TypeError,
+        r"DiLoCo\(outer_optimizer='sgd'\)",
+        r"expected a Keras optimizer instance",
+        r"outer_optimizer=keras\.optimizers\.SGD\(learning_rate=0\.7, momentum=0\.9, nesterov=True\)",
+    ),
+    Bad(
         "auto-window-steps",
         P,
         "`Auto(window_steps=...)` or `Auto(confirm=...)` below 1 or not an integer",
@@ -458,7 +480,7 @@ BAD_INPUTS = [
         "auto-modes-policy",
         P,
         "`Auto(modes=...)` or `Auto(initial=...)` holding something other than a policy object, "
-        "or one that pulls partially",
+        "or one that pulls partially or takes local steps",
         lambda: tfsync.Auto(modes={"jitter": "ssp"}),
         ValueError,
         r"modes\['jitter'\]='ssp'",
@@ -838,6 +860,50 @@ VARIANTS = [
     ("ssp-staleness-float", lambda: tfsync.SSP(staleness=2.5), TypeError, r"staleness must be an int >= 0.*e\.g\."),
     ("dssp-low-negative", lambda: tfsync.DSSP(low=-1), ValueError, r"DSSP\(low=-1\): low must be >= 0; e\.g\."),
     ("dssp-high-float", lambda: tfsync.DSSP(high=1.5), TypeError, r"DSSP\(high=1\.5\): high must be an int"),
+    (
+        "auto-modes-local-steps",
+        lambda: tfsync.Auto(modes={"none": tfsync.DiLoCo()}),
+        ValueError,
+        r"modes\['none'\]=DiLoCo.*takes local steps.*use DiLoCo on its own",
+    ),
+    (
+        "diloco-overlap-steps",
+        lambda: tfsync.DiLoCo(inner_steps=4, overlap_steps=4),
+        ValueError,
+        r"overlap_steps=4\): overlap_steps must be an int >= 0 and below inner_steps.*e\.g\. tfsync\.DiLoCo",
+    ),
+    (
+        "diloco-mixing-range",
+        lambda: tfsync.DiLoCo(overlap_steps=2, mixing=1.5),
+        ValueError,
+        r"DiLoCo\(mixing=1\.5\): mixing must be a number in \[0, 1\].*e\.g\.",
+    ),
+    (
+        "diloco-mixing-without-overlap",
+        lambda: tfsync.DiLoCo(mixing=0.5),
+        ValueError,
+        r"DiLoCo\(mixing=0\.5, overlap_steps=0\).*set overlap_steps",
+    ),
+    ("localsgd-period-float", lambda: tfsync.LocalSGD(period=2.5), TypeError, r"period must be an int >= 1.*e\.g\."),
+    ("diloco-inner-steps", lambda: tfsync.DiLoCo(inner_steps=0), ValueError, r"DiLoCo\(inner_steps=0\).*e\.g\."),
+    (
+        "diloco-outer-loss-scaling",
+        lambda: tfsync.DiLoCo(outer_optimizer=keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.7))),
+        ValueError,
+        r"LossScaleOptimizer.*never scaled; pass the optimizer it wraps",
+    ),
+    (
+        "diloco-outer-accumulation",
+        lambda: tfsync.DiLoCo(outer_optimizer=keras.optimizers.SGD(0.7, gradient_accumulation_steps=2)),
+        ValueError,
+        r"gradient_accumulation_steps=2.*leave gradient_accumulation_steps unset",
+    ),
+    (
+        "diloco-outer-clipping",
+        lambda: tfsync.DiLoCo(outer_optimizer=keras.optimizers.SGD(0.7, clipnorm=1.0, weight_decay=0.1)),
+        ValueError,
+        r"clipnorm=1\.0, weight_decay=0\.1.*Leave those settings unset on the outer optimizer",
+    ),
     ("auto-confirm", lambda: tfsync.Auto(confirm=0), ValueError, r"confirm=0 must be .*tfsync\.Auto\(confirm=2\)"),
     (
         "auto-initial-partial-pull",

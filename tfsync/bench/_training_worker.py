@@ -84,15 +84,17 @@ def main():
         counts = {k: sum(c[k] for c in every) for k in counts}
         # the mean wait per step and, for ElasticBSP, per barrier (and the barrier decisions'
         # time against a computed iteration's)
-        waits = hvd.allgather_object(totals["wait_s"] / max(totals["steps"], 1))
+        # (per training step: under Local SGD and DiLoCo the engine's steps are the outer steps)
+        waits = hvd.allgather_object(totals["wait_s"] / total)
         computed = max(totals["steps"] - totals["skipped"], 1)
         supersteps = sync.engine.find(Supersteps)
         b = supersteps.barriers if supersteps is not None else {"count": 0}
         barriers = hvd.allgather_object({**b, "iteration_s": totals["compute_s"] / computed} if b["count"] else None)
     samples_per_s = size * args.steps * batch_size / max(wall)
     if rank == 0:
-        # samples whose gradients reached the model: the applied share of every worker's steps
-        applied_share = (counts["applied"] + counts["compensated"]) / (total * size)
+        # samples whose gradients reached the model: the applied share of every worker's
+        # contributions, each produced or skipped (one per step; Local SGD's and DiLoCo's cover H steps)
+        applied_share = (counts["applied"] + counts["compensated"]) / max(counts["produced"] + counts["skipped"], 1)
         print_result(
             {
                 "samples_per_s": samples_per_s,

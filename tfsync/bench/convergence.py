@@ -60,6 +60,8 @@ STUDY_MODES = (
     "backup",
     "backup+dc",
     "dcs3gd",
+    "localsgd",
+    "diloco",
     "auto",
 )
 

@@ -33,8 +33,14 @@ loads the identical final weights at :meth:`SyncStrategy.finish` and,
 automatically, before the first evaluation or prediction step that follows
 training.  Call ``finish()`` after ``fit`` before saving a model.
 
-Non-trainable statistics (``BatchNormalization``'s moving mean and variance)
-follow each worker's own batches, as under plain Horovod; call
+Under ``"localsgd"`` and ``"diloco"`` the engine sees every ``H``-th step (an
+outer step); a Keras model's non-trainable floating-point statistics are
+averaged with the weights at every outer step, and an evaluation or
+prediction that follows training steps (validation during ``fit``) ends the
+period there with an outer step (the drain above), so it sees identical
+replicas.  Under the other modes, non-trainable statistics
+(``BatchNormalization``'s moving mean and variance) follow each worker's
+own batches, as under plain Horovod; call
 ``tfsync.keras.average_statistics(model)`` after ``finish()`` to set them to
 their mean over the workers (``SyncCallback`` does this at the end of ``fit``).
 """
@@ -58,7 +64,7 @@ from tfsync.engine.tf_bridge import (
     skippable_train_step,
     static_loss_scale,
 )
-from tfsync.frontend import FINGERPRINT_FIX, Frontend, fingerprint
+from tfsync.frontend import FINGERPRINT_FIX, Frontend, fingerprint, floating_statistics
 from tfsync.policies import resolve
 
 
@@ -66,8 +72,9 @@ class SyncStrategy(tf.distribute.OneDeviceStrategy):
     """A tf.distribute strategy that synchronizes Horovod workers with tfsync.
 
     Args:
-        mode: ``"bsp"`` (default), ``"ssp"``, ``"psp"``, ``"backup"``, ``"dcs3gd"`` or a policy
-            such as ``tfsync.SSP(staleness=3)``.
+        mode: ``"bsp"`` (default), ``"ssp"``, ``"psp"``, ``"backup"``, ``"dcs3gd"``,
+            ``"localsgd"``, ``"diloco"`` or a policy such as ``tfsync.SSP(staleness=3)`` or
+            ``tfsync.DiLoCo(inner_steps=8)``.
         stragglers: ``tfsync.Stragglers`` (default: from ``TFSYNC_STRAGGLERS``).
         trace_dir: JSON-lines trace directory (default: none).
         wait_timeout_s: bound on one wait for peers (default 120 s).
@@ -431,6 +438,8 @@ class _SyncExtended(one_device_strategy.OneDeviceExtended):
         with tf.init_scope():
             if self._model is None:
                 self._agree(fingerprint(tensors))
+            elif self._protocol.periodic:  # Local SGD, DiLoCo: averaged with the weights at every outer step
+                tensors = [*tensors, *floating_statistics(self._model)]
             self._frontend.start(tensors)
 
     def _agree(self, described):

@@ -26,7 +26,11 @@ A step runs as one :meth:`SyncEngine.sync_step`, called from inside the
 compiled train step (:mod:`tfsync.engine.tf_bridge`) with the tensors
 themselves: the payload never crosses NumPy.  When a step's round already
 closed without this worker, :meth:`SyncEngine.begin_step` says so and the
-frontends skip its computation (:meth:`SyncEngine.skip_step`).  A
+frontends skip its computation (:meth:`SyncEngine.skip_step`).  A step
+protocol may make only every ``H``-th step a contribution (Local SGD, DiLoCo:
+:mod:`tfsync.engine.outer`); the steps between are the worker's own
+(:meth:`SyncEngine.local_step`), and the engine's steps and rounds are the
+contributing ones.  A
 contribution with a NaN or an infinity never reaches a round
 (:mod:`tfsync.engine.nonfinite`).
 
@@ -303,6 +307,28 @@ class SyncEngine:
             for c in self.components:
                 result = c.result(result)
             return result
+
+    def local_step(self, required_round=None):
+        """A step that computes without contributing (an inner step of Local SGD or DiLoCo, whose
+        step protocol says only every ``H``-th step contributes): this rank's simulated compute
+        delay.  It enters no round and is no contribution; its time counts into the next
+        contribution's compute time (the engine's steps are the contributing ones).
+
+        ``required_round``: a round this step must apply first (DiLoCo's overlapped outer step
+        lands here), waited for (bounded, as every wait), counted and traced (an ``apply``
+        event); None: none."""
+        with self.guard():
+            self._check_started()
+            self.delays.sleep()
+            if required_round is None or required_round <= self.applied_through:
+                return
+            t = self.now()
+            applied = self.wait_and_apply(required_round)
+            self.tally.totals["wait_s"] += (wait_s := self.now() - t)
+            drops, compensated = self.tally.settle_step(self.exchange)
+            if self.tracing:
+                settled = settled_fields(applied, self.step - 1, self.applied_through, drops, compensated)
+                self.trace({"event": "apply", "rank": self.rank, "t": t, "wait_s": wait_s, **settled})
 
     def skip_step(self):
         """A skipped step: no contribution; wait for its round and return its result."""

@@ -98,7 +98,11 @@ class NonFinite(StepComponent):
         if not bad:
             return payload, False
         engine = self.engine
-        what = "gradients" if engine.protocol_cls.reduces_gradients else "update"
+        protocol = engine.protocol_cls
+        if protocol.periodic:  # (Local SGD, DiLoCo: the engine's steps are outer steps)
+            what = "outer-step pseudo-gradient (its period's change; steps here count outer steps)"
+        else:
+            what = "gradients" if protocol.reduces_gradients else "update"
         payload = engine.protocol.reject(payload)
         self._reject(step, bad, what, {})
         if self.on_nonfinite == "raise":

@@ -17,6 +17,10 @@ factory decides its exchange once.  Nothing else compares payload strings.
   gradient is corrected for the one round it is late
   (:func:`tfsync.ops.delay_compensate`) before the optimizer runs; the change
   the optimizer then made, ``Δ``, is pushed and averaged into ``w̄``.
+* :class:`~tfsync.engine.outer.OuterStepProtocol` (``"pseudo_gradients"``, Local SGD and
+  DiLoCo): every worker's optimizer runs every step; only every ``H``-th step contributes,
+  the change of the weights since the last outer step, averaged and applied (DiLoCo: by an
+  outer optimizer) identically on every replica.
 
 The payload never leaves TensorFlow: the frontends hand the tensors to the
 engine through ``tf.py_function`` (which passes the tensors themselves, not
@@ -117,6 +121,7 @@ class GradientProtocol:
     average = True
     reduces_gradients = True  # the frontends exchange before the optimizer runs
     corrects_gradients = False
+    periodic = False  # every step is a contribution (the outer-step protocol's are every H-th)
     one_round_per_step = True  # step r's optimizer applies round r's mean, and only it
 
     @staticmethod
@@ -207,6 +212,7 @@ class UpdateProtocol:
     average = False
     reduces_gradients = False  # the frontends exchange after the optimizer ran
     corrects_gradients = False
+    periodic = False
     one_round_per_step = False  # every complete round is added to w̄ at once
 
     @staticmethod
@@ -363,6 +369,7 @@ class CompensatedUpdateProtocol:
     average = True  # the round's result is the mean update (1/N) Σ_j Δ_j
     reduces_gradients = False  # the update is pushed after the optimizer ran ...
     corrects_gradients = True  # ... on the gradient corrected before it
+    periodic = False
     one_round_per_step = True  # step t applies round t - 1: one round per step
 
     @staticmethod
@@ -499,7 +506,10 @@ def _accumulation_dtype(dtype):
     return tf.float64 if dtype == tf.float64 else tf.float32
 
 
-PROTOCOLS = {p.payload: p for p in (GradientProtocol, UpdateProtocol, CompensatedUpdateProtocol)}
+# (imported here, at the end: the outer-step protocol builds on this module's helpers)
+from tfsync.engine.outer import OuterStepProtocol  # noqa: E402
+
+PROTOCOLS = {p.payload: p for p in (GradientProtocol, UpdateProtocol, CompensatedUpdateProtocol, OuterStepProtocol)}
 
 
 def for_policy(policy):
@@ -521,4 +531,11 @@ def dense(tensors, shapes, dtypes):
     return out
 
 
-__all__ = ["GradientProtocol", "UpdateProtocol", "CompensatedUpdateProtocol", "for_policy", "horovod_collective"]
+__all__ = [
+    "GradientProtocol",
+    "UpdateProtocol",
+    "CompensatedUpdateProtocol",
+    "OuterStepProtocol",
+    "for_policy",
+    "horovod_collective",
+]

@@ -287,6 +287,8 @@ def exchange_updates(engine, variables, applied=None):
     returned (the optimizer did not run unless every flag is true): a
     contribution whose gradients were not finite is rejected.
     """
+    if engine.protocol.periodic:  # Local SGD, DiLoCo: only every H-th step contributes
+        return exchange_periodically(engine, variables, applied)
     push_in_graph = getattr(engine.protocol, "push_in_graph", None)
     if push_in_graph is not None:  # DC-S3GD: the update is computed in the step, the engine pushes it
         updates = push_in_graph(applied)
@@ -295,6 +297,34 @@ def exchange_updates(engine, variables, applied=None):
     if applied is None:
         return tf.py_function(lambda *_: engine.sync_step([]), after_update, Tout=[], name="tfsync_step")
     return tf.py_function(lambda a, *_: engine.sync_step([a]), [applied, *after_update], Tout=[], name="tfsync_step")
+
+
+def exchange_periodically(engine, variables, applied=None):
+    """The outer-step protocol (:mod:`tfsync.engine.outer`): after the local optimizer step,
+    count it; the ``H``-th step of a period is an outer step (the engine's ``sync_step``: the
+    pseudo-gradient's round, bounded, counted, applied), the others are the worker's own
+    (:meth:`SyncEngine.local_step`).  DiLoCo overlapped: the push comes ``overlap_steps``
+    before the period's end, whose step waits for the round and applies it.  One
+    ``tf.py_function`` per step, ordered after the optimizer's writes as
+    :func:`exchange_updates`'s is; ``applied``: from :func:`apply_if_finite` (a contribution
+    with a step whose gradients were not finite is rejected at its push)."""
+    # (the protocol's variables: the weights and the statistics that ride in the outer round, which
+    # a BatchNormalization layer writes in the step's forward pass)
+    variables = engine.protocol.variables
+    after_update = [tf.raw_ops.VariableShape(input=v.handle) for v in variables]
+    flags = tf.reshape(applied, [-1]) if applied is not None else tf.constant([True])
+
+    def step(finite, *_):
+        protocol = engine.protocol
+        action = protocol.end_inner_step(bool(finite.numpy().all()))
+        if action == protocol.PUSH:
+            engine.sync_step([])
+        elif action == protocol.LAND:  # (DiLoCo overlapped: the round pushed overlap_steps ago)
+            engine.local_step(required_round=engine.step - 1)
+        else:
+            engine.local_step()
+
+    return tf.py_function(step, [flags, *after_update], Tout=[], name="tfsync_step")
 
 
 def guards_optimizer(protocol) -> bool:
@@ -359,8 +389,9 @@ def before_optimizer(protocol, engine, grads, finite=None):
 
 def after_optimizer(protocol, engine, variables, applied=None):
     """After the optimizer applied this step: the update protocols push its share and move the
-    weights (:func:`exchange_updates`; ``applied``: from :func:`apply_if_finite`); the
-    gradient protocol has nothing left to do (None)."""
+    weights (:func:`exchange_updates`; ``applied``: from :func:`apply_if_finite`), the
+    outer-step protocol counts the step and pushes at every ``H``-th
+    (:func:`exchange_periodically`); the gradient protocol has nothing left to do (None)."""
     if protocol.reduces_gradients:
         return None
     return exchange_updates(_getter(engine)(), variables, applied)

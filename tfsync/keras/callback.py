@@ -37,7 +37,7 @@ from tfsync.engine.tf_bridge import (
     static_loss_scale,
 )
 from tfsync.frontend import FINGERPRINT_FIX, Frontend, fingerprint
-from tfsync.keras.statistics import average_statistics
+from tfsync.keras.statistics import average_statistics, floating_statistics
 from tfsync.policies import Auto, resolve_mode
 from tfsync.policies.auto import AutoController
 
@@ -73,13 +73,18 @@ class SyncCallback(keras.callbacks.Callback):
     ``apply``/``apply_gradients`` exactly once (another optimizer, or
     ``assign_sub``, would train each worker alone); gradient accumulation under
     a mode that exchanges updates (``"ssp"``, ``"dssp"``, ``"elasticbsp"``,
-    ``"dcs3gd"``, and ``"auto"`` with any of them), whose staleness counts
-    steps that would not be updates.
+    ``"dcs3gd"``, ``"localsgd"``, ``"diloco"``, and ``"auto"`` with any of them),
+    whose staleness (or period) counts steps that would not be updates.
 
     Args:
         mode: ``"bsp"`` (default), ``"ssp"``, ``"dssp"``, ``"elasticbsp"``, ``"psp"``, ``"backup"``,
-            ``"dcs3gd"``, ``"auto"`` or a policy object such as ``tfsync.SSP(staleness=3)`` or
-            ``tfsync.PSP(min_contributions=3)``.  ``"auto"`` (``tfsync.Auto``) classifies the
+            ``"dcs3gd"``, ``"localsgd"``, ``"diloco"``, ``"auto"`` or a policy object such as
+            ``tfsync.SSP(staleness=3)``, ``tfsync.PSP(min_contributions=3)`` or
+            ``tfsync.DiLoCo(inner_steps=8)``.  Under ``"localsgd"`` and ``"diloco"`` only every
+            ``H``-th step is a contribution (an outer step: the counts count outer steps, and the
+            per-batch ``tfsync_wait_s`` is the last outer step's), and the model's non-trainable
+            floating-point variables are averaged with the weights at every outer step.
+            ``"auto"`` (``tfsync.Auto``) classifies the
             workers' measured iteration times (first after ``window_steps`` steps, mid-epoch, or
             after ``tfsync.policies.auto.EARLY_STEPS`` under BSP when one worker is persistently
             slow; then at epoch ends) and switches to the mode chosen for the profile; each decision
@@ -285,9 +290,10 @@ class SyncCallback(keras.callbacks.Callback):
                 lambda p: frontend.protocol(p).reduces_gradients,
                 "tfsync.keras.SyncCallback",
                 "this mode exchanges the update each step made and counts its staleness bound (or "
-                "corrects its delay) in steps, which would then not be updates. Use a mode that "
-                "exchanges gradients ('bsp', 'psp', 'backup'), where each step's gradients are "
-                "averaged before they are accumulated, or a larger batch instead of accumulating",
+                "corrects its delay, or its period of local steps) in steps, which would then not be "
+                "updates. Use a mode that exchanges gradients ('bsp', 'psp', 'backup'), where each "
+                "step's gradients are averaged before they are accumulated, or a larger batch instead "
+                "of accumulating (under 'localsgd' and 'diloco': a larger batch or period)",
             )
 
     def _start_engine(self):
@@ -299,6 +305,8 @@ class SyncCallback(keras.callbacks.Callback):
         tensors = self.variables
         if self._scaling is not None:  # (the gradient protocol exchanges an overflow flag too)
             tensors = self._scaling.engine_tensors(tensors, self._frontend.protocol(policy))
+        if self._frontend.protocol(policy).periodic:  # Local SGD, DiLoCo: averaged at every outer step
+            tensors = [*tensors, *floating_statistics(model)]
         engine = self._frontend.start(
             tensors,
             policy=policy,

@@ -13,11 +13,7 @@ import tensorflow as tf
 from tfsync import _env
 from tfsync.engine.cluster import HorovodCluster, run_bounded
 from tfsync.engine.protocols import tf_variable
-
-
-def floating_statistics(model):
-    """The model's non-trainable floating-point variables (integer state such as seeds is left alone)."""
-    return [v for v in model.non_trainable_variables if tf.as_dtype(v.dtype).is_floating]
+from tfsync.frontend import floating_statistics
 
 
 def average_statistics(model, name="tfsync.statistics", *, cluster=None, wait_timeout_s=None):

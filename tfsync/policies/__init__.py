@@ -14,6 +14,9 @@ contributions.  A policy answers two questions:
   ``"compensated_updates"`` (DC-S3GD, :mod:`tfsync.policies.compensation`):
   the gradient is corrected for the round it is late before the optimizer
   runs, and the change the optimizer made is averaged.
+  ``"pseudo_gradients"`` (Local SGD, DiLoCo, :mod:`tfsync.policies.local`): every worker
+  takes ``H`` steps on its own; every ``H``-th step (an outer step) contributes the change
+  of its weights since the last one, averaged (DiLoCo: through an outer optimizer).
 * ``required_round(step)``: the newest round that must be complete before the
   worker passes the synchronization point of ``step``.  For ``"gradients"``
   that point is before applying step ``step``'s gradient; for ``"updates"``
@@ -41,12 +44,13 @@ from tfsync.policies.auto import Auto
 from tfsync.policies.base import Closing, Policy
 from tfsync.policies.compensation import DCS3GD, DelayCompensation
 from tfsync.policies.dynamic import DSSP, ElasticBSP, Grant, Schedule
+from tfsync.policies.local import DiLoCo, LocalSGD, sgd_config
 from tfsync.policies.partial import PSP, BackupWorkers
 from tfsync.policies.registry import Option, register
 from tfsync.policies.registry import get as _registered
 from tfsync.policies.registry import modes as _modes
 
-PAYLOADS = ("gradients", "updates", "compensated_updates")
+PAYLOADS = ("gradients", "updates", "compensated_updates", "pseudo_gradients")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -256,6 +260,63 @@ register(
 )
 
 
+def _outer_optimizer(args):
+    """``--outer-lr`` and ``--outer-momentum`` (--mode diloco): the outer optimizer, SGD with
+    Nesterov momentum (momentum 0: plain SGD), as its serialized configuration."""
+    momentum = args.outer_momentum
+    return sgd_config(args.outer_lr, momentum, nesterov=momentum > 0)
+
+
+register(
+    "localsgd",
+    LocalSGD,
+    "LocalSGD(H={period})",
+    (Option("--period", "period", int, 8, "Local SGD's H: local steps between averagings (--mode localsgd)", "H"),),
+)
+register(
+    "diloco",
+    DiLoCo,
+    "DiLoCo(H={inner_steps})",
+    (
+        Option("--inner-steps", "inner_steps", int, 8, "DiLoCo's H: inner steps per outer step (--mode diloco)", "H"),
+        Option(
+            "--outer-lr",
+            "outer_optimizer",
+            float,
+            0.7,
+            "DiLoCo's outer learning rate (--mode diloco; default 0.7, the paper's)",
+            build=_outer_optimizer,
+        ),
+        Option(
+            "--outer-momentum",
+            None,
+            float,
+            0.9,
+            "DiLoCo's outer Nesterov momentum (--mode diloco; default 0.9, the paper's; 0: plain SGD)",
+        ),
+        Option(
+            "--overlap-steps",
+            "overlap_steps",
+            int,
+            0,
+            "Streaming DiLoCo's tau: inner steps the outer exchange overlaps (--mode diloco; default 0)",
+            "tau",
+        ),
+        Option(
+            "--mixing",
+            "mixing",
+            float,
+            0.0,
+            "Streaming DiLoCo's alpha: the share of a worker's weights kept when an overlapped round lands "
+            "(--mode diloco --overlap-steps; default 0)",
+            "alpha",
+        ),
+    ),
+    # the streaming variant: the outer exchange overlaps the last 2 inner steps of each period
+    variants={"diloco+overlap": ["--overlap-steps", "2"]},
+)
+
+
 def resolve(mode) -> Policy:
     """Turn ``"bsp"``, ``"ssp"`` or a :class:`Policy` instance into a policy.
 
@@ -305,6 +366,8 @@ __all__ = [
     "BackupWorkers",
     "DCS3GD",
     "DelayCompensation",
+    "LocalSGD",
+    "DiLoCo",
     "Auto",
     "resolve",
     "resolve_mode",

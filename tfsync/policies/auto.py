@@ -49,6 +49,8 @@ import dataclasses
 import statistics
 import time
 
+from tfsync.policies.local import DiLoCo, LocalSGD
+
 PROFILES = ("none", "straggler", "heterogeneous", "jitter", "rare")
 STRAGGLER_RATIO = 2.5
 HETEROGENEOUS_RATIO = 1.3
@@ -246,6 +248,12 @@ class Auto:
                     f"tfsync.Auto: {where}={policy!r} pulls partially, which auto mode does not switch "
                     f"to or from (its rounds are applied block by block outside the shared train "
                     f"step); use PSP(pull_fraction=1.0) there, or the PSP mode on its own"
+                )
+            if isinstance(policy, LocalSGD | DiLoCo):
+                raise ValueError(
+                    f"tfsync.Auto: {where}={policy!r} takes local steps between rounds, which auto mode "
+                    f"does not switch to or from (its measurements and decisions are per step, and only "
+                    f"every H-th step is a round there); use {type(policy).__name__} on its own"
                 )
         object.__setattr__(self, "modes", chosen)
         object.__setattr__(self, "initial", initial)

@@ -141,6 +141,10 @@ def describe(policy) -> str:
             parts.append(compensation(policy.compensation))
         elif k == "compensate":  # PSP's and backup workers' late gradients
             suffix = "" if policy.compensate is None else f"+dc({compensation(policy.compensate)})"
+        elif k == "outer_optimizer":  # DiLoCo's
+            parts.append(f"outer={policy.outer_label()}")
+        elif k in ("overlap_steps", "mixing") and not v:  # DiLoCo without the streaming overlap
+            continue
         elif k == "pull_fraction" and v == 1.0:  # PSP without partial pulling
             continue
         elif k != "mode" and v is not None:

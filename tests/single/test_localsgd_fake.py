@@ -1,0 +1,421 @@
+"""Local SGD and DiLoCo (:mod:`tfsync.policies.local`) through both frontends, two ranks on
+threads of one process (:mod:`fake_cluster`): the engine, the compiled step and the frontends'
+hooks are production's.
+
+The guarantees their docstrings state, each tested here: the replicas (weights and
+BatchNormalization statistics) are identical after every outer step and differ between them;
+``LocalSGD(period=1)`` with plain SGD trains as BSP; DiLoCo with outer ``SGD(1.0)`` trains as
+Local SGD; both match a reference of H independent local steps and an average (DiLoCo: the
+paper's Nesterov outer step); the inner optimizer's state stays local and its ``iterations``
+count inner steps; every outer step is one counted contribution and a period with a gradient
+that is not finite is rejected.
+"""
+
+import json
+import math
+import os
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from fake_cluster import FakeCluster, on_threads
+from training_fake import BATCH, EPOCHS, JOIN_S, SIZE, STEPS, data, layers
+
+import tfsync
+from tfsync import timeline
+from tfsync.engine import NonFiniteError, WorkerLostError
+
+pytestmark = pytest.mark.usefixtures("engines_on_localhost")
+
+TOTAL = STEPS * EPOCHS  # each rank's steps in one fit (12)
+
+
+def bn_layers():
+    return [keras.Input((3,)), keras.layers.Dense(4), keras.layers.BatchNormalization(), keras.layers.Dense(1)]
+
+
+class Record(keras.callbacks.Callback):
+    """Every step's weights (``model.get_weights()``: BatchNormalization's statistics included)."""
+
+    def on_train_begin(self, logs=None):
+        self.steps = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.steps.append(self.model.get_weights())
+
+
+def fit_rank(
+    cluster,
+    frontend,
+    mode,
+    make_layers=layers,
+    make_optimizer=None,
+    initial=None,
+    trace_dir=None,
+    on_nonfinite="reject",
+    **data_kw,
+):
+    """One rank's fit: its final weights, optimizer variables, every step's weights, the counts."""
+    rank = cluster.rank()
+    make_optimizer = make_optimizer or (lambda: keras.optimizers.Adam(0.01))
+    record = Record()
+
+    def build():
+        model = keras.Sequential(make_layers())
+        model.compile(optimizer=make_optimizer(), loss="mse")
+        if initial is not None and rank == 0:
+            model.set_weights(initial)
+        return model
+
+    x, y = data(rank, **data_kw)
+    if frontend == "callback":
+        model = build()
+        sync = tfsync.keras.SyncCallback(
+            mode,
+            cluster=cluster,
+            wait_timeout_s=30,
+            average_statistics=False,
+            trace_dir=trace_dir,
+            on_nonfinite=on_nonfinite,
+        )
+        model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0, callbacks=[sync, record])
+        counts = sync.counts
+    else:
+        strategy = tfsync.distribute.SyncStrategy(mode, cluster=cluster, wait_timeout_s=30)
+        try:
+            with strategy.scope():
+                model = build()
+            model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0, callbacks=[record])
+            engine = strategy.engine
+            strategy.finish()  # (the last outer step, if the run ended mid-period)
+        finally:
+            if strategy.engine is not None:
+                strategy.engine.abandon()
+        counts = engine.counts
+    return {
+        "weights": model.get_weights(),
+        "optimizer": [v.numpy() for v in model.optimizer.variables],
+        "iterations": int(model.optimizer.iterations.numpy()),
+        "steps": record.steps,
+        "counts": counts,
+    }
+
+
+def job(frontend, mode, **kwargs):
+    fake = FakeCluster(SIZE, timeout_s=60)
+    results, errors = on_threads(
+        [lambda r=r: fit_rank(fake.rank(r), frontend, mode, **kwargs) for r in range(SIZE)], JOIN_S
+    )
+    assert not any(errors), errors
+    return results
+
+
+def initial_weights(make_layers=layers):
+    return keras.Sequential(make_layers()).get_weights()
+
+
+def assert_close(a, b):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
+
+
+FRONTENDS = ["callback", "strategy"]
+MODES = {"localsgd": tfsync.LocalSGD(period=4), "diloco": tfsync.DiLoCo(inner_steps=4)}
+
+
+@pytest.mark.parametrize("frontend", FRONTENDS)
+@pytest.mark.parametrize("name", sorted(MODES))
+def test_replicas_are_identical_after_every_outer_step_and_apart_between(frontend, name):
+    """With a BatchNormalization layer: at every 4th step every replica's weights and moving
+    statistics are bit-identical; at the steps between they differ (each trains alone)."""
+    results = job(frontend, MODES[name], make_layers=bn_layers)
+    steps0, steps1 = results[0]["steps"], results[1]["steps"]
+    assert len(steps0) == len(steps1) == TOTAL
+    for k in range(TOTAL):
+        same = all(np.array_equal(a, b) for a, b in zip(steps0[k], steps1[k]))
+        if (k + 1) % 4 == 0:
+            assert same, f"step {k}: an outer step, the replicas differ"
+        else:
+            assert not same, f"step {k}: an inner step, yet the replicas are identical"
+    for a, b in zip(results[0]["weights"], results[1]["weights"]):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("frontend", FRONTENDS)
+def test_localsgd_with_period_1_and_plain_sgd_trains_as_bsp(frontend):
+    initial = initial_weights()
+    sgd = lambda: keras.optimizers.SGD(0.05)  # noqa: E731
+    local = job(frontend, tfsync.LocalSGD(period=1), make_optimizer=sgd, initial=initial)
+    bsp = job(frontend, "bsp", make_optimizer=sgd, initial=initial)
+    assert_close(local[0]["weights"], bsp[0]["weights"])
+    assert_close(local[1]["weights"], bsp[1]["weights"])
+    assert not np.allclose(local[0]["weights"][0], initial[0])  # (it trained)
+    assert local[0]["counts"]["produced"] == TOTAL  # period 1: every step is an outer step
+
+
+@pytest.mark.parametrize("frontend", FRONTENDS)
+def test_diloco_with_outer_sgd_at_1_and_no_momentum_trains_as_localsgd(frontend):
+    initial = initial_weights()
+    outer = keras.optimizers.SGD(learning_rate=1.0)
+    diloco = job(frontend, tfsync.DiLoCo(inner_steps=5, outer_optimizer=outer), initial=initial)
+    local = job(frontend, tfsync.LocalSGD(period=5), initial=initial)
+    for r in range(SIZE):
+        assert_close(diloco[r]["weights"], local[r]["weights"])
+
+
+def reference(initial, period, outer=None, overlap=0, mixing=0.0):
+    """Two replicas from ``initial``, each with its own Adam on its own shard.  Every
+    ``period`` steps (and at the end) an outer step: the mean of ``w_outer - w_i`` as taken
+    ``overlap`` steps before, applied to the last outer weights as the average (``outer`` None)
+    or by ``outer`` (a Keras optimizer); the replicas then go on from
+    ``(1 - mixing)·w_outer + mixing·w_i``.  The final weights are ``w_outer``, each replica's."""
+    models = []
+    for _ in range(SIZE):
+        m = keras.Sequential(layers())
+        m.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+        m.set_weights(initial)
+        models.append(m)
+    anchor = [tf.Variable(w) for w in initial]
+    if outer is not None:
+        outer.build(anchor)
+    shards = [data(r) for r in range(SIZE)]
+    loss = keras.losses.MeanSquaredError()
+
+    def pseudo_gradient():
+        per_weight = zip(*(m.get_weights() for m in models))
+        return [np.mean([a.numpy() - w for w in ws], axis=0) for a, ws in zip(anchor, per_weight)]
+
+    def outer_step(mean):
+        if outer is None:
+            for a, g in zip(anchor, mean):
+                a.assign_sub(g)
+        else:
+            outer.apply([tf.constant(g) for g in mean], anchor)
+        for m in models:
+            m.set_weights([(1 - mixing) * a.numpy() + mixing * w for a, w in zip(anchor, m.get_weights())])
+
+    done, in_flight = 0, None
+    for _ in range(EPOCHS):
+        for k in range(STEPS):
+            for m, (x, y) in zip(models, shards):
+                xb, yb = x[k * BATCH : (k + 1) * BATCH], y[k * BATCH : (k + 1) * BATCH]
+                with tf.GradientTape() as tape:
+                    value = loss(yb, m(xb))
+                m.optimizer.apply(tape.gradient(value, m.trainable_variables), m.trainable_variables)
+            done += 1
+            if done % period == (period - overlap) % period:
+                in_flight = pseudo_gradient()
+            if done % period == 0:
+                outer_step(in_flight)
+                in_flight = None
+    if in_flight is not None:  # (the drain: the round in flight lands)
+        outer_step(in_flight)
+    elif done % period:  # (a last, shorter period: its outer step)
+        outer_step(pseudo_gradient())
+    return [[a.numpy() for a in anchor] for _ in models]
+
+
+@pytest.mark.parametrize(
+    "mode,outer",
+    [
+        (tfsync.LocalSGD(period=5), None),
+        (tfsync.DiLoCo(inner_steps=5), keras.optimizers.SGD(0.7, momentum=0.9, nesterov=True)),
+    ],
+    ids=["localsgd", "diloco-nesterov"],
+)
+def test_the_outer_steps_match_local_training_and_the_papers_outer_step(mode, outer):
+    """Period 5 over 12 steps: outer steps after steps 5 and 10 and a last one for steps 11-12
+    (the run ends mid-period); DiLoCo's default outer optimizer is the paper's Nesterov SGD
+    (momentum 0.9, learning rate 0.7)."""
+    initial = initial_weights()
+    results = job("callback", mode, initial=initial)
+    expected = reference(initial, 5, outer)
+    for r in range(SIZE):
+        assert_close(results[r]["weights"], expected[r])
+    counts = results[0]["counts"]
+    assert counts["produced"] == counts["applied"] == math.ceil(TOTAL / 5) == 3, counts
+
+
+@pytest.mark.parametrize("name", sorted(MODES))
+def test_the_inner_optimizer_state_stays_local_and_counts_inner_steps(name):
+    """Adam's moments are not averaged (they differ between the replicas at the end, whose
+    weights are identical), and each one's ``iterations`` (what a learning-rate schedule reads)
+    counts every inner step."""
+    results = job("callback", MODES[name])
+    for a, b in zip(results[0]["weights"], results[1]["weights"]):
+        np.testing.assert_array_equal(a, b)
+    assert results[0]["iterations"] == results[1]["iterations"] == TOTAL
+    moments = [not np.array_equal(a, b) for a, b in zip(results[0]["optimizer"], results[1]["optimizer"])]
+    assert any(moments), "the replicas' Adam moments are identical: they were averaged"
+
+
+@pytest.mark.parametrize("frontend", FRONTENDS)
+@pytest.mark.parametrize("name", sorted(MODES))
+def test_every_outer_step_is_one_counted_contribution(frontend, name):
+    for result in job(frontend, MODES[name]):
+        counts = result["counts"]
+        assert counts["produced"] == TOTAL // 4 == 3, counts  # 12 steps, period 4: no inner step counts
+        assert counts["produced"] == counts["applied"] + counts["compensated"] + counts["dropped"] + counts["rejected"]
+        assert counts["skipped"] == counts["rejected"] == 0, counts
+
+
+@pytest.mark.parametrize("name", sorted(MODES))
+def test_a_period_with_a_gradient_that_is_not_finite_is_rejected(name):
+    """Rank 1's third batch of every epoch overflows (steps 2 and 8): its guard skips those
+    steps, and the contributions of its periods 1 and 3 (steps 0-3, 8-11) are rejected (it
+    restarts from the others' average); the replicas stay identical and finite."""
+    results = job("callback", MODES[name], overflow_at=2)
+    c0, c1 = results[0]["counts"], results[1]["counts"]
+    assert c1["rejected"] == 2 and c1["applied"] == 1 and c1["produced"] == 3, c1
+    assert c0["rejected"] == 0 and c0["applied"] == 3, c0
+    for a, b in zip(results[0]["weights"], results[1]["weights"]):
+        np.testing.assert_array_equal(a, b)
+        assert np.isfinite(a).all()
+    for k in (3, 7, 11):  # every outer step, the rejected ones included
+        assert all(np.array_equal(a, b) for a, b in zip(results[0]["steps"][k], results[1]["steps"][k]))
+
+
+def test_the_trace_and_the_timeline_show_one_round_per_outer_step(tmp_path):
+    """Period 5 over 12 steps: three outer steps per rank in the trace (the last one, for steps
+    11-12, in the drain at the end), each applying its round; the timeline reads and plots it."""
+    job("callback", tfsync.LocalSGD(period=5), trace_dir=str(tmp_path))
+    trace = timeline.load_trace(str(tmp_path))
+    summary = timeline.summarize(trace)
+    assert summary["overall"]["max_clock_gap"] <= 1
+    for r in range(SIZE):
+        with open(os.path.join(tmp_path, f"rank{r}.jsonl")) as f:
+            steps = [line for line in f if '"step"' in line and '"event"' not in line]
+        assert len(steps) == 3, steps
+    timeline.plot_timeline(trace, str(tmp_path / "timeline.png"))
+    assert (tmp_path / "timeline.png").stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("frontend", FRONTENDS)
+def test_mixed_precision_loss_scaling_trains_under_local_steps(frontend):
+    """A ``LossScaleOptimizer`` as the inner optimizer: it skips its own overflowed steps (none
+    here), the replicas are identical after training and every outer step counted."""
+    lso = lambda: keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(0.01))  # noqa: E731
+    results = job(frontend, tfsync.DiLoCo(inner_steps=4), make_optimizer=lso)
+    for a, b in zip(results[0]["weights"], results[1]["weights"]):
+        np.testing.assert_array_equal(a, b)
+    assert results[0]["counts"]["applied"] == 3
+
+
+def test_gradient_accumulation_is_refused_before_training():
+    fake = FakeCluster(SIZE, timeout_s=60)
+    accumulate = lambda: keras.optimizers.Adam(0.01, gradient_accumulation_steps=2)  # noqa: E731
+    fns = [lambda r=r: fit_rank(fake.rank(r), "callback", "localsgd", make_optimizer=accumulate) for r in range(SIZE)]
+    _, errors = on_threads(fns, JOIN_S)
+    for e in errors:
+        assert isinstance(e, ValueError) and "gradient_accumulation_steps=2" in str(e), e
+
+
+def test_an_outer_learning_rate_schedule_counts_outer_steps():
+    """Outer SGD whose schedule gives learning rate 1.0 at its first iteration and 0 after: the
+    first outer step (after step 4) averages, the later ones (after steps 8 and 12) move
+    nothing, so training ends on the first outer step's weights.  (Counting inner steps, the
+    schedule would be past its boundary at the first outer step already.)"""
+    schedule = keras.optimizers.schedules.PiecewiseConstantDecay(boundaries=[0], values=[1.0, 0.0])
+    mode = tfsync.DiLoCo(inner_steps=4, outer_optimizer=keras.optimizers.SGD(learning_rate=schedule))
+    results = job("callback", mode)
+    for result in results:
+        first = result["steps"][3]
+        for a, b in zip(result["weights"], first):
+            np.testing.assert_array_equal(a, b)
+        assert not all(np.array_equal(a, b) for a, b in zip(result["steps"][2], first))  # (it moved there)
+
+
+def test_raise_stops_every_rank_at_the_outer_step_of_the_period():
+    """``on_nonfinite="raise"``: rank 1's third step overflows; the job stops at the end of
+    that period (outer step 0), every rank's error naming rank 1 and the outer step."""
+    fake = FakeCluster(SIZE, timeout_s=60)
+    fns = [
+        lambda r=r: fit_rank(fake.rank(r), "callback", MODES["localsgd"], on_nonfinite="raise", overflow_at=2)
+        for r in range(SIZE)
+    ]
+    _, errors = on_threads(fns, JOIN_S)
+    assert isinstance(errors[1], NonFiniteError), errors[1]
+    assert "rank 1's outer-step pseudo-gradient" in str(errors[1]) and "step 0" in str(errors[1]), errors[1]
+    assert isinstance(errors[0], NonFiniteError | WorkerLostError) and "rank 1" in str(errors[0]), errors[0]
+
+
+STREAMING = {
+    "tau2": tfsync.DiLoCo(inner_steps=4, overlap_steps=2),
+    "tau1-mixing": tfsync.DiLoCo(inner_steps=4, overlap_steps=1, mixing=0.5),
+}
+
+
+@pytest.mark.parametrize("frontend", FRONTENDS)
+def test_overlapped_replicas_are_identical_when_each_round_lands(frontend):
+    """DiLoCo(inner_steps=4, overlap_steps=2): a worker pushes after steps 2, 6, 10 and its
+    round lands at steps 4, 8, 12; with mixing 0 the replicas are identical there (and
+    apart at the steps between, the push steps included); one counted contribution each."""
+    results = job(frontend, STREAMING["tau2"])
+    steps0, steps1 = results[0]["steps"], results[1]["steps"]
+    for k in range(TOTAL):
+        same = all(np.array_equal(a, b) for a, b in zip(steps0[k], steps1[k]))
+        assert same == ((k + 1) % 4 == 0), f"step {k}: identical={same}"
+    for a, b in zip(results[0]["weights"], results[1]["weights"]):
+        np.testing.assert_array_equal(a, b)
+    for result in results:
+        counts = result["counts"]
+        assert counts["produced"] == counts["applied"] == 3 and counts["rejected"] == 0, counts
+
+
+@pytest.mark.parametrize("name", sorted(STREAMING))
+def test_overlapped_outer_steps_match_the_reference(name):
+    """The pseudo-gradient is taken ``overlap_steps`` before the period's end, the steps after it
+    are kept with the weight ``mixing`` when the round lands (0: dropped), and the job ends on
+    ``w_outer``, identical everywhere."""
+    mode = STREAMING[name]
+    initial = initial_weights()
+    results = job("callback", mode, initial=initial)
+    outer = keras.optimizers.SGD(0.7, momentum=0.9, nesterov=True)
+    expected = reference(initial, 4, outer, overlap=mode.overlap_steps, mixing=mode.mixing)
+    for r in range(SIZE):
+        assert_close(results[r]["weights"], expected[r])
+    if mode.mixing:  # the replicas keep part of their own progress: apart after a round lands
+        assert not all(np.array_equal(a, b) for a, b in zip(results[0]["steps"][3], results[1]["steps"][3]))
+
+
+def test_an_overlapped_run_ending_mid_period_gets_a_last_outer_step():
+    """inner_steps=5, overlap_steps=2 over 12 steps: pushes after steps 3 and 8, landing at 5
+    and 10; steps 11-12 push nothing before the end, so the drain's last outer step takes them."""
+    initial = initial_weights()
+    results = job("callback", tfsync.DiLoCo(inner_steps=5, overlap_steps=2), initial=initial)
+    outer = keras.optimizers.SGD(0.7, momentum=0.9, nesterov=True)
+    expected = reference(initial, 5, outer, overlap=2)
+    for r in range(SIZE):
+        assert_close(results[r]["weights"], expected[r])
+        assert results[r]["counts"]["produced"] == results[r]["counts"]["applied"] == 3
+
+
+def test_an_overlapped_round_landing_is_traced_and_the_timeline_reads_it(tmp_path):
+    """overlap_steps=2, period 4 over 12 steps: three outer-step records per rank (the pushes)
+    and three apply events (the landings, each applying the round pushed before it)."""
+    job("callback", STREAMING["tau2"], trace_dir=str(tmp_path))
+    for r in range(SIZE):
+        with open(os.path.join(tmp_path, f"rank{r}.jsonl")) as f:
+            records = [json.loads(line) for line in f]
+        steps = [x for x in records if "event" not in x]
+        lands = [x for x in records if x.get("event") == "apply"]
+        assert [x["step"] for x in steps] == [0, 1, 2], steps
+        assert len(lands) == 3 and all(x["wait_s"] >= 0 for x in lands), lands
+    summary = timeline.summarize(timeline.load_trace(str(tmp_path)))
+    assert summary["overall"]["max_clock_gap"] <= 1
+
+
+def test_overlapped_a_gradient_that_is_not_finite_rejects_only_a_contribution_it_reaches():
+    """overlap_steps=2, period 4: rank 1's third batch of each epoch overflows (steps 2 and 8).
+    Step 2 falls after the first push (step 1) and is dropped with that window when the round
+    lands (mixing 0): no rejection; step 8 falls before the third push (step 9), whose
+    contribution is rejected.  Replicas identical and finite at the end."""
+    results = job("callback", STREAMING["tau2"], overflow_at=2)
+    c0, c1 = results[0]["counts"], results[1]["counts"]
+    assert c1["rejected"] == 1 and c1["applied"] == 2 and c1["produced"] == 3, c1
+    assert c0["rejected"] == 0 and c0["applied"] == 3, c0
+    for a, b in zip(results[0]["weights"], results[1]["weights"]):
+        np.testing.assert_array_equal(a, b)
+        assert np.isfinite(a).all()
