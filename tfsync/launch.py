@@ -70,6 +70,52 @@ def run_local_job(script, args=(), workers=4, timeout_s=600, env=None, elastic=N
     return proc.returncode, out
 
 
+# One machine as two hosts for Horovod's elastic driver: it blacklists the host of a worker that
+# fails, and with every worker on one host name the job would stop at the first loss.
+TWO_LOCAL_HOSTS = ("localhost", "127.0.0.1")
+
+
+def run_elastic_job(
+    script, workers, args, work_dir, min_np, reset_limit=None, timeout_s=90, env=None, hosts_file=None, options=()
+):
+    """Launch ``script`` on this machine as an elastic job; return ``(exit_code, output)``.
+
+    ``--min-np min_np --max-np workers`` and a discovery script (written to ``work_dir``) that
+    lists :data:`TWO_LOCAL_HOSTS` with ``workers // 2`` slots each (one host with 1), or prints
+    ``hosts_file`` (which the caller or its workers may change while the job runs).
+    ``options``: more ``horovodrun`` options (``--blacklist-cooldown-range 1 3`` lets a failed
+    host come back).  ``HOROVOD_GLOO_TIMEOUT_SECONDS`` is 10 unless ``env`` sets it.  Bounded
+    as :func:`run_local_job`.
+    """
+    if workers not in (1, 2) and workers % 2:
+        raise ValueError(
+            f"an elastic launch on one machine has 1 worker or an even number (one half per host name), got "
+            f"{workers}; pass an even number"
+        )
+    discovery = os.path.join(work_dir, "discover_hosts.sh")
+    hosts = "".join(f"{h}:{max(workers // 2, 1)}\n" for h in TWO_LOCAL_HOSTS[: min(workers, 2)])
+    with open(discovery, "w") as f:
+        if hosts_file is None:
+            f.write("#!/bin/sh\n" + "".join(f"echo {h}\n" for h in hosts.split()))
+        else:
+            with open(hosts_file, "w") as hf:
+                hf.write(hosts)
+            f.write(f"#!/bin/sh\ncat {hosts_file}\n")
+    os.chmod(discovery, 0o755)
+    elastic = ["--min-np", min_np, "--max-np", workers, "--host-discovery-script", discovery]
+    if reset_limit is not None:
+        elastic += ["--reset-limit", reset_limit]
+    elastic += list(options)
+    return run_local_job(
+        script,
+        args,
+        workers=workers,
+        timeout_s=timeout_s,
+        env={"HOROVOD_GLOO_TIMEOUT_SECONDS": "10", **(env or {})},
+        elastic=elastic,
+    )
+
+
 def horovodrun(script, args=(), workers=4, timeout_s=600, env=None):
     """Run ``script`` on ``workers`` local processes; return rank 0's result dict.
 

@@ -1,7 +1,7 @@
 """Elastic training across two simulated hosts (:mod:`tfsync.bench.hosts`), one worker on each.
 
 ``horovodrun --min-np 1 --max-np 2 --host-discovery-script`` as host 1, the discovery script
-printing a hosts file; the job is ``tests/parallel/workers/elastic.py`` (the digits MLP under
+printing a hosts file; the job is ``tfsync/bench/_elastic_worker.py`` (the digits MLP under
 ``tfsync.elastic``).  Its rank 0 rewrites the hosts file at given epoch ends, or a worker
 kills itself mid-epoch; every launch is bounded and the harness kills what it left.
 """
@@ -12,7 +12,7 @@ import os
 from tests.parallel.launch import read_results
 from tfsync.launch import REPO_ROOT
 
-WORKER = os.path.join(REPO_ROOT, "tests", "parallel", "workers", "elastic.py")
+WORKER = os.path.join(REPO_ROOT, "tfsync", "bench", "_elastic_worker.py")
 LAUNCH_S = 300  # TensorFlow start-ups on two cores, a joining worker's included
 GLOO_S = 10
 

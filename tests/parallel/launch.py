@@ -10,7 +10,7 @@ import json
 import os
 
 from tfsync.launch import REPO_ROOT as ROOT
-from tfsync.launch import run_local_job
+from tfsync.launch import run_elastic_job, run_local_job
 
 WORKERS = os.path.join(ROOT, "tests", "parallel", "workers")
 
@@ -38,39 +38,20 @@ def read_results(directory):
     return results
 
 
-# One host as two for Horovod's elastic driver: it blacklists the host of a worker that fails,
-# and with every worker on one host name the job would stop at the first loss.
-TWO_LOCAL_HOSTS = ("localhost", "127.0.0.1")
-
-
 def run_elastic_workers(
     script, np_, args, tmp_path, min_np, reset_limit=None, timeout_s=90, env=None, hosts_file=None, options=()
 ):
-    """Launch ``script`` as an elastic job (``--min-np``, ``--max-np np_``, a discovery script
-    that lists :data:`TWO_LOCAL_HOSTS` with ``np_ // 2`` slots each (one host with 1), or
-    prints ``hosts_file``, which the test or its workers change while the job runs); returns
-    ``(exit_code, output)``."""
-    if np_ not in (1, 2) and np_ % 2:
-        raise ValueError(f"an elastic launch here has 1 worker or an even number, one half per host name: {np_}")
-    discovery = os.path.join(tmp_path, "discover_hosts.sh")
-    hosts = "".join(f"{h}:{max(np_ // 2, 1)}\n" for h in TWO_LOCAL_HOSTS[: min(np_, 2)])
-    with open(discovery, "w") as f:
-        if hosts_file is None:
-            f.write("#!/bin/sh\n" + "".join(f"echo {h}\n" for h in hosts.split()))
-        else:
-            with open(hosts_file, "w") as hf:
-                hf.write(hosts)
-            f.write(f"#!/bin/sh\ncat {hosts_file}\n")
-    os.chmod(discovery, 0o755)
-    elastic = ["--min-np", min_np, "--max-np", np_, "--host-discovery-script", discovery]
-    if reset_limit is not None:
-        elastic += ["--reset-limit", reset_limit]
-    elastic += list(options)  # (e.g. --blacklist-cooldown-range: a failed host comes back)
-    return run_local_job(
+    """Launch ``script`` (a path, or a name in ``tests/parallel/workers``) as an elastic job on this
+    machine under two host names (:func:`tfsync.launch.run_elastic_job`); returns ``(exit_code, output)``."""
+    return run_elastic_job(
         os.path.join(WORKERS, script),
+        np_,
         args,
-        workers=np_,
+        tmp_path,
+        min_np,
+        reset_limit=reset_limit,
         timeout_s=timeout_s,
-        env={"HOROVOD_GLOO_TIMEOUT_SECONDS": "10", **(env or {})},
-        elastic=elastic,
+        env=env,
+        hosts_file=hosts_file,
+        options=options,
     )

@@ -12,8 +12,10 @@ import os
 import pytest
 
 from tests.parallel.launch import read_results, run_elastic_workers
+from tfsync.launch import REPO_ROOT
 
 pytestmark = pytest.mark.parallel
+WORKER = os.path.join(REPO_ROOT, "tfsync", "bench", "_elastic_worker.py")  # python -m tfsync.bench elastic's
 EPOCHS = 5
 KILL_AT = (1, 10)  # (epoch, batch): mid-epoch, so the reset rolls back 10 steps
 RESET_BOUND_S = 10.0  # from the kill to the survivor's next step (measured well under 1 s here)
@@ -42,7 +44,7 @@ def _launch(
         hosts_file = str(out / "hosts")
         args += [hosts_file, changes]
     code, output = run_elastic_workers(
-        "elastic.py",
+        WORKER,
         workers,
         args,
         str(out),

@@ -1,7 +1,10 @@
-"""Benchmarks: ``python -m tfsync.bench [training|ops|scheduler] ...``.
+"""Benchmarks: ``python -m tfsync.bench [training|ops|scheduler|convergence|network|elastic] ...``.
 
 ``training`` (the default) launches Horovod workers and compares synchronization
 modes; ``ops`` times the fused TensorFlow ops against composed stock ops;
-``scheduler`` times the ZipLine barrier decision.  Each prints a table and
+``scheduler`` times the ZipLine barrier decision; ``convergence`` runs the
+convergence study; ``network`` trains across two simulated hosts with a
+rate-limited link; ``elastic`` measures what a lost worker costs under horovodrun's
+elastic launcher, per mode and under a kill loop.  Each prints a table and
 writes JSON records with ``--json PATH``.
 """

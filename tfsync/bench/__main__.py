@@ -1,4 +1,4 @@
-"""Dispatch ``python -m tfsync.bench [training|ops|scheduler|convergence|network] [options]``."""
+"""Dispatch ``python -m tfsync.bench [training|ops|scheduler|convergence|network|elastic] [options]``."""
 
 import importlib
 import sys
@@ -9,6 +9,7 @@ SUBCOMMANDS = {
     "scheduler": "tfsync.bench.scheduler",
     "convergence": "tfsync.bench.convergence",
     "network": "tfsync.bench.network",
+    "elastic": "tfsync.bench.elastic",
 }
 
 

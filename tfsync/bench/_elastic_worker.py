@@ -1,0 +1,214 @@
+"""The digits MLP under tfsync.elastic, with a worker killed mid-epoch: one kill, several, or a kill loop.
+
+Run by ``python -m tfsync.bench elastic`` and by the elastic tests (``tests/parallel/test_elastic.py``,
+``tests/multihost/test_elastic_hosts.py``), under horovodrun's elastic launcher.
+
+Positional: ``out_dir mode victim_rank kill_epochs kill_batch epochs [hosts_file changes]``.
+``mode``: a mode's name, or ``psp:C`` for ``PSP(min_contributions=C)``.  ``victim_rank`` -1:
+nobody is killed (the undisturbed run).  The process that has rank ``victim_rank`` while the job
+has as many workers as at launch kills itself (SIGKILL) after batch ``kill_batch`` of each epoch
+in ``kill_epochs`` (``2,6,10``: several kills), once per epoch number.  ``changes``:
+``EPOCH=HOST:SLOTS+HOST:SLOTS;...``: at the end of that epoch (once per job), rank 0 writes those
+hosts to ``hosts_file``, which the launcher's discovery script prints, and waits for the launcher
+to see it.
+
+Options for a kill loop: ``--kill-every-s S`` kills (as above, at ``kill_batch``) in the first
+epoch that begins ``S`` seconds or more after the previous kill (or ``--start-t``), instead of at
+``kill_epochs``; ``--deadline-t T`` (a Unix time): no kill starts later than ``S / 2`` before
+``T``, and the job stops at the first epoch end after ``T`` (rank 0 decides, by a broadcast, so
+that every member stops at the same epoch).
+
+Each process that finishes writes ``result_rank<R>.json`` (its rank at the end): its final test
+accuracy, its counts and the state's.  The victim writes ``killed_<epoch>.json`` and
+``killed.json`` (the last kill: when, which rank and process) before it dies.  Every process
+appends to ``steps_<pid>.jsonl``, at its first step after each reset (a joining process: its first
+step), when that step ended, the end of its last step before, the membership, and how many
+batches of the epoch the reset restarts it had finished (the steps it redoes): a process killed
+later keeps these records.
+"""
+
+import argparse
+import json
+import os
+import signal
+import time
+
+DISCOVERY_WAIT_S = 3.0  # the launcher runs the discovery script every second
+BATCH = 16
+
+
+def _write_json(path, record):
+    with open(path + ".tmp", "w") as f:
+        json.dump(record, f)
+    os.replace(path + ".tmp", path)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("out_dir")
+    p.add_argument("mode")
+    p.add_argument("victim", type=int)
+    p.add_argument("kill_epochs")
+    p.add_argument("kill_batch", type=int)
+    p.add_argument("epochs", type=int)
+    p.add_argument("hosts_file", nargs="?")
+    p.add_argument("changes", nargs="?", default="")
+    p.add_argument("--kill-every-s", type=float, default=None)
+    p.add_argument("--start-t", type=float, default=None)
+    p.add_argument("--deadline-t", type=float, default=None)
+    args = p.parse_args(argv)
+    args.kill_epochs = {int(e) for e in args.kill_epochs.split(",") if e}
+    changes = {}
+    for item in filter(None, args.changes.split(";")):
+        at, hosts = item.split("=")
+        changes[int(at)] = hosts.split("+")
+    args.changes = changes
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    out_dir = args.out_dir
+
+    import horovod.tensorflow as hvd
+
+    hvd.init()
+    full = hvd.size()  # the job's size at launch: kills happen while it is whole
+
+    import keras
+    import numpy as np
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    import tfsync
+    import tfsync.elastic
+
+    x, y = load_digits(return_X_y=True)
+    x = (x / 16.0).astype("float32")
+    x_train, x_test, y_train, y_test = train_test_split(x, y, test_size=0.2, random_state=0, stratify=y)
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [keras.Input((64,)), keras.layers.Dense(64, activation="relu"), keras.layers.Dense(10, activation="softmax")]
+    )
+    model.compile(optimizer=keras.optimizers.SGD(0.2), loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+
+    mode = args.mode
+    if mode.startswith("psp:"):
+        mode = tfsync.PSP(min_contributions=int(mode.split(":")[1]))
+    state = tfsync.elastic.KerasState(model, epoch=0)
+    sync = tfsync.keras.SyncCallback(mode, elastic=state, wait_timeout_s=30, trace_dir=os.path.join(out_dir, "trace"))
+    seen = {"epochs": [], "first_step_after_reset_t": None, "memberships": []}
+    steps_log = os.path.join(out_dir, f"steps_{os.getpid()}.jsonl")
+
+    class Victim(keras.callbacks.Callback):
+        """Kills this process when it is due; records the steps after each reset; stops at the deadline."""
+
+        epoch = None
+        batches_done = 0  # in the epoch under way
+        last_step_t = None
+        logged_resets = 0
+        logged_start = False
+        rolled_back = 0  # batches of the epoch a reset restarted, finished before it
+
+        def on_epoch_begin(self, epoch, logs=None):
+            self.epoch = epoch
+            self.batches_done = 0
+
+        def _kill_due(self, batch):
+            if hvd.rank() != args.victim or hvd.size() != full or batch != args.kill_batch:
+                return False
+            if os.path.exists(os.path.join(out_dir, f"killed_{self.epoch}.json")):
+                return False
+            if args.kill_every_s is None:
+                return self.epoch in args.kill_epochs
+            now = time.time()
+            kills = [p for p in os.listdir(out_dir) if p.startswith("killed_")]
+            last = max(
+                [json.load(open(os.path.join(out_dir, p)))["t"] for p in kills] + [args.start_t or 0.0],
+            )
+            late = args.deadline_t is not None and now > args.deadline_t - args.kill_every_s / 2
+            return now - last >= args.kill_every_s and not late
+
+        def on_train_batch_end(self, batch, logs=None):
+            if self._kill_due(batch):
+                record = {"t": time.time(), "rank": hvd.rank(), "pid": os.getpid(), "epoch": self.epoch}
+                for name in (f"killed_{self.epoch}.json", "killed.json"):  # (killed.json: the last)
+                    _write_json(os.path.join(out_dir, name), record)
+                os.kill(os.getpid(), signal.SIGKILL)
+            now = time.time()
+            self.batches_done = batch + 1
+            if state.resets > self.logged_resets or not self.logged_start:
+                if state.resets > 0 and seen["first_step_after_reset_t"] is None:
+                    seen["first_step_after_reset_t"] = now
+                record = {
+                    "pid": os.getpid(),
+                    "resets": state.resets,
+                    "first_step_t": now,
+                    "last_step_before_t": self.last_step_t,
+                    "rank": hvd.rank(),
+                    "size": hvd.size(),
+                    "epoch": self.epoch,
+                    "rolled_back": self.rolled_back if self.logged_start else 0,
+                }
+                with open(steps_log, "a") as f:
+                    f.write(json.dumps(record) + "\n")
+                self.logged_resets, self.logged_start = state.resets, True
+            self.last_step_t = now
+
+        def on_epoch_end(self, epoch, logs=None):
+            seen["epochs"].append(epoch)
+            self.batches_done = 0
+            marker = os.path.join(out_dir, f"hosts_changed_{epoch}")
+            if epoch in args.changes and hvd.rank() == 0 and not os.path.exists(marker):
+                open(marker, "w").close()
+                with open(args.hosts_file + ".tmp", "w") as f:
+                    f.write("".join(h + "\n" for h in args.changes[epoch]))
+                os.replace(args.hosts_file + ".tmp", args.hosts_file)
+                time.sleep(DISCOVERY_WAIT_S)  # (the others wait in the next collective meanwhile)
+            if args.deadline_t is not None:
+                stop = hvd.broadcast_object(time.time() >= args.deadline_t, root_rank=0, name="bench.elastic.stop")
+                if stop:
+                    self.model.stop_training = True
+
+    victim = Victim()
+
+    @tfsync.elastic.run
+    def train(state):
+        # a reset restarts the epoch state.epoch: the batches of it this process had finished are redone
+        victim.rolled_back = victim.batches_done if victim.epoch == state.epoch else 0
+        seen["memberships"].append({"rank": hvd.rank(), "size": hvd.size(), "epoch": state.epoch})
+        x_local, y_local = tfsync.shard(x_train, y_train, batch_size=BATCH)
+        model.fit(
+            x_local,
+            y_local,
+            batch_size=BATCH,
+            epochs=args.epochs,
+            initial_epoch=state.epoch,
+            shuffle=True,
+            verbose=0,
+            callbacks=[sync, victim],
+        )
+
+    train(state)
+    accuracy = float(model.evaluate(x_test, y_test, verbose=0)[1])
+    checksum = float(sum(np.sum(w.astype(np.float64)) for w in model.get_weights()))
+    _write_json(
+        os.path.join(out_dir, f"result_rank{hvd.rank()}.json"),
+        {
+            "accuracy": accuracy,
+            "counts": sync.counts,
+            "state_counts": state.counts,
+            "resets": state.resets,
+            "state_epoch": state.epoch,
+            "size": hvd.size(),
+            "rank_at_end": hvd.rank(),
+            "pid": os.getpid(),
+            "checksum": checksum,
+            **seen,
+        },
+    )
+
+
+if __name__ == "__main__":
+    main()
