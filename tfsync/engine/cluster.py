@@ -375,9 +375,9 @@ class RendezvousArrivals:
     def _url(self, key, rank):
         return self.base + urllib.parse.quote(f"{key}@{rank}", safe="")
 
-    def _request(self, method, url, data=None, timeout_s=STORE_TIMEOUT_S):
+    def _request(self, method, url, data=None, timeout_s=None):
         request = urllib.request.Request(url, data=data, method=method)
-        with self._opener.open(request, timeout=timeout_s) as response:
+        with self._opener.open(request, timeout=STORE_TIMEOUT_S if timeout_s is None else timeout_s) as response:
             return response.read()
 
     def arrive(self, key):
