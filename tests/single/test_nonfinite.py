@@ -213,10 +213,13 @@ def test_a_round_whose_every_contribution_was_rejected_moves_no_replica():
 
 
 @OVERFLOWS
-def test_finite_gradients_whose_sum_overflows_reject_their_round_on_every_rank(tmp_path):
+def test_finite_gradients_whose_sum_overflows_reject_their_round_on_every_rank(tmp_path, caplog):
     # BSP checks the round's sum, not each contribution: each of these is finite, their sum is
     # not; the redone round (each rank's own contribution checked) overflows again
-    job = Job(BSP(), size=2, bad={(0, 3): 3e38, (1, 3): 3e38}, trace_dir=str(tmp_path)).run()
+    with caplog.at_level(logging.WARNING, logger="tfsync.nonfinite"):
+        job = Job(BSP(), size=2, bad={(0, 3): 3e38, (1, 3): 3e38}, trace_dir=str(tmp_path)).run()
+    warnings = [r.getMessage() for r in caplog.records if r.name == "tfsync.nonfinite"]
+    assert len(warnings) == 2 and all("the round was rejected on every worker" in w for w in warnings), warnings
     check_replicas(job)
     assert check_gradient_rounds(job) == {(0, 3), (1, 3)}
     for k in range(2):

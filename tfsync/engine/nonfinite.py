@@ -133,7 +133,12 @@ class NonFinite(StepComponent):
             kind, bad = found
             step = int(res.steps[self.engine.rank])
             what = "gradients" if kind == "own" else "gradients (finite, but the round's sum of them overflowed)"
-            self._reject(step, bad, what, {"round": res.round})
+            outcome = (
+                "have a NaN or an infinity; the round went on without it"
+                if kind == "own"
+                else "summed over the workers to a NaN or an infinity; the round was rejected on every worker"
+            )
+            self._reject(step, bad, what, {"round": res.round}, outcome)
             if kind == "own" and self.on_nonfinite == "raise":
                 raise self.engine.stop(self._own_error(step, bad, what))
             if kind == "sum" and self.on_nonfinite == "raise":
@@ -163,7 +168,7 @@ class NonFinite(StepComponent):
         return {"rejected": rejected}
 
     # ------------------------------------------------------------------ internals
-    def _reject(self, step, bad, what, extra):
+    def _reject(self, step, bad, what, extra, outcome="have a NaN or an infinity; the round goes on without it"):
         engine = self.engine
         engine.tally.add("rejected")
         self._this_step += 1
@@ -176,13 +181,13 @@ class NonFinite(StepComponent):
         since = f" ({self._unlogged} more since the last warning)" if self._unlogged else ""
         self._warned_at, self._unlogged = now, 0
         log.warning(
-            "tfsync: rank %d rejected its %s at step %d: weight tensors %s (of %d) have a NaN or an "
-            "infinity; the round goes on without it%s. If this repeats, %s",
+            "tfsync: rank %d rejected its %s at step %d: weight tensors %s (of %d) %s%s. If this repeats, %s",
             engine.rank,
             what,
             step,
             bad,
             len(engine.shapes),
+            outcome,
             since,
             FIX,
         )

@@ -58,6 +58,34 @@ bool NoneNonFinite(const typename FloatBits<T>::type* __restrict__ x, int64_t n)
   return bad == 0;
 }
 
+// Calls fn(T{}) with T the element type of dtype, one of the ops' four float types;
+// false (fn not called) for any other.
+template <typename Fn>
+bool ForFloatType(tensorflow::DataType dtype, Fn&& fn) {
+  switch (dtype) {
+    case tensorflow::DT_HALF:
+      fn(Eigen::half{});
+      return true;
+    case tensorflow::DT_BFLOAT16:
+      fn(Eigen::bfloat16{});
+      return true;
+    case tensorflow::DT_FLOAT:
+      fn(float{});
+      return true;
+    case tensorflow::DT_DOUBLE:
+      fn(double{});
+      return true;
+    default:
+      return false;
+  }
+}
+
+// The error for tensors[i] of a type the ops do not take (their type constraint admits none).
+absl::Status UnsupportedType(int i, const Tensor& t) {
+  return errors::InvalidArgument("tensors[", i, "] must be float16, bfloat16, float32 or float64, got ",
+                                 DataTypeString(t.dtype()));
+}
+
 template <typename T>
 bool TensorFinite(OpKernelContext* ctx, const Tensor& t) {
   using B = typename FloatBits<T>::type;
@@ -81,25 +109,10 @@ class AllFiniteOp : public OpKernel {
     auto finite = out->vec<bool>();
     for (int i = 0; i < tensors.size(); ++i) {
       const Tensor& t = tensors[i];
-      switch (t.dtype()) {
-        case tensorflow::DT_HALF:
-          finite(i) = TensorFinite<Eigen::half>(ctx, t);
-          break;
-        case tensorflow::DT_BFLOAT16:
-          finite(i) = TensorFinite<Eigen::bfloat16>(ctx, t);
-          break;
-        case tensorflow::DT_FLOAT:
-          finite(i) = TensorFinite<float>(ctx, t);
-          break;
-        case tensorflow::DT_DOUBLE:
-          finite(i) = TensorFinite<double>(ctx, t);
-          break;
-        default:  // (the op's type constraint admits no other)
-          ctx->CtxFailure(errors::InvalidArgument("tensors[", i,
-                                                  "] must be float16, bfloat16, float32 or float64, got ",
-                                                  DataTypeString(t.dtype())));
-          return;
-      }
+      const bool known = ForFloatType(t.dtype(), [&](auto tag) {
+        finite(i) = TensorFinite<decltype(tag)>(ctx, t);
+      });
+      OP_REQUIRES(ctx, known, UnsupportedType(i, t));
     }
   }
 };
@@ -167,25 +180,10 @@ class ScaleAllFiniteOp : public OpKernel {
       const Tensor& t = tensors[i];
       Tensor* out = nullptr;
       OP_REQUIRES_OK(ctx, outputs_[i]->Allocate(ctx, i, t.shape(), t.dtype(), &out));
-      switch (t.dtype()) {
-        case tensorflow::DT_HALF:
-          finite(i) = ScaleTensor<Eigen::half>(ctx, t, out, scale);
-          break;
-        case tensorflow::DT_BFLOAT16:
-          finite(i) = ScaleTensor<Eigen::bfloat16>(ctx, t, out, scale);
-          break;
-        case tensorflow::DT_FLOAT:
-          finite(i) = ScaleTensor<float>(ctx, t, out, scale);
-          break;
-        case tensorflow::DT_DOUBLE:
-          finite(i) = ScaleTensor<double>(ctx, t, out, scale);
-          break;
-        default:  // (the op's type constraint admits no other)
-          ctx->CtxFailure(errors::InvalidArgument("tensors[", i,
-                                                  "] must be float16, bfloat16, float32 or float64, got ",
-                                                  DataTypeString(t.dtype())));
-          return;
-      }
+      const bool known = ForFloatType(t.dtype(), [&](auto tag) {
+        finite(i) = ScaleTensor<decltype(tag)>(ctx, t, out, scale);
+      });
+      OP_REQUIRES(ctx, known, UnsupportedType(i, t));
     }
   }
 
