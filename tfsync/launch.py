@@ -52,12 +52,19 @@ def run_local_job(script, args=(), workers=4, timeout_s=600, env=None, elastic=N
         }
     )
     full_env.update(env or {})
+    return run_bounded_command(cmd, full_env, timeout_s)
+
+
+def run_bounded_command(cmd, env, timeout_s):
+    """Run ``cmd`` in the repository root in its own process group; ``(exit_code, output)``
+    (stdout and stderr together).  Past ``timeout_s`` the whole group is killed and
+    ``TimeoutError`` raised with the tail of the output."""
     proc = subprocess.Popen(
         cmd,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        env=full_env,
+        env=env,
         cwd=REPO_ROOT,
         start_new_session=True,
     )

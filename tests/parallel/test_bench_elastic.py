@@ -2,13 +2,12 @@
 
 import json
 import os
-import signal
-import subprocess
 import sys
 
 import pytest
 
 from tests.parallel.launch import ROOT
+from tfsync.launch import run_bounded_command
 
 pytestmark = pytest.mark.parallel
 BOUND_S = 420  # four launches on two cores, each bounded by the bench itself
@@ -20,16 +19,8 @@ def test_the_elastic_study_runs_and_its_records_add_up(tmp_path):
     cmd += ["--kill-batch", "5", "--loop-minutes", "0.6", "--kill-every-s", "12", "--timeout-s", "150"]
     cmd += ["--json", str(path)]
     env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2")
-    proc = subprocess.Popen(
-        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-    )
-    try:
-        out, _ = proc.communicate(timeout=BOUND_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        raise AssertionError(f"the study ran past {BOUND_S} s:\n{out[-6000:]}") from None
-    assert proc.returncode == 0, out[-6000:]
+    code, out = run_bounded_command(cmd, env, BOUND_S)
+    assert code == 0, out[-6000:]
     res = json.loads(path.read_text())
     assert res["failed"] == {} and "backup" in res["refused_on_one_worker"], res
     assert "| ssp(s=3) |" in out and "kill loop" in out, out[-3000:]

@@ -698,9 +698,8 @@ class RoundExchange:
                 total, meta = self._collective(payload, meta, divisor=guess)
             meta = np.asarray(meta, np.float64).reshape(self.size, _K)
             d = int(np.count_nonzero(meta[:, 0]))  # the fresh contributions (a late one adds on top)
-            if self.sum_check is not None and not coordinated:
-                pass  # (divided by d already, checked)
-            elif not coordinated and self._averages and 0 < d < self.size:  # a rejected rank's zeros
+            # a rejected rank's zeros (a checked sum was divided by d already)
+            if not coordinated and self._averages and self.sum_check is None and 0 < d < self.size:
                 total = [t * (self.size / d) for t in total]
             if coordinated:
                 # the ranks it took: those whose contribution it aggregated, and those whose
