@@ -38,6 +38,14 @@ def parse_args(argv=None):
     add_mode_arguments(p)
     p.add_argument("--epochs", type=integer(1), default=12)
     p.add_argument("--batch-size", type=integer(1), default=16, help="per worker")
+    p.add_argument(
+        "--hidden",
+        type=integer(1),
+        nargs="+",
+        default=[64],
+        help="the hidden layers' widths (default: one of 64); wider layers make the gradients, and so each "
+        "exchange, larger (e.g. --hidden 4096 4096: 17M parameters, for training across a slow link)",
+    )
     # plain SGD: momentum compounds with staleness (asynchrony acts as extra
     # momentum), and 0.9 makes SSP's accuracy swing from run to run
     p.add_argument("--lr", type=number(above=0), default=0.2)
@@ -92,12 +100,13 @@ def load_data(batch_size):
     return x_local, y_local, x_test, y_test
 
 
-def build_model(lr, momentum):
-    """A compiled 64-64-10 MLP (build it inside ``strategy.scope()`` for SyncStrategy)."""
+def build_model(lr, momentum, hidden=(64,)):
+    """A compiled MLP, 64 inputs, ReLU layers of the ``hidden`` widths, 10 classes (build it inside
+    ``strategy.scope()`` for SyncStrategy)."""
     model = keras.Sequential(
         [
             keras.Input((64,)),
-            keras.layers.Dense(64, activation="relu"),
+            *(keras.layers.Dense(width, activation="relu") for width in hidden),
             keras.layers.Dense(10, activation="softmax"),
         ]
     )
@@ -131,7 +140,7 @@ def main(argv=None):
 
     keras.utils.set_random_seed(args.seed)
     x_local, y_local, x_test, y_test = load_data(args.batch_size)
-    model = build_model(args.lr, args.momentum)
+    model = build_model(args.lr, args.momentum, args.hidden)
 
     stragglers = tfsync.Stragglers.parse(args.stragglers) if args.stragglers is not None else None
     samples_per_epoch = len(x_local) * hvd.size()
@@ -193,6 +202,7 @@ def main(argv=None):
         "time_to_accuracy_s": {str(t): progress.reached_s[t] for t in args.target_accuracy},
         "curve": progress.curve,
         "final_accuracy": final_acc,
+        "parameters": model.count_params(),
     }
     if args.elastic:  # the resets, and the job's contributions as committed at the last epoch end
         result.update(resets=state.resets, job_counts=state.counts)

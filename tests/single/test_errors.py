@@ -694,7 +694,7 @@ BAD_INPUTS = [
     Bad(
         "cli-batch-size",
         C,
-        "`--batch-size` below 1 (examples)",
+        "`--batch-size` below 1 (examples), or a `--hidden` width (digits example)",
         _digits("--batch-size", "-16"),
         SystemExit,
         r"argument --batch-size: .*got '-16'",
@@ -857,6 +857,7 @@ VARIANTS = [
         ValueError,
         r"the model has no optimizer; call model\.compile",
     ),
+    ("cli-hidden-width", _digits("--hidden", "4096", "0"), SystemExit, r"argument --hidden: .*got '0'"),
     ("ssp-staleness-float", lambda: tfsync.SSP(staleness=2.5), TypeError, r"staleness must be an int >= 0.*e\.g\."),
     ("dssp-low-negative", lambda: tfsync.DSSP(low=-1), ValueError, r"DSSP\(low=-1\): low must be >= 0; e\.g\."),
     ("dssp-high-float", lambda: tfsync.DSSP(high=1.5), TypeError, r"DSSP\(high=1\.5\): high must be an int"),

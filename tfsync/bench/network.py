@@ -12,6 +12,14 @@ step's compute ``C`` and plain Horovod's ``H``, the communication a step costs
 is about ``H - C``; a mode that overlaps it with computation can at best take
 ``max(C, H - C)`` a step.
 
+``--task digits`` trains ``keras_examples/digits.py`` instead, with hidden
+layers of ``--hidden`` widths (default 4096 4096: 17M parameters, so that the
+link, not the 1797 images, sets the pace), for ``--epochs`` epochs under each
+mode and plain Horovod (``horovod``), and reports the final test accuracy
+and the wall time to ``--target-accuracy`` against plain Horovod's: what a
+mode that exchanges less often (Local SGD, DiLoCo) costs in accuracy for the
+time it saves.
+
 Needs root (the hosts are network namespaces, each with its own sshd) and
 ``tc``.  One run on a shared machine is one sample: compare ratios within a
 run.
@@ -20,6 +28,7 @@ Example:
 
     python -m tfsync.bench network --rates 6gbit 1gbit --models large \\
         --modes local horovod bsp ssp dcs3gd psp --json network.json
+    python -m tfsync.bench network --task digits --rates 3gbit --modes horovod diloco --json digits.json
 """
 
 import argparse
@@ -28,12 +37,15 @@ import os
 import re
 import sys
 
+from tfsync import demo
 from tfsync.bench.hosts import Hosts
 from tfsync.bench.training import MODE_FLAGS, MODE_LABELS, MODELS, MODES
 from tfsync.launch import integer, number, results_in
 from tfsync.policies import registry
 
 DEFAULT_MODES = ("local", "horovod", "bsp", "ssp", "dcs3gd", "psp")
+DIGITS_MODES = tuple(demo.MODES)  # (``horovod``: keras_examples/digits.py --plain-horovod)
+DEFAULT_DIGITS_MODES = ("horovod", "localsgd", "diloco")
 _RATE = re.compile(r"^[0-9]+(\.[0-9]+)?(bit|kbit|mbit|gbit)$")
 
 
@@ -50,15 +62,44 @@ def rate(raw):
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m tfsync.bench network", description=__doc__.splitlines()[0])
     p.add_argument("--rates", type=rate, nargs="+", default=["6gbit", "1gbit"], help="what each host may send")
-    p.add_argument("--models", nargs="+", default=["medium", "large"], choices=MODELS)
-    p.add_argument("--modes", nargs="+", default=list(DEFAULT_MODES), choices=MODES)
+    p.add_argument(
+        "--task",
+        choices=("steps", "digits"),
+        default="steps",
+        help="steps: ms per step of the training benchmark's MLP on synthetic data (--models); digits: "
+        "keras_examples/digits.py to an epoch budget, final accuracy and time to --target-accuracy",
+    )
+    p.add_argument("--models", nargs="+", default=["medium", "large"], choices=MODELS, help="(--task steps)")
+    p.add_argument(
+        "--modes",
+        nargs="+",
+        default=None,
+        help=f"--task steps: of {', '.join(MODES)} (default: {' '.join(DEFAULT_MODES)}); --task digits: of "
+        f"{', '.join(DIGITS_MODES)} (default: {' '.join(DEFAULT_DIGITS_MODES)})",
+    )
+    p.add_argument(
+        "--hidden", type=integer(1), nargs="+", default=[4096, 4096], help="(--task digits) hidden layers' widths"
+    )
+    p.add_argument("--epochs", type=integer(1), default=10, help="(--task digits) epoch budget")
+    p.add_argument(
+        "--lr", type=number(above=0), default=0.1, help="(--task digits) the SGD rate (DiLoCo: the inner one)"
+    )
+    p.add_argument(
+        "--target-accuracy", type=number(above=0, maximum=1), default=0.95, help="(--task digits) test accuracy"
+    )
     p.add_argument("--per-host", type=integer(1), default=1, help="workers on each of the two hosts")
     p.add_argument("--staleness", type=integer(0), default=3, help="SSP's bound s")
     p.add_argument("--steps", type=integer(1), default=30, help="timed steps per worker (after 10 warm-up)")
     p.add_argument("--repeats", type=integer(1), default=1, help="launches per (rate, model, mode); median reported")
     p.add_argument("--timeout-s", type=number(above=0), default=600.0, help="bound of one launch")
     p.add_argument("--json", help="write every record here")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    known, default = (DIGITS_MODES, DEFAULT_DIGITS_MODES) if args.task == "digits" else (MODES, DEFAULT_MODES)
+    unknown = [m for m in args.modes or () if m not in known]
+    if unknown:
+        p.error(f"--task {args.task} runs the modes {', '.join(known)}; got {', '.join(unknown)}")
+    args.modes = list(args.modes or default)
+    return args
 
 
 def run(hosts, args, log=print):
@@ -69,6 +110,9 @@ def run(hosts, args, log=print):
         for i in range(1, hosts.n + 1):
             hosts.shape_link(i, link)
         try:
+            if args.task == "digits":
+                records += _digits(hosts, link, args, log)
+                continue
             for model in args.models:
                 records += _configuration(hosts, worker, link, model, args, log)
         finally:
@@ -123,6 +167,75 @@ def _configuration(hosts, worker, link, model, args, log):
     return records
 
 
+def _digits(hosts, link, args, log):
+    """keras_examples/digits.py under every mode at one link rate; records with the time to the
+    target and the final accuracy against plain Horovod's (when it ran)."""
+    runs = {mode: [] for mode in args.modes}
+    for repeat in range(args.repeats):
+        for mode in args.modes:
+            argv = [
+                demo.EXAMPLE,
+                *demo.MODES[mode],
+                *("--hidden", *args.hidden, "--epochs", args.epochs, "--lr", args.lr),
+                *("--target-accuracy", args.target_accuracy, "--stragglers", "base=0.0"),
+            ]
+            code, out = hosts.run(1, hosts.horovodrun(args.per_host, argv), timeout_s=args.timeout_s)
+            results = results_in(out)
+            hosts.kill_all()
+            if code != 0 or not results:
+                raise RuntimeError(f"{mode} (digits) at {link} failed (exit {code}); output tail:\n{out[-4000:]}")
+            result = results[-1]
+            runs[mode].append(result)
+            reached = result["time_to_accuracy_s"][str(args.target_accuracy)]
+            log(
+                f"  {link:>8s} digits {mode:16s} run {repeat + 1}: final accuracy {result['final_accuracy']:.4f}, "
+                f"{args.target_accuracy} after {'—' if reached is None else f'{reached:.1f} s'}, "
+                f"{result['wall_s']:.1f} s in all"
+            )
+    records = []
+    for mode in args.modes:
+        median = sorted(runs[mode], key=lambda r: r["wall_s"])[len(runs[mode]) // 2]
+        records.append(
+            {
+                "task": "digits",
+                "link": link,
+                "key": mode,
+                "hosts": hosts.n,
+                "epochs": args.epochs,
+                "hidden": args.hidden,
+                "target_accuracy": args.target_accuracy,
+                "target_s": median["time_to_accuracy_s"][str(args.target_accuracy)],
+                **median,
+                "runs": [
+                    {k: r[k] for k in ("wall_s", "final_accuracy", "time_to_accuracy_s", "curve")} for r in runs[mode]
+                ],
+            }
+        )
+    horovod = next((r for r in records if r["key"] == "horovod"), None)
+    for r in records:
+        if horovod is not None:
+            r["accuracy_vs_horovod"] = r["final_accuracy"] - horovod["final_accuracy"]
+            if r["target_s"] is not None and horovod["target_s"] is not None:
+                r["target_time_vs_horovod"] = r["target_s"] / horovod["target_s"]
+    return records
+
+
+def format_digits_table(records):
+    lines = [
+        "| link | mode | final accuracy | vs plain Horovod | time to target s | vs plain Horovod | wall s |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in records:
+        d, ratio, reached = r.get("accuracy_vs_horovod"), r.get("target_time_vs_horovod"), r["target_s"]
+        lines.append(
+            f"| {r['link']} | {r['mode']} | {r['final_accuracy']:.4f} | "
+            f"{'—' if d is None else f'{d * 100:+.1f} points'} | "
+            f"{'not reached' if reached is None else f'{reached:.1f}'} | "
+            f"{'—' if ratio is None else f'{ratio:.2f}×'} | {r['wall_s']:.1f} |"
+        )
+    return "\n".join(lines)
+
+
 def format_table(records):
     lines = [
         "| link | model | mode | ms/step | samples/s | effective samples/s | compute floor ms | "
@@ -144,7 +257,7 @@ def main(argv=None):
     args = parse_args(argv)
     with Hosts(2) as hosts:
         records = run(hosts, args, log=lambda line: print(line, file=sys.stderr, flush=True))
-    print(format_table(records))
+    print(format_digits_table(records) if args.task == "digits" else format_table(records))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(records, f, indent=1)
