@@ -14,12 +14,17 @@ on port 22 of its address, which takes a key made for this harness, so
 remote ranks as it would on a cluster.
 
 Everything it creates is removed on exit (namespaces, the hosts files, the
-sshds, the known-hosts entries ssh adds), whatever happened.  It needs root;
+sshds, the known-hosts entries ssh adds), whatever happened: an exception, or a
+SIGTERM to the process that made the hosts (in its main thread, the harness
+turns it into ``SystemExit`` while the hosts exist, so ``kill`` and a launcher's
+timeout clean up too; what SIGKILL leaves, the next :class:`Hosts` removes,
+the processes still running in the namespaces included).  It needs root;
 without root :class:`Hosts` raises, saying so (the tests using it fail loudly
 rather than pass).
 """
 
 import contextlib
+import glob
 import os
 import shlex
 import shutil
@@ -27,11 +32,13 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 
 SUBNET = "198.18.0"
 IFACE = "eth1"
 PREFIX = "tfsync-h"
 BRIDGE_NS = PREFIX + "br"
+DIR_PREFIX = "tfsync-hosts-"  # the keys and sshd configs of one Hosts, under the temporary directory
 SSHD = "/usr/sbin/sshd"
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 COMMAND_TIMEOUT_S = 20.0  # one ip/ssh-keygen call
@@ -57,6 +64,7 @@ class Hosts:
         self.n = n
         self._sshd = []
         self._dir = None
+        self._sigterm = None  # the SIGTERM handler before __enter__ (main thread only)
 
     # --------------------------------------------------------------- naming
     def address(self, i):
@@ -83,8 +91,12 @@ class Hosts:
         for tool in ("ip", "unshare", "ssh-keygen", SSHD):
             if shutil.which(tool) is None:
                 raise RuntimeError(f"the multi-host harness needs {tool}; `make install` installs it")
-        self._remove_namespaces()  # what a killed earlier run left
-        self._dir = tempfile.mkdtemp(prefix="tfsync-hosts-")
+        self._remove_namespaces()  # what a killed earlier run left: its namespaces, its keys
+        for stale in glob.glob(os.path.join(tempfile.gettempdir(), DIR_PREFIX + "*")):
+            shutil.rmtree(stale, ignore_errors=True)
+        if threading.current_thread() is threading.main_thread():
+            self._sigterm = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+        self._dir = tempfile.mkdtemp(prefix=DIR_PREFIX)
         try:
             self._create()
         except BaseException:
@@ -143,6 +155,9 @@ class Hosts:
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
             self._dir = None
+        if self._sigterm is not None:
+            signal.signal(signal.SIGTERM, self._sigterm)
+            self._sigterm = None
 
     def kill_all(self, keep_sshd=True):
         """SIGKILL every process running on the hosts but their sshd listeners (``keep_sshd``):
@@ -159,6 +174,10 @@ class Hosts:
     def _remove_namespaces(self):
         listed = _run("ip", "netns", "list").stdout.split()
         for ns in [x for x in listed if x.startswith(PREFIX)]:
+            # (a process left running in it, an sshd of a killed run, would keep it alive unnamed)
+            for pid in _run("ip", "netns", "pids", ns, check=False).stdout.split():
+                with contextlib.suppress(ProcessLookupError, ValueError):
+                    os.kill(int(pid), signal.SIGKILL)
             _run("ip", "netns", "del", ns, check=False)  # (its veth ends go with it)
             shutil.rmtree(f"/etc/netns/{ns}", ignore_errors=True)
 
@@ -229,6 +248,10 @@ class Hosts:
             out, _ = p.communicate()
             return 124, out
         return p.returncode, out
+
+
+def _exit_on_sigterm(signum, _frame):
+    raise SystemExit(128 + signum)  # (unwinds through Hosts.__exit__, which removes the hosts)
 
 
 def kill(p):
