@@ -28,6 +28,15 @@ def run_workers(script, np_, args=(), timeout_s=180, env=None, expect_success=Tr
     return code, out
 
 
+def results_of(script, np_, directory, args=(), timeout_s=180):
+    """:func:`run_workers` with ``directory`` as the script's first argument, then every rank's
+    results (:func:`read_results`), which each of the ``np_`` ranks must have written."""
+    run_workers(script, np_, [directory, *args], timeout_s=timeout_s)
+    results = read_results(directory)
+    assert sorted(results) == list(range(np_)), results
+    return results
+
+
 def read_results(directory):
     """Per-rank JSON results written by workers as ``result_rank<R>.json``."""
     results = {}

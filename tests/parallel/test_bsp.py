@@ -2,18 +2,14 @@
 
 import pytest
 
-from tests.parallel.launch import read_results, run_workers
+from tests.parallel.launch import results_of
 
 pytestmark = pytest.mark.parallel
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("bsp")
-    run_workers("bsp_equivalence.py", 2, [out], timeout_s=240)
-    res = read_results(out)
-    assert sorted(res) == [0, 1]
-    return res
+    return results_of("bsp_equivalence.py", 2, tmp_path_factory.mktemp("bsp"), timeout_s=240)
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "momentum", "adam"])

@@ -7,16 +7,14 @@ import os
 import numpy as np
 import pytest
 
-from tests.parallel.launch import read_results, run_workers
+from tests.parallel.launch import results_of
 
 pytestmark = pytest.mark.parallel
 WORKERS = 3
 
 
 def test_a_user_defined_mode_trains_under_the_callback(tmp_path):
-    run_workers("custom_mode.py", WORKERS, [tmp_path], timeout_s=240)
-    results = read_results(tmp_path)
-    assert sorted(results) == list(range(WORKERS))
+    results = results_of("custom_mode.py", WORKERS, tmp_path, timeout_s=240)
     assert {r["mode"] for r in results.values()} == {"lagone"}
     for r in results.values():  # every contribution applied: rounds close with every worker
         c = r["counts"]

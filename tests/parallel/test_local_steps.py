@@ -4,7 +4,7 @@ tests/single/test_localsgd_fake.py, on Horovod's collectives."""
 import numpy as np
 import pytest
 
-from tests.parallel.launch import read_results, run_workers
+from tests.parallel.launch import results_of
 
 pytestmark = pytest.mark.parallel
 
@@ -13,11 +13,7 @@ OUTER_CASES = ["localsgd", "diloco", "diloco/strategy", "diloco-overlap"]
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("local_steps")
-    run_workers("local_steps.py", 2, [out], timeout_s=300)
-    res = read_results(out)
-    assert sorted(res) == [0, 1]
-    return res
+    return results_of("local_steps.py", 2, tmp_path_factory.mktemp("local_steps"), timeout_s=300)
 
 
 def flat(arrays):

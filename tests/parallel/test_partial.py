@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from tests.parallel.launch import read_results, run_workers
+from tests.parallel.launch import results_of
 
 pytestmark = pytest.mark.parallel
 STEPS = 2 * (384 // 8 // 3)  # 2 epochs of this worker's shard, 3 workers
@@ -15,19 +15,13 @@ STEPS = 2 * (384 // 8 // 3)  # 2 epochs of this worker's shard, 3 workers
 
 @pytest.fixture(scope="module")
 def equivalence(tmp_path_factory):
-    out = tmp_path_factory.mktemp("partial_eq")
-    run_workers("partial.py", 2, [out, "equivalence"], timeout_s=300)
-    res = read_results(out)
-    assert sorted(res) == [0, 1]
-    return res
+    return results_of("partial.py", 2, tmp_path_factory.mktemp("partial_eq"), ["equivalence"], timeout_s=300)
 
 
 @pytest.fixture(scope="module")
 def straggler(tmp_path_factory):
     out = tmp_path_factory.mktemp("partial_straggler")
-    run_workers("partial.py", 3, [out, "straggler"], timeout_s=300)
-    res = read_results(out)
-    assert sorted(res) == [0, 1, 2]
+    res = results_of("partial.py", 3, out, ["straggler"], timeout_s=300)
     traces = {}
     for path in glob.glob(os.path.join(out, "trace_*", "rank*.jsonl")):
         records = [json.loads(line) for line in open(path)]

@@ -3,18 +3,14 @@
 import numpy as np
 import pytest
 
-from tests.parallel.launch import read_results, run_workers
+from tests.parallel.launch import results_of
 
 pytestmark = pytest.mark.parallel
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("statistics")
-    run_workers("bn_statistics.py", 2, [out], timeout_s=240)
-    res = read_results(out)
-    assert sorted(res) == [0, 1]
-    return res
+    return results_of("bn_statistics.py", 2, tmp_path_factory.mktemp("statistics"), timeout_s=240)
 
 
 def flat(arrays):

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from tests.parallel.launch import read_results, run_workers
+from tests.parallel.launch import results_of
 
 pytestmark = pytest.mark.parallel
 
@@ -20,10 +20,7 @@ SAME_OPTIMIZER_STATE = ["tape_apply_bsp", "nan_bsp", "nan_psp", "adam_ahead_bsp"
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("user_cases")
-    run_workers("user_cases.py", 2, [out], timeout_s=240)
-    res = read_results(out)
-    assert sorted(res) == [0, 1], res
+    res = results_of("user_cases.py", 2, tmp_path_factory.mktemp("user_cases"), timeout_s=240)
     assert res[0]["data_sum"] != res[1]["data_sum"], "both ranks train on the same data: equal replicas prove nothing"
     return res
 

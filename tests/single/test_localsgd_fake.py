@@ -115,6 +115,13 @@ def initial_weights(make_layers=layers):
     return keras.Sequential(make_layers()).get_weights()
 
 
+def assert_replicas_identical(results, finite=False):
+    """Both ranks' final weights equal (and finite, with ``finite``)."""
+    for a, b in zip(results[0]["weights"], results[1]["weights"]):
+        np.testing.assert_array_equal(a, b)
+        assert not finite or np.isfinite(a).all()
+
+
 def assert_close(a, b):
     assert len(a) == len(b)
     for x, y in zip(a, b):
@@ -139,8 +146,7 @@ def test_replicas_are_identical_after_every_outer_step_and_apart_between(fronten
             assert same, f"step {k}: an outer step, the replicas differ"
         else:
             assert not same, f"step {k}: an inner step, yet the replicas are identical"
-    for a, b in zip(results[0]["weights"], results[1]["weights"]):
-        np.testing.assert_array_equal(a, b)
+    assert_replicas_identical(results)
 
 
 @pytest.mark.parametrize("frontend", FRONTENDS)
@@ -244,8 +250,7 @@ def test_the_inner_optimizer_state_stays_local_and_counts_inner_steps(name):
     weights are identical), and each one's ``iterations`` (what a learning-rate schedule reads)
     counts every inner step."""
     results = job("callback", MODES[name])
-    for a, b in zip(results[0]["weights"], results[1]["weights"]):
-        np.testing.assert_array_equal(a, b)
+    assert_replicas_identical(results)
     assert results[0]["iterations"] == results[1]["iterations"] == TOTAL
     moments = [not np.array_equal(a, b) for a, b in zip(results[0]["optimizer"], results[1]["optimizer"])]
     assert any(moments), "the replicas' Adam moments are identical: they were averaged"
@@ -270,9 +275,7 @@ def test_a_period_with_a_gradient_that_is_not_finite_is_rejected(name):
     c0, c1 = results[0]["counts"], results[1]["counts"]
     assert c1["rejected"] == 2 and c1["applied"] == 1 and c1["produced"] == 3, c1
     assert c0["rejected"] == 0 and c0["applied"] == 3, c0
-    for a, b in zip(results[0]["weights"], results[1]["weights"]):
-        np.testing.assert_array_equal(a, b)
-        assert np.isfinite(a).all()
+    assert_replicas_identical(results, finite=True)
     for k in (3, 7, 11):  # every outer step, the rejected ones included
         assert all(np.array_equal(a, b) for a, b in zip(results[0]["steps"][k], results[1]["steps"][k]))
 
@@ -298,8 +301,7 @@ def test_mixed_precision_loss_scaling_trains_under_local_steps(frontend):
     here), the replicas are identical after training and every outer step counted."""
     lso = lambda: keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(0.01))  # noqa: E731
     results = job(frontend, tfsync.DiLoCo(inner_steps=4), make_optimizer=lso)
-    for a, b in zip(results[0]["weights"], results[1]["weights"]):
-        np.testing.assert_array_equal(a, b)
+    assert_replicas_identical(results)
     assert results[0]["counts"]["applied"] == 3
 
 
@@ -357,8 +359,7 @@ def test_overlapped_replicas_are_identical_when_each_round_lands(frontend):
     for k in range(TOTAL):
         same = all(np.array_equal(a, b) for a, b in zip(steps0[k], steps1[k]))
         assert same == ((k + 1) % 4 == 0), f"step {k}: identical={same}"
-    for a, b in zip(results[0]["weights"], results[1]["weights"]):
-        np.testing.assert_array_equal(a, b)
+    assert_replicas_identical(results)
     for result in results:
         counts = result["counts"]
         assert counts["produced"] == counts["applied"] == 3 and counts["rejected"] == 0, counts
@@ -416,6 +417,4 @@ def test_overlapped_a_gradient_that_is_not_finite_rejects_only_a_contribution_it
     c0, c1 = results[0]["counts"], results[1]["counts"]
     assert c1["rejected"] == 1 and c1["applied"] == 2 and c1["produced"] == 3, c1
     assert c0["rejected"] == 0 and c0["applied"] == 3, c0
-    for a, b in zip(results[0]["weights"], results[1]["weights"]):
-        np.testing.assert_array_equal(a, b)
-        assert np.isfinite(a).all()
+    assert_replicas_identical(results, finite=True)

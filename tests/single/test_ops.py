@@ -42,6 +42,24 @@ def _values(rng, shape, dtype, scale=1.0):
     return t, tf.cast(t, tf.float64).numpy()
 
 
+def _some_not_finite(rng, in_blocks, scale=1.0):
+    """Arrays of every shape the finiteness kernels split differently (a scalar, an empty one, a
+    short and a 2-D one, one over two thread blocks; ``scale`` times standard normals), the short
+    and the 2-D one ending in a NaN and an infinity; then three large ones holding ``in_blocks``
+    in a different thread block each (first, middle, last element)."""
+    arrays = []
+    for shape, bad in (((), None), ((0,), None), ((7,), "nan"), ((3, 5), "inf"), ((LARGE,), None)):
+        a = rng.standard_normal(shape) * scale
+        if bad:
+            a.reshape(-1)[-1] = float(bad)
+        arrays.append(a)
+    for position in (0, LARGE // 2, LARGE - 1):
+        a = rng.standard_normal(LARGE)
+        a[position] = in_blocks
+        arrays.append(a)
+    return arrays
+
+
 def np_delay_compensate(g, w_now, w_stale, lam):
     return g + lam * g * g * (w_now - w_stale)
 
@@ -451,18 +469,7 @@ class AllFiniteTest(OpsTestCase):
     @parameterized.product(impl=IMPLS, dtype=DTYPES)
     def test_matches_numpy_per_tensor(self, impl, dtype):
         self.use(impl)
-        rng = np.random.default_rng(4)
-        arrays = []
-        for shape, bad in (((), None), ((0,), None), ((7,), "nan"), ((3, 5), "inf"), ((LARGE,), None)):
-            a = rng.standard_normal(shape)
-            if bad:
-                a.reshape(-1)[-1] = float(bad)
-            arrays.append(a)
-        for position in (0, LARGE // 2, LARGE - 1):  # in each thread block of a large tensor
-            a = rng.standard_normal(LARGE)
-            a[position] = -np.inf
-            arrays.append(a)
-        tensors = [tf.cast(a, dtype) for a in arrays]
+        tensors = [tf.cast(a, dtype) for a in _some_not_finite(np.random.default_rng(4), in_blocks=-np.inf)]
         out = ops.all_finite(tensors)
         self.assertEqual(out.dtype, tf.bool)
         self.assertAllEqual(out, [bool(np.isfinite(tf.cast(t, tf.float64).numpy()).all()) for t in tensors])
@@ -490,17 +497,7 @@ class ScaleAllFiniteTest(OpsTestCase):
     @parameterized.product(impl=IMPLS, dtype=DTYPES)
     def test_matches_horovods_scaling_and_numpys_isfinite(self, impl, dtype):
         self.use(impl)
-        rng = np.random.default_rng(5)
-        arrays = []
-        for shape, bad in (((), None), ((0,), None), ((7,), "nan"), ((3, 5), "inf"), ((LARGE,), None)):
-            a = rng.standard_normal(shape) * 100
-            if bad:
-                a.reshape(-1)[-1] = float(bad)
-            arrays.append(a)
-        for position in (0, LARGE // 2, LARGE - 1):  # in each thread block of a large tensor
-            a = rng.standard_normal(LARGE)
-            a[position] = np.nan
-            arrays.append(a)
+        arrays = _some_not_finite(np.random.default_rng(5), scale=100, in_blocks=np.nan)
         tensors = [tf.cast(a, dtype) for a in arrays]
         scaled, finite = ops.scale_all_finite(tensors, 1.0 / 3)
         self.assertEqual(finite.dtype, tf.bool)

@@ -128,6 +128,21 @@ def run(hosts, args, log=print):
     return records
 
 
+def _launch(hosts, argv, args, what):
+    """One bounded ``horovodrun`` of ``argv`` from host 1 across the hosts; the worker's result."""
+    code, out = hosts.run(1, hosts.horovodrun(args.per_host, argv), timeout_s=args.timeout_s)
+    results = results_in(out)
+    hosts.kill_all()  # (what ssh started on the other host, should the launch have left it)
+    if code != 0 or not results:
+        raise RuntimeError(f"{what} failed (exit {code}); output tail:\n{out[-4000:]}")
+    return results[-1]
+
+
+def _median(runs, key):
+    """The median run by ``key`` (the upper one of an even count)."""
+    return sorted(runs, key=lambda r: r[key])[len(runs) // 2]
+
+
 def _configuration(hosts, worker, link, model, args, log):
     flags = {**MODE_FLAGS, **registry.configurations(staleness=args.staleness)}
     labels = {mode: MODE_LABELS[mode].format(s=args.staleness) for mode in args.modes}
@@ -135,19 +150,12 @@ def _configuration(hosts, worker, link, model, args, log):
     for repeat in range(args.repeats):
         for mode in args.modes:  # round-robin, so a slow spell of the machine hits every mode
             argv = [worker, *flags[mode], "--model", model, "--stragglers", "base=0.0", "--steps", args.steps]
-            code, out = hosts.run(1, hosts.horovodrun(args.per_host, argv), timeout_s=args.timeout_s)
-            results = results_in(out)
-            hosts.kill_all()  # (what ssh started on the other host, should the launch have left it)
-            if code != 0 or not results:
-                raise RuntimeError(
-                    f"{labels[mode]} on {model} at {link} failed (exit {code}); output tail:\n{out[-4000:]}"
-                )
-            runs[mode].append(results[-1])
-            ms = results[-1]["ms_per_step"]
+            runs[mode].append(_launch(hosts, argv, args, f"{labels[mode]} on {model} at {link}"))
+            ms = runs[mode][-1]["ms_per_step"]
             log(f"  {link:>8s} {model:6s} {labels[mode]:20s} run {repeat + 1}: {ms:8.1f} ms/step")
     records = []
     for mode in args.modes:
-        median = sorted(runs[mode], key=lambda r: r["ms_per_step"])[len(runs[mode]) // 2]
+        median = _median(runs[mode], "ms_per_step")
         records.append(
             {
                 "link": link,
@@ -186,12 +194,7 @@ def _digits(hosts, link, args, log):
                 *("--hidden", *args.hidden, "--epochs", args.epochs, "--lr", args.lr),
                 *("--target-accuracy", args.target_accuracy, "--stragglers", "base=0.0"),
             ]
-            code, out = hosts.run(1, hosts.horovodrun(args.per_host, argv), timeout_s=args.timeout_s)
-            results = results_in(out)
-            hosts.kill_all()
-            if code != 0 or not results:
-                raise RuntimeError(f"{mode} (digits) at {link} failed (exit {code}); output tail:\n{out[-4000:]}")
-            result = results[-1]
+            result = _launch(hosts, argv, args, f"{mode} (digits) at {link}")
             runs[mode].append(result)
             reached = result["time_to_accuracy_s"][str(args.target_accuracy)]
             log(
@@ -201,7 +204,7 @@ def _digits(hosts, link, args, log):
             )
     records = []
     for mode in args.modes:
-        median = sorted(runs[mode], key=lambda r: r["wall_s"])[len(runs[mode]) // 2]
+        median = _median(runs[mode], "wall_s")
         records.append(
             {
                 "task": "digits",
