@@ -23,8 +23,10 @@ over ranks in float32, then ``Average`` times ``1 / size`` and
 
 import collections
 import copy
+import sys
 import threading
 import time
+import traceback
 
 import numpy as np
 import tensorflow as tf
@@ -241,20 +243,47 @@ def on_threads(fns, timeout_s):
     """Run ``fns`` (one per rank) on threads; ``(results, errors)`` per rank.
 
     Bounded: a thread still running after ``timeout_s`` fails the test ("a rank hung").
+    The first rank that raises while others still run prints where each of them
+    was at that moment (their stacks, on stderr: pytest shows it with a failing
+    test), so a failure that names a rank that did not come also says why.
     """
     results, errors = [None] * len(fns), [None] * len(fns)
+    first_failure = threading.Lock()
+    threads = []
 
     def guarded(i):
         try:
             results[i] = fns[i]()
         except BaseException as exc:  # noqa: BLE001 - returned to the test
             errors[i] = exc
+            if first_failure.acquire(blocking=False):
+                _print_stacks(i, exc, [(r, t) for r, t in enumerate(threads) if r != i and t.is_alive()])
 
-    threads = [threading.Thread(target=guarded, args=(i,), daemon=True) for i in range(len(fns))]
+    threads.extend(threading.Thread(target=guarded, args=(i,), daemon=True) for i in range(len(fns)))
     for t in threads:
         t.start()
     deadline = time.monotonic() + timeout_s
     for t in threads:
         t.join(max(0.0, deadline - time.monotonic()))
-    assert not any(t.is_alive() for t in threads), f"a rank hung (errors elsewhere: {[e for e in errors if e]})"
+    assert not any(t.is_alive() for t in threads), f"a rank hung (errors elsewhere: {describe(errors)})"
     return results, errors
+
+
+def _print_stacks(rank, exc, others):
+    frames = sys._current_frames()
+    lines = [f"rank {rank} raised {type(exc).__name__}: {exc}"]
+    for r, t in others:
+        frame = frames.get(t.ident)
+        stack = "".join(traceback.format_stack(frame)) if frame is not None else "  (gone)\n"
+        lines.append(f"rank {r} was then at:\n{stack}")
+    print("\n".join(lines), file=sys.stderr)
+
+
+def describe(errors):
+    """Every rank's error, whole (an assertion's message: pytest shortens a list's repr)."""
+    return "; ".join(f"rank {r}: {type(e).__name__}: {e}" for r, e in enumerate(errors) if e is not None) or "none"
+
+
+def assert_no_errors(errors):
+    """Fail naming every rank's error in full."""
+    assert not any(errors), describe(errors)

@@ -25,7 +25,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from fake_cluster import FakeCluster, on_threads
+from fake_cluster import FakeCluster, assert_no_errors, on_threads
 
 import tfsync
 from tfsync import _horovod
@@ -68,7 +68,7 @@ def failing_at(fns):
         return run
 
     results, errors = on_threads([timed(fn) for fn in fns], JOIN_S)
-    assert not any(errors), errors
+    assert_no_errors(errors)
     return results
 
 
@@ -127,7 +127,7 @@ def test_an_engine_close_stops_every_rank_naming_the_rank_that_did_not_come():
         SyncEngine("bsp", stragglers=Stragglers(), wait_timeout_s=BOUND_S, cluster=fake.rank(r)) for r in range(3)
     ]
     _, errors = on_threads([lambda e=e: e.start([tf.zeros([WIDTH])]) for e in engines], JOIN_S)
-    assert not any(errors), errors
+    assert_no_errors(errors)
 
     def close(rank):
         if rank == 2:
@@ -267,7 +267,7 @@ def test_a_collective_that_completes_in_time_leaves_no_record_and_returns_its_va
         ]
 
     results, errors = on_threads([lambda r=r: call(r) for r in range(2)], JOIN_S)
-    assert not any(errors), errors
+    assert_no_errors(errors)
     assert results == [[[0, 1], [0, 1]]] * 2
     assert fake.arrivals == {} and fake.aborted_at is None
 

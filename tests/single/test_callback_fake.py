@@ -13,7 +13,7 @@ decisions) is tested here; tests/parallel runs the same under Horovod.
 import keras
 import numpy as np
 import pytest
-from fake_cluster import FakeCluster, on_threads
+from fake_cluster import FakeCluster, assert_no_errors, on_threads
 from training_fake import BATCH, EPOCHS, SIZE, STEPS, data, train_on_mean_gradients
 
 import tfsync
@@ -36,7 +36,7 @@ def build(initial=None):
 def fit(cluster, mode, initial=None, **kwargs):
     """One rank's ``fit``: its final weights, the callback and the history's logs."""
     model = build(initial if cluster.rank() == 0 else None)  # (the others' are overwritten)
-    sync = tfsync.keras.SyncCallback(mode, cluster=cluster, wait_timeout_s=30, **kwargs)
+    sync = tfsync.keras.SyncCallback(mode, cluster=cluster, wait_timeout_s=60, **kwargs)
     x, y = data(cluster.rank())
     history = model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0, callbacks=[sync])
     return model.get_weights(), sync, history.history
@@ -46,7 +46,7 @@ def job(mode, size=SIZE, initial=None, **kwargs):
     fake = FakeCluster(size, timeout_s=60)
     fns = [lambda r=r: fit(fake.rank(r), mode, initial, **kwargs) for r in range(size)]
     results, errors = on_threads(fns, JOIN_S)
-    assert not any(errors), errors
+    assert_no_errors(errors)
     return results, fake
 
 
@@ -131,7 +131,7 @@ def test_a_fit_that_raised_leaves_no_engine_in_the_way_of_the_next():
         return model.get_weights(), sync.counts
 
     results, errors = on_threads([lambda r=r: fit_twice(r) for r in range(SIZE)], JOIN_S)
-    assert not any(errors), errors
+    assert_no_errors(errors)
     for a, b in zip(results[0][0], results[1][0]):
         np.testing.assert_array_equal(a, b)
     assert results[0][1]["produced"] == STEPS * EPOCHS

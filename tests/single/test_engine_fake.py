@@ -611,9 +611,8 @@ def test_the_fake_reduces_as_horovods_grouped_allreduce(average, divisor):
 
 def test_a_rank_that_never_arrives_makes_the_others_time_out():
     cluster = FakeCluster(3, timeout_s=0.3)
-    start = time.monotonic()
+    # (bounded: a rank still waiting after 5 s fails the test as hung)
     _, errors = _on_threads([lambda r=r: cluster.rank(r).allgather_object(r, name="x") for r in (0, 2)], timeout_s=5.0)
-    assert time.monotonic() - start < 3.0
     for exc in errors:
         assert isinstance(exc, TimeoutError) and "for ranks [1]" in str(exc), exc
 

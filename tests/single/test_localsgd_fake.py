@@ -19,7 +19,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from fake_cluster import FakeCluster, on_threads
+from fake_cluster import FakeCluster, assert_no_errors, on_threads
 from training_fake import BATCH, EPOCHS, JOIN_S, SIZE, STEPS, data, layers
 
 import tfsync
@@ -107,7 +107,7 @@ def job(frontend, mode, **kwargs):
     results, errors = on_threads(
         [lambda r=r: fit_rank(fake.rank(r), frontend, mode, **kwargs) for r in range(SIZE)], JOIN_S
     )
-    assert not any(errors), errors
+    assert_no_errors(errors)
     return results
 
 

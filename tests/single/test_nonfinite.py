@@ -23,7 +23,7 @@ import time
 import numpy as np
 import pytest
 import tensorflow as tf
-from fake_cluster import FakeCluster, on_threads
+from fake_cluster import FakeCluster, assert_no_errors, on_threads
 
 import tfsync
 from tfsync.engine import NonFiniteError, SyncEngine, WorkerLostError, nonfinite, protocols
@@ -531,7 +531,7 @@ def _fit_with_a_poisoned_batch(mode, on_nonfinite, size=2, steps=6, bad=(1, 2), 
 @pytest.mark.parametrize("mode", ["bsp", "psp", "ssp", "dcs3gd"])
 def test_sync_callback_rejects_a_nan_batch_and_logs_it(mode):
     results, errors = _fit_with_a_poisoned_batch(mode, "reject")
-    assert not any(errors), errors
+    assert_no_errors(errors)
     weights = [w for w, _, _ in results]
     for w in weights:
         for a, b in zip(w, weights[0]):
@@ -558,7 +558,7 @@ def test_a_nan_batch_leaves_the_optimizer_of_a_mode_that_applies_its_own_gradien
 
     make = {"momentum": lambda: keras.optimizers.SGD(0.05, momentum=0.9), "adam": lambda: keras.optimizers.Adam(0.01)}
     results, errors = _fit_with_a_poisoned_batch(mode, "reject", steps=8, optimizer=make[optimizer])
-    assert not any(errors), errors
+    assert_no_errors(errors)
     rejected = [counts["rejected"] for _, counts, _ in results]
     assert rejected == [0, 1], rejected
     weights = [w for w, _, _ in results]
@@ -581,7 +581,7 @@ def test_a_gradient_whose_dcs3gd_correction_overflows_reaches_no_optimizer(adapt
     results, errors = _fit_with_a_poisoned_batch(
         mode, "reject", steps=8, optimizer=lambda: keras.optimizers.SGD(0.05, momentum=0.9), value=1e15
     )
-    assert not any(errors), errors
+    assert_no_errors(errors)
     assert [counts["rejected"] for _, counts, _ in results] == [0, 1]
     weights = [w for w, _, _ in results]
     for w in weights:
@@ -618,7 +618,7 @@ def test_under_sync_strategy_a_nan_batch_reaches_no_optimizer_slot(mode):
         return [v.numpy() for v in model.variables + list(model.optimizer.variables)], rejected
 
     results, errors = on_threads([lambda r=r: fit(r) for r in range(2)], 120.0)
-    assert not any(errors), errors
+    assert_no_errors(errors)
     assert [rejected for _, rejected in results] == [0, 1]
     for variables, _ in results:
         for v in variables:

@@ -382,7 +382,7 @@ class ArrayApplier:
 def test_real_engines_under_slow_pulls_apply_every_block_in_round_order_and_end_identical(tmp_path, seed):
     import random
 
-    from fake_cluster import FakeCluster, on_threads
+    from fake_cluster import FakeCluster, assert_no_errors, on_threads
 
     size, steps, tensors = 3, 40, 3
     policy = tfsync.PSP(push_timeout_s=0.0, pull_fraction=0.6)  # 2 of 3 blocks
@@ -418,7 +418,7 @@ def test_real_engines_under_slow_pulls_apply_every_block_in_round_order_and_end_
         return applier, counts, pull
 
     results, errors = on_threads([lambda r=r: train(r) for r in range(size)], timeout_s=60)
-    assert not any(errors), errors
+    assert_no_errors(errors)
     for rank, (applier, counts, pull) in enumerate(results):
         # every block applied every round once, in round order
         assert applier.order == [list(range(steps))] * tensors, (rank, applier.order)

@@ -11,6 +11,7 @@ shape is the same.
 import keras
 import pytest
 import tensorflow as tf
+from fake_cluster import assert_no_errors
 from training_fake import assert_identical, job
 
 import tfsync
@@ -41,13 +42,13 @@ def apply_one_update(model, rank):
 @pytest.mark.parametrize("kind", ["adam", "lso"])
 def test_a_rank_whose_optimizer_state_is_ahead_trains_from_rank_0s(frontend, kind):
     results, errors = job(frontend, "bsp", kind=kind, before_fit=advance_optimizer)
-    assert not any(errors), errors
+    assert_no_errors(errors)
     assert_identical(results)  # weights and every optimizer variable, loss scale included
 
 
 def test_a_rank_that_applied_an_update_before_fit_trains_from_rank_0s_state():
     results, errors = job("callback", "bsp", before_fit=apply_one_update)
-    assert not any(errors), errors
+    assert_no_errors(errors)
     assert_identical(results)
 
 
@@ -56,7 +57,7 @@ def test_a_learning_rate_held_in_a_variable_is_state_and_comes_from_rank_0(front
     """The learning rate's value is not compared (callbacks such as ReduceLROnPlateau change it,
     and checkpoints hold it): it is broadcast with the optimizer's variables."""
     results, errors = job(frontend, "bsp", per_rank={1: {"make_optimizer": lambda: keras.optimizers.Adam(0.5)}})
-    assert not any(errors), errors
+    assert_no_errors(errors)
     assert_identical(results)
 
 

@@ -11,6 +11,7 @@ gradient ends; under an update protocol (SSP) their weights end identical.
 import keras
 import numpy as np
 import pytest
+from fake_cluster import assert_no_errors
 from training_fake import (
     EPOCHS,
     STEPS,
@@ -42,7 +43,7 @@ def test_bsp_trains_every_update_path_as_one_model_on_the_mean_gradient(frontend
     initial = keras.Sequential(layers()).get_weights()
     kind = PATHS[path].get("kind", "adam")
     results, errors = job(frontend, "bsp", initial=initial, **PATHS[path])
-    assert not any(errors), errors
+    assert_no_errors(errors)
     assert_identical(results)
     for w, expected in zip(results[1][0], reference(initial, kind)):
         np.testing.assert_allclose(w, expected, rtol=1e-5, atol=1e-6)
@@ -62,7 +63,7 @@ def test_bsp_trains_every_update_path_as_one_model_on_the_mean_gradient(frontend
 def test_an_update_protocol_ends_with_identical_weights_on_every_update_path(frontend, mode, path):
     initial = keras.Sequential(layers()).get_weights()
     results, errors = job(frontend, mode, initial=initial, **PATHS[path])
-    assert not any(errors), errors
+    assert_no_errors(errors)
     assert_identical(results, optimizer_too=False)  # (each worker's optimizer state is its own)
     assert not np.array_equal(results[0][0][0], initial[0])  # they trained
 
@@ -73,7 +74,7 @@ def test_a_gradient_overflow_on_one_rank_skips_the_step_on_every_rank(frontend):
     rank's ``LossScaleOptimizer`` skips those steps and halves its scale, as one optimizer on
     every rank's gradients would, and nothing that is not finite reaches the exchange."""
     results, errors = job(frontend, "bsp", kind="lso", overflow_at=2)
-    assert not any(errors), errors
+    assert_no_errors(errors)
     assert_identical(results)
     for weights, _ in results:
         assert all(np.isfinite(w).all() for w in weights)
