@@ -25,7 +25,7 @@ import time
 import numpy as np
 import pytest
 import tensorflow as tf
-from fake_cluster import FakeCluster, on_threads
+from fake_cluster import FakeCluster, describe, on_threads
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
@@ -177,7 +177,7 @@ class Job:
         hung = [r for r, t in enumerate(threads) if t.is_alive()]
         if hung or any(errors):
             self._abandon()
-        assert not hung, f"ranks {hung} hung (errors elsewhere: {[e for e in errors if e]})"
+        assert not hung, f"ranks {hung} hung (errors elsewhere: {describe(errors)})"
         if expect_errors:
             return errors
         for exc in errors:

@@ -186,6 +186,7 @@ def _digits(hosts, link, args, log):
     """keras_examples/digits.py under every mode at one link rate; records with the time to the
     target and the final accuracy against plain Horovod's (when it ran)."""
     runs = {mode: [] for mode in args.modes}
+    target = str(args.target_accuracy)  # (the key of the result's time_to_accuracy_s)
     for repeat in range(args.repeats):
         for mode in args.modes:
             argv = [
@@ -196,7 +197,7 @@ def _digits(hosts, link, args, log):
             ]
             result = _launch(hosts, argv, args, f"{mode} (digits) at {link}")
             runs[mode].append(result)
-            reached = result["time_to_accuracy_s"][str(args.target_accuracy)]
+            reached = result["time_to_accuracy_s"][target]
             log(
                 f"  {link:>8s} digits {mode:16s} run {repeat + 1}: final accuracy {result['final_accuracy']:.4f}, "
                 f"{args.target_accuracy} after {'—' if reached is None else f'{reached:.1f} s'}, "
@@ -214,7 +215,7 @@ def _digits(hosts, link, args, log):
                 "epochs": args.epochs,
                 "hidden": args.hidden,
                 "target_accuracy": args.target_accuracy,
-                "target_s": median["time_to_accuracy_s"][str(args.target_accuracy)],
+                "target_s": median["time_to_accuracy_s"][target],
                 **median,
                 "runs": [
                     {k: r[k] for k in ("wall_s", "final_accuracy", "time_to_accuracy_s", "curve")} for r in runs[mode]
