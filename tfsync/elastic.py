@@ -57,7 +57,7 @@ from tfsync import _env, _horovod
 from tfsync.engine import lifecycle
 from tfsync.engine.cluster import HorovodCluster, run_bounded
 from tfsync.engine.diagnosis import SyncTimeoutError
-from tfsync.engine.exchange import WorkerLostError
+from tfsync.engine.rounds import WorkerLostError
 from tfsync.engine.tally import COUNTS
 
 try:
@@ -132,7 +132,7 @@ class KerasState(ObjectState):
             optimizer.build(model.trainable_variables)
         self.model, self.optimizer = model, optimizer
         self.wait_timeout_s = _env.wait_timeout_s(wait_timeout_s)
-        self._syncs = []  # the SyncCallbacks that commit this state
+        self._commits = []  # the committers (a SyncCallback's tfsync.keras.commits.ElasticCommits) of this state
         attributes.setdefault("epoch", 0)
         attributes["resets"] = 0
         attributes["counts"] = dict.fromkeys(COUNTS, 0)
@@ -185,16 +185,23 @@ class KerasState(ObjectState):
     def _collective(self, fn, name, purpose):
         """``fn(cluster)`` bounded by the wait bound, after the running engine's rounds if one runs
         (the job's collectives stay in one order on every rank)."""
-        for sync in self._syncs:
-            frontend = sync._frontend
-            if frontend.running:
-                return frontend.collective(functools.partial(fn, frontend.cluster), name, purpose)
+        for commits in self._commits:
+            if commits.running:
+                return commits.collective(fn, name, purpose)
         cluster = HorovodCluster()
         return run_bounded(cluster, lambda: fn(cluster), name=name, purpose=purpose, timeout_s=self.wait_timeout_s)
 
-    def _attach(self, sync):
-        if sync not in self._syncs:
-            self._syncs.append(sync)
+    def register(self, commits):
+        """Commit this state from ``commits`` (a :class:`tfsync.keras.commits.ElasticCommits`, which a
+        ``SyncCallback(elastic=state)`` builds): at a reset :func:`run` calls its ``reset(reason)``,
+        and while its engine runs this state's collectives queue behind the engine's rounds."""
+        if commits not in self._commits:
+            self._commits.append(commits)
+
+    @property
+    def committers(self) -> tuple:
+        """The registered committers (:meth:`register`)."""
+        return tuple(self._commits)
 
 
 def is_reset_error(exc) -> bool:
@@ -224,7 +231,7 @@ def run(func):
     or dropped a host; raised by ``state.commit()``), every member resets:
 
     1. Horovod is shut down (``hvd.shutdown()``: every collective still pending fails);
-    2. each :class:`tfsync.keras.SyncCallback` committing ``state`` counts this worker's
+    2. each :class:`tfsync.keras.SyncCallback` committing ``state`` (its registered committer) counts this worker's
        contributions in flight as ``lost`` and abandons its engine (no handshake: the peers
        are resetting too), in the trace as an ``event: reset`` record;
     3. Horovod is re-formed (``hvd.init()``) by its elastic launcher: the surviving and the
@@ -279,8 +286,8 @@ def _reset(hvd, state, reason):
     except Exception:  # noqa: BLE001 - already shut down (an abort) is fine
         pass
     lost = 0
-    for sync in getattr(state, "_syncs", ()):
-        lost += sync._elastic_reset(reason)
+    for commits in getattr(state, "committers", ()):
+        lost += commits.reset(reason)
     lifecycle.abandon_all()  # any other engine of this process (a SyncStrategy's)
     HorovodCluster.forget_membership()
     resets = getattr(state, "resets", 0) + 1

@@ -2,10 +2,10 @@
 
 Both frontends take a mode and the engine's settings, check them when they are
 built (before any training), start one engine per training run on the
-model's trainable variables, hook the optimizer's path
-(:func:`tfsync.engine.tf_bridge.before_optimizer` and
-:func:`~tfsync.engine.tf_bridge.after_optimizer`), drain the rounds in flight
-when training ends and close the engine.  :class:`Frontend` does that once for
+model's trainable variables, install the optimizer path the mode's step
+protocol builds (:meth:`Frontend.optimizer_path`, :meth:`Frontend.hook_optimizer`;
+:mod:`tfsync.engine.protocols.path`), drain the rounds in flight when training
+ends and close the engine.  :class:`Frontend` does that once for
 both, and is their only way to the other workers: every collective goes
 through its cluster (:mod:`tfsync.engine.cluster`; Horovod in production,
 in-process ranks in the single-process tests), in the same order on every rank,
@@ -25,8 +25,9 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfsync.engine import SyncEngine, lifecycle, nonfinite, protocols
+from tfsync.engine import SyncEngine, lifecycle, protocols
 from tfsync.engine.cluster import HorovodCluster, run_bounded
+from tfsync.engine.settings import EngineSettings
 
 
 class Frontend:
@@ -36,7 +37,7 @@ class Frontend:
         policy: the resolved mode (a policy object; auto mode's frontend passes each mode it runs
             to :meth:`start`).
         stragglers, trace_dir, wait_timeout_s: the engine's settings, checked now
-            (:func:`tfsync.engine.lifecycle.settings`).
+            (:class:`tfsync.engine.settings.EngineSettings`).
         on_nonfinite: ``"reject"`` (default) or ``"raise"``: what the engine does with a
             contribution that has a NaN or an infinity (:mod:`tfsync.engine.nonfinite`), checked now.
         elastic: the engines run under ``tfsync.elastic.run`` (default False; see
@@ -58,9 +59,13 @@ class Frontend:
         elastic=False,
     ):
         self.policy = policy
-        self.settings = lifecycle.settings(stragglers=stragglers, trace_dir=trace_dir, wait_timeout_s=wait_timeout_s)
-        self.settings["on_nonfinite"] = nonfinite.check_option(on_nonfinite)
-        self.settings["elastic"] = bool(elastic)
+        self.settings = EngineSettings(
+            stragglers=stragglers,
+            trace_dir=trace_dir,
+            wait_timeout_s=wait_timeout_s,
+            on_nonfinite=on_nonfinite,
+            elastic=elastic,
+        )
         self._cluster = cluster
         self.engine = None
 
@@ -72,19 +77,90 @@ class Frontend:
 
     @property
     def wait_timeout_s(self) -> float:
-        return self.settings["wait_timeout_s"]
+        return self.settings.wait_timeout_s
 
-    def protocol(self, policy=None):
-        """The step protocol (class) of ``policy`` (default: this frontend's)."""
-        return protocols.for_policy(self.policy if policy is None else policy)
+    def optimizer_path(self, optimizer=None, *, policy=None, station="apply", shared=False, engine=None):
+        """The optimizer path of ``policy``'s step protocol (default: this frontend's mode), built
+        once (:mod:`tfsync.engine.protocols.path`): what ``optimizer``'s update becomes.
+        ``engine``: a callable returning the engine its hooks call (default: this frontend's
+        running engine, looked up at every step)."""
+        engine = engine if engine is not None else (lambda: self.engine if self.running else None)
+        return protocols.optimizer_path(
+            self.policy if policy is None else policy, engine, optimizer, station=station, shared=shared
+        )
+
+    @staticmethod
+    def hook_optimizer(optimizer, hook):
+        """Replace ``optimizer.apply`` (Keras 3's one entry for updates: ``apply_gradients`` calls
+        it, and so does a ``LossScaleOptimizer``) with ``hook(original, grads, variables)``,
+        ``original`` being its own ``apply``; :meth:`unhook_optimizer` undoes it."""
+        original = type(optimizer).apply.__get__(optimizer)
+
+        def apply(grads, trainable_variables=None):
+            if trainable_variables is None:  # (Keras: the variables the optimizer was built with)
+                trainable_variables = getattr(optimizer, "_trainable_variables", [])
+            return hook(original, list(grads), list(trainable_variables))
+
+        optimizer.apply = apply
+        return original
+
+    @staticmethod
+    def unhook_optimizer(optimizer):
+        if optimizer is not None and "apply" in vars(optimizer):
+            del optimizer.apply
+
+    def install(self, model, path, who):
+        """Install ``path`` at the optimizer's ``apply`` of a Keras ``model`` and around its train
+        step, then compile the train step (the callback's station).  The step is checked when it
+        is traced, before it runs: it must update the weights through that ``apply`` exactly once,
+        on the model's trainable variables, or ``who`` refuses it (another path would train each
+        worker alone).  Returns how a round's mean goes through the optimizer without an exchange
+        (:meth:`OptimizerPath.apply_mean <tfsync.engine.protocols.path.OptimizerPath.apply_mean>`)."""
+        variables = list(model.trainable_variables)
+        expected, applies = [id(v) for v in variables], [0]
+
+        def hook(original, grads, updated):
+            if [id(v) for v in updated] != expected:
+                raise ValueError(
+                    "tfsync: the optimizer was asked to update other variables than the model's trainable "
+                    "weights at the start of fit; do not change trainability during fit"
+                )
+            applies[0] += 1
+            return path.apply(original, grads, updated)
+
+        original = self.hook_optimizer(model.optimizer, hook)
+        path.install(model.optimizer, original, variables)
+        apply_mean = path.apply_mean(original, variables)
+        train_step = type(model).train_step.__get__(model)
+
+        def checked_train_step(data):
+            applies[0] = 0
+            out = train_step(data)
+            if applies[0] != 1:
+                self.engine.abandon()  # (fit raises: Keras calls no on_train_end)
+                did = "called model.optimizer.apply() or apply_gradients()"
+                raise once_per_step_error(who, model, applies[0], did, "through that call")
+            return out
+
+        model.train_step = path.train_step(model, checked_train_step, apply_mean)
+        model.make_train_function(force=True)
+        model.train_function = reraising(model.train_function, lambda: self.engine)
+        return apply_mean
+
+    @classmethod
+    def uninstall(cls, model, optimizer):
+        """Undo :meth:`install` (``model`` may be None: nothing was installed on a model)."""
+        cls.unhook_optimizer(optimizer)
+        if model is not None and "train_step" in vars(model):
+            del model.train_step
 
     def start(self, variables, *, policy=None, trace_name=None, extra_config=None):
         """Start an engine for ``policy`` (default: this frontend's) on ``variables`` (collective);
         its trace goes to ``trace_dir/trace_name`` when both are set.  Returns the engine."""
-        settings = dict(self.settings)
-        if trace_name and settings["trace_dir"]:
-            settings["trace_dir"] = os.path.join(settings["trace_dir"], trace_name)
-        engine = SyncEngine(self.policy if policy is None else policy, cluster=self.cluster, **settings)
+        settings = self.settings
+        if trace_name and settings.trace_dir:
+            settings = settings.with_trace_dir(os.path.join(settings.trace_dir, trace_name))
+        engine = SyncEngine(self.policy if policy is None else policy, settings, cluster=self.cluster)
         self.engine = engine
         engine.start(variables, extra_config=extra_config)
         return engine
@@ -138,11 +214,75 @@ class Frontend:
             self.engine.close()
 
 
-def floating_statistics(model):
-    """The model's non-trainable floating-point variables (integer state such as seeds is left
-    alone): ``BatchNormalization``'s moving statistics, which Local SGD and DiLoCo average with
-    the weights at every outer step, and ``average_statistics`` at the end of training."""
-    return [v for v in model.non_trainable_variables if tf.as_dtype(v.dtype).is_floating]
+def check_start(frontend, steps, mode, model) -> int:
+    """Before the engine starts on a Keras ``model`` (collective): every rank runs the same
+    number of ``steps`` per epoch (Keras' ``params["steps"]``), ``mode`` (a policy, or
+    ``tfsync.Auto``), model and optimizer (:func:`fingerprint`), and then holds rank 0's
+    variables, the model's and the optimizer's (iterations, slots, learning rate, a loss scale:
+    a checkpoint loaded on one rank alone cannot leave the replicas apart).  Returns ``steps``."""
+    optimizer = model.optimizer
+    if not optimizer.built:  # its slots exist before they are compared and broadcast
+        optimizer.build(model.trainable_variables)
+    start = {"steps": steps, "mode": mode.config(), **fingerprint(model.variables, optimizer, model)}
+    configs = frontend.allgather(
+        start,
+        "tfsync.steps",
+        "every rank's steps per epoch, mode, model variables and optimizer, gathered at the start of fit",
+    )
+    all_steps = [c["steps"] for c in configs]
+    if len(set(all_steps)) != 1 or steps is None:
+        raise ValueError(
+            f"tfsync: the ranks run different or unknown numbers of steps per epoch "
+            f"({all_steps}); every worker must take the same number of steps: shard the data "
+            f"into equal parts (e.g. x[rank::size] with len(x) divisible by size) or pass "
+            f"steps_per_epoch to model.fit"
+        )
+    if steps < 1:  # (every rank's is the same: checked above)
+        raise ValueError(
+            f"tfsync: steps per epoch is {steps!r} (Keras' params['steps']: the data holds no batch); "
+            f"expected an integer >= 1: an epoch without steps synchronizes nothing. Give every worker "
+            f"at least one batch (e.g. tfsync.shard(x, y, batch_size=...) on data with at least "
+            f"batch_size samples per worker)"
+        )
+    lifecycle.check_agreement(configs, "mode, model and optimizer", FINGERPRINT_FIX)
+    frontend.broadcast_variables(
+        model.variables + list(optimizer.variables),
+        "tfsync.weights",
+        "rank 0's weights and optimizer state, broadcast to every rank at the start of fit",
+    )
+    return steps
+
+
+def once_per_step_error(who, model, count, did, at):
+    """The error for a train step that updated the weights through the hooked optimizer ``count``
+    times (``did``: what it did that often, ``at``: where tfsync synchronizes), not once."""
+    return ValueError(
+        f"{who}: the train step of {type(model).__name__} {did} {count} times; tfsync synchronizes the "
+        f"weights {at}, once per step, so "
+        + (
+            "a step that updates them some other way (another optimizer, assign_sub) would train each " "worker alone"
+            if count == 0
+            else "every call after the first would exchange again"
+        )
+        + ". Compute the step's gradients of model.trainable_variables and call "
+        "self.optimizer.apply(grads, self.trainable_variables) (or apply_gradients) once"
+    )
+
+
+def reraising(train_function, engine):
+    """``train_function``, raising the engine's own error (``engine()``'s) where a tfsync error
+    surfaced through the graph as a TensorFlow op error."""
+
+    def train_function_reraising(iterator):
+        try:
+            return train_function(iterator)
+        except tf.errors.OpError as exc:
+            running = engine()
+            if running is not None and running.error is not None:
+                raise running.error from exc
+            raise
+
+    return train_function_reraising
 
 
 # What a frontend's start check compares across ranks (Frontend.agree), before rank 0's

@@ -12,7 +12,7 @@ arrival record (``arrival_key``, ``arrive``, ``leave``, ``missing``) is kept
 here, per rank, as production's keeps it in Horovod's rendezvous store.
 
 The round collective is production's own
-:func:`tfsync.engine.protocols.horovod_collective` (grouping by dtype, the
+:func:`tfsync.engine.rounds.horovod_collective` (grouping by dtype, the
 metadata row appended to the float32 group as :func:`encode_meta` digits,
 :func:`decode_meta` of the result), run over this module's
 ``grouped_allreduce``, which reduces as Horovod does: the element-wise sum
@@ -31,7 +31,7 @@ import traceback
 import numpy as np
 import tensorflow as tf
 
-from tfsync.engine import protocols
+from tfsync.engine import protocols, rounds
 
 DEFAULT_TIMEOUT_S = 10.0
 
@@ -129,7 +129,7 @@ def _scale(total, factor):
 class FakeRank:
     """One rank's view: the engine's cluster interface, plus the few Horovod names
     (``size``, ``Sum``, ``Average``, ``grouped_allreduce``) production's
-    :func:`~tfsync.engine.protocols.horovod_collective` calls."""
+    :func:`~tfsync.engine.rounds.horovod_collective` calls."""
 
     Sum, Average = FakeCluster.Sum, FakeCluster.Average
 
@@ -188,7 +188,7 @@ class FakeRank:
         return self.grouped_allreduce(tensors, self.Average, name)
 
     def collective(self, average):
-        return protocols.horovod_collective(average, hvd=self)
+        return rounds.horovod_collective(average, hvd=self)
 
     def barrier(self, name):
         return lambda: self._cluster.meet(self._rank, "barrier", name, None, lambda objs: [None] * len(objs))

@@ -16,6 +16,7 @@ Gloo rendezvous store: :class:`tfsync.engine.cluster.RendezvousArrivals` is
 tested against a real ``RendezvousServer`` on localhost.
 """
 
+import dataclasses
 import os
 import socket
 import threading
@@ -32,7 +33,8 @@ from tfsync import _horovod
 from tfsync.engine import SyncEngine, SyncTimeoutError, lifecycle
 from tfsync.engine import cluster as cluster_module
 from tfsync.engine.cluster import ARRIVALS_SCOPE, HorovodCluster, RendezvousArrivals, run_bounded
-from tfsync.policies import SSP
+from tfsync.engine.settings import EngineSettings
+from tfsync.policies import SSP, resolve
 from tfsync.policies.auto import PROFILES
 from tfsync.stragglers import Stragglers
 
@@ -110,7 +112,10 @@ def test_an_engine_start_stops_every_rank_naming_the_rank_that_did_not_come(monk
 
     monkeypatch.setattr(lifecycle, step, stalling)
     engines = [
-        SyncEngine("bsp", stragglers=Stragglers(), wait_timeout_s=BOUND_S, cluster=fake.rank(r)) for r in range(3)
+        SyncEngine(
+            resolve("bsp"), EngineSettings(stragglers=Stragglers(), wait_timeout_s=BOUND_S), cluster=fake.rank(r)
+        )
+        for r in range(3)
     ]
     try:
         results = failing_at([lambda e=e: e.start([tf.zeros([WIDTH])]) for e in engines])
@@ -124,7 +129,10 @@ def test_an_engine_start_stops_every_rank_naming_the_rank_that_did_not_come(monk
 def test_an_engine_close_stops_every_rank_naming_the_rank_that_did_not_come():
     fake = FakeCluster(3, timeout_s=FAKE_TIMEOUT_S)
     engines = [
-        SyncEngine("bsp", stragglers=Stragglers(), wait_timeout_s=BOUND_S, cluster=fake.rank(r)) for r in range(3)
+        SyncEngine(
+            resolve("bsp"), EngineSettings(stragglers=Stragglers(), wait_timeout_s=BOUND_S), cluster=fake.rank(r)
+        )
+        for r in range(3)
     ]
     _, errors = on_threads([lambda e=e: e.start([tf.zeros([WIDTH])]) for e in engines], JOIN_S)
     assert_no_errors(errors)
@@ -169,13 +177,13 @@ def fit_stalling(fake, mode, site, stalled=1, **kwargs):
         )
         if site != "statistics":
             method, name = site
-            frontend = sync._frontend
+            frontend = sync.frontend
             original = getattr(frontend, method)
 
             def stalling(values, at, purpose):
                 if at == name:
                     assert frontend.wait_timeout_s == CALLBACK_WAIT_S
-                    frontend.settings["wait_timeout_s"] = BOUND_S
+                    frontend.settings = dataclasses.replace(frontend.settings, wait_timeout_s=BOUND_S)
                     if rank == stalled:
                         stall_until_aborted(fake)
                 return original(values, at, purpose)

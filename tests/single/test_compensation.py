@@ -20,7 +20,8 @@ from fake_cluster import FakeCluster, on_threads
 import tfsync
 from tfsync import timeline
 from tfsync.engine import SyncEngine
-from tfsync.engine.corrections import Corrections
+from tfsync.engine.protocols.compensated import Corrections
+from tfsync.engine.settings import EngineSettings
 from tfsync.policies import DCS3GD, DelayCompensation, resolve
 from tfsync.stragglers import Stragglers
 
@@ -87,7 +88,9 @@ class DCJob:
         self.counts, self.final = [None] * size, [None] * size
 
     def _train(self, rank):
-        engine = SyncEngine(self.policy, stragglers=Stragglers(), wait_timeout_s=15.0, cluster=self.cluster.rank(rank))
+        engine = SyncEngine(
+            self.policy, EngineSettings(stragglers=Stragglers(), wait_timeout_s=15.0), cluster=self.cluster.rank(rank)
+        )
         var = tf.Variable(self.w0)
         engine.start([var])
         protocol, used = engine.protocol, {}
@@ -185,7 +188,9 @@ def test_dcs3gd_adaptive_follows_dc_asgd_a():
 
 def test_sync_step_before_the_correction_is_refused():
     cluster = FakeCluster(1, timeout_s=5.0)
-    engine = SyncEngine("dcs3gd", stragglers=Stragglers(), wait_timeout_s=5.0, cluster=cluster.rank(0))
+    engine = SyncEngine(
+        resolve("dcs3gd"), EngineSettings(stragglers=Stragglers(), wait_timeout_s=5.0), cluster=cluster.rank(0)
+    )
     engine.start([tf.Variable(np.zeros(WIDTH, np.float32))])
     try:
         with pytest.raises(RuntimeError, match="before SyncEngine.sync_step"):
@@ -216,10 +221,8 @@ class LateJob:
     def _train(self, rank):
         engine = SyncEngine(
             self.policy,
-            stragglers=Stragglers(),
-            wait_timeout_s=15.0,
+            EngineSettings(stragglers=Stragglers(), wait_timeout_s=15.0, trace_dir=self.trace_dir),
             cluster=self.cluster.rank(rank),
-            trace_dir=self.trace_dir,
         )
         self.engines[rank] = engine
         var = tf.Variable(self.w0)

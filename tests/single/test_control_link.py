@@ -24,7 +24,7 @@ from tfsync.engine.control import (
     ControlServer,
 )
 from tfsync.engine.diagnosis import LOSS_SETTLE_S, Diagnosis
-from tfsync.engine.exchange import WorkerLostError
+from tfsync.engine.rounds import WorkerLostError
 from tfsync.policies import PSP
 
 TOKEN = "c" * 32

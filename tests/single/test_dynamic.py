@@ -30,6 +30,7 @@ from test_engine_fake import (
 
 import tfsync
 from tfsync.engine import SyncEngine
+from tfsync.engine.settings import EngineSettings
 from tfsync.policies import DSSP, SSP, ElasticBSP, resolve
 from tfsync.policies.dynamic import PushTable
 from tfsync.stragglers import Stragglers
@@ -318,7 +319,9 @@ def test_the_mode_strings_name_the_paper_defaults():
 def test_ranks_with_different_settings_are_refused_on_every_rank(modes):
     cluster = FakeCluster(2, timeout_s=5.0)
     engines = [
-        SyncEngine(mode, stragglers=Stragglers(), wait_timeout_s=WAIT_S, cluster=cluster.rank(r))
+        SyncEngine(
+            resolve(mode), EngineSettings(stragglers=Stragglers(), wait_timeout_s=WAIT_S), cluster=cluster.rank(r)
+        )
         for r, mode in enumerate(modes)
     ]
     _, errors = _on_threads([lambda r=r: engines[r].start([tf.Variable(tf.zeros([WIDTH]))]) for r in (0, 1)])

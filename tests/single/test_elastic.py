@@ -236,7 +236,7 @@ def test_the_callback_commits_at_epoch_ends_and_counts_what_a_reset_lost():
     assert state.epoch == 1 and 6 <= state.counts["produced"] <= 8, state.counts
     assert state.counts["produced"] == state.counts["applied"]
     committed = [v.copy() for v in state._saved_values]
-    lost = sync._elastic_reset("WorkerLostError: a test")
+    lost = sync.elastic.reset("WorkerLostError: a test")
     assert "train_step" not in vars(model) and "apply" not in vars(model.optimizer)  # hooks undone
     counts = sync.counts
     assert counts["produced"] == 12 and counts["lost"] == lost, counts  # epoch 0, 4 steps of epoch 1

@@ -30,8 +30,9 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from tfsync import _horovod, simulate
-from tfsync.engine import SyncEngine, WorkerLostError, protocols
-from tfsync.policies import BSP, DSSP, PSP, SSP, BackupWorkers
+from tfsync.engine import SyncEngine, WorkerLostError
+from tfsync.engine.settings import EngineSettings
+from tfsync.policies import BSP, DSSP, PSP, SSP, BackupWorkers, resolve
 from tfsync.stragglers import Stragglers
 
 WIDTH = 4
@@ -92,7 +93,7 @@ class Job:
     ):
         self.policy, self.delays, self.trace_dir = policy, delays, trace_dir
         self.size, self.steps = len(delays), len(delays[0])
-        self.updates = not protocols.for_policy(policy).reduces_gradients
+        self.updates = policy.payload != "gradients"  # (the model is a variable: its update is pushed)
         assert not self.updates or dtypes == (tf.float32,)
         self.dtypes = dtypes
         self.dies = dies  # (rank, step): that rank's process "ends" before that step
@@ -100,9 +101,7 @@ class Job:
         self.engines = [
             SyncEngine(
                 policy,
-                stragglers=Stragglers(),
-                trace_dir=trace_dir,
-                wait_timeout_s=WAIT_S,
+                EngineSettings(stragglers=Stragglers(), trace_dir=trace_dir, wait_timeout_s=WAIT_S),
                 cluster=self.cluster.rank(r),
             )
             for r in range(self.size)
@@ -632,7 +631,10 @@ def test_ranks_that_call_different_collectives_all_fail():
 def test_an_engine_whose_peer_never_starts_fails_at_start_instead_of_hanging():
     cluster = FakeCluster(3, timeout_s=0.5)
     engines = [
-        SyncEngine("bsp", stragglers=Stragglers(), wait_timeout_s=WAIT_S, cluster=cluster.rank(r)) for r in range(3)
+        SyncEngine(
+            resolve("bsp"), EngineSettings(stragglers=Stragglers(), wait_timeout_s=WAIT_S), cluster=cluster.rank(r)
+        )
+        for r in range(3)
     ]
     _, errors = _on_threads([lambda r=r: engines[r].start([tf.zeros([WIDTH])]) for r in (0, 1)], timeout_s=10.0)
     for exc in errors:
@@ -643,7 +645,9 @@ def test_an_engine_whose_peer_never_starts_fails_at_start_instead_of_hanging():
 def test_ranks_configured_differently_are_refused_on_every_rank():
     cluster = FakeCluster(2, timeout_s=5.0)
     engines = [
-        SyncEngine(mode, stragglers=Stragglers(), wait_timeout_s=WAIT_S, cluster=cluster.rank(r))
+        SyncEngine(
+            resolve(mode), EngineSettings(stragglers=Stragglers(), wait_timeout_s=WAIT_S), cluster=cluster.rank(r)
+        )
         for r, mode in enumerate(("bsp", SSP(staleness=2)))
     ]
     _, errors = _on_threads([lambda r=r: engines[r].start([tf.Variable(tf.zeros([WIDTH]))]) for r in (0, 1)])
@@ -692,7 +696,9 @@ def test_the_default_cluster_makes_horovods_calls_in_horovods_order(monkeypatch,
     hvd = RecordingHorovod()
     checks = []
     monkeypatch.setattr(_horovod, "horovod", lambda: (checks.append(len(hvd.calls)), hvd)[1])
-    engine = SyncEngine("bsp", stragglers=Stragglers(), wait_timeout_s=WAIT_S)  # cluster=None: Horovod
+    engine = SyncEngine(
+        resolve("bsp"), EngineSettings(stragglers=Stragglers(), wait_timeout_s=WAIT_S)
+    )  # cluster=None: Horovod
     engine.start([tf.zeros([WIDTH])])
     for step in range(3):
         assert engine.begin_step()

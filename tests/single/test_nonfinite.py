@@ -26,9 +26,10 @@ import tensorflow as tf
 from fake_cluster import FakeCluster, assert_no_errors, on_threads
 
 import tfsync
-from tfsync.engine import NonFiniteError, SyncEngine, WorkerLostError, nonfinite, protocols
-from tfsync.engine.corrections import Corrections
-from tfsync.policies import BSP, DSSP, PSP, SSP, BackupWorkers, DelayCompensation, ElasticBSP
+from tfsync.engine import NonFiniteError, SyncEngine, WorkerLostError, nonfinite
+from tfsync.engine.protocols.compensated import Corrections
+from tfsync.engine.settings import EngineSettings
+from tfsync.policies import BSP, DSSP, PSP, SSP, BackupWorkers, DelayCompensation, ElasticBSP, resolve
 from tfsync.stragglers import Stragglers
 
 WIDTH = 4
@@ -63,7 +64,7 @@ class Job:
         self.bad = dict(bad or {})
         self.delays = delays or [0.002] * size
         self.on_nonfinite, self.trace_dir = on_nonfinite, trace_dir
-        self.updates = not protocols.for_policy(policy).reduces_gradients
+        self.updates = policy.payload != "gradients"  # (the model is a variable: its update is pushed)
         self.cluster = FakeCluster(size, timeout_s=15.0)
         self.pushed = [{} for _ in range(size)]  # step -> the contribution it pushed
         self.received = [{} for _ in range(size)]  # step -> the mean it applied (gradient protocol)
@@ -80,11 +81,10 @@ class Job:
     def _train(self, rank):
         engine = SyncEngine(
             self.policy,
-            stragglers=Stragglers(),
-            trace_dir=self.trace_dir,
-            wait_timeout_s=WAIT_S,
+            EngineSettings(
+                stragglers=Stragglers(), trace_dir=self.trace_dir, wait_timeout_s=WAIT_S, on_nonfinite=self.on_nonfinite
+            ),
             cluster=self.cluster.rank(rank),
-            on_nonfinite=self.on_nonfinite,
         )
         self.engines[rank] = engine
         var = tf.Variable(tf.zeros([WIDTH]))
@@ -330,7 +330,11 @@ def test_dcs3gd_rejects_an_update_that_is_not_finite_and_moves_that_worker_back_
     counts, final, updates = [None] * size, [None] * size, [{} for _ in range(size)]
 
     def train(rank):
-        engine = SyncEngine("dcs3gd", stragglers=Stragglers(), wait_timeout_s=WAIT_S, cluster=cluster.rank(rank))
+        engine = SyncEngine(
+            resolve("dcs3gd"),
+            EngineSettings(stragglers=Stragglers(), wait_timeout_s=WAIT_S),
+            cluster=cluster.rank(rank),
+        )
         var = tf.Variable(np.linspace(-1.0, 1.0, WIDTH).astype(np.float32))
         engine.start([var])
         for step in range(steps):
@@ -453,11 +457,9 @@ class _DCRaise:
 
     def _train(self, rank):
         engine = SyncEngine(
-            "dcs3gd",
-            stragglers=Stragglers(),
-            wait_timeout_s=WAIT_S,
+            resolve("dcs3gd"),
+            EngineSettings(stragglers=Stragglers(), wait_timeout_s=WAIT_S, on_nonfinite="raise"),
             cluster=self.cluster.rank(rank),
-            on_nonfinite="raise",
         )
         self.engines[rank] = engine
         var = tf.Variable(tf.zeros([WIDTH]))
@@ -480,8 +482,8 @@ class _DCRaise:
 
 def test_on_nonfinite_takes_reject_or_raise_and_says_so():
     with pytest.raises(ValueError, match=r"on_nonfinite='ignore' is not one of \['reject', 'raise'\]"):
-        SyncEngine("bsp", on_nonfinite="ignore")
-    assert SyncEngine("bsp").on_nonfinite == "reject"
+        SyncEngine(resolve("bsp"), EngineSettings(on_nonfinite="ignore"))
+    assert SyncEngine(resolve("bsp"), EngineSettings()).on_nonfinite == "reject"
 
 
 def test_each_rejection_is_logged_as_a_warning_at_most_once_per_interval(caplog, monkeypatch):

@@ -25,7 +25,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tfsync.engine.control import ControlClient, ControlServer
-from tfsync.engine.exchange import RoundExchange, decode_meta, encode_meta
+from tfsync.engine.exchange import RoundExchange
+from tfsync.engine.rounds import decode_meta, encode_meta
 from tfsync.policies import BSP, PSP, SSP, BackupWorkers, Closing, DelayCompensation, Policy
 from tfsync.policies.partial import ADAPTIVE_PUSH_TIMEOUT_FRACTION
 

@@ -4,8 +4,9 @@ import numpy as np
 import tensorflow as tf
 
 from tfsync import DelayCompensation
-from tfsync.engine.exchange import RoundResult
-from tfsync.engine.protocols import GradientProtocol, UpdateProtocol, compile_flat
+from tfsync.engine.protocols import GradientProtocol, UpdateProtocol
+from tfsync.engine.protocols._tf import compile_flat
+from tfsync.engine.rounds import RoundResult
 
 
 def test_compiled_functions_take_tensorflows_flat_entry_point_on_the_pinned_tensorflow():

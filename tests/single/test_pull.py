@@ -12,8 +12,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import tfsync
+from tfsync.engine.protocols.gradient import check_blockwise_optimizer
 from tfsync.engine.pull import BlockPull, PartialPull, partition
-from tfsync.engine.tf_bridge import check_blockwise_optimizer
+from tfsync.engine.settings import EngineSettings
 from tfsync.launch import add_mode_arguments, describe_mode, mode_from_args
 
 # ------------------------------------------------------------------ the partition
@@ -321,7 +322,7 @@ def test_blocks_applied_late_through_the_optimizer_end_as_if_on_time(make):
     # set to r; blocks applied out of step (each block's rounds in order) end as the whole rounds
     import tensorflow as tf
 
-    from tfsync.engine.tf_bridge import OptimizerBlocks
+    from tfsync.engine.protocols.gradient import OptimizerBlocks
 
     rng = np.random.default_rng(0)
     shapes = [(3, 2), (2,), (4,)]
@@ -389,7 +390,7 @@ def test_real_engines_under_slow_pulls_apply_every_block_in_round_order_and_end_
     pulls = tfsync.Stragglers(pull_prob=0.08, pull_s=0.03, seed=seed)
     cluster = FakeCluster(size, timeout_s=15.0)
     engines = [
-        tfsync.engine.SyncEngine(policy, stragglers=pulls, wait_timeout_s=15.0, cluster=cluster.rank(r))
+        tfsync.engine.SyncEngine(policy, EngineSettings(stragglers=pulls, wait_timeout_s=15.0), cluster=cluster.rank(r))
         for r in range(size)
     ]
     seen = [[] for _ in range(size)]  # (step, blocks of its round applied when the step returned)

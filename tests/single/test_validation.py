@@ -10,6 +10,8 @@ from fake_cluster import FakeCluster, on_threads
 
 from tfsync import _env, _horovod
 from tfsync.engine import SyncEngine
+from tfsync.engine.settings import EngineSettings
+from tfsync.policies import resolve
 from tfsync.stragglers import Stragglers
 
 pytestmark = pytest.mark.usefixtures("engines_on_localhost")
@@ -41,7 +43,10 @@ def test_single_process_takes_only_0_or_1(monkeypatch, raw):
 
 def _start_on_fake(size, tensors, **settings):
     cluster = FakeCluster(size, timeout_s=10.0)
-    engines = [SyncEngine("bsp", cluster=cluster.rank(r), wait_timeout_s=5.0, **settings) for r in range(size)]
+    engines = [
+        SyncEngine(resolve("bsp"), EngineSettings(wait_timeout_s=5.0, **settings), cluster=cluster.rank(r))
+        for r in range(size)
+    ]
 
     def run(engine):
         engine.start(tensors)

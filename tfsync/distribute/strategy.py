@@ -16,8 +16,8 @@ CPU), so Keras 3 sees and uses a real strategy.  Across processes:
   the optimizer updates are observed through ``extended.update``, and after
   the step the engine pushes their share and moves them to the next step's
   weights; DC-S3GD's protocol does the same with the gradient the engine
-  corrected in place of the local one (the same hooks as the Keras callback's:
-  :func:`tfsync.engine.tf_bridge.before_optimizer` and ``after_optimizer``);
+  corrected in place of the local one (the optimizer path the mode's step
+  protocol builds, :mod:`tfsync.engine.protocols.path`, at its all-reduce station);
 * the engine starts when the first train step is traced;
 * datasets are not distributed: with one replica per process, Keras' input
   feeds the step as it would with no strategy at all (TF's default strategy
@@ -52,19 +52,7 @@ import tensorflow as tf
 from tensorflow.python.distribute import one_device_strategy
 
 from tfsync.engine.protocols import tf_variable
-from tfsync.engine.tf_bridge import (
-    LossScaling,
-    after_optimizer,
-    before_optimizer,
-    check_accumulation,
-    finish_in_graph,
-    gradients_finite,
-    guards_optimizer,
-    is_loss_scaled,
-    skippable_train_step,
-    static_loss_scale,
-)
-from tfsync.frontend import FINGERPRINT_FIX, Frontend, fingerprint, floating_statistics
+from tfsync.frontend import FINGERPRINT_FIX, Frontend, fingerprint, once_per_step_error
 from tfsync.policies import resolve
 
 
@@ -129,13 +117,6 @@ class SyncStrategy(tf.distribute.OneDeviceStrategy):
         on_nonfinite="reject",
     ):
         policy = resolve(mode)
-        if policy.pulls_partially:
-            raise ValueError(
-                f"SyncStrategy(mode=PSP(pull_fraction={policy.pull_fraction})): partial pulling applies "
-                f"each round block by block through the optimizer, which only tfsync.keras.SyncCallback "
-                f"drives (the strategy's optimizer applies every weight at once); use SyncCallback "
-                f"with model.fit, or pull_fraction=1.0 here"
-            )
         frontend = Frontend(
             policy,
             stragglers=stragglers,
@@ -144,6 +125,8 @@ class SyncStrategy(tf.distribute.OneDeviceStrategy):
             cluster=cluster,
             on_nonfinite=on_nonfinite,
         )
+        # what this mode's optimizer path refuses whatever the optimizer (partial pulling), now
+        frontend.optimizer_path(station="all_reduce").check_optimizer(None, "tfsync.SyncStrategy")
         local_rank = frontend.cluster.local_rank()  # (Horovod's checks, now rather than at the first step)
         if device is None:
             gpus = tf.config.list_logical_devices("GPU")
@@ -171,15 +154,15 @@ class _SyncExtended(one_device_strategy.OneDeviceExtended):
     def __init__(self, container_strategy, device, frontend):
         super().__init__(container_strategy, device)
         self._frontend, self._policy = frontend, frontend.policy
-        protocol = self._protocol = frontend.protocol()
-        self._reduces_gradients = protocol.reduces_gradients
-        self._starts_from_variables = protocol.corrects_gradients or self._policy.compensate is not None
+        self._path = self._new_path(None)  # the optimizer path, built again for a Keras model's optimizer
         self._variables = None
         self._var_count = 0
         self._local = threading.local()
         self._model = None  # the Keras model whose train step this strategy traced, if any
         self._prepared = None  # the optimizer _prepare checked (and hooked)
-        self._scaling = None  # LossScaling of a hooked LossScaleOptimizer (_hook_loss_scaling)
+
+    def _new_path(self, optimizer):
+        return self._frontend.optimizer_path(optimizer, station="all_reduce", engine=lambda: self._engine)
 
     # One replica per process: the dataset feeds the step as it does without a strategy (what
     # TF's default strategy does).  OneDeviceStrategy's distributed dataset builds a new
@@ -231,40 +214,40 @@ class _SyncExtended(one_device_strategy.OneDeviceExtended):
     # bound train_step / test_step / predict_step).
     def _call_for_each_replica(self, fn, args, kwargs):
         state = self._local
-        if not state.__dict__.get("in_step"):
-            state.updates = []
-            state.applied = None  # an update protocol's gradients' finiteness (_batch_reduce_to)
-            state.training = False
-            state.exchanged = False
-            state.reductions = 0  # gradient all-reduces (optimizer applies) in this step
-            state.in_step = True
-            step_kind = getattr(fn, "__name__", "")
-            try:
-                model = self._keras_model(fn) if step_kind == "train_step" else None
-                if model is not None:
-                    self._prepare(model)
-                    if self._engine is None:
-                        self._start_model(model)
-                flush = [] if step_kind == "train_step" else self._flush_before_non_training_step()
-                if step_kind == "train_step" and self._engine is None and self._starts_from_variables:
-                    # gradients are corrected against the weights: start from the model's
-                    # variables, before the step (and its branches) are traced
-                    self._variables = list(self._model_of(fn).trainable_variables)
-                    self._start(self._engine_tensors(self._variables))
-                if step_kind == "train_step" and self._policy.skips:
-                    fn = self._skippable(fn)
-                with tf.control_dependencies(flush):
-                    out = super()._call_for_each_replica(fn, args, kwargs)
-                if model is not None and state.reductions != 1:
-                    self._refuse_step(model, state.reductions)
-                if state.training and not self._reduces_gradients and not state.__dict__.get("exchanged"):
-                    self._ensure_started(state.updates)
-                    after_optimizer(self._protocol, self._engine, self._variables, state.applied)
-            finally:
-                state.in_step = False
-            return out
-        # a nested call (a LossScaleOptimizer's merge_call): the step's state stays
-        return super()._call_for_each_replica(fn, args, kwargs)
+        if state.__dict__.get("in_step"):  # a nested call (a LossScaleOptimizer's merge_call)
+            return super()._call_for_each_replica(fn, args, kwargs)
+        state.updates = []  # the variables the optimizer updated in this step (_update)
+        state.applied = None  # the path's guard of this step (at_all_reduce)
+        state.training = False
+        state.exchanged = False
+        state.reductions = 0  # gradient all-reduces (optimizer applies) in this step
+        state.in_step = True
+        training = getattr(fn, "__name__", "") == "train_step"
+        try:
+            model = self._keras_model(fn) if training else None
+            if model is not None:
+                self._prepare(model)
+                if self._engine is None:
+                    self._start_model(model)
+            flush = [] if training else self._path.before_other_step()
+            if training:
+                self._path.before_step(model, self._ensure_started)
+                fn = self._path.train_step(model, fn, getattr(self, "_apply_mean", None), after=self._after_step)
+            with tf.control_dependencies(flush):
+                out = super()._call_for_each_replica(fn, args, kwargs)
+            if model is not None and state.reductions != 1:
+                self._refuse_step(model, state.reductions)
+            self._after_step()
+        finally:
+            state.in_step = False
+        return out
+
+    def _after_step(self):
+        """Once the step's optimizer ran: the path's exchange after it (once per step)."""
+        state = self._local
+        if state.training and not state.exchanged:
+            state.exchanged = True
+            self._path.after_step(state.updates, state.applied, self._ensure_started)
 
     def _keras_model(self, train_step):
         """The Keras model whose bound ``train_step`` this is, or None (a custom loop's function)."""
@@ -272,82 +255,58 @@ class _SyncExtended(one_device_strategy.OneDeviceExtended):
         return model if model is not None and hasattr(model, "get_metrics_result") else None
 
     def _prepare(self, model):
-        """Before a Keras model's train step is traced: refuse an optimizer path this mode cannot
-        synchronize (gradient accumulation but under BSP), and hook a ``LossScaleOptimizer``
-        under a gradient protocol or DC-S3GD (:meth:`_hook_loss_scaling`)."""
+        """Before a Keras model's train step is traced: the optimizer path for its optimizer,
+        which refuses what this mode cannot synchronize at the all-reduce (gradient accumulation
+        but under BSP), and hooks the optimizer's ``apply`` where the path stands there (a
+        ``LossScaleOptimizer`` under a gradient exchange or DC-S3GD: it all-reduces only
+        gradients it found finite, so ranks would exchange in different steps)."""
         self._model = model
         optimizer = getattr(model, "optimizer", None)
         if optimizer is None or optimizer is self._prepared:
             return
-        check_accumulation(
-            optimizer,
-            self._policy,
-            lambda p: self._reduces_gradients and not p.skips,
-            "tfsync.SyncStrategy",
-            "Keras' optimizer all-reduces the accumulated gradients only at those steps, which BSP's "
-            "rounds follow, but a mode that skips steps or exchanges updates counts every step. Use "
-            "mode='bsp', or tfsync.keras.SyncCallback, which synchronizes accumulation under 'bsp', "
-            "'psp' and 'backup'",
-        )
-        if is_loss_scaled(optimizer) and (self._reduces_gradients or self._protocol.corrects_gradients):
-            self._hook_loss_scaling(optimizer)
+        path = self._new_path(optimizer)
+        path.check_optimizer(optimizer, "tfsync.SyncStrategy")
+        self._path = path
+        if path.hooks_apply:
+            Frontend.hook_optimizer(optimizer, self._apply_hook)
+        self._apply_mean = self._mean_applier(model)
         self._prepared = optimizer
 
-    def _hook_loss_scaling(self, optimizer):
-        """Exchange before a ``LossScaleOptimizer`` decides whether to skip the step.
+    def _apply_hook(self, original, grads, variables):
+        """The optimizer's ``apply`` of a path that stands there (:meth:`_prepare`): the path's
+        gradients go to it, and its own all-reduce passes them through."""
+        state = self._local
+        if not state.__dict__.get("in_step") or state.__dict__.get("skipping"):
+            return original(grads, variables)
+        state.training = True
+        state.reductions += 1
+        to_apply = self._path.at_apply(grads, variables, self._ensure_started)
+        state.skipping = True  # the optimizer's all-reduce must not exchange the mean again
+        try:
+            return original(to_apply, variables)
+        finally:
+            state.skipping = False
 
-        Its ``apply`` checks this worker's gradients for overflow and all-reduces them only
-        when they are finite, so ranks that decide differently would exchange in different
-        steps, and it all-reduces them unscaled only then.  Under a gradient protocol its
-        ``apply`` is hooked instead: the round's mean and the ranks' overflow flag
-        (:class:`~tfsync.engine.tf_bridge.LossScaling`) go to it, and its own all-reduce
-        passes them through, so every rank decides alike; under DC-S3GD the same hook
-        corrects the unscaled gradient.  (Update protocols need no hook: a skipped step
-        pushes no update.)
-        """
-        original = type(optimizer).apply.__get__(optimizer)
-        scaling = self._scaling = LossScaling(optimizer)
+    def _mean_applier(self, model):
+        """How a skipped step's round mean (and a final round of late gradients) goes through
+        the optimizer, without another exchange."""
         state = self._local
 
-        def apply(grads, trainable_variables=None):
-            if not state.__dict__.get("in_step") or state.__dict__.get("skipping"):
-                return original(grads, trainable_variables)
-            grads = list(grads)
-            variables = list(trainable_variables if trainable_variables is not None else optimizer._trainable_variables)
-            state.training = True
-            state.reductions += 1
-            if self._engine is None:
-                self._start(self._engine_tensors(variables))
-            to_apply = scaling.before_optimizer(self._protocol, self._engine, grads)
-            state.skipping = True  # the optimizer's all-reduce must not exchange the mean again
+        def apply_mean(mean):
+            state.skipping = True  # the optimizer must not exchange the mean again
             try:
-                return original(to_apply, variables)
+                mean = self._path.mean_for_optimizer(list(mean))
+                return model.optimizer.apply_gradients(zip(mean, model.trainable_variables))
             finally:
                 state.skipping = False
 
-        optimizer.apply = apply
-
-    def _engine_tensors(self, tensors):
-        """What the engine exchanges for ``tensors``: with a hooked ``LossScaleOptimizer``, the
-        overflow flag too."""
-        return self._scaling.engine_tensors(tensors, self._protocol) if self._scaling is not None else list(tensors)
+        return apply_mean
 
     def _refuse_step(self, model, reductions):
         if self._engine is not None:  # (started by the step's first all-reduce; fit raises now)
             self._engine.abandon()
-        raise ValueError(
-            f"tfsync.SyncStrategy: the train step of {type(model).__name__} all-reduced gradients "
-            f"through model.optimizer {reductions} times; tfsync synchronizes the weights at that "
-            f"all-reduce, once per step, so "
-            + (
-                "a step that updates them some other way (another optimizer, assign_sub) would train "
-                "each worker alone"
-                if reductions == 0
-                else "every call after the first would exchange again"
-            )
-            + ". Compute the step's gradients of model.trainable_variables and call "
-            "self.optimizer.apply(grads, self.trainable_variables) (or apply_gradients) once"
-        )
+        did = "all-reduced gradients through model.optimizer"
+        raise once_per_step_error("tfsync.SyncStrategy", model, reductions, did, "at that all-reduce")
 
     # ReplicaContext.all_reduce -> the optimizer's gradient all-reduce.
     def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
@@ -361,86 +320,40 @@ class _SyncExtended(one_device_strategy.OneDeviceExtended):
             return super()._batch_reduce_to(reduce_op, value_destination_pairs, options)
         state.training = True
         state.reductions = state.__dict__.get("reductions", 0) + 1
-        if self._reduces_gradients and self._engine is None:
-            self._start(values)
-        # (an update protocol's engine starts after the step, on the variables it updated)
-        if not guards_optimizer(self._protocol) or (self._prepared is not None and is_loss_scaled(self._prepared)):
-            # (a LossScaleOptimizer all-reduces only gradients it found finite)
-            return before_optimizer(self._protocol, self._engine, values)
-        # the optimizer runs on this worker's own gradients (DC-S3GD: corrected): ones that are not
-        # finite must not reach its slots; it applies zeros instead, and the engine rejects the
-        # contribution; a correction that keeps state is kept from gradients that are not finite
-        values = [tf.convert_to_tensor(v) for v in values]
-        stateful = self._protocol.corrects_gradients and self._engine.protocol.stateful_correction
-        raw = gradients_finite(values) if stateful else None
-        to_apply = before_optimizer(self._protocol, self._engine, values, raw)
-        finite = state.applied = gradients_finite(to_apply)
-        return tf.cond(
-            tf.reduce_all(finite),
-            lambda: [tf.identity(v) for v in to_apply],
-            lambda: [tf.zeros_like(v) for v in to_apply],
-        )
+        out, state.applied = self._path.at_all_reduce(values, self._ensure_started)
+        return out
 
     def _update(self, var, fn, args, kwargs, group):
         state = self._local
-        if state.__dict__.get("training") and not self._reduces_gradients:
+        if state.__dict__.get("training"):
             state.updates.append(var)
         return super()._update(var, fn, args, kwargs, group)
 
-    def _model_of(self, train_step):
-        # strategy.run hands over Keras' bound method behind autograph's functools wrapper
-        model = getattr(inspect.unwrap(train_step), "__self__", None)
-        if model is None or not hasattr(model, "get_metrics_result"):
-            raise ValueError(
-                f"tfsync.SyncStrategy(mode={self._policy.name!r}) reaches the model through "
-                f"Keras' Model.train_step (to skip a slow worker's steps, or to start from the "
-                f"model's weights); got {train_step!r}. Train with model.fit"
-            )
-        return model
-
-    def _skippable(self, train_step):
-        """Keras' bound ``train_step``, skipped when its round closed without this worker."""
-        model = self._model_of(train_step)
-        state = self._local
-
-        def apply_mean(mean):
-            if self._scaling is not None:  # (the round's overflow flag decides the optimizer's skip)
-                mean = self._scaling.round_for_optimizer(list(mean))
-            elif static_loss_scale(model.optimizer) is not None:  # (the optimizer divides the true mean)
-                mean = [m * tf.cast(static_loss_scale(model.optimizer), m.dtype) for m in mean]
-            state.skipping = True  # the optimizer must not exchange the mean again
-            try:
-                return model.optimizer.apply_gradients(zip(mean, model.trainable_variables))
-            finally:
-                state.skipping = False
-
-        if not self._reduces_gradients:  # ElasticBSP: the update is pushed in the branch that computes
-
-            def train_and_exchange(data):
-                out = train_step(data)
-                if state.training:
-                    self._ensure_started(state.updates)
-                    after_optimizer(self._protocol, self._engine, self._variables, state.applied)
-                    state.exchanged = True
-                return out
-
-            return skippable_train_step(lambda: self._engine, model, train_and_exchange, None)
-
-        self._apply_mean = apply_mean  # also for the final round of late gradients (finish)
-
-        return skippable_train_step(lambda: self._engine, model, train_step, apply_mean)
-
     # ------------------------------------------------------------------ engine
+    def _ensure_started(self, tensors):
+        """Start the engine on ``tensors`` (the step's gradients, or the variables the path says)
+        while the first train step is traced (collective); once started, a later step must
+        update the same variables."""
+        tensors = list(tensors)
+        if self._engine is None:
+            self._variables = tensors
+            self._start(tensors)
+        elif self._variables and all(isinstance(v, tf.Variable) or hasattr(v, "path") for v in tensors):
+            if [id(tf_variable(v)) for v in tensors] != [id(tf_variable(v)) for v in self._variables]:
+                raise ValueError(
+                    "tfsync.SyncStrategy: a train step updated other variables than the "
+                    "first one did; tfsync needs one fixed set of trainable variables"
+                )
+
     def _start(self, tensors):
-        """Start the engine while the first train step is traced (collective).  A custom
-        loop's step (no Keras model: :meth:`_prepare` compared none) first compares every
-        rank's mode and the exchanged tensors' dtypes and shapes."""
+        """Start the engine (collective) on ``tensors`` and what the path exchanges beside them
+        (a Keras model's statistics under Local SGD and DiLoCo, a loss scale's overflow flag).
+        A custom loop's step (no Keras model: :meth:`_prepare` compared none) first compares
+        every rank's mode and the exchanged tensors' dtypes and shapes."""
         with tf.init_scope():
             if self._model is None:
                 self._agree(fingerprint(tensors))
-            elif self._protocol.periodic:  # Local SGD, DiLoCo: averaged with the weights at every outer step
-                tensors = [*tensors, *floating_statistics(self._model)]
-            self._frontend.start(tensors)
+            self._frontend.start(self._path.engine_tensors(tensors, self._model))
 
     def _agree(self, described):
         """Compare every rank's mode and ``described`` (:func:`tfsync.frontend.fingerprint`) with
@@ -470,21 +383,6 @@ class _SyncExtended(one_device_strategy.OneDeviceExtended):
                 "tfsync.weights",
                 "rank 0's weights and optimizer state, broadcast to every rank before the engine starts",
             )
-
-    def _ensure_started(self, variables):
-        if self._engine is None:
-            self._variables = list(variables)
-            self._start(self._variables)
-        elif [id(tf_variable(v)) for v in variables] != [id(tf_variable(v)) for v in self._variables]:
-            raise ValueError(
-                "tfsync.SyncStrategy: a train step updated other variables than the "
-                "first one did; tfsync needs one fixed set of trainable variables"
-            )
-
-    def _flush_before_non_training_step(self):
-        if self._reduces_gradients or self._engine is None:
-            return []
-        return [finish_in_graph(self._engine)]
 
     def _finish(self):
         if self._engine is None:

@@ -64,8 +64,9 @@ import urllib.parse
 import urllib.request
 
 from tfsync import _env, _horovod
-from tfsync.engine import protocols
 from tfsync.engine.diagnosis import SyncTimeoutError
+from tfsync.engine.protocols import tf_variable
+from tfsync.engine.rounds import horovod_collective
 
 ABORTED_MESSAGE = "has been shut down"  # in the error of a collective that abort() made fail (Horovod's words)
 ARRIVE_AFTER_S = 0.5  # a collective waiting this long records this rank's arrival (at most a quarter of its bound)
@@ -473,7 +474,7 @@ class HorovodCluster:
     def broadcast_variables(self, variables, root_rank, name):
         """Horovod's ``broadcast_variables``: the broadcasts launched together in one compiled
         function, assigned in place (no copy of the model is assembled on the host)."""
-        self.hvd.broadcast_variables([protocols.tf_variable(v) for v in variables], root_rank=root_rank)
+        self.hvd.broadcast_variables([tf_variable(v) for v in variables], root_rank=root_rank)
 
     def average(self, tensors, name):
         return self.hvd.grouped_allreduce(list(tensors), op=self.hvd.Average, name=name)
@@ -482,8 +483,8 @@ class HorovodCluster:
         return self.hvd.broadcast_object(obj, root_rank=root_rank, name=name)
 
     def collective(self, average: bool):
-        """One ``hvd.grouped_allreduce`` per round: :func:`tfsync.engine.protocols.horovod_collective`."""
-        return protocols.horovod_collective(average)
+        """One ``hvd.grouped_allreduce`` per round: :func:`tfsync.engine.rounds.horovod_collective`."""
+        return horovod_collective(average)
 
     def abort(self):
         """``hvd.shutdown()``: a pending collective on this rank raises at once (Horovod's

@@ -1,20 +1,21 @@
 """What a mode adds to the engine's step: the :class:`StepComponent` interface.
 
 The engine core (:mod:`tfsync.engine.engine`) runs rounds, waits, counts and
-faults for every mode alike.  What only some modes do is a component that the
-policy supplies once, when the engine starts (:meth:`Policy.components
-<tfsync.policies.Policy.components>`): DSSP's grants
-(:mod:`tfsync.engine.grants`), ElasticBSP's supersteps
-(:mod:`tfsync.engine.supersteps`), PSP's partial pulling
-(:mod:`tfsync.engine.pull`), holding and offering late contributions
-(:mod:`tfsync.engine.late`); a step protocol may add its own too (DC-S3GD's
-wait before the optimizer, :mod:`tfsync.engine.corrections`).  How a contribution enters its round, on every
-worker's own push or on rank 0's closing, is the round entry
+faults for every mode alike.  What only some modes do is a component, built
+once when the engine starts: the engine binds the built-in modes to theirs
+(:mod:`tfsync.engine.bindings`: DSSP's grants, :mod:`tfsync.engine.grants`;
+ElasticBSP's supersteps, :mod:`tfsync.engine.supersteps`; PSP's partial
+pulling, :mod:`tfsync.engine.pull`; holding and offering late contributions,
+:mod:`tfsync.engine.late`), a step protocol adds its own (DC-S3GD's wait before
+the optimizer, :class:`tfsync.engine.protocols.compensated.Corrections`), and a
+mode defined outside tfsync supplies its own (:meth:`Policy.components
+<tfsync.policies.Policy.components>`).  How a contribution enters its round, on
+every worker's own push or on rank 0's closing, is the round entry
 (:mod:`tfsync.engine.entry`), chosen by ``Policy.coordinated``.
 
 A component overrides the hooks it needs; every hook's default leaves the
-step as it is, so the engine calls each hook on every component in the order
-the policy listed them.  Hooks run on the training thread, inside the
+step as it is, so the engine calls each hook on every component in that order
+(the protocol's, the mode's, then the non-finite check).  Hooks run on the training thread, inside the
 compiled step's ``tf.py_function`` (or from the frontends' eager calls),
 never concurrently with each other.
 
@@ -87,7 +88,7 @@ class StepComponent:
 
     def before_apply(self, res) -> None:
         """Round ``res.round`` completed and is about to move the weights (``res``: its
-        :class:`~tfsync.engine.exchange.RoundResult`)."""
+        :class:`~tfsync.engine.rounds.RoundResult`)."""
 
     def apply(self, res) -> bool:
         """Apply the round; True if this component did (else the protocol applies it whole)."""

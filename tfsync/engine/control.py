@@ -297,10 +297,20 @@ class ControlServer:
     """Runs on rank 0: the live clock table and the set of lost ranks."""
 
     def __init__(
-        self, size: int, t0: float, token: str, host: str = "localhost", policy=None, advertise=None, port: int = 0
+        self,
+        size: int,
+        t0: float,
+        token: str,
+        host: str = "localhost",
+        policy=None,
+        advertise=None,
+        port: int = 0,
+        service=None,
     ):
         """Binds ``host`` (one address or name, not every interface); ``address`` is
-        ``advertise:port`` (default ``host``), what the workers dial."""
+        ``advertise:port`` (default ``host``), what the workers dial.  ``policy``: a coordinated
+        policy closes rounds here; ``service``: what the mode's coordinator keeps beyond that
+        (DSSP's controller, :mod:`tfsync.engine.bindings`), or None."""
         self.size, self.t0 = size, t0
         self._token = _check_token(token).encode("ascii")
         self._lock = threading.Lock()
@@ -325,7 +335,7 @@ class ControlServer:
         self._stopping = threading.Event()
         self._policy = policy if policy is not None and policy.coordinated else None
         # what the mode's coordinator keeps beyond closing rounds (DSSP's controller), if anything
-        self._service = policy.service(size) if policy is not None else None
+        self._service = service
         self._ready = {}  # open round -> [(rank, ready_s)] in arrival order
         self._closed = []  # [round, [accepted ranks]] (+ [late ranks] when any) in round order
         # the closings the streams carry: all of them, but, for a policy whose ready ranks enter

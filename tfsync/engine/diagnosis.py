@@ -10,7 +10,7 @@ stop notices rank 0 pushes to every worker, and rank 0's clock table.
 import time
 
 from tfsync.engine.control import RECONNECT_GRACE_S
-from tfsync.engine.exchange import WorkerLostError
+from tfsync.engine.rounds import WorkerLostError
 
 TABLE_TIMEOUT_S = 1.0  # one clock-table query while diagnosing
 # after a failed collective, how long to wait for the loss notice: rank 0 names a worker on

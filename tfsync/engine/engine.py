@@ -10,29 +10,32 @@ decisions.  Everything it takes from its peers goes through one injected
 cluster object (:mod:`tfsync.engine.cluster`): Horovod in production, N
 ranks on threads in the single-process tests.
 
-Three things are decided once, when the engine starts, as Horovod's
-``DistributedOptimizer`` factory decides its exchange once:
+The engine takes a resolved policy and checked settings
+(:class:`~tfsync.engine.settings.EngineSettings`); three things are decided
+once, when it starts, as Horovod's ``DistributedOptimizer`` factory decides
+its exchange once:
 
 * the step protocol the policy names (:mod:`tfsync.engine.protocols`): what a
   worker contributes (gradients before the optimizer, or its update after)
   and what a completed round does to its weights;
 * the round entry (:mod:`tfsync.engine.entry`): every worker enters every
   round, or rank 0's coordinator closes rounds on the policy's decision;
-* the policy's components (:mod:`tfsync.engine.components`): what only its
-  mode does to a step (DSSP's grants, ElasticBSP's supersteps, partial
-  pulling, late contributions).
+* the step components (:mod:`tfsync.engine.components`): what only its
+  protocol or its mode does to a step (DC-S3GD's wait before the optimizer,
+  DSSP's grants, ElasticBSP's supersteps, partial pulling, late
+  contributions; :mod:`tfsync.engine.bindings`).
 
 A step runs as one :meth:`SyncEngine.sync_step`, called from inside the
-compiled train step (:mod:`tfsync.engine.tf_bridge`) with the tensors
-themselves: the payload never crosses NumPy.  When a step's round already
-closed without this worker, :meth:`SyncEngine.begin_step` says so and the
-frontends skip its computation (:meth:`SyncEngine.skip_step`).  A step
-protocol may make only every ``H``-th step a contribution (Local SGD, DiLoCo:
-:mod:`tfsync.engine.outer`); the steps between are the worker's own
+compiled train step by the protocol's optimizer path
+(:mod:`tfsync.engine.protocols.path`) with the tensors themselves: the
+payload never crosses NumPy.  When a step's round already closed without
+this worker, :meth:`SyncEngine.begin_step` says so and the frontends skip its
+computation (:meth:`SyncEngine.skip_step`).  A step protocol may make only
+every ``H``-th step a contribution (Local SGD, DiLoCo:
+:mod:`tfsync.engine.protocols.outer`); the steps between are the worker's own
 (:meth:`SyncEngine.local_step`), and the engine's steps and rounds are the
-contributing ones.  A
-contribution with a NaN or an infinity never reaches a round
-(:mod:`tfsync.engine.nonfinite`).
+contributing ones.  A contribution with a NaN or an infinity never reaches a
+round (:mod:`tfsync.engine.nonfinite`).
 
 Per worker, ``produced`` = ``applied`` + ``compensated`` + ``dropped`` +
 ``rejected`` + ``lost`` (in flight when an elastic job reset: :meth:`SyncEngine.lose_in_flight`;
@@ -46,15 +49,16 @@ import time
 import numpy as np
 
 from tfsync import _env
-from tfsync.engine import lifecycle, protocols
+from tfsync.engine import bindings, lifecycle, protocols
 from tfsync.engine.cluster import HorovodCluster
 from tfsync.engine.control import ControlClient
 from tfsync.engine.diagnosis import Diagnosis
 from tfsync.engine.entry import CoordinatedRounds, OpenRounds
 from tfsync.engine.exchange import RoundExchange
-from tfsync.engine.nonfinite import NonFinite, check_option
+from tfsync.engine.nonfinite import NonFinite
+from tfsync.engine.settings import EngineSettings
 from tfsync.engine.tally import COUNTS, Tally, Trace, round_stamps, settled_fields
-from tfsync.policies import resolve
+from tfsync.policies import Policy
 
 WAIT_TIMEOUT_ENV = _env.WAIT_TIMEOUT_S.name
 WAIT_POLL_S = 1.0  # a waiting worker checks the control path (losses, stops, its deadline) this often
@@ -64,49 +68,38 @@ class SyncEngine:
     """Synchronization engine of one worker.
 
     Args:
-        mode: ``"bsp"``, ``"ssp"`` or a policy object (``tfsync.SSP(staleness=3)``).
-        stragglers: a :class:`tfsync.Stragglers`; default: from ``TFSYNC_STRAGGLERS``
-            (off when unset).
-        trace_dir: directory for the JSON-lines trace, one ``rank<R>.jsonl`` per
-            worker; ``None`` (default) writes no trace.
-        wait_timeout_s: bound on any single wait for peers (default 120 s, or
-            ``TFSYNC_WAIT_TIMEOUT_S``); past it the engine raises
-            :class:`SyncTimeoutError` naming the ranks that are behind.
+        policy: the mode, resolved (a policy object such as ``tfsync.SSP(staleness=3)``;
+            :func:`tfsync.policies.resolve` turns a name into one).
+        settings: an :class:`~tfsync.engine.settings.EngineSettings`, checked when it was built
+            (default: ``EngineSettings()``, from the environment).
         cluster: what the engine takes from its peers (see :mod:`tfsync.engine.cluster`).
             Default ``None``: :class:`~tfsync.engine.cluster.HorovodCluster`, built
             by :meth:`start`.  Tests and simulators pass N in-process ranks instead.
-        on_nonfinite: ``"reject"`` (default: a contribution with a NaN or an infinity is
-            left out of its round and counted as ``rejected``) or ``"raise"`` (the job
-            stops with :class:`~tfsync.engine.nonfinite.NonFiniteError` naming the rank and step).
-        elastic: the job runs under ``tfsync.elastic.run`` (default False): a failed collective
-            raises at once, without waiting for rank 0's loss notices or announcing a stop,
-            since every survivor resets on its own failure; :meth:`lose_in_flight` counts what
-            the failure took.
 
     Example:
 
-        engine = SyncEngine("psp", trace_dir="traces")   # Horovod's ranks
+        engine = SyncEngine(tfsync.PSP(), EngineSettings(trace_dir="traces"))   # Horovod's ranks
         engine.start(model.trainable_variables)
     """
 
     WAIT_TIMEOUT_ENV = WAIT_TIMEOUT_ENV
 
-    def __init__(
-        self,
-        mode="bsp",
-        *,
-        stragglers=None,
-        trace_dir=None,
-        wait_timeout_s=None,
-        cluster=None,
-        on_nonfinite="reject",
-        elastic=False,
-    ):
-        self.policy, self.on_nonfinite = resolve(mode), check_option(on_nonfinite)
-        self.elastic = bool(elastic)
-        settings = lifecycle.settings(stragglers=stragglers, trace_dir=trace_dir, wait_timeout_s=wait_timeout_s)
-        self.stragglers, self.trace_dir = settings["stragglers"], settings["trace_dir"]
-        self.wait_timeout_s = settings["wait_timeout_s"]
+    def __init__(self, policy, settings=None, *, cluster=None):
+        if not isinstance(policy, Policy):
+            raise TypeError(
+                f"tfsync.engine.SyncEngine: policy must be a resolved mode (a tfsync.policies.Policy), got "
+                f"{policy!r}; pass e.g. tfsync.policies.resolve({policy!r}) or tfsync.BSP()"
+            )
+        settings = settings if settings is not None else EngineSettings()
+        if not isinstance(settings, EngineSettings):
+            raise TypeError(
+                f"tfsync.engine.SyncEngine: settings must be a tfsync.engine.EngineSettings, got "
+                f"{type(settings).__name__}; pass e.g. EngineSettings(wait_timeout_s=60)"
+            )
+        self.policy, self.settings = policy, settings
+        self.on_nonfinite, self.elastic = settings.on_nonfinite, settings.elastic
+        self.stragglers, self.trace_dir = settings.stragglers, settings.trace_dir
+        self.wait_timeout_s = settings.wait_timeout_s
         self._cluster = cluster
         self.started = False
         self.error = None
@@ -136,7 +129,7 @@ class SyncEngine:
         self.shapes = [[int(d) for d in t.shape] for t in tensors]
         self.num_params = int(sum(np.prod(s, dtype=np.int64) for s in self.shapes))
         self.nonfinite = NonFinite(self.on_nonfinite)
-        self.components = [*self.protocol_cls.components(), *policy.components(), self.nonfinite]
+        self.components = [*self.protocol_cls.components(policy), *bindings.components(policy), self.nonfinite]
         for c in self.components:  # the model against the mode's settings, before any collective
             c.plan(self.shapes, self.num_params)
         config = {
@@ -150,13 +143,13 @@ class SyncEngine:
         self.hosts = lifecycle.agree_config(cluster, config, self.wait_timeout_s)
         self.t0 = lifecycle.agree_t0(cluster, self.wait_timeout_s)
         address, token = lifecycle.open_control(self, cluster)  # (sets self._server on rank 0)
-        options = {"averages": self.protocol_cls.average, **self.entry.exchange_options()}
+        options = {**self.protocol_cls.exchange_options(), **self.entry.exchange_options()}
         for c in self.components:
             options.update(c.exchange_options())
         # the exchange first: a frontend may route the protocol's variable creation
         # (SyncStrategy broadcasts initial values) through it
         self.exchange = RoundExchange(
-            cluster.collective(self.protocol_cls.average),
+            cluster.collective(options["averages"]),
             self.rank,
             self.size,
             self.t0,
@@ -164,8 +157,7 @@ class SyncEngine:
             **options,
         )
         self.protocol = self.protocol_cls(tensors, self.size, policy)
-        if getattr(self.protocol, "checks_sum", False):  # (an open round's sum checked, not each contribution)
-            self.exchange.sum_check = self.protocol
+        self.protocol.bind(self)
         self.control = ControlClient(address, self.rank, token, on_close=self.entry.on_close())
         # an inline round that waits reports this worker's clock, as the polling wait does
         self.exchange.on_inline_wait = lambda: self.control.report(self.last_pushed, min_interval_s=0.0)
@@ -386,9 +378,7 @@ class SyncEngine:
         if required_round > self.exchange.completed:
             self._wait_round(required_round)
         applied = []
-        last = self.exchange.completed
-        if self.protocol.one_round_per_step:  # a later round belongs to a later step
-            last = min(last, required_round)
+        last = self.protocol.last_round(self.exchange.completed, required_round)
         for r in range(self.applied_through + 1, last + 1):
             res = self.exchange.pop(r)
             for c in self.components:

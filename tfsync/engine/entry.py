@@ -71,13 +71,7 @@ class CoordinatedRounds(RoundEntry):
 
     def __init__(self, engine):
         super().__init__(engine)
-        policy = engine.policy
-        if not engine.protocol_cls.reduces_gradients:
-            raise ValueError(
-                f"tfsync: policy {policy.name!r} is coordinated but names the "
-                f"{engine.protocol_cls.payload!r} protocol; coordinated rounds carry gradients"
-            )
-        self.policy = policy
+        self.policy = engine.policy  # (its protocol carries gradients: StepProtocol.check_policy)
 
     def exchange_options(self):
         return dict(

@@ -104,92 +104,15 @@ ends, with the same weight.
 """
 
 import concurrent.futures
-import dataclasses
 import queue
 import threading
 import time
 
 import numpy as np
 
-META_FIELDS = ("present", "step", "push_time", "compute_s", "late", "late_step", "rejected")
-_K = len(META_FIELDS)
-_REJECTED = META_FIELDS.index("rejected")
-# wire digits per field: present 1, step 2 (< 2^32), push time and compute time in
-# microseconds 3 each (< 2^48 us, 8.9 years), late 1, late step 2, rejected 1
-_DIGITS = (1, 2, 3, 3, 1, 2, 1)
-_TIMES = (2, 3)  # the fields in seconds, sent as microseconds
-META_WIDTH = sum(_DIGITS)
-_BASE = 1 << 16
+from tfsync.engine.rounds import META_COLUMNS, REJECTED, RoundResult
+
 INLINE_WATCH_S = 1.0  # how often the watchdog of inline rounds looks (so an abort comes at most this late)
-
-
-_FIELD_SCALE = tuple(1e6 if k in _TIMES else 1.0 for k in range(_K))  # field -> its integer on the wire
-# decoding: wire column -> field, weighted by its digit's place (2^0, 2^16, 2^32), and the
-# fields' scales back to seconds.  In float64 every value is an integer below 2^53, so the
-# product with the weights is exact
-_DIGIT_WEIGHTS = np.zeros((META_WIDTH, _K))
-_DIGIT_WEIGHTS[np.arange(META_WIDTH), np.repeat(np.arange(_K), _DIGITS)] = np.concatenate(
-    [float(_BASE) ** np.arange(n) for n in _DIGITS]
-)
-_FIELD_DIVISOR = np.asarray(_FIELD_SCALE)
-
-
-def encode_meta(meta: np.ndarray) -> np.ndarray:
-    """``[size, len(META_FIELDS)]`` float64 rows (missing trailing fields are 0) -> flat
-    float32 base-2^16 digits (``size * META_WIDTH``).
-
-    Only the non-zero rows are encoded (a rank fills its own row), one Python
-    integer at a time: for a few small rows that is cheaper than a chain of
-    NumPy calls, and it runs on every round's path.
-    """
-    meta = np.asarray(meta, np.float64)
-    wire = np.zeros((meta.shape[0], META_WIDTH), np.float32)
-    for i in np.flatnonzero(meta.any(axis=1)).tolist():
-        digits = []
-        for value, scale, n in zip(meta[i].tolist(), _FIELD_SCALE, _DIGITS):
-            value = max(round(value * scale), 0)
-            for _ in range(n):
-                digits.append(value & (_BASE - 1))
-                value >>= 16
-        wire[i, : len(digits)] = digits  # (fields the rows leave out stay 0)
-    return wire.reshape(-1)
-
-
-def decode_meta(wire, size: int, mean: bool = False, divisor: int = None) -> np.ndarray:
-    """The inverse of :func:`encode_meta` after a sum over ranks (or, with ``mean``, an
-    average; with ``divisor``, a sum divided by it)."""
-    scale = size if mean else (divisor or 1)
-    digits = np.rint(np.asarray(wire, np.float64).reshape(size, META_WIDTH) * scale)
-    return (digits @ _DIGIT_WEIGHTS) / _FIELD_DIVISOR
-
-
-@dataclasses.dataclass
-class RoundResult:
-    """What every worker receives for a completed round."""
-
-    round: int
-    total: list  # the collective's result, one tensor per payload tensor
-    present: np.ndarray  # [size] 1.0 where that rank contributed
-    steps: np.ndarray  # [size] step each rank stamped its contribution with
-    push_times: np.ndarray  # [size] seconds since the job's t0
-    compute_s: np.ndarray  # [size]
-    contribution: list = None  # this worker's own payload for the round
-    accepted: tuple = None  # coordinated rounds: the ranks whose contribution it aggregated
-    late: np.ndarray = None  # [size] 1.0 where that rank added a late, delay-compensated contribution
-    late_steps: np.ndarray = None  # [size] the step that late contribution was computed for
-    rejected: np.ndarray = None  # [size] 1.0 where that rank's contribution was rejected (not finite): zeros
-    # open rounds whose sum is checked: ("own", tensors) when this rank's contribution was found not
-    # finite after the sum was, ("sum", tensors) when finite contributions' sum overflowed; else None
-    rejected_after_sum: tuple = None
-
-    @property
-    def contributors(self) -> int:
-        late = 0.0 if self.late is None else float(self.late.sum())
-        return int(round(float(self.present.sum()) + late))
-
-
-class WorkerLostError(RuntimeError):
-    """A peer stopped: raised on every surviving worker, naming the lost rank(s)."""
 
 
 class RoundExchange:
@@ -354,7 +277,7 @@ class RoundExchange:
         contributions, the same on every rank).  Returns that quotient
         (collective; on the communication thread, bounded).
         """
-        meta = np.zeros((self.size, _K), np.float64)
+        meta = np.zeros((self.size, META_COLUMNS), np.float64)
         payload = absent
         if late is not None:
             meta[self.rank, 4:6] = (1.0, late[0])
@@ -362,7 +285,7 @@ class RoundExchange:
 
         def run():
             total, out = self._collective(payload, meta, divisor=self._last_d)
-            took = sorted(np.flatnonzero(np.asarray(out, np.float64).reshape(self.size, _K)[:, 4]).tolist())
+            took = sorted(np.flatnonzero(np.asarray(out, np.float64).reshape(self.size, META_COLUMNS)[:, 4]).tolist())
             if took != sorted(holders):
                 raise RuntimeError(
                     f"tfsync: the final round should take the late contributions of ranks "
@@ -412,9 +335,9 @@ class RoundExchange:
         thread is stuck would hold this thread in Horovod for as long as it
         stays stuck, until that rank exits.
         """
-        meta = np.zeros((self.size, _K), np.float64)
+        meta = np.zeros((self.size, META_COLUMNS), np.float64)
         meta[self.rank, :4] = (1.0 if present and not rejected else 0.0, round_, push_time, compute_s)
-        meta[self.rank, _REJECTED] = 1.0 if rejected else 0.0
+        meta[self.rank, REJECTED] = 1.0 if rejected else 0.0
         item = (round_, list(payload), meta)
         if inline and self._running.acquire(blocking=False):
             try:
@@ -564,7 +487,7 @@ class RoundExchange:
         mine = self.rank in accepted
         with self._cond:
             item = self._outbox
-        meta = np.zeros((self.size, _K), np.float64)
+        meta = np.zeros((self.size, META_COLUMNS), np.float64)
         payload = None
         try:
             if item is not None:
@@ -581,10 +504,10 @@ class RoundExchange:
                 elif mine or self._enters_when_ready:  # (ready since the closing)
                     payload = contribution  # (None if rejected: zeros go out, and its row says so)
                     meta[self.rank, :4] = (0.0 if rejected else 1.0, stamp, push_time, compute_s)
-                    meta[self.rank, _REJECTED] = 1.0 if rejected else 0.0
+                    meta[self.rank, REJECTED] = 1.0 if rejected else 0.0
                     with self._cond:
                         self._outbox = None
-            if mine and meta[self.rank, 0] != 1.0 and meta[self.rank, _REJECTED] != 1.0:
+            if mine and meta[self.rank, 0] != 1.0 and meta[self.rank, REJECTED] != 1.0:
                 raise RuntimeError(
                     f"tfsync: rank {self.rank} was accepted for round {round_} "
                     f"but has no contribution to it in its outbox"
@@ -624,7 +547,7 @@ class RoundExchange:
         """An open round's plain sum (no post-scale in Horovod) divided by its number of
         contributions ``d`` in one checked pass: ``(total, meta, finite per tensor)``."""
         total, wire = self._collective(payload, meta, divisor=1)
-        meta = np.asarray(wire, np.float64).reshape(self.size, _K)
+        meta = np.asarray(wire, np.float64).reshape(self.size, META_COLUMNS)
         d = int(np.count_nonzero(meta[:, 0]))
         total, finite = self.sum_check.scale_sum(total, max(d, 1))
         return list(total), meta, np.asarray(finite, bool)
@@ -653,13 +576,13 @@ class RoundExchange:
                 after_sum = ("own", bad)
                 payload = self.sum_check.absent()
                 sent = sent.copy()
-                sent[self.rank, 0], sent[self.rank, _REJECTED] = 0.0, 1.0
+                sent[self.rank, 0], sent[self.rank, REJECTED] = 0.0, 1.0
         total, meta, finite = self._summed(payload, sent)
         if not finite.all():
             meta = meta.copy()
             if after_sum is None and meta[self.rank, 0] == 1.0:
                 after_sum = ("sum", np.flatnonzero(~finite).tolist())
-            meta[:, _REJECTED] += meta[:, 0]
+            meta[:, REJECTED] += meta[:, 0]
             meta[:, 0] = 0.0
             payload = total = self.sum_check.absent()
         return payload, list(total), meta, after_sum
@@ -696,7 +619,7 @@ class RoundExchange:
             else:
                 guess = self._last_d
                 total, meta = self._collective(payload, meta, divisor=guess)
-            meta = np.asarray(meta, np.float64).reshape(self.size, _K)
+            meta = np.asarray(meta, np.float64).reshape(self.size, META_COLUMNS)
             d = int(np.count_nonzero(meta[:, 0]))  # the fresh contributions (a late one adds on top)
             # a rejected rank's zeros (a checked sum was divided by d already)
             if not coordinated and self._averages and self.sum_check is None and 0 < d < self.size:
@@ -704,7 +627,7 @@ class RoundExchange:
             if coordinated:
                 # the ranks it took: those whose contribution it aggregated, and those whose
                 # contribution it took but had rejected (their zeros; not in d)
-                entered = np.flatnonzero(meta[:, 0] + meta[:, _REJECTED]).tolist()
+                entered = np.flatnonzero(meta[:, 0] + meta[:, REJECTED]).tolist()
                 took = tuple(entered), tuple(np.flatnonzero(meta[:, 4]).tolist())
                 if d != guess and d > 0:  # (no rank present: zeros, and d stays)
                     total = [t * (guess / d) for t in total]
@@ -736,7 +659,7 @@ class RoundExchange:
             accepted=accepted,
             late=meta[:, 4],
             late_steps=meta[:, 5],
-            rejected=meta[:, _REJECTED],
+            rejected=meta[:, REJECTED],
             rejected_after_sum=after_sum,
         )
         with self._cond:

@@ -7,47 +7,28 @@ that does not come stops every rank with an error naming it), so a job
 whose ranks disagree stops with both sides named before any round runs, and
 the control path's token reaches the workers over Horovod's channel, never
 the control path itself (its settings are checked earlier still, by
-:func:`settings`, when a frontend is built).  An engine ends with :func:`close` (collective) or,
+:class:`~tfsync.engine.settings.EngineSettings`, when a frontend is built).  An engine ends
+with :func:`close` (collective) or,
 when the interpreter exits with it still running, :func:`abandon` (local),
 so a failed ``fit`` cannot leave the process hanging on the control path's
 threads.
 """
 
-import os
 import secrets
 import socket
 import threading
 import time
 import weakref
 
-from tfsync import _env
+from tfsync.engine import bindings
 from tfsync.engine.address import choose as choose_control_address
 from tfsync.engine.cluster import run_bounded
 from tfsync.engine.control import ControlServer
-from tfsync.stragglers import Stragglers
 
 ABANDON_JOIN_S = 2.0  # at exit, how long an unclosed engine waits for its communication thread
 
 _running = weakref.WeakSet()  # engines started and not closed, in this process
 _exit_hook_registered = False
-
-
-def settings(*, stragglers=None, trace_dir=None, wait_timeout_s=None) -> dict:
-    """The engine's settings, checked and with their defaults filled in (from the environment):
-    what the frontends validate when they are built, before any training starts."""
-    if stragglers is None:
-        stragglers = Stragglers.from_env()
-    if not isinstance(stragglers, Stragglers):
-        raise TypeError(
-            f"tfsync: stragglers must be a tfsync.Stragglers or None, got {type(stragglers).__name__}; "
-            f"pass e.g. tfsync.Stragglers.parse('base=0.02,slow=1:0.04'), or None for none"
-        )
-    if trace_dir is not None and not isinstance(trace_dir, str | os.PathLike):
-        raise TypeError(
-            f"tfsync: trace_dir must be a directory path (str or os.PathLike) or None, got "
-            f"{type(trace_dir).__name__}; pass e.g. trace_dir='traces/run1', or None for no trace"
-        )
-    return {"stragglers": stragglers, "trace_dir": trace_dir, "wait_timeout_s": _env.wait_timeout_s(wait_timeout_s)}
 
 
 def check_trainable(tensors) -> None:
@@ -172,6 +153,7 @@ def open_control(engine, cluster):
                 advertise=chosen.advertise,
                 port=chosen.port,
                 policy=engine.policy,
+                service=bindings.service(engine.policy, engine.size),
             )
         except RuntimeError as exc:
             raise RuntimeError(f"{exc} (the address came from {chosen.source})") from exc

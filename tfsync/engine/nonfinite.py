@@ -25,7 +25,7 @@ engine's ``on_nonfinite``:
   others the average weights do not move.
   Under the modes whose optimizer runs on each worker's own gradients first
   (SSP, DSSP, ElasticBSP, DC-S3GD) the frontends keep a non-finite gradient
-  from that optimizer (:func:`tfsync.engine.tf_bridge.apply_if_finite`), so
+  from that optimizer (:func:`tfsync.engine.protocols.path.apply_if_finite`), so
   no NaN stays in its slots.  A rejection is counted as ``rejected`` (produced = applied
   + compensated + dropped + rejected), traced (``{"event": "rejected",
   "rank", "step", ...}``, and the step's record's ``rejected``) and logged as a
@@ -98,11 +98,7 @@ class NonFinite(StepComponent):
         if not bad:
             return payload, False
         engine = self.engine
-        protocol = engine.protocol_cls
-        if protocol.periodic:  # (Local SGD, DiLoCo: the engine's steps are outer steps)
-            what = "outer-step pseudo-gradient (its period's change; steps here count outer steps)"
-        else:
-            what = "gradients" if protocol.reduces_gradients else "update"
+        what = engine.protocol.describes
         payload = engine.protocol.reject(payload)
         self._reject(step, bad, what, {})
         if self.on_nonfinite == "raise":

@@ -1,47 +1,28 @@
 """``SyncCallback``: tfsync's synchronization for an ordinary compiled Keras 3 model.
 
 Horovod's own Keras layer does not work on Keras 3 (upstream issue 4290), so
-this is written against Keras 3's public hooks: the callback wraps the model
-optimizer's ``apply`` (Keras 3's one entry for updates: ``apply_gradients``
-calls it) for the duration of ``fit`` and retraces the train function, so the
-exchange runs inside the compiled step for any Keras optimizer and any
-``train_step`` that applies its gradients through it.
+this is written against Keras 3's public hooks.  The callback has one job:
+it checks that every rank starts alike, starts the engine, and installs the
+optimizer path the mode's step protocol builds
+(:mod:`tfsync.engine.protocols.path`) on the model optimizer's ``apply``
+(Keras 3's one entry for updates: ``apply_gradients`` calls it) for the
+duration of ``fit``, retracing the train function so the exchange runs inside
+the compiled step for any Keras optimizer and any ``train_step`` that applies
+its gradients through it.  Auto mode's switches (:mod:`tfsync.keras.auto`)
+and elastic commits (:mod:`tfsync.keras.commits`) are collaborators of their
+own, which reach the callback through :meth:`SyncCallback.switch_mode` and
+:meth:`SyncCallback.abandon_engine`.
 """
 
-import json
-import logging
-import os
-import time
-
 import keras
-import numpy as np
-import tensorflow as tf
 
-from tfsync.engine import COUNTS, lifecycle
-from tfsync.engine.pull import PartialPull
-from tfsync.engine.tally import SETTLED
-from tfsync.engine.tf_bridge import (
-    LossScaling,
-    OptimizerBlocks,
-    after_optimizer,
-    apply_if_finite,
-    before_optimizer,
-    before_optimizer_unscaled,
-    check_accumulation,
-    check_blockwise_optimizer,
-    exchange_gradients_blockwise,
-    gradients_finite,
-    guards_optimizer,
-    is_loss_scaled,
-    skippable_train_step,
-    static_loss_scale,
-)
-from tfsync.frontend import FINGERPRINT_FIX, Frontend, fingerprint
-from tfsync.keras.statistics import average_statistics, floating_statistics
+from tfsync.frontend import Frontend, check_start
+from tfsync.keras.auto import AutoSwitching
+from tfsync.keras.commits import ElasticCommits
+from tfsync.keras.counts import RunCounts
+from tfsync.keras.logs import add_epoch_logs
+from tfsync.keras.statistics import average_statistics
 from tfsync.policies import Auto, resolve_mode
-from tfsync.policies.auto import AutoController
-
-log = logging.getLogger("tfsync.auto")
 
 
 class SyncCallback(keras.callbacks.Callback):
@@ -62,19 +43,10 @@ class SyncCallback(keras.callbacks.Callback):
     identical non-trainable statistics).  State is reset at every ``fit``.
 
     Synchronized: every update through the model optimizer's ``apply`` or
-    ``apply_gradients``, from Keras' own ``train_step`` or a custom one;
-    mixed precision's ``LossScaleOptimizer`` (under a gradient-exchanging mode
-    every rank skips the steps whose gradients overflowed on any rank, and the
-    loss scales stay identical: :class:`tfsync.engine.tf_bridge.LossScaling`);
-    ``gradient_accumulation_steps`` under ``"bsp"``, ``"psp"`` and ``"backup"``
-    (each step's gradients are averaged over the workers before they are
-    accumulated, which gives the same update).  Refused before the first step,
-    saying why and what to do instead: a ``train_step`` that does not call
-    ``apply``/``apply_gradients`` exactly once (another optimizer, or
-    ``assign_sub``, would train each worker alone); gradient accumulation under
-    a mode that exchanges updates (``"ssp"``, ``"dssp"``, ``"elasticbsp"``,
-    ``"dcs3gd"``, ``"localsgd"``, ``"diloco"``, and ``"auto"`` with any of them),
-    whose staleness (or period) counts steps that would not be updates.
+    ``apply_gradients`` (a custom ``train_step`` too), mixed precision's
+    ``LossScaleOptimizer`` and, under ``"bsp"``, ``"psp"`` and ``"backup"``, gradient
+    accumulation; anything else is refused before the first step, saying why
+    (``docs/guide/callback.md``, "What it synchronizes").
 
     Args:
         mode: ``"bsp"`` (default), ``"ssp"``, ``"dssp"``, ``"elasticbsp"``, ``"psp"``, ``"backup"``,
@@ -84,14 +56,9 @@ class SyncCallback(keras.callbacks.Callback):
             ``H``-th step is a contribution (an outer step: the counts count outer steps, and the
             per-batch ``tfsync_wait_s`` is the last outer step's), and the model's non-trainable
             floating-point variables are averaged with the weights at every outer step.
-            ``"auto"`` (``tfsync.Auto``) classifies the
-            workers' measured iteration times (first after ``window_steps`` steps, mid-epoch, or
-            after ``tfsync.policies.auto.EARLY_STEPS`` under BSP when one worker is persistently
-            slow; then at epoch ends) and switches to the mode chosen for the profile; each decision
-            is in ``auto_decisions`` (one put off because a worker computed no step in the
-            window: ``auto_deferred``), the trace
-            (``trace_dir/auto.jsonl``; each mode's engine traces to ``trace_dir/<k>-<mode>/``)
-            and the epoch logs (``tfsync_auto_profile``, ``tfsync_auto_switches``).
+            ``"auto"`` (:class:`tfsync.Auto`) switches between modes from the measured iteration
+            times (:class:`tfsync.keras.auto.AutoSwitching`): its decisions are in
+            ``auto_decisions`` and ``auto_deferred``, ``trace_dir/auto.jsonl`` and the epoch logs.
         stragglers: ``tfsync.Stragglers`` to inject simulated delays; default:
             from the ``TFSYNC_STRAGGLERS`` environment variable (off if unset).
         trace_dir: write a JSON-lines trace per worker there (default: none).
@@ -113,26 +80,16 @@ class SyncCallback(keras.callbacks.Callback):
             ``tfsync_rejected``); ``"raise"``: the job stops with
             ``tfsync.engine.NonFiniteError`` naming the rank and the step.
         elastic: a :class:`tfsync.elastic.KerasState` (default None): elastic training under
-            ``tfsync.elastic.run`` and horovodrun's elastic launcher.  At every epoch end the
-            callback commits the state (the model, the optimizer, the next epoch, the job's
-            contributions summed over the workers); a failed collective raises at once, so
-            the job resets without waiting for loss reports; at a reset the contributions in
-            flight are counted ``tfsync_lost``.  ``counts`` and the logs then cover the whole
-            training of this process, across resets; each reset's engine traces to
-            ``trace_dir/reset<k>/``.  Refused when the mode cannot run on the membership's size
-            (``BackupWorkers(backups=1)`` on one worker).  See ``docs/guide/elastic.md``.
+            ``tfsync.elastic.run``; the state is committed at every epoch end, contributions in
+            flight at a reset are counted ``tfsync_lost``, and ``counts`` and the logs cover the
+            whole training across resets (:class:`tfsync.keras.commits.ElasticCommits`,
+            ``docs/guide/elastic.md``).
 
     Logs added: per batch ``tfsync_wait_s``, ``tfsync_staleness``; per epoch
-    ``tfsync_wait_fraction`` and this worker's contributions: ``tfsync_produced``
-    = ``tfsync_applied`` + ``tfsync_compensated`` (applied after a delay
-    compensation, DC-S3GD) + ``tfsync_dropped`` (the last epoch's counts include
-    the contributions drained at its end) + ``tfsync_rejected`` (a NaN or an
-    infinity: left out of its round) + ``tfsync_lost`` (in flight when an elastic job reset;
-    counted in the epoch that follows), and ``tfsync_skipped`` steps (PSP,
-    backup workers: steps whose round closed before this worker computed it).
-    With PSP's partial pulling also ``tfsync_blocks``, ``tfsync_late_blocks``
-    and ``tfsync_delayed_blocks`` (since ``fit`` began).
-    Averaged over workers with ``average_epoch_logs``.
+    ``tfsync_wait_fraction`` and what happened to this worker's contributions
+    (``tfsync_produced`` = ``tfsync_applied`` + ``tfsync_compensated`` + ``tfsync_dropped``
+    + ``tfsync_rejected`` + ``tfsync_lost``; ``tfsync_skipped`` steps), averaged over the
+    workers with ``average_epoch_logs``: see ``docs/guide/metrics.md``.
 
     Example:
 
@@ -157,25 +114,16 @@ class SyncCallback(keras.callbacks.Callback):
     ):
         super().__init__()
         mode = resolve_mode(mode)
-        if elastic is not None:
-            from tfsync.elastic import KerasState
-
-            if not isinstance(elastic, KerasState):
-                raise TypeError(
-                    f"tfsync.keras.SyncCallback: elastic must be a tfsync.elastic.KerasState or None, got "
-                    f"{type(elastic).__name__}; pass elastic=tfsync.elastic.KerasState(model)"
-                )
-            elastic._attach(self)
-        self.elastic = elastic
         for flag, value in (("average_epoch_logs", average_epoch_logs), ("average_statistics", average_statistics)):
             if not isinstance(value, bool):
                 raise TypeError(
                     f"tfsync.keras.SyncCallback: {flag} must be True or False, got {value!r}; "
                     f"pass {flag}=True (the default) or {flag}=False"
                 )
-        self.auto = mode if isinstance(mode, Auto) else None
+        self.mode = mode
+        self.auto = AutoSwitching(mode, self) if isinstance(mode, Auto) else None
         self.policy = mode.initial if self.auto else mode
-        self._frontend = Frontend(
+        self.frontend = Frontend(
             self.policy,
             stragglers=stragglers,
             trace_dir=trace_dir,
@@ -184,35 +132,38 @@ class SyncCallback(keras.callbacks.Callback):
             on_nonfinite=on_nonfinite,
             elastic=elastic is not None,
         )
-        self._earlier_counts = dict.fromkeys(COUNTS, 0)
-        self._committed_counts = dict.fromkeys(COUNTS, 0)  # elastic: this worker's, at the last commit
-        self._carried_totals = None  # elastic: the totals of an epoch a reset interrupted
-        self._folded = None  # elastic: the last engine whose counts are in _earlier_counts
-        self._hosts_check_due = False  # elastic: a commit was made, the launcher's notices not yet checked
+        self.elastic = ElasticCommits(elastic, self) if elastic is not None else None
         self.average_epoch_logs = average_epoch_logs
         self.average_statistics = average_statistics
-        self._controller = None
+        self.run_counts = RunCounts()
+        self._path = None  # the optimizer path the compiled train step was built on
+        self._optimizer = None  # the optimizer whose apply is hooked
 
     @property
     def engine(self):
         """The running (or last) :class:`tfsync.engine.SyncEngine`; None before ``fit``."""
-        return self._frontend.engine
+        return self.frontend.engine
+
+    @property
+    def counts(self):
+        """This worker's contributions over the whole ``fit`` (every engine auto mode ran); with
+        ``elastic=``, over this process's whole elastic training, through every reset."""
+        return self.run_counts.counts(self.engine)
 
     @property
     def auto_decisions(self):
         """Auto mode's decisions in this ``fit`` (:class:`tfsync.policies.auto.AutoController`)."""
-        return self._controller.decisions if self._controller is not None else []
+        return self.auto.decisions if self.auto is not None else []
 
     @property
     def auto_deferred(self):
         """Auto mode's decisions put off in this ``fit``, because a worker computed no step in
-        the window (a straggler whose steps were all skipped): ``{"epoch", "batch",
-        "ranks_without_steps"}`` each; the next one is taken at a later epoch end."""
-        return self._controller.deferred if self._controller is not None else []
+        the window: ``{"epoch", "batch", "ranks_without_steps"}`` each."""
+        return self.auto.deferred if self.auto is not None else []
 
     # -------------------------------------------------------------------- train
     def on_train_begin(self, logs=None):
-        model, frontend = self.model, self._frontend
+        model, frontend = self.model, self.frontend
         optimizer = getattr(model, "optimizer", None)
         if optimizer is None:
             raise ValueError(
@@ -221,183 +172,52 @@ class SyncCallback(keras.callbacks.Callback):
             )
         if frontend.running:  # a fit that raised left its engine running (Keras skips on_train_end)
             frontend.engine.abandon()
+        policies = self.auto.modes if self.auto is not None else (self.policy,)
         if self.elastic is not None:
-            self._elastic_begin(model)
-        self._check_optimizer(optimizer)  # (before any collective: every rank refuses alike)
-        if not optimizer.built:  # its slots exist before they are compared and broadcast
-            optimizer.build(model.trainable_variables)
-        steps = self.params.get("steps")
-        start = {
-            "steps": steps,
-            "mode": (self.auto if self.auto is not None else self.policy).config(),
-            **fingerprint(model.variables, optimizer, model),
-        }
-        configs = frontend.allgather(
-            start,
-            "tfsync.steps",
-            "every rank's steps per epoch, mode, model variables and optimizer, gathered at the start of fit",
-        )
-        all_steps = [c["steps"] for c in configs]
-        if len(set(all_steps)) != 1 or steps is None:
-            raise ValueError(
-                f"tfsync: the ranks run different or unknown numbers of steps per epoch "
-                f"({all_steps}); every worker must take the same number of steps: shard the data "
-                f"into equal parts (e.g. x[rank::size] with len(x) divisible by size) or pass "
-                f"steps_per_epoch to model.fit"
-            )
-        if steps < 1:  # (every rank's is the same: checked above)
-            raise ValueError(
-                f"tfsync: steps per epoch is {steps!r} (Keras' params['steps']: the data holds no batch); "
-                f"expected an integer >= 1: an epoch without steps synchronizes nothing. Give every worker "
-                f"at least one batch (e.g. tfsync.shard(x, y, batch_size=...) on data with at least "
-                f"batch_size samples per worker)"
-            )
-        lifecycle.check_agreement(configs, "mode, model and optimizer", FINGERPRINT_FIX)
-        # every variable training reads, from rank 0, in its own dtype: the model's (trainable or
-        # not) and the optimizer's (iterations, slots, learning rate, loss scale, accumulators)
-        frontend.broadcast_variables(
-            model.variables + list(optimizer.variables),
-            "tfsync.weights",
-            "rank 0's weights and optimizer state, broadcast to every rank at the start of fit",
-        )
-        self.variables = list(model.trainable_variables)
-        self._scaling = LossScaling(optimizer) if is_loss_scaled(optimizer) else None
-        self._applies = 0  # calls of the optimizer's apply in the train step being traced
-        self._steps = steps
-        if self.elastic is None:  # (elastic: the whole training's, across resets)
-            self._earlier_counts = dict.fromkeys(COUNTS, 0)  # of the engines auto mode stopped
-        self._compiled_kind = None  # what the compiled train step serves, if engines can share it
+            self.elastic.begin(model, self.mode)
+            self.run_counts.fold(self.engine, epoch_totals=False)
+        else:
+            self.run_counts.restart()
+        for policy in policies:  # (before any collective: every rank refuses alike)
+            frontend.optimizer_path(optimizer, policy=policy).check_optimizer(optimizer, "tfsync.keras.SyncCallback")
+        self._steps = check_start(frontend, self.params.get("steps"), self.mode, model)
+        self._epoch = 0
         if self.auto is not None:
-            self.policy, self._segment = self.auto.initial, 0
-            self._controller = AutoController(
-                self.auto,
-                frontend.cluster.size(),
-                steps * self.params.get("epochs", 1),
-                gather=lambda window: frontend.allgather(
-                    window, "tfsync.auto.window", "every rank's iteration times, gathered for auto mode's decision"
-                ),
-            )
+            self.policy = self.auto.begin(self._steps, self.params.get("epochs", 1))
+        self._path = None
         self._start_engine()
 
-    def _check_optimizer(self, optimizer):
-        """Refuse, before training, an optimizer path the mode (every mode auto may run) cannot
-        synchronize: gradient accumulation under a mode that exchanges updates."""
-        frontend = self._frontend
-        for policy in (self.auto.initial, *self.auto.modes.values()) if self.auto is not None else (self.policy,):
-            check_accumulation(
-                optimizer,
-                policy,
-                lambda p: frontend.protocol(p).reduces_gradients,
-                "tfsync.keras.SyncCallback",
-                "this mode exchanges the update each step made and counts its staleness bound (or "
-                "corrects its delay, or its period of local steps) in steps, which would then not be "
-                "updates. Use a mode that exchanges gradients ('bsp', 'psp', 'backup'), where each "
-                "step's gradients are averaged before they are accumulated, or a larger batch instead "
-                "of accumulating (under 'localsgd' and 'diloco': a larger batch or period)",
-            )
-
     def _start_engine(self):
-        """Start the engine of ``self.policy``; compile a train step for it unless the one
-        compiled already serves it (auto mode between gradient-protocol modes)."""
-        model, policy = self.model, self.policy
-        if policy.pulls_partially:
-            check_blockwise_optimizer(model.optimizer, policy)
-        tensors = self.variables
-        if self._scaling is not None:  # (the gradient protocol exchanges an overflow flag too)
-            tensors = self._scaling.engine_tensors(tensors, self._frontend.protocol(policy))
-        if self._frontend.protocol(policy).periodic:  # Local SGD, DiLoCo: averaged at every outer step
-            tensors = [*tensors, *floating_statistics(model)]
-        engine = self._frontend.start(
-            tensors,
-            policy=policy,
-            trace_name=self._trace_name(policy),
-            extra_config={"steps": self._steps, "optimizer": type(model.optimizer).__name__},
+        """Start the engine of ``self.policy``; compile a train step for it unless the one compiled
+        already serves it (auto mode between gradient-protocol modes)."""
+        model, optimizer = self.model, self.model.optimizer
+        keeps = self._path is not None and self._path.serves(self.policy)
+        path = (
+            self._path
+            if keeps
+            else self.frontend.optimizer_path(optimizer, policy=self.policy, shared=self.auto is not None)
         )
-        if self._keeps_step(policy):
-            return
-        kind = self._compiled_kind = self._step_kind(policy)
-        self._wrap_optimizer(model.optimizer)
-        train_step = self._applying_once(type(model).train_step.__get__(model))
-        if policy.skips or kind is not None:
-            # (partial pulling: the engine applies the rounds itself, block by block)
-            blockwise = engine.find(PartialPull) is not None
-            apply_mean = self._apply_mean if engine.protocol.reduces_gradients and not blockwise else None
-            train_step = skippable_train_step(lambda: self.engine, model, train_step, apply_mean)
-        model.train_step = train_step
-        model.make_train_function(force=True)
-        train_function = model.train_function
-
-        def train_function_reraising(iterator):
-            try:
-                return train_function(iterator)
-            except tf.errors.OpError as exc:
-                if self.engine.error is not None:  # a tfsync error surfaced through the graph
-                    raise self.engine.error from exc
-                raise
-
-        model.train_function = train_function_reraising
-
-    def _trace_name(self, policy):
-        """Where this engine's trace goes under ``trace_dir``: auto mode's ``<segment>-<mode>``,
-        under ``reset<k>`` in an elastic job (each membership's engines apart); None: there."""
-        name = f"{self._segment}-{policy.name}" if self.auto is not None else None
+        path.check_optimizer(optimizer, "tfsync.keras.SyncCallback")
+        trace_name = self.auto.trace_name(self.policy) if self.auto is not None else None
         if self.elastic is not None:
-            name = os.path.join(f"reset{self.elastic.resets}", name) if name else f"reset{self.elastic.resets}"
-        return name
-
-    def _applying_once(self, train_step):
-        """``train_step``, checked when it is traced (before its first step runs): it must update
-        the weights through the model optimizer's ``apply`` or ``apply_gradients`` exactly once,
-        the path the callback synchronizes; any other path would train each worker alone."""
-
-        def checked_train_step(data):
-            self._applies = 0
-            out = train_step(data)
-            if self._applies != 1:
-                self._frontend.engine.abandon()  # (fit raises: Keras calls no on_train_end)
-                raise ValueError(
-                    f"tfsync.keras.SyncCallback: the train step of {type(self.model).__name__} called "
-                    f"model.optimizer.apply() or apply_gradients() {self._applies} times; tfsync "
-                    f"synchronizes the weights through that call, once per step, so "
-                    + (
-                        "a step that updates them some other way (another optimizer, assign_sub) would "
-                        "train each worker alone"
-                        if self._applies == 0
-                        else "every call after the first would exchange again"
-                    )
-                    + ". Compute the step's gradients of model.trainable_variables and call "
-                    "self.optimizer.apply(grads, self.trainable_variables) (or apply_gradients) once"
-                )
-            return out
-
-        return checked_train_step
-
-    def _step_kind(self, policy):
-        """What the compiled train step must do for ``policy``, when auto mode can share it
-        between engines; None when each engine needs its own (or auto mode is off).
-
-        Gradient-protocol modes (BSP, PSP, backup workers) share one: the skippable step
-        (under BSP it never skips), whose exchange finds the current engine at every step,
-        so a switch among them costs no retracing.  Update protocols (SSP family,
-        DC-S3GD) keep their state in variables of their own: a step per engine.
-        """
-        if self.auto is None:
-            return None
-        protocol = self._frontend.protocol(policy)
-        return "gradients" if protocol.reduces_gradients and not protocol.corrects_gradients else None
-
-    def _keeps_step(self, policy):
-        """Whether the compiled train step serves ``policy``'s engine as it is."""
-        kind = self._step_kind(policy)
-        return kind is not None and kind == self._compiled_kind
+            trace_name = self.elastic.trace_name(trace_name)
+        self.frontend.start(
+            path.engine_tensors(model.trainable_variables, model),
+            policy=self.policy,
+            trace_name=trace_name,
+            extra_config={"steps": self._steps, "optimizer": type(optimizer).__name__},
+        )
+        if keeps:
+            return
+        self._path, self._optimizer = path, optimizer
+        self._apply_mean = self.frontend.install(model, path, "tfsync.keras.SyncCallback")
 
     def on_epoch_begin(self, epoch, logs=None):
-        if self.elastic is not None and self._hosts_check_due:
-            self._check_hosts()
+        if self.elastic is not None:
+            self.elastic.epoch_begin()
         self._epoch = epoch
-        self._switched_totals = None  # the epoch's totals of engines auto mode stopped during it
-        if self._controller is not None:
-            self._controller.epoch_begin()
+        if self.auto is not None:
+            self.auto.epoch_begin()
         if self.engine is not None:
             self.engine.reset_totals()
 
@@ -408,19 +228,8 @@ class SyncCallback(keras.callbacks.Callback):
         if logs is not None:
             logs["tfsync_wait_s"] = last.get("wait_s", 0.0)
             logs["tfsync_staleness"] = last.get("staleness", 0)
-        if self._controller is not None:
-            # (mid-epoch included: Keras looks its train function up at every step)
-            due, found = self._controller.after_step(last)
-            if due:
-                self._auto_decide(self._epoch, batch, found)
-
-    @property
-    def counts(self):
-        """This worker's contributions over the whole ``fit`` (every engine auto mode ran); with
-        ``elastic=``, over this process's whole elastic training, through every reset."""
-        engine = self.engine
-        now = engine.counts if engine is not None and engine is not self._folded else dict.fromkeys(COUNTS, 0)
-        return {k: self._earlier_counts[k] + now[k] for k in COUNTS}
+        if self.auto is not None:
+            self.auto.batch_end(self._epoch, batch, last)
 
     def on_epoch_end(self, epoch, logs=None):
         if logs is None or self.engine is None:
@@ -428,257 +237,64 @@ class SyncCallback(keras.callbacks.Callback):
         if epoch + 1 == self.params.get("epochs"):
             # drain the rounds still in flight now, so the last epoch's logs count every
             # contribution (on_train_end drains again if fit stops early)
-            self._drain()
-        if self._controller is not None and self._controller.due_at_epoch_end():
-            # before the logs: a switch's drain applies rounds this epoch's counts include
-            self._auto_decide(epoch, self._steps - 1)
-        tot = self.engine.totals
-        if self._switched_totals is not None:
-            tot = {k: self._switched_totals[k] + tot[k] for k in tot}
-        if self._carried_totals is not None:  # elastic: the interrupted epoch's, its lost included
-            tot, self._carried_totals = {k: self._carried_totals[k] + tot[k] for k in tot}, None
-        busy = tot["wait_s"] + tot["compute_s"]
-        logs["tfsync_wait_fraction"] = tot["wait_s"] / busy if busy else 0.0
-        for key in COUNTS:
-            logs[f"tfsync_{key}"] = float(tot[key])
-        pull = self.engine.find(PartialPull)
-        for key, n in (pull.counts if pull is not None else {}).items():  # partial pulling, since fit began
-            logs[f"tfsync_{key}"] = float(n)
-        if self.average_epoch_logs:
-            keys = sorted(k for k, v in logs.items() if np.ndim(v) == 0)
-            mean = self._frontend.average(
-                [float(logs[k]) for k in keys], "tfsync.epoch_logs", "the epoch's logs, averaged over the ranks"
-            )
-            logs.update({k: float(v) for k, v in zip(keys, mean)})
-        if self._controller is not None:
-            logs.update(self._controller.epoch_logs())
+            self.frontend.finish(apply_mean=self._apply_mean)
+        if self.auto is not None:
+            self.auto.epoch_end(epoch, self._steps - 1)
+        totals = self.run_counts.epoch_totals(self.engine)
+        add_epoch_logs(logs, totals, self.engine, self.frontend, self.average_epoch_logs)
+        if self.auto is not None:
+            logs.update(self.auto.epoch_logs())
         if self.elastic is not None:
-            self._commit(epoch)
+            self.elastic.epoch_end(epoch, self.run_counts.since_commit(self.engine))
 
-    def _auto_decide(self, epoch, batch, found=None):
-        """Auto mode's decision after this step (every rank after the same one), and its switch."""
-        decision, wanted = self._controller.decide(epoch, batch, found)
-        if decision is None:  # put off: a worker computed no step in the window
-            if self._frontend.cluster.rank() == 0:
-                deferred = self._controller.deferred[-1]
-                log.info(
-                    "tfsync auto, epoch %d batch %d: no decision, ranks %s computed no step since the last",
-                    epoch,
-                    batch,
-                    deferred["ranks_without_steps"],
-                )
-                self._trace_auto({"event": "auto_deferred", **deferred})
+    def on_train_end(self, logs=None):
+        if not self.frontend.running:
             return
-        if wanted is not None:
-            t = time.monotonic()
-            decision["retraced"] = self._switch(wanted)
-            decision["switch_s"] = time.monotonic() - t  # the retracing, if any, is in the next step
-        if self._frontend.cluster.rank() == 0:
-            log.info(
-                "tfsync auto, epoch %d batch %d: %s (%s) -> %s",
-                epoch,
-                batch,
-                decision["observed"],
-                decision["reason"],
-                decision["mode"],
-            )
-            self._trace_auto({"event": "auto", **decision})
+        self._stop_engine()
+        if self.average_statistics:  # the engine is closed: no other thread issues collectives
+            average_statistics(self.model, cluster=self.frontend.cluster, wait_timeout_s=self.frontend.wait_timeout_s)
 
-    def _trace_auto(self, record):
-        """One line of ``trace_dir/auto.jsonl`` (rank 0; nothing without ``trace_dir``)."""
-        trace_dir = self._frontend.settings["trace_dir"]
-        if trace_dir:
-            with open(os.path.join(trace_dir, "auto.jsonl"), "a") as f:
-                f.write(json.dumps(record) + "\n")
-
-    def _switch(self, policy):
+    # ---------------------------------------------------- the collaborators' seam
+    def switch_mode(self, policy) -> bool:
         """Drain the running mode (identical weights on every replica), give every replica rank 0's
-        optimizer state, and start ``policy``'s engine (collective).  Returns whether the train
-        step was compiled again."""
-        keep_step = self._keeps_step(policy)
-        self._stop_engine(keep_step=keep_step)
-        for k in COUNTS:
-            self._earlier_counts[k] += self.engine.counts[k]
-        before, now = self._switched_totals, self.engine.totals
-        self._switched_totals = now if before is None else {k: before[k] + now[k] for k in now}
-        opt = self.model.optimizer
-        self._frontend.broadcast_variables(
-            self.model.variables + list(opt.variables),
+        weights and optimizer state, and start ``policy``'s engine (collective; auto mode's
+        switch).  Returns whether the train step was compiled again."""
+        keeps = self._path is not None and self._path.serves(policy)
+        self._stop_engine(keep_step=keeps)
+        self.run_counts.fold(self.engine)
+        model = self.model
+        self.frontend.broadcast_variables(
+            model.variables + list(model.optimizer.variables),
             "tfsync.auto.switch",
             "rank 0's weights and optimizer state, broadcast when auto mode switches modes",
         )
         self.policy = policy
-        self._segment += 1
         self._start_engine()
-        self._controller.started(retraced=not keep_step)  # the new engine's first step retraces
-        return not keep_step
+        return not keeps
 
-    def on_train_end(self, logs=None):
-        if not self._frontend.running:
-            return
-        self._stop_engine()
-        if self.average_statistics:  # the engine is closed: no other thread issues collectives
-            average_statistics(self.model, cluster=self._frontend.cluster, wait_timeout_s=self._frontend.wait_timeout_s)
-
-    # ------------------------------------------------------------------ elastic
-    def _elastic_begin(self, model):
-        """Before a ``fit`` of an elastic job (first, or after a reset): the state's model, a mode
-        that works with this membership's size, the last engine's counts folded in."""
-        state, size = self.elastic, self._frontend.cluster.size()
-        if model is not state.model:
-            raise ValueError(
-                "tfsync.keras.SyncCallback: elastic= holds another model than the one being fit; build "
-                "the state on the model you train: tfsync.elastic.KerasState(model)"
-            )
-        try:  # (every rank refuses alike, before any collective)
-            (self.auto if self.auto is not None else self.policy).validate(size)
-        except ValueError as exc:
-            raise ValueError(
-                f"tfsync.elastic: the job has {size} workers now (after {state.resets} resets) and the mode "
-                f"cannot run on them: {exc}. Launch with horovodrun --min-np at least the smallest number "
-                f"of workers the mode takes, or choose settings that rescale (PSP's min_contributions=None "
-                f"waits for size - 1)"
-            ) from exc
-        self._fold_engine()
-        self._hosts_check_due = False  # (the state was just synchronized: run checks nothing older)
-
-    def _fold_engine(self):
-        """Add the last engine's counts to this worker's earlier counts, once."""
-        engine = self.engine
-        if engine is not None and engine is not self._folded:
-            for k in COUNTS:
-                self._earlier_counts[k] += engine.counts[k]
-            self._folded = engine
-
-    def _commit(self, epoch):
-        """Epoch end of an elastic job: the job's contributions since the last commit (summed over
-        the workers), the next epoch, and the model, committed to the state (collective).  The
-        launcher's notices of changed hosts are checked when the next epoch begins
-        (:meth:`_check_hosts`), after every callback's epoch end."""
-        state, counts = self.elastic, self.counts
-        # only settled contributions: one in flight now (SSP's rounds) is counted at the commit that
-        # follows its round, so the job's counts add up at every commit, whoever is lost later
-        counts["produced"] = sum(counts[k] for k in SETTLED)
-        delta = [float(counts[k] - self._committed_counts[k]) for k in COUNTS]
-        mean = self._frontend.average(
-            delta, "tfsync.elastic.counts", "every worker's contributions since the last commit, summed for the job"
-        )
-        size = self._frontend.cluster.size()
-        for k, m in zip(COUNTS, mean, strict=True):
-            state.counts[k] += int(round(float(m) * size))
-        self._committed_counts = counts
-        state.epoch = epoch + 1
-        state.save()
-        self._hosts_check_due = True
-
-    def _check_hosts(self):
-        """Whether the launcher changed the hosts since the last check (collective: rank 0's
-        notices, broadcast): if so, Horovod's ``HostsUpdatedInterrupt`` (``tfsync.elastic.run``
-        resets, the state just committed).  At an epoch's beginning, not in the commit at the
-        previous one's end, so every callback's ``on_epoch_end`` (checkpoints, evaluations) ran."""
-        self._hosts_check_due = False
-        self.elastic.check_host_updates()
-
-    def _elastic_reset(self, reason):
-        """An elastic reset (``tfsync.elastic.run``, Horovod already shut down): count this worker's
-        contributions in flight as lost, abandon the engine, undo its hooks on the model; the
-        interrupted epoch's totals go into the next epoch's logs.  Returns how many were lost."""
+    def abandon_engine(self, reason: str) -> int:
+        """End the running engine unfinished (an elastic reset, Horovod already shut down): count
+        this worker's contributions in flight as lost, fold its counts into the run's, undo the
+        hooks on the model.  Returns how many were lost."""
         engine, lost = self.engine, 0
-        if engine is not None and engine is not self._folded:
-            if engine.started:
-                lost = engine.lose_in_flight(reason)
-                before, now = self._carried_totals, engine.totals
-                self._carried_totals = now if before is None else {k: before[k] + now[k] for k in now}
-            self._fold_engine()
-        self._hosts_check_due = False
-        self._unwrap_optimizer()
-        model = getattr(self, "model", None)  # (None: the failure came before the first fit)
-        if model is not None and "train_step" in vars(model):
-            del model.train_step
-        self._compiled_kind = None
+        if engine is not None and engine.started:
+            lost = engine.lose_in_flight(reason)
+        self.run_counts.fold(engine)
+        self._unhook()
         return lost
 
     # ---------------------------------------------------------------- internals
     def _stop_engine(self, keep_step=False):
-        """Drain, close and unwrap the running engine (it stays in ``engine`` for its counts and
+        """Drain, close and unhook the running engine (it stays in ``engine`` for its counts and
         totals); ``keep_step``: the compiled train step stays for the next engine."""
         try:
             # compensate=: the late gradients still held get one last round, applied by the optimizer
-            self._frontend.stop(apply_mean=self._apply_mean)
+            self.frontend.stop(apply_mean=self._apply_mean)
         finally:
             if not keep_step:
-                self._unwrap_optimizer()
-                if "train_step" in vars(self.model):
-                    del self.model.train_step
-                self._compiled_kind = None
+                self._unhook()
                 self.model.make_train_function(force=True)
 
-    def _drain(self):
-        """Wait for every round in flight and load the final weights (identical on all ranks)."""
-        self._frontend.finish(apply_mean=self._apply_mean)
-
-    def _wrap_optimizer(self, optimizer):
-        """Hook the optimizer's ``apply``, Keras 3's one entry for updates: ``apply_gradients``
-        calls it, and so does a ``LossScaleOptimizer`` (whose ``apply`` is hooked, not its inner
-        optimizer's: one exchange per step, :class:`~tfsync.engine.tf_bridge.LossScaling`)."""
-        engine, expected = self.engine, [id(v) for v in self.variables]
-        protocol = engine.protocol
-        pull = engine.find(PartialPull)
-        current = engine if self._compiled_kind is None else (lambda: self.engine)
-        original = type(optimizer).apply.__get__(optimizer)
-        scaling = self._scaling
-        factor = static_loss_scale(optimizer) if scaling is None else None
-
-        def apply(grads, trainable_variables=None):
-            grads = list(grads)
-            if trainable_variables is None:  # (Keras: the variables the optimizer was built with)
-                trainable_variables = getattr(optimizer, "_trainable_variables", [])
-            variables = list(trainable_variables)
-            if [id(v) for v in variables] != expected:
-                raise ValueError(
-                    "tfsync: the optimizer was asked to update other variables than the "
-                    "model's trainable weights at the start of fit; do not change "
-                    "trainability during fit"
-                )
-            self._applies += 1
-            if pull is not None:
-                return exchange_gradients_blockwise(current, grads, lambda mean: original(list(mean), variables))
-            if scaling is not None:  # (it skips a step whose gradients overflowed itself)
-                to_apply = scaling.before_optimizer(protocol, current, grads)
-                result = original(list(to_apply), variables)
-                after_optimizer(protocol, engine, variables)
-                return result
-            if not guards_optimizer(protocol):  # (it applies the round's mean)
-                if factor is not None:
-                    return original(list(before_optimizer_unscaled(factor, protocol, current, grads)), variables)
-                return original(list(before_optimizer(protocol, current, grads)), variables)
-            # the optimizer runs on this worker's own gradients (DC-S3GD: corrected), and only on
-            # finite ones; a correction that keeps state is kept from gradients that are not
-            raw = gradients_finite(grads) if protocol.corrects_gradients and protocol.stateful_correction else None
-            if factor is not None:
-                to_apply = before_optimizer_unscaled(factor, protocol, current, grads, raw)
-            else:
-                to_apply = before_optimizer(protocol, current, grads, raw)
-            applied = apply_if_finite(gradients_finite(to_apply), lambda: original(list(to_apply), variables))
-            after_optimizer(protocol, engine, variables, applied)
-            return None
-
-        optimizer.apply = apply
-        self._wrapped_optimizer = optimizer
-        if pull is not None:
-            pull.applier = OptimizerBlocks(
-                optimizer, lambda pairs: original(*map(list, zip(*pairs))), self.variables, pull.groups
-            )
-        # a skipped step applies the round's mean without exchanging again
-        if scaling is not None and protocol.reduces_gradients:
-            self._apply_mean = lambda mean: original(scaling.round_for_optimizer(list(mean)), self.variables)
-        elif factor is not None and protocol.reduces_gradients:  # (the round's mean is of true gradients)
-            self._apply_mean = lambda mean: original([m * factor for m in mean], self.variables)
-        else:
-            self._apply_mean = lambda mean: original(list(mean), self.variables)
-
-    def _unwrap_optimizer(self):
-        opt = getattr(self, "_wrapped_optimizer", None)
-        if opt is not None and "apply" in vars(opt):
-            del opt.apply
-        self._wrapped_optimizer = None
+    def _unhook(self):
+        Frontend.uninstall(getattr(self, "model", None), self._optimizer)  # (no model: a reset before fit)
+        self._optimizer, self._path = None, None

@@ -12,8 +12,7 @@ import tensorflow as tf
 
 from tfsync import _env
 from tfsync.engine.cluster import HorovodCluster, run_bounded
-from tfsync.engine.protocols import tf_variable
-from tfsync.frontend import floating_statistics
+from tfsync.engine.protocols import floating_statistics, tf_variable
 
 
 def average_statistics(model, name="tfsync.statistics", *, cluster=None, wait_timeout_s=None):

@@ -57,9 +57,10 @@ class Policy(abc.ABC):
             contributions are corrected and applied instead of dropped
             (the gradient protocol then keeps the weights they were computed on).
 
-    What a mode does beyond choosing rounds is in the engine components it
-    supplies (:meth:`components`) and the service its coordinator runs on
-    rank 0 (:meth:`service`).
+    What a mode does beyond choosing rounds is in engine components and a
+    service on rank 0's coordinator: the engine binds the built-in modes to
+    theirs (:mod:`tfsync.engine.bindings`); a mode defined outside tfsync
+    supplies its own through :meth:`components` and :meth:`service`.
     """
 
     name: str = ""
@@ -104,8 +105,9 @@ class Policy(abc.ABC):
         )
 
     def components(self) -> list:
-        """The engine components this mode adds to every step, built once per engine
-        (:class:`tfsync.engine.components.StepComponent`; called when the engine starts)."""
+        """The engine components a mode defined outside tfsync adds to every step, built once per
+        engine (:class:`tfsync.engine.components.StepComponent`; called when the engine starts,
+        after the built-in modes' own, :mod:`tfsync.engine.bindings`)."""
         return []
 
     def service(self, size: int):

@@ -140,16 +140,6 @@ class DSSP(Policy):
             return self.hard_round(nxt), room, False
         return required, room, required > completed and room > 0
 
-    def components(self):
-        from tfsync.engine.grants import Grants
-
-        return [Grants(self)]
-
-    def service(self, size):
-        from tfsync.engine.grants import GrantService
-
-        return GrantService(self, size)
-
     def grant(self, pushes: "PushTable", rank: int, room: int) -> Grant:
         """The synchronization controller (Algorithm 1, lines 7-16, and Algorithm 2).
 
@@ -335,11 +325,6 @@ class ElasticBSP(Policy):
     def required_round(self, step: int) -> int:
         """Without a schedule (the monitoring phase): every step is a barrier."""
         return step
-
-    def components(self):
-        from tfsync.engine.supersteps import Supersteps
-
-        return [Supersteps(self)]
 
     def first_schedule(self, size: int) -> Schedule:
         """The job's first superstep (a monitoring barrier); loads the scheduler's kernels now,

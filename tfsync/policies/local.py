@@ -19,7 +19,7 @@ step waits for its own round, as BSP's step does, except under DiLoCo's
 streaming variant (``overlap_steps``: *Streaming DiLoCo with overlapping
 communication*, Douillard et al., 2025), whose round lands ``overlap_steps``
 inner steps after it was sent.  The step protocol
-(:class:`tfsync.engine.outer.OuterStepProtocol`) keeps the weights of the
+(:class:`tfsync.engine.protocols.outer.OuterStepProtocol`) keeps the weights of the
 last outer step and applies the round.  Pure settings here: no TensorFlow,
 no Keras (an outer optimizer given as a Keras optimizer is kept as its
 serialized configuration).

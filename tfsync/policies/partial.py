@@ -244,14 +244,6 @@ class PSP(Policy):
     def required_round(self, step: int) -> int:
         return step
 
-    def components(self):
-        from tfsync.engine.late import LateContributions
-        from tfsync.engine.pull import PartialPull
-
-        return ([PartialPull(self)] if self.pulls_partially else []) + (
-            [LateContributions(self.compensate)] if self.compensate is not None else []
-        )
-
     def close_round(self, ready, opened_s, now_s, size) -> Closing:
         # asked on every ready notice: O(1) until c have arrived (10,000 workers' notices
         # would otherwise cost a sort each)
@@ -320,11 +312,6 @@ class BackupWorkers(Policy):
 
     def required_round(self, step: int) -> int:
         return step
-
-    def components(self):
-        from tfsync.engine.late import LateContributions
-
-        return [LateContributions(self.compensate)] if self.compensate is not None else []
 
     def close_round(self, ready, opened_s, now_s, size) -> Closing:
         n = size - self.backups

@@ -38,11 +38,15 @@ import tensorflow as tf
 
 from tfsync import ops
 from tfsync.engine.components import StepComponent
-from tfsync.engine.protocols import compile_flat, tf_variable
-
-
-def _state_variable(initial):
-    return tf.Variable(initial, trainable=False, synchronization=tf.VariableSynchronization.NONE)
+from tfsync.engine.protocols._tf import (
+    compile_flat,
+    floating_statistics,
+    gradients_finite,
+    state_variable,
+    tf_variable,
+)
+from tfsync.engine.protocols.base import StepProtocol
+from tfsync.engine.protocols.path import OptimizerPath, finish_in_graph, is_loss_scaled
 
 
 def build_outer_optimizer(config):
@@ -52,20 +56,21 @@ def build_outer_optimizer(config):
     return keras.optimizers.deserialize(config)
 
 
-class OuterStepProtocol:
+class OuterStepProtocol(StepProtocol):
     """Local SGD's and DiLoCo's step (see the module docstring)."""
 
     payload = "pseudo_gradients"
-    average = True  # the round's result is the mean pseudo-gradient over the ranks present
-    reduces_gradients = False  # the worker's own optimizer runs every step ...
-    corrects_gradients = False
-    periodic = True  # ... and only every H-th step is a contribution
-    one_round_per_step = True  # outer step k applies round k
+    describes = "outer-step pseudo-gradient (its period's change; steps here count outer steps)"
+    averages = True  # the round's result is the mean pseudo-gradient over the ranks present
 
-    @staticmethod
-    def components():
+    @classmethod
+    def components(cls, policy):
         """The last, shorter outer step when training ends mid-period."""
         return [FinalOuterStep()]
+
+    @classmethod
+    def optimizer_path(cls, policy, engine, optimizer=None, station="apply", shared=False):
+        return PeriodicAfter(policy, engine, optimizer, station, shared)
 
     PUSH, LAND = "push", "land"  # what a step does besides the worker's own (end_inner_step)
 
@@ -79,7 +84,7 @@ class OuterStepProtocol:
         self.shapes = [tuple(v.shape) for v in self.variables]
         self.dtypes = [v.dtype for v in self.variables]
         with tf.init_scope():
-            self.w_outer = [_state_variable(tf.identity(v)) for v in self.variables]
+            self.w_outer = [state_variable(tf.identity(v)) for v in self.variables]
             self._zeros = [tf.zeros(v.shape, v.dtype) for v in self.variables]
             self.outer_optimizer = build_outer_optimizer(policy.outer_optimizer_config)
             weights = [w for w, t in zip(self.w_outer, self.trainable) if t]
@@ -170,8 +175,11 @@ class OuterStepProtocol:
             return
         self._apply_mean(*result.total)
 
-    def result(self):
-        return []
+    def last_round(self, completed, required):
+        return min(completed, required)  # outer step k applies round k
+
+    def absent(self):
+        return self._zeros
 
     def finish(self):
         """Every round applied: the weights are ``w_outer``, identical on every worker (overlapped:
@@ -195,4 +203,57 @@ class FinalOuterStep(StepComponent):
         return False
 
 
-__all__ = ["OuterStepProtocol", "FinalOuterStep", "build_outer_optimizer"]
+def exchange_periodically(engine, variables, applied=None):
+    """After the local optimizer step, count it; the ``H``-th step of a period is an outer step
+    (the engine's ``sync_step``: the pseudo-gradient's round, bounded, counted, applied), the
+    others are the worker's own (:meth:`SyncEngine.local_step`).  DiLoCo overlapped: the push
+    comes ``overlap_steps`` before the period's end, whose step waits for the round and applies
+    it.  One ``tf.py_function`` per step, ordered after the optimizer's writes (it takes each
+    variable's shape through its handle); ``applied``: the path's guard (a contribution with a
+    step whose gradients were not finite is rejected at its push).  ``engine``: a callable
+    returning the engine."""
+    # (the protocol's variables: the weights and the statistics that ride in the outer round, which
+    # a BatchNormalization layer writes in the step's forward pass)
+    variables = engine().protocol.variables
+    after_update = [tf.raw_ops.VariableShape(input=v.handle) for v in variables]
+    flags = tf.reshape(applied, [-1]) if applied is not None else tf.constant([True])
+
+    def step(finite, *_):
+        running = engine()
+        protocol = running.protocol
+        action = protocol.end_inner_step(bool(finite.numpy().all()))
+        if action == protocol.PUSH:
+            running.sync_step([])
+        elif action == protocol.LAND:  # (DiLoCo overlapped: the round pushed overlap_steps ago)
+            running.local_step(required_round=running.step - 1)
+        else:
+            running.local_step()
+
+    return tf.py_function(step, [flags, *after_update], Tout=[], name="tfsync_step")
+
+
+class PeriodicAfter(OptimizerPath):
+    """The worker's own optimizer runs every step (on finite gradients only), then the step is
+    counted and every ``H``-th pushes its pseudo-gradient.  The model's non-trainable
+    floating-point statistics ride in the outer round with the weights.  Under a
+    ``LossScaleOptimizer`` its own decision stands (it skips an overflowed step itself)."""
+
+    def guard(self, to_apply):
+        return None if is_loss_scaled(self.optimizer) else gradients_finite(to_apply)
+
+    def after(self, variables, applied):
+        exchange_periodically(self._engine, variables, applied)
+
+    def extra_tensors(self, model=None):
+        return [] if model is None else floating_statistics(model)
+
+    def after_step(self, updated, applied, start):
+        start(list(updated))
+        self.after(updated, applied)
+
+    def before_other_step(self):
+        engine = self.engine
+        return [] if engine is None else [finish_in_graph(engine)]
+
+
+__all__ = ["FinalOuterStep", "OuterStepProtocol", "build_outer_optimizer"]

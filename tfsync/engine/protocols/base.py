@@ -1,0 +1,106 @@
+"""The interface every step protocol implements (:class:`StepProtocol`).
+
+A step protocol is what one step of a worker contributes to a round and what a
+completed round does to its weights: the gradients before the optimizer
+(:mod:`~tfsync.engine.protocols.gradient`), the update after it
+(:mod:`~tfsync.engine.protocols.update`), DC-S3GD's corrected update
+(:mod:`~tfsync.engine.protocols.compensated`), Local SGD's and DiLoCo's
+pseudo-gradient every ``H`` steps (:mod:`~tfsync.engine.protocols.outer`).
+A policy names its protocol by ``policy.payload``; the engine builds the
+protocol object once, when it starts, on the tensors the frontend hands it,
+and calls only this interface.  What the protocol makes of the optimizer's
+update is its :class:`~tfsync.engine.protocols.path.OptimizerPath`, which the
+frontends install and call without asking the protocol what it is.
+
+A new protocol is one module with a subclass of :class:`StepProtocol` (and its
+path) and one :func:`tfsync.engine.protocols.register` call.
+"""
+
+
+class StepProtocol:
+    """One step's contribution and a round's application (base class: documents every hook).
+
+    Class attributes:
+        payload: the name a policy gives (``Policy.payload``).
+        describes: what one contribution is, in words (warnings and errors say it).
+        averages: the round's collective averages the contributions (Horovod's ``Average``);
+            False: it sums them.
+    """
+
+    payload = ""
+    describes = "contribution"
+    averages = False
+
+    # ------------------------------------------------------------ decided once
+    @classmethod
+    def check_policy(cls, policy) -> None:
+        """Raise ``ValueError`` when ``policy`` asks for what this protocol cannot do (called
+        when the engine resolves the protocol, before any collective)."""
+        if policy.coordinated:
+            raise ValueError(
+                f"tfsync: policy {policy.name!r} is coordinated but names the {cls.payload!r} protocol; "
+                f"coordinated rounds carry gradients"
+            )
+
+    @classmethod
+    def components(cls, policy) -> list:
+        """The engine components (:class:`tfsync.engine.components.StepComponent`) this protocol
+        adds to every step of ``policy``'s engine."""
+        return []
+
+    @classmethod
+    def exchange_options(cls) -> dict:
+        """Keyword arguments of :class:`~tfsync.engine.exchange.RoundExchange` this protocol needs."""
+        return {"averages": cls.averages}
+
+    @classmethod
+    def optimizer_path(cls, policy, engine, optimizer=None, station="apply", shared=False):
+        """What ``optimizer``'s update becomes under this protocol
+        (:class:`~tfsync.engine.protocols.path.OptimizerPath`): built once, installed by a frontend.
+
+        ``engine``: the engine, or a callable returning it (looked up at every step);
+        ``station``: where the frontend hooks the optimizer, ``"apply"`` (its ``apply``, the
+        callback) or ``"all_reduce"`` (its gradient all-reduce, the strategy); ``shared``: a
+        compiled train step built on this path serves later engines too (auto mode)."""
+        raise NotImplementedError(f"{cls.__name__} does not say what the optimizer's update becomes")
+
+    # ------------------------------------------------------------- the engine's
+    def __init__(self, tensors, size: int, policy):
+        """The protocol's state for ``tensors`` (the model's trainable variables, or the gradients'
+        shapes and dtypes) of a job of ``size`` workers under ``policy``."""
+
+    def bind(self, engine) -> None:
+        """Called once the engine's exchange and control path exist."""
+
+    def contribution(self, inputs):
+        """This step's contribution from what the frontend's ``sync_step`` passed: ``(payload,
+        finite)``, ``finite`` a bool per tensor or None (not checked here)."""
+        raise NotImplementedError
+
+    def reject(self, payload):
+        """A contribution that is not finite goes nowhere: undo what it did to this worker's
+        weights; returns what is sent in its place (zeros)."""
+        raise NotImplementedError
+
+    def absent(self):
+        """What a rank that contributes nothing to a round sends (zeros, built once)."""
+        raise NotImplementedError
+
+    def apply_round(self, result) -> None:
+        """Apply a completed round (:class:`~tfsync.engine.rounds.RoundResult`)."""
+        raise NotImplementedError
+
+    def last_round(self, completed: int, required: int) -> int:
+        """The newest round a step that waited for ``required`` applies (``completed``: the newest
+        complete one): every complete round by default."""
+        return completed
+
+    def result(self):
+        """What the step's ``sync_step`` returns to the compiled step."""
+        return []
+
+    def finish(self) -> None:
+        """Every round is applied: leave the weights identical on every replica."""
+
+
+__all__ = ["StepProtocol"]

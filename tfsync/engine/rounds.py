@@ -1,0 +1,145 @@
+"""What a round carries besides the payload, and the collective that carries it.
+
+One small metadata block rides in every round's collective: one row per rank,
+filled only by that rank, so that after the reduction every worker holds
+every worker's step, push timestamp and compute time for the round (the
+replicated clock table the policies read), and what happened to its
+contribution (``present``, ``late``, ``rejected``).  On the wire a row is
+float32 digits of base 2^16 (:func:`encode_meta`): a row is non-zero on one
+rank only, so the sum is exact, and digits that small come back exactly from
+a mean too (``round(mean * size)``), so the metadata can share one grouped
+call with a payload that Horovod averages (:func:`horovod_collective`).
+A completed round reaches the engine as a :class:`RoundResult`.
+"""
+
+import dataclasses
+
+import numpy as np
+
+from tfsync import _horovod
+
+META_FIELDS = ("present", "step", "push_time", "compute_s", "late", "late_step", "rejected")
+META_COLUMNS = len(META_FIELDS)
+REJECTED = META_FIELDS.index("rejected")  # the column of the rejected flag
+# wire digits per field: present 1, step 2 (< 2^32), push time and compute time in
+# microseconds 3 each (< 2^48 us, 8.9 years), late 1, late step 2, rejected 1
+_DIGITS = (1, 2, 3, 3, 1, 2, 1)
+_TIMES = (2, 3)  # the fields in seconds, sent as microseconds
+META_WIDTH = sum(_DIGITS)
+_BASE = 1 << 16
+
+
+_FIELD_SCALE = tuple(1e6 if k in _TIMES else 1.0 for k in range(META_COLUMNS))  # field -> its integer on the wire
+# decoding: wire column -> field, weighted by its digit's place (2^0, 2^16, 2^32), and the
+# fields' scales back to seconds.  In float64 every value is an integer below 2^53, so the
+# product with the weights is exact
+_DIGIT_WEIGHTS = np.zeros((META_WIDTH, META_COLUMNS))
+_DIGIT_WEIGHTS[np.arange(META_WIDTH), np.repeat(np.arange(META_COLUMNS), _DIGITS)] = np.concatenate(
+    [float(_BASE) ** np.arange(n) for n in _DIGITS]
+)
+_FIELD_DIVISOR = np.asarray(_FIELD_SCALE)
+
+
+def encode_meta(meta: np.ndarray) -> np.ndarray:
+    """``[size, len(META_FIELDS)]`` float64 rows (missing trailing fields are 0) -> flat
+    float32 base-2^16 digits (``size * META_WIDTH``).
+
+    Only the non-zero rows are encoded (a rank fills its own row), one Python
+    integer at a time: for a few small rows that is cheaper than a chain of
+    NumPy calls, and it runs on every round's path.
+    """
+    meta = np.asarray(meta, np.float64)
+    wire = np.zeros((meta.shape[0], META_WIDTH), np.float32)
+    for i in np.flatnonzero(meta.any(axis=1)).tolist():
+        digits = []
+        for value, scale, n in zip(meta[i].tolist(), _FIELD_SCALE, _DIGITS):
+            value = max(round(value * scale), 0)
+            for _ in range(n):
+                digits.append(value & (_BASE - 1))
+                value >>= 16
+        wire[i, : len(digits)] = digits  # (fields the rows leave out stay 0)
+    return wire.reshape(-1)
+
+
+def decode_meta(wire, size: int, mean: bool = False, divisor: int = None) -> np.ndarray:
+    """The inverse of :func:`encode_meta` after a sum over ranks (or, with ``mean``, an
+    average; with ``divisor``, a sum divided by it)."""
+    scale = size if mean else (divisor or 1)
+    digits = np.rint(np.asarray(wire, np.float64).reshape(size, META_WIDTH) * scale)
+    return (digits @ _DIGIT_WEIGHTS) / _FIELD_DIVISOR
+
+
+@dataclasses.dataclass
+class RoundResult:
+    """What every worker receives for a completed round."""
+
+    round: int
+    total: list  # the collective's result, one tensor per payload tensor
+    present: np.ndarray  # [size] 1.0 where that rank contributed
+    steps: np.ndarray  # [size] step each rank stamped its contribution with
+    push_times: np.ndarray  # [size] seconds since the job's t0
+    compute_s: np.ndarray  # [size]
+    contribution: list = None  # this worker's own payload for the round
+    accepted: tuple = None  # coordinated rounds: the ranks whose contribution it aggregated
+    late: np.ndarray = None  # [size] 1.0 where that rank added a late, delay-compensated contribution
+    late_steps: np.ndarray = None  # [size] the step that late contribution was computed for
+    rejected: np.ndarray = None  # [size] 1.0 where that rank's contribution was rejected (not finite): zeros
+    # open rounds whose sum is checked: ("own", tensors) when this rank's contribution was found not
+    # finite after the sum was, ("sum", tensors) when finite contributions' sum overflowed; else None
+    rejected_after_sum: tuple = None
+
+    @property
+    def contributors(self) -> int:
+        late = 0.0 if self.late is None else float(self.late.sum())
+        return int(round(float(self.present.sum()) + late))
+
+
+class WorkerLostError(RuntimeError):
+    """A peer stopped: raised on every surviving worker, naming the lost rank(s)."""
+
+
+def horovod_collective(average: bool, hvd=None):
+    """``collective(payload, meta)`` over Horovod: one ``hvd.grouped_allreduce`` per round.
+
+    The payload is averaged by Horovod itself with ``average`` (a post-scale
+    in its fusion buffer, as ``hvd.Average`` does for plain Horovod users) or
+    summed.  The metadata rides in the same call, encoded as float32 digits
+    that survive either reduction exactly (:func:`encode_meta`):
+    a second allreduce for it would cost a second negotiation per round.  A group
+    must share one dtype, so a model with several weight dtypes makes one call
+    per dtype (the metadata joins the float32 one).
+
+    ``hvd``: ``horovod.tensorflow`` (default: as checked by
+    :func:`tfsync._horovod.horovod`), or a stand-in with ``size()``, ``Sum``,
+    ``Average`` and ``grouped_allreduce`` (an in-process fake's ranks run this
+    very function).
+    """
+    import tensorflow as tf  # (here: the round's bookkeeping above runs without TensorFlow)
+
+    if hvd is None:
+        hvd = _horovod.horovod()
+    size = hvd.size()
+
+    def collective(payload, meta, divisor=None):
+        # ``divisor``: a sum post-scaled by ``1 / divisor`` in Horovod's fusion buffer (a
+        # coordinated round's guess of d, rescaled afterwards if wrong; the final round's d),
+        # 1 for the plain sum an open round divides and checks itself (RoundExchange.sum_check)
+        op = hvd.Average if average and divisor is None else hvd.Sum
+        scale = {} if divisor in (None, 1) else {"postscale_factor": 1.0 / divisor}  # (1: a plain sum)
+        groups = {}
+        for i, t in enumerate(payload):
+            groups.setdefault(t.dtype, []).append(i)
+        groups.setdefault(tf.float32, [])
+        total = [None] * len(payload)
+        for k, (dtype, index) in enumerate(groups.items()):
+            tensors = [payload[i] for i in index]
+            if dtype == tf.float32:  # (NumPy: the op converts it itself)
+                tensors.append(encode_meta(meta))
+            outs = hvd.grouped_allreduce(tensors, op=op, name=f"tfsync.round.{k}", **scale)
+            for i, o in zip(index, outs):
+                total[i] = o
+            if dtype == tf.float32:
+                wire = outs[-1].numpy()
+        return total, decode_meta(wire, size, mean=average and divisor is None, divisor=divisor)
+
+    return collective

@@ -1,0 +1,37 @@
+"""What ``SyncCallback`` adds to Keras' logs (:func:`add_epoch_logs`).
+
+Per epoch: ``tfsync_wait_fraction`` and what happened to this worker's
+contributions (``tfsync_produced`` = ``tfsync_applied`` + ``tfsync_compensated``
++ ``tfsync_dropped`` + ``tfsync_rejected`` + ``tfsync_lost``; ``tfsync_skipped``
+steps), with partial pulling also its block counts since ``fit`` began; then
+every scalar log averaged over the workers, as Horovod's
+``MetricAverageCallback`` does (``docs/guide/metrics.md``).
+"""
+
+import numpy as np
+
+from tfsync.engine import COUNTS
+from tfsync.engine.pull import PartialPull
+
+
+def add_epoch_logs(logs, totals, engine, frontend, average):
+    """Add the epoch's tfsync logs to ``logs`` (``totals``: the epoch's counts and seconds,
+    :meth:`tfsync.keras.counts.RunCounts.epoch_totals`), then, with ``average``, set every
+    scalar log to its mean over the workers (collective: every worker waits for the others'
+    epoch end)."""
+    busy = totals["wait_s"] + totals["compute_s"]
+    logs["tfsync_wait_fraction"] = totals["wait_s"] / busy if busy else 0.0
+    for key in COUNTS:
+        logs[f"tfsync_{key}"] = float(totals[key])
+    pull = engine.find(PartialPull)
+    for key, n in (pull.counts if pull is not None else {}).items():
+        logs[f"tfsync_{key}"] = float(n)
+    if average:
+        keys = sorted(k for k, v in logs.items() if np.ndim(v) == 0)
+        mean = frontend.average(
+            [float(logs[k]) for k in keys], "tfsync.epoch_logs", "the epoch's logs, averaged over the ranks"
+        )
+        logs.update({k: float(v) for k, v in zip(keys, mean)})
+
+
+__all__ = ["add_epoch_logs"]
