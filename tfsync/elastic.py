@@ -55,7 +55,8 @@ import time
 
 from tfsync import _env, _horovod
 from tfsync.engine import lifecycle
-from tfsync.engine.cluster import HorovodCluster, run_bounded
+from tfsync.engine.bounded import run_bounded
+from tfsync.engine.cluster import HorovodCluster
 from tfsync.engine.diagnosis import SyncTimeoutError
 from tfsync.engine.rounds import WorkerLostError
 from tfsync.engine.tally import COUNTS

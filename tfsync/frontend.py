@@ -9,7 +9,7 @@ ends and close the engine.  :class:`Frontend` does that once for
 both, and is their only way to the other workers: every collective goes
 through its cluster (:mod:`tfsync.engine.cluster`; Horovod in production,
 in-process ranks in the single-process tests), in the same order on every rank,
-and each is bounded by the wait bound (:func:`tfsync.engine.cluster.run_bounded`),
+and each is bounded by the wait bound (:func:`tfsync.engine.bounded.run_bounded`),
 engine running or not: a rank that does not come stops every rank with an error
 that names the collective and the ranks that had not reached it.  Before rank
 0's variables are broadcast, each frontend compares every rank's mode, model
@@ -26,7 +26,8 @@ import numpy as np
 import tensorflow as tf
 
 from tfsync.engine import SyncEngine, lifecycle, protocols
-from tfsync.engine.cluster import HorovodCluster, run_bounded
+from tfsync.engine.bounded import run_bounded
+from tfsync.engine.cluster import HorovodCluster
 from tfsync.engine.settings import EngineSettings
 
 
@@ -173,7 +174,7 @@ class Frontend:
         """Run ``fn``, the collective ``name`` on :attr:`cluster` (``purpose``: what it is for, in
         words, for its errors), in the job's order of collectives: on the engine's exchange
         thread after every queued round while an engine runs, here otherwise; bounded by the
-        wait bound either way (:func:`tfsync.engine.cluster.run_bounded`)."""
+        wait bound either way (:func:`tfsync.engine.bounded.run_bounded`)."""
         on = self.engine.exchange.call if self.running else None
         return run_bounded(self.cluster, fn, name=name, purpose=purpose, timeout_s=self.wait_timeout_s, on=on)
 

@@ -3,7 +3,7 @@
 Horovod's collectives block until every rank calls them.  tfsync runs each of
 its own (the engine's start and close, the callback's start-of-fit checks and
 broadcasts, the epoch logs, auto mode's switch, the statistics at the end, the
-strategy's initial values) through :func:`tfsync.engine.cluster.run_bounded`.
+strategy's initial values) through :func:`tfsync.engine.bounded.run_bounded`.
 Here, on the in-process ranks of :mod:`fake_cluster`, one rank stalls before
 one of them (its thread waits until the collective was aborted, then goes on,
 as a worker that was far too slow does), and every other rank must raise
@@ -32,7 +32,8 @@ import tfsync
 from tfsync import _horovod
 from tfsync.engine import SyncEngine, SyncTimeoutError, lifecycle
 from tfsync.engine import cluster as cluster_module
-from tfsync.engine.cluster import ARRIVALS_SCOPE, HorovodCluster, RendezvousArrivals, run_bounded
+from tfsync.engine.bounded import run_bounded
+from tfsync.engine.cluster import ARRIVALS_SCOPE, HorovodCluster, RendezvousArrivals
 from tfsync.engine.settings import EngineSettings
 from tfsync.policies import SSP, resolve
 from tfsync.policies.auto import PROFILES

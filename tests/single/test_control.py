@@ -7,8 +7,9 @@ import time
 import grpc
 import pytest
 
-from tfsync.engine import control as control_module
-from tfsync.engine.control import READY_TIMEOUT_S, ControlClient, ControlServer, _decode, _encode
+from tfsync.engine.control import READY_TIMEOUT_S, ControlClient, ControlServer
+from tfsync.engine.control import transport as control_transport
+from tfsync.engine.control.transport import _decode, _encode
 from tfsync.policies import PSP
 
 TOKEN = "a" * 32
@@ -106,7 +107,7 @@ def test_calls_without_a_token_are_refused(server, raw):
 
 
 def test_refusals_are_bounded_and_their_warnings_rate_limited(server, raw, caplog, monkeypatch):
-    monkeypatch.setattr(control_module, "REJECTIONS_KEPT", 3)
+    monkeypatch.setattr(control_transport, "REJECTIONS_KEPT", 3)
     with caplog.at_level(logging.WARNING, logger="tfsync.control"):
         for _ in range(5):
             with pytest.raises(grpc.RpcError):

@@ -47,23 +47,11 @@ from statistics import median
 
 from tfsync.demo import EXAMPLE, MODES, SCENARIOS
 from tfsync.launch import horovodrun
+from tfsync.policies import registry
 
-STUDY_MODES = (
-    "horovod",
-    "bsp",
-    "ssp",
-    "ssp(s=15)",
-    "dssp",
-    "elasticbsp",
-    "psp",
-    "psp+dc",
-    "backup",
-    "backup+dc",
-    "dcs3gd",
-    "localsgd",
-    "diloco",
-    "auto",
-)
+# plain Horovod (the anchor), every registered mode and variant the study runs by default
+# (tfsync.policies.registry.study_configurations), and auto mode
+STUDY_MODES = ("horovod", *registry.study_configurations(), "auto")
 
 # Each paper's comparison, reproduced in shape from the study's runs: (name, title, scenario,
 # modes, how many of them the study must have run for the comparison to mean something)

@@ -51,21 +51,12 @@ MODES = tuple(MODE_FLAGS)
 MODELS = ("small", "medium", "large")
 SCENARIOS = ("none", "straggler", "heterogeneous", "jitter", "rare", "rare-pull")
 DEFAULT_SCENARIOS = tuple(s for s in SCENARIOS if s != "rare-pull")  # rare-pull: opt-in (psp+pull's case)
+# each mode's label in tables (its registry label; SSP's bound from --staleness, a "{s}")
 MODE_LABELS = {
     "local": "no synchronization",
     "horovod": "plain Horovod BSP",
-    "bsp": "tfsync BSP",
-    "ssp": "tfsync SSP(s={s})",
-    "dssp": "tfsync DSSP",
-    "elasticbsp": "tfsync ElasticBSP",
-    "psp": "tfsync PSP",
-    "backup": "tfsync backup(b=1)",
-    "dcs3gd": "tfsync DC-S3GD",
-    "psp+dc": "tfsync PSP+DC",
-    "backup+dc": "tfsync backup(b=1)+DC",
-    "psp+pull": "tfsync PSP+pull(b=0.75)",
+    **{m: "tfsync " + registry.label(m, staleness="{s}") for m in MODES if m not in ("local", "horovod")},
 }
-MODE_LABELS.update({m: f"tfsync {m}" for m in MODES if m not in MODE_LABELS})  # (a mode registered since)
 
 
 def scenario_spec(name, args):

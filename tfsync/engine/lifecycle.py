@@ -2,7 +2,7 @@
 
 Each runs once per :meth:`SyncEngine.start <tfsync.engine.SyncEngine.start>`
 through the cluster's own collectives (Horovod's in production), each bounded
-by the engine's wait bound (:func:`tfsync.engine.cluster.run_bounded`: a rank
+by the engine's wait bound (:func:`tfsync.engine.bounded.run_bounded`: a rank
 that does not come stops every rank with an error naming it), so a job
 whose ranks disagree stops with both sides named before any round runs, and
 the control path's token reaches the workers over Horovod's channel, never
@@ -22,7 +22,7 @@ import weakref
 
 from tfsync.engine import bindings
 from tfsync.engine.address import choose as choose_control_address
-from tfsync.engine.cluster import run_bounded
+from tfsync.engine.bounded import run_bounded
 from tfsync.engine.control import ControlServer
 
 ABANDON_JOIN_S = 2.0  # at exit, how long an unclosed engine waits for its communication thread

@@ -11,7 +11,8 @@ which synchronizes every batch instead.
 import tensorflow as tf
 
 from tfsync import _env
-from tfsync.engine.cluster import HorovodCluster, run_bounded
+from tfsync.engine.bounded import run_bounded
+from tfsync.engine.cluster import HorovodCluster
 from tfsync.engine.protocols import floating_statistics, tf_variable
 
 
@@ -25,7 +26,7 @@ def average_statistics(model, name="tfsync.statistics", *, cluster=None, wait_ti
     weights) keeps its exact value.  Returns the number of variables averaged.
     ``cluster``: the job's ranks (:mod:`tfsync.engine.cluster`); default: Horovod's.
     ``wait_timeout_s``: the bound on each of its two collectives (default 120 s, or
-    ``TFSYNC_WAIT_TIMEOUT_S``; :func:`tfsync.engine.cluster.run_bounded`): a worker that does
+    ``TFSYNC_WAIT_TIMEOUT_S``; :func:`tfsync.engine.bounded.run_bounded`): a worker that does
     not come stops every worker with an error naming it.
     """
     cluster = HorovodCluster() if cluster is None else cluster

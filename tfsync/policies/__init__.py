@@ -46,7 +46,7 @@ from tfsync.policies.compensation import DCS3GD, DelayCompensation
 from tfsync.policies.dynamic import DSSP, ElasticBSP, Grant, Schedule
 from tfsync.policies.local import DiLoCo, LocalSGD, sgd_config
 from tfsync.policies.partial import PSP, BackupWorkers
-from tfsync.policies.registry import Option, register
+from tfsync.policies.registry import Option, Variant, register
 from tfsync.policies.registry import get as _registered
 from tfsync.policies.registry import modes as _modes
 
@@ -157,7 +157,7 @@ register(
     SSP,
     "SSP(s={staleness})",
     (Option("--staleness", "staleness", int, 3, "SSP bound s (--mode ssp)", "s"),),
-    variants={"ssp(s=15)": ["--staleness", "15"]},
+    variants={"ssp(s=15)": Variant(("--staleness", "15"), "SSP(s=15)")},
     simulated=True,
 )
 register(
@@ -232,7 +232,10 @@ register(
         ),
     ),
     # partial pulling: a step goes on with 3 of its round's 4 parameter blocks (digits' weight tensors)
-    variants={"psp+dc": ["--compensate"], "psp+pull": ["--pull-fraction", "0.75"]},
+    variants={
+        "psp+dc": Variant(("--compensate",), "PSP+DC"),
+        "psp+pull": Variant(("--pull-fraction", "0.75"), "PSP+pull(b=0.75)", study=False),  # (its own scenario)
+    },
     simulated=True,
 )
 register(
@@ -242,10 +245,8 @@ register(
     (Option("--backups", "backups", int, 1, "backup workers b (--mode backup)", "b"), _COMPENSATE, *_DC),
     # the backup-workers trade-off (the convergence study's sweep): "backup" is b = 1
     variants={
-        "backup+dc": ["--compensate"],
-        "backup(b=0)": ["--backups", "0"],
-        "backup(b=2)": ["--backups", "2"],
-        "backup(b=3)": ["--backups", "3"],
+        "backup+dc": Variant(("--compensate",), "backup(b={backups})+DC"),
+        **{f"backup(b={b})": Variant(("--backups", str(b)), f"backup(b={b})", study=False) for b in (0, 2, 3)},
     },
     simulated=True,
 )
@@ -313,7 +314,7 @@ register(
         ),
     ),
     # the streaming variant: the outer exchange overlaps the last 2 inner steps of each period
-    variants={"diloco+overlap": ["--overlap-steps", "2"]},
+    variants={"diloco+overlap": Variant(("--overlap-steps", "2"), "DiLoCo(H={inner_steps}, tau=2)", study=False)},
 )
 
 

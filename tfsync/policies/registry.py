@@ -41,6 +41,17 @@ class Option:
 
 
 @dataclasses.dataclass(frozen=True)
+class Variant:
+    """A named variant of a mode: its extra flags, its label for tables (``{field}`` placeholders
+    take the mode's settings), and whether the convergence study runs it by default (a sweep's
+    points and a variant that needs its own scenario do not)."""
+
+    flags: tuple
+    label: str
+    study: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
 class Mode:
     """A registered mode (see the module docstring)."""
 
@@ -48,7 +59,7 @@ class Mode:
     cls: type
     label: str
     options: tuple = ()
-    variants: dict = dataclasses.field(default_factory=dict)  # name -> extra flags
+    variants: dict = dataclasses.field(default_factory=dict)  # name -> Variant
     simulated: bool = False  # python -m tfsync.simulate plays it
 
     def from_args(self, args):
@@ -71,7 +82,9 @@ _MODES = {}
 
 def register(name: str, cls: type, label: str, options=(), variants=None, simulated=False) -> Mode:
     """Register a mode (its name must be new; ``cls`` a :class:`tfsync.policies.Policy`
-    subclass whose instances are built with no arguments, or from ``options``)."""
+    subclass whose instances are built with no arguments, or from ``options``; ``label``: its
+    name in tables, ``{field}`` placeholders taking its settings; ``variants``: name ->
+    :class:`Variant`)."""
     from tfsync.policies.base import Policy
 
     if not isinstance(name, str) or not name.isidentifier() or name != name.lower():
@@ -85,6 +98,11 @@ def register(name: str, cls: type, label: str, options=(), variants=None, simula
             f"register_mode({name!r}, {cls.__name__}): the class's name attribute is {cls.name!r}; "
             f"set name = {name!r} on the class"
         )
+    for variant, spec in (variants or {}).items():
+        if not isinstance(spec, Variant):
+            raise TypeError(
+                f"register_mode({name!r}): variant {variant!r} must be a Variant(flags, label), got {spec!r}"
+            )
     mode = Mode(name, cls, label, tuple(options), dict(variants or {}), simulated)
     _MODES[name] = mode
     return mode
@@ -111,9 +129,27 @@ def configurations(**settings) -> dict:
     for m in _MODES.values():
         given = [str(v) for o in m.options if o.field in settings for v in (o.flag, settings[o.field])]
         out[m.name] = ["--mode", m.name, *given]
-        for variant, flags in m.variants.items():
-            out[variant] = ["--mode", m.name, *given, *flags]
+        for variant, spec in m.variants.items():
+            out[variant] = ["--mode", m.name, *given, *spec.flags]
     return out
+
+
+def study_configurations() -> tuple:
+    """The modes and named variants the convergence study runs by default, in registration order."""
+    return tuple(
+        name for m in _MODES.values() for name in (m.name, *(v for v, spec in m.variants.items() if spec.study))
+    )
+
+
+def label(name: str, **settings) -> str:
+    """The table label of the mode or named variant ``name`` (``"SSP(s=3)"``), its placeholders
+    filled with ``settings`` (values by field) where given, else with the options' defaults."""
+    for m in _MODES.values():
+        text = m.label if name == m.name else m.variants[name].label if name in m.variants else None
+        if text is not None:
+            values = {o.field: o.default for o in m.options if o.field is not None}
+            return text.format(**{**values, **settings})
+    raise KeyError(name)
 
 
 def options() -> list:

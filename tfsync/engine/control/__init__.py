@@ -1,0 +1,53 @@
+"""The control path: which workers are alive and where their clocks are, served by rank 0.
+
+Rank 0 runs one gRPC service (:class:`ControlServer`); every worker holds a
+:class:`ControlClient`, one long-lived stream to it and a few calls.  It names
+lost and lagging ranks for every mode, and for some it is on the step path:
+PSP and backup workers send one ready notice per step and get the
+coordinator's round closings on their stream; DSSP's workers tell the
+coordinator of each push and ask it for grants.  One module per concern:
+
+* :mod:`~tfsync.engine.control.transport`: gRPC with keepalive, the wire, the job's token;
+* :mod:`~tfsync.engine.control.streams`: the ``Attach`` streams, losses, re-attach;
+* :mod:`~tfsync.engine.control.stop`: the stop handshake;
+* :mod:`~tfsync.engine.control.coordinator`: the rounds rank 0 closes;
+* :mod:`~tfsync.engine.control.services`: the clock table, the policy's service;
+* :mod:`~tfsync.engine.control.server` and :mod:`~tfsync.engine.control.client`: the two ends.
+"""
+
+from tfsync.engine.control.client import (
+    ASK_TIMEOUT_S,
+    CALL_TIMEOUT_S,
+    CONNECT_TIMEOUT_S,
+    LATE_TIMEOUT_S,
+    READY_TIMEOUT_S,
+    REPORT_INTERVAL_S,
+    ControlClient,
+)
+from tfsync.engine.control.server import ControlServer
+from tfsync.engine.control.stop import STOP_CALL_TIMEOUT_S, STOP_NOTICE_GRACE_S
+from tfsync.engine.control.transport import (
+    CONNECT_ATTEMPT_MS,
+    KEEPALIVE_TIME_MS,
+    KEEPALIVE_TIMEOUT_MS,
+    RECONNECT_BACKOFF_MS,
+    RECONNECT_GRACE_S,
+)
+
+__all__ = [
+    "ASK_TIMEOUT_S",
+    "CALL_TIMEOUT_S",
+    "CONNECT_ATTEMPT_MS",
+    "CONNECT_TIMEOUT_S",
+    "KEEPALIVE_TIMEOUT_MS",
+    "KEEPALIVE_TIME_MS",
+    "LATE_TIMEOUT_S",
+    "READY_TIMEOUT_S",
+    "RECONNECT_BACKOFF_MS",
+    "RECONNECT_GRACE_S",
+    "REPORT_INTERVAL_S",
+    "STOP_CALL_TIMEOUT_S",
+    "STOP_NOTICE_GRACE_S",
+    "ControlClient",
+    "ControlServer",
+]
