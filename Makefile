@@ -41,7 +41,7 @@ test: install
 	$(PYTHON) -m ruff check .
 	$(PYTHON) -m ruff format --check .
 	@# the documentation site with warnings as errors: a broken internal link or anchor, or a
-	@# docstring mkdocstrings cannot render, fails here (tests/single/test_docs.py checks the rest)
+	@# docstring mkdocstrings cannot render, fails here (tests/single/tools/test_docs.py checks the rest)
 	$(PYTHON) -m mkdocs build --strict --quiet
 	$(PYTHON) -m pytest tests -q -p no:cacheprovider
 

@@ -1,5 +1,5 @@
 """Local SGD and DiLoCo under horovodrun (2 workers): the guarantees of
-tests/single/test_localsgd_fake.py, on Horovod's collectives."""
+tests/single/frontends/test_localsgd_fake.py, on Horovod's collectives."""
 
 import numpy as np
 import pytest

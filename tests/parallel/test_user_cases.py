@@ -1,6 +1,6 @@
-"""Issue 32's user cases, each of which used to end with no error but replicas apart or NaN:
-now every one ends with finite replicas identical on both workers, the weights moved, and a
-NaN batch's contribution rejected and counted.  One ``horovodrun -np 2`` launch
+"""User cases that could end with no error but replicas apart or NaN: every one ends with
+finite replicas identical on both workers, the weights moved, and a NaN batch's contribution
+rejected and counted.  One ``horovodrun -np 2`` launch
 (``workers/user_cases.py``) runs every case; the tests read its results."""
 
 import math

@@ -122,9 +122,11 @@ def fit_callback(
     make_layers=layers,
     make_optimizer=None,
     wait_timeout_s=30,
+    after_fit=None,
     **data_kw,
 ):
-    """One rank's ``fit`` with ``SyncCallback``; ``before_fit(model, rank)`` runs first."""
+    """One rank's ``fit`` with ``SyncCallback``; ``before_fit(model, rank)`` runs first,
+    ``after_fit(callback, rank)`` last."""
     rank = cluster.rank()
     model = build(model_class, make_layers, kind, make_optimizer)
     if initial is not None and rank == 0:
@@ -134,6 +136,8 @@ def fit_callback(
     sync = tfsync.keras.SyncCallback(mode, cluster=cluster, wait_timeout_s=wait_timeout_s)
     x, y = data(rank, **data_kw)
     model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0, callbacks=[sync])
+    if after_fit is not None:
+        after_fit(sync, rank)
     return state(model)
 
 

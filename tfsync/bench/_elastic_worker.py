@@ -1,6 +1,6 @@
 """The digits MLP under tfsync.elastic, with a worker killed mid-epoch: one kill, several, or a kill loop.
 
-Run by ``python -m tfsync.bench elastic`` and by the elastic tests (``tests/parallel/test_elastic.py``,
+Run by ``python -m tfsync.bench elastic`` and by the elastic tests (``tests/parallel/test_elastic_launcher.py``,
 ``tests/multihost/test_elastic_hosts.py``), under horovodrun's elastic launcher.
 
 Positional: ``out_dir mode victim_rank kill_epochs kill_batch epochs [hosts_file changes]``.

@@ -1,5 +1,5 @@
-"""The user cases of issue 32 that used to end with no error but wrong replicas, run as a new
-user would: 2 workers, ``SyncCallback(mode=...)``, a small Keras model, a few epochs.
+"""User cases that could end with no error but wrong replicas, run as a new user would:
+2 workers, ``SyncCallback(mode=...)``, a small Keras model, a few epochs.
 
 argv: out_dir.  Each case trains its own model, optimizer and callback, one after another;
 a case that raises records its error instead of stopping the others.  Each rank writes, per

@@ -49,7 +49,7 @@ REJECTIONS_KEPT = 100  # ControlServer.rejected keeps the first this many
 # before it reports rank 0 unreachable: a 2 s outage plus a reconnection (within
 # RECONNECT_BACKOFF_MS[1] of the link's return) fits with room to spare, and a dead worker is
 # still named before a survivor's failed collective stops waiting for the name
-# (diagnosis.LOSS_SETTLE_S, the grace + 3 s; tests/single/test_control_link.py checks the order)
+# (diagnosis.LOSS_SETTLE_S, the grace + 3 s; tests/single/control/test_control_link.py checks the order)
 RECONNECT_GRACE_S = 4.0
 # Both ends ping each connection this often (gRPC has no keepalive by default: a link that
 # went down silently was never noticed) ...

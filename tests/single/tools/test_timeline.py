@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from tfsync import timeline
+from tfsync.launch import REPO_ROOT as REPO
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 

@@ -1,5 +1,5 @@
 """Configuration values refused before any work starts, each with what was wrong, what was
-expected and how to fix it (issue 32's inputs that used to pass silently or fail late)."""
+expected and how to fix it: none passes silently or fails late."""
 
 import math
 

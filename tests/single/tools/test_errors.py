@@ -1,5 +1,5 @@
 """Every configuration value a user sets, refused when it is bad, before any work starts, with
-what was wrong, what was expected and how to fix it (issue 32, item 5): one table.
+what was wrong, what was expected and how to fix it: one table.
 
 Each entry of :data:`BAD_INPUTS` is one setting (an argument, a policy's field, an environment
 variable, a straggler spec's item, a command-line option) with one bad value, the call that
@@ -29,11 +29,11 @@ import tfsync
 from tfsync import _env, _horovod, demo, launch
 from tfsync.bench import __main__ as bench_main
 from tfsync.bench import training as bench_training
+from tfsync.launch import REPO_ROOT
 from tfsync.ops import _select as ops_select
 from tfsync.scheduler import _backend as scheduler_backend
 from tfsync.stragglers import Stragglers
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WHERE = ("arguments", "policies", "environment variables", "straggler specs", "command lines")
 
 

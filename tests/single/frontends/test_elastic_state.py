@@ -1,5 +1,5 @@
 """tfsync.elastic in one process: the state's commit and restore, which failures reset, and the
-reset loop of ``run`` against a stand-in for Horovod (the launches are tests/parallel/test_elastic.py)."""
+reset loop of ``run`` against a stand-in for Horovod (the launches are tests/parallel/test_elastic_launcher.py)."""
 
 import keras
 import numpy as np

@@ -293,25 +293,27 @@ def test_late_contributions_are_compensated_not_dropped(policy):
     job = LateJob(policy).run()
     slow = 2
     assert [c[0] for c in job.closed] == list(range(job.steps))
+    # which ranks were late is the coordinator's record (rank `slow` is, by far; on a loaded
+    # machine a fast rank may be too): every expectation below follows from what happened
     late_rounds = {c[0]: c[2] for c in job.closed if len(c) > 2}
-    assert late_rounds and set().union(*late_rounds.values()) == {slow}, job.closed
+    assert late_rounds and slow in set().union(*late_rounds.values()), job.closed
 
-    offered = {}  # round -> the corrected gradient rank `slow` sent in it
+    offered = [{} for _ in range(job.size)]  # rank -> round -> the corrected gradient it sent in it
     final = {}  # rank -> the corrected gradient it sent in the final round
     for k in range(job.size):
-        for step, _, _, _, _, corrected in job.offers[k]:
+        for step, w_then, w_now, w_stale, g, corrected in job.offers[k]:
             if step == job.steps:
                 final[k] = corrected
-    for step, w_then, w_now, w_stale, g, corrected in job.offers[slow]:
-        stamp = next(s for s, (_, pushed_g) in job.pushed[slow].items() if np.array_equal(pushed_g, g))
-        # w_stale: the weights the gradient was computed at; w_now: this step's weights
-        np.testing.assert_array_equal(w_stale, job.pushed[slow][stamp][0])
-        np.testing.assert_array_equal(w_now, w_then)
-        expected = g + 0.5 * g.astype(np.float64) * g * (w_now.astype(np.float64) - w_stale)
-        np.testing.assert_allclose(corrected, expected, rtol=1e-5, atol=1e-6)
-        if step in late_rounds:
-            offered[step] = corrected
-    assert set(offered) == set(late_rounds), (sorted(offered), sorted(late_rounds))
+            stamp = next(s for s, (_, pushed_g) in job.pushed[k].items() if np.array_equal(pushed_g, g))
+            # w_stale: the weights the gradient was computed at; w_now: this step's weights
+            np.testing.assert_array_equal(w_stale, job.pushed[k][stamp][0])
+            np.testing.assert_array_equal(w_now, w_then)
+            expected = g + 0.5 * g.astype(np.float64) * g * (w_now.astype(np.float64) - w_stale)
+            np.testing.assert_allclose(corrected, expected, rtol=1e-5, atol=1e-6)
+            if k in late_rounds.get(step, ()):
+                offered[k][step] = corrected
+    for r, ranks in late_rounds.items():
+        assert all(r in offered[k] for k in ranks), (r, ranks)
     # every round's update: the fresh gradients it aggregated and the late corrected ones, over
     # the number of fresh ones (a late gradient weighs what a fresh one does, on top of them).
     # What it aggregated is its metadata's: the closing's ranks, or more under PSP, whose ranks
@@ -320,7 +322,7 @@ def test_late_contributions_are_compensated_not_dropped(policy):
         r, accepted = entry[0], job.aggregated[0][entry[0]]
         assert set(entry[1]) <= set(accepted) and all(a[r] == accepted for a in job.aggregated), (entry, r)
         parts = [job.pushed[k][r][1].astype(np.float64) for k in accepted]
-        parts += [offered[r].astype(np.float64)] if len(entry) > 2 else []
+        parts += [offered[k][r].astype(np.float64) for k in late_rounds.get(r, ())]
         for k in range(job.size):
             np.testing.assert_allclose(job.means[k][r], np.sum(parts, axis=0) / len(accepted), rtol=1e-5, atol=1e-6)
     if final:  # after the last step: the late gradients still held, corrected at the final weights,
@@ -335,8 +337,8 @@ def test_late_contributions_are_compensated_not_dropped(policy):
         c = job.counts[k]
         assert c["produced"] == c["applied"] + c["compensated"] + c["dropped"], c
         assert c["dropped"] == 0, c  # the ones held at the end went into the final round
-        assert c["compensated"] == (k == slow) * len(late_rounds) + (k in final), (k, c)
-    assert late_rounds
+        late = sum(k in ranks for ranks in late_rounds.values())
+        assert c["compensated"] == late + (k in final), (k, c)
 
 
 def test_without_a_final_round_the_gradient_held_at_the_end_is_dropped_and_counted():

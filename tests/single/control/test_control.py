@@ -162,7 +162,7 @@ FLOOD_HOLD_S = 8.0  # the longest a held stray call lasts (its deadline): past R
 
 
 def test_a_flood_of_refused_calls_delays_no_ready_notice():
-    # issue 31, item 4: a stray process on the host floods rank 0's control service with calls
+    # a stray process on the host floods rank 0's control service with calls
     # that carry no token, some of them holding their request back as long as the server lets
     # them (a slow client).  Each worker's Ready notice must still be answered at once, and
     # every round of a PSP run must take every rank (a notice held past push_timeout_s

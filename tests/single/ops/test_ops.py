@@ -18,6 +18,7 @@ import tensorflow as tf
 from absl.testing import parameterized
 
 import tfsync.ops as ops
+from tfsync.launch import REPO_ROOT
 from tfsync.ops import _loader, _select
 
 IMPLS = ("compiled", "reference")
@@ -31,7 +32,7 @@ TOLERANCE = {
     tf.float64: (1e-13, 1e-13),
 }
 SHAPES = ((), (0,), (7,), (3, 5, 7), (2, 0, 3))
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 LARGE = 1_000_001  # > 2 blocks of the kernels' thread split: exercises threading
 STREAMED = 2_100_003  # float32 outputs >= 8 MiB take the non-temporal store path
 

@@ -11,7 +11,8 @@ import textwrap
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tfsync.launch import REPO_ROOT as ROOT
+
 LAUNCHER_VARS = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "TFSYNC_SINGLE_PROCESS")
 
 MODEL = """

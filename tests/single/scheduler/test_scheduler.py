@@ -20,10 +20,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tfsync import scheduler
+from tfsync.launch import REPO_ROOT as REPO
 from tfsync.scheduler import ALGORITHMS, EXACT_ALGORITHMS, ZipLineResult, _backend, predict_end_times, zipline
 
 IMPLEMENTATIONS = ("compiled", "reference")
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def brute_force(rows):

@@ -28,7 +28,7 @@ from tfsync.engine.rounds import WorkerLostError
 from tfsync.policies import PSP
 
 TOKEN = "c" * 32
-FLAP_S = 2.0  # the outage a job must survive (issue 31, item 5)
+FLAP_S = 2.0  # the outage a job must survive (docs/guide/faults.md)
 POLL_S = 0.05  # the proxy's socket timeout: how soon its threads see a cut or a shutdown
 HOLD_MAX_S = 30.0  # the longest the proxy holds a stalled connection
 JOIN_S = 2.0
