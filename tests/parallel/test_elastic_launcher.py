@@ -19,6 +19,10 @@ WORKER = os.path.join(REPO_ROOT, "tfsync", "bench", "_elastic_worker.py")  # pyt
 EPOCHS = 5
 KILL_AT = (1, 10)  # (epoch, batch): mid-epoch, so the reset rolls back 10 steps
 RESET_BOUND_S = 10.0  # from the kill to the survivor's next step (measured well under 1 s here)
+# where a new process joins, the survivors' rendezvous waits for it to start TensorFlow and reach
+# hvd.init(), several seconds and more on a loaded machine: Horovod's default bound, not the 10 s
+# the elastic launch sets (a killed peer is still seen at once: its connection resets)
+JOIN_ENV = {"HOROVOD_GLOO_TIMEOUT_SECONDS": "30"}
 
 
 def _launch(
@@ -170,7 +174,7 @@ def test_a_host_removed_and_added_back_by_discovery(tmp_path):
     lost or redone (the changes take effect between epochs)."""
     epochs = 7
     _, _, results, killed = _launch(
-        tmp_path, "bsp", -1, epochs=epochs, changes="1=localhost:1;3=localhost:1+127.0.0.1:1"
+        tmp_path, "bsp", -1, epochs=epochs, changes="1=localhost:1;3=localhost:1+127.0.0.1:1", env=JOIN_ENV
     )
     assert killed is None and sorted(results) == [0, 1], results
     survivor = next(r for r in results.values() if len(r["memberships"]) == 3)
@@ -207,7 +211,7 @@ def test_a_kill_loop_with_the_host_coming_back_keeps_the_accuracy(tmp_path):
     _, _, calm, _ = _launch(tmp_path / "calm", "bsp", -1, epochs=epochs)
     target = calm[0]["accuracy"]
     # 15 ms a step, so the host can come back within a few epochs
-    stragglers = {"TFSYNC_STRAGGLERS": "base=0.015"}
+    stragglers = {"TFSYNC_STRAGGLERS": "base=0.015", **JOIN_ENV}
     cooldown = ["--blacklist-cooldown-range", 1, 3]
     out = tmp_path / "loop"
     out.mkdir()
