@@ -216,6 +216,12 @@ def reference(initial, kind="adam"):
 def train_on_mean_gradients(model):
     """``model`` applies, at every step, the mean of every rank's gradients of its shard (one
     optimizer for the whole job: what BSP's replicas must end at); its weights."""
+    return train_on_shards(model, lambda grads: [tf.reduce_mean(tf.stack(g), axis=0) for g in zip(*grads)])
+
+
+def train_on_shards(model, aggregate):
+    """``model`` applies, at every step, ``aggregate(grads)`` of every rank's gradients of its
+    shard (``grads[rank]``: that rank's, per weight); its weights."""
     shards = [data(r) for r in range(SIZE)]
     loss = keras.losses.MeanSquaredError()
     for _ in range(EPOCHS):
@@ -225,6 +231,5 @@ def train_on_mean_gradients(model):
                 with tf.GradientTape() as tape:
                     value = loss(y[k * BATCH : (k + 1) * BATCH], model(x[k * BATCH : (k + 1) * BATCH]))
                 grads.append(tape.gradient(value, model.trainable_variables))
-            mean = [tf.reduce_mean(tf.stack(g), axis=0) for g in zip(*grads)]
-            model.optimizer.apply(mean, model.trainable_variables)
+            model.optimizer.apply(aggregate(grads), model.trainable_variables)
     return model.get_weights()

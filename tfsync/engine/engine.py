@@ -124,12 +124,12 @@ class SyncEngine:
         policy.validate(self.size)
         self.stragglers.validate(self.size)
         lifecycle.check_trainable(tensors)
-        self.protocol_cls = protocols.for_policy(policy)
+        protocol_cls = protocols.for_policy(policy)
         self.entry = (CoordinatedRounds if policy.coordinated else OpenRounds)(self)
         self.shapes = [[int(d) for d in t.shape] for t in tensors]
         self.num_params = int(sum(np.prod(s, dtype=np.int64) for s in self.shapes))
         self.nonfinite = NonFinite(self.on_nonfinite)
-        self.components = [*self.protocol_cls.components(policy), *bindings.components(policy), self.nonfinite]
+        self.components = [*protocol_cls.components(policy), *bindings.components(policy), self.nonfinite]
         for c in self.components:  # the model against the mode's settings, before any collective
             c.plan(self.shapes, self.num_params)
         config = {
@@ -143,7 +143,7 @@ class SyncEngine:
         self.hosts = lifecycle.agree_config(cluster, config, self.wait_timeout_s)
         self.t0 = lifecycle.agree_t0(cluster, self.wait_timeout_s)
         address, token = lifecycle.open_control(self, cluster)  # (sets self._server on rank 0)
-        options = {**self.protocol_cls.exchange_options(), **self.entry.exchange_options()}
+        options = {**protocol_cls.exchange_options(), **self.entry.exchange_options()}
         for c in self.components:
             options.update(c.exchange_options())
         # the exchange first: a frontend may route the protocol's variable creation
@@ -156,7 +156,7 @@ class SyncEngine:
             abort=getattr(cluster, "abort", None),
             **options,
         )
-        self.protocol = self.protocol_cls(tensors, self.size, policy)
+        self.protocol = protocol_cls(tensors, self.size, policy)
         self.protocol.bind(self)
         self.control = ControlClient(address, self.rank, token, on_close=self.entry.on_close())
         # an inline round that waits reports this worker's clock, as the polling wait does

@@ -9,7 +9,7 @@ import pytest
 import tensorflow as tf
 from fake_cluster import assert_no_errors
 from sign_protocol import SignProtocol, SignSGD
-from training_fake import BATCH, EPOCHS, SIZE, STEPS, assert_identical, data, job, layers
+from training_fake import EPOCHS, STEPS, assert_identical, job, layers, train_on_shards
 
 from tfsync.engine import protocols
 
@@ -27,17 +27,7 @@ def majority_vote_reference(initial):
     model = keras.Sequential(layers())
     model.compile(optimizer=sgd(), loss="mse")
     model.set_weights(initial)
-    shards = [data(r) for r in range(SIZE)]
-    loss = keras.losses.MeanSquaredError()
-    for _ in range(EPOCHS):
-        for k in range(STEPS):
-            votes = []
-            for x, y in shards:
-                with tf.GradientTape() as tape:
-                    value = loss(y[k * BATCH : (k + 1) * BATCH], model(x[k * BATCH : (k + 1) * BATCH]))
-                votes.append([tf.sign(g) for g in tape.gradient(value, model.trainable_variables)])
-            model.optimizer.apply([tf.sign(tf.add_n(list(v))) for v in zip(*votes)], model.trainable_variables)
-    return model.get_weights()
+    return train_on_shards(model, lambda grads: [tf.sign(tf.add_n([tf.sign(g) for g in gs])) for gs in zip(*grads)])
 
 
 def test_a_protocol_registers_once_under_its_payload():
