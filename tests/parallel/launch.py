@@ -8,6 +8,8 @@ output so far, so no launch can hang the suite.
 
 import json
 import os
+import subprocess
+import sys
 
 from tfsync.launch import REPO_ROOT as ROOT
 from tfsync.launch import run_elastic_job, run_local_job
@@ -64,3 +66,27 @@ def run_elastic_workers(
         hosts_file=hosts_file,
         options=options,
     )
+
+
+def run(cmd, timeout_s=300, env=None):
+    """Run ``cmd`` (a launch script, ``horovodrun`` on an example) from the repository root as a
+    user does, within ``timeout_s``; its output, or the test fails with it."""
+    full_env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2", PYTHON=sys.executable, **(env or {}))
+    proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout_s)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"{cmd} failed:\n{out[-6000:]}"
+    return out
+
+
+def result_of(out):
+    """The ``TFSYNC_RESULT`` record the digits example prints at its end."""
+    lines = [line for line in out.splitlines() if "TFSYNC_RESULT " in line]
+    assert lines, out[-4000:]
+    return json.loads(lines[-1].split("TFSYNC_RESULT ", 1)[1])
+
+
+def digits(script, *args, workers=4):
+    """``keras_examples/<script>`` with ``args`` under ``horovodrun -np workers --gloo``: its result."""
+    example = os.path.join(ROOT, "keras_examples", script)
+    cmd = ["horovodrun", "-np", str(workers), "-H", f"localhost:{workers}", "--gloo", sys.executable, example]
+    return result_of(run([*cmd, *map(str, args)]))

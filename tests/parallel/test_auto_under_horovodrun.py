@@ -6,8 +6,7 @@ import os
 
 import pytest
 
-from tests.parallel.launch import read_results, run_workers
-from tests.parallel.test_compensation import digits
+from tests.parallel.launch import digits, read_results, run_workers
 from tfsync.policies.auto import EARLY_STEPS, STRAGGLER_RATIO
 
 pytestmark = pytest.mark.parallel

@@ -4,34 +4,11 @@ DC-S3GD against BSP on the same data and seed; backup workers with
 ``--compensate`` under a persistent straggler, through both frontends.
 """
 
-import os
-import sys
-
 import pytest
 
-from tests.parallel.launch import ROOT
-from tests.parallel.test_examples import result_of, run
+from tests.parallel.launch import digits
 
 pytestmark = pytest.mark.parallel
-EXAMPLES = os.path.join(ROOT, "keras_examples")
-
-
-def digits(script, *args):
-    return result_of(
-        run(
-            [
-                "horovodrun",
-                "-np",
-                "4",
-                "-H",
-                "localhost:4",
-                "--gloo",
-                sys.executable,
-                os.path.join(EXAMPLES, script),
-                *map(str, args),
-            ]
-        )
-    )
 
 
 def test_dcs3gd_ends_within_one_point_of_bsp():

@@ -4,36 +4,19 @@ from the engines' traces."""
 import glob
 import json
 import os
-import sys
 
 import pytest
 
-from tests.parallel.launch import ROOT
-from tests.parallel.test_examples import result_of, run
+from tests.parallel.launch import digits
 
 pytestmark = pytest.mark.parallel
 WORKERS = 4
 LOW, HIGH = 1, 5
 
 
-def digits(trace_dir, *args):
-    res = result_of(
-        run(
-            [
-                "horovodrun",
-                "-np",
-                str(WORKERS),
-                "-H",
-                f"localhost:{WORKERS}",
-                "--gloo",
-                sys.executable,
-                os.path.join(ROOT, "keras_examples", "digits.py"),
-                "--trace-dir",
-                str(trace_dir),
-                *map(str, args),
-            ]
-        )
-    )
+def traced(trace_dir, *args):
+    """The digits example with ``args`` and its traces, rank -> records."""
+    res = digits("digits.py", "--trace-dir", trace_dir, *args, workers=WORKERS)
     traces = {}
     for path in glob.glob(os.path.join(trace_dir, "rank*.jsonl")):
         records = [json.loads(line) for line in open(path)]
@@ -54,7 +37,7 @@ def steps_of(records):
 @pytest.fixture(scope="module")
 def dssp(tmp_path_factory):
     # jitter: a different worker is slowest at each step, so the controller has choices to make
-    return digits(
+    return traced(
         tmp_path_factory.mktemp("dssp"),
         "--mode",
         "dssp",
@@ -98,7 +81,7 @@ def test_dssp_keeps_every_step_within_its_bounds(dssp):
 @pytest.fixture(scope="module")
 def elastic(tmp_path_factory):
     # heterogeneous: rank 3 takes twice as long on every step
-    return digits(
+    return traced(
         tmp_path_factory.mktemp("elastic"),
         "--mode",
         "elasticbsp",

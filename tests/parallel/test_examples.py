@@ -2,28 +2,13 @@
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 
-from tests.parallel.launch import ROOT
+from tests.parallel.launch import ROOT, result_of, run
 
 pytestmark = pytest.mark.parallel
-
-
-def run(cmd, timeout_s=300, env=None):
-    full_env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2", PYTHON=sys.executable, **(env or {}))
-    proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout_s)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"{cmd} failed:\n{out[-6000:]}"
-    return out
-
-
-def result_of(out):
-    lines = [line for line in out.splitlines() if "TFSYNC_RESULT " in line]
-    assert lines, out[-4000:]
-    return json.loads(lines[-1].split("TFSYNC_RESULT ", 1)[1])
 
 
 @pytest.mark.parametrize(
