@@ -136,12 +136,22 @@ BAD_INPUTS = [
     Bad(
         "strategy-auto",
         A,
-        "`mode='auto'` given to `SyncStrategy` or `SyncEngine` (only `SyncCallback` switches modes)",
+        "`mode='auto'` given to `SyncStrategy` (only `SyncCallback` switches modes)",
         _strategy("auto"),
         ValueError,
         r"mode 'auto'",
         r"only tfsync\.keras\.SyncCallback does",
         r"use SyncCallback\(mode='auto'\) with model\.fit, or pass a mode such as 'bsp'",
+    ),
+    Bad(
+        "engine-mode-name",
+        A,
+        "`tfsync.engine.SyncEngine` given a mode's name instead of a policy object",
+        lambda: tfsync.engine.SyncEngine("ssp"),
+        TypeError,
+        r"got 'ssp'",
+        r"policy must be a resolved mode",
+        r"pass e\.g\. tfsync\.policies\.resolve\('ssp'\)",
     ),
     Bad(
         "strategy-partial-pull",
