@@ -189,7 +189,7 @@ def test_a_worker_that_never_confirms_holds_a_stop_call_only_for_the_grace_perio
 def test_a_rank_that_stops_for_a_peers_reason_says_so_before_it_exits(control):
     # rank 1 timed out on hung rank 2 and said so; rank 0 stops for that reason and exits.
     # Rank 0's exit must be explained to the ranks still waiting, or they report "lost
-    # rank 0" instead of the hung rank (a race CI hit twice)
+    # rank 0" instead of the hung rank (its exit races the notice of the reason)
     server, clients = control
     clients[1].announce_stop("SyncTimeoutError", "rank 1 waited 5 s for round 8; ranks [2] have not pushed it")
     diagnosis = Diagnosis(clients[0], rank=0, mode_name="ssp", wait_timeout_s=5, timeout_env="TFSYNC_WAIT_TIMEOUT_S")
@@ -208,7 +208,7 @@ def test_a_rank_that_stops_for_a_peers_reason_says_so_before_it_exits(control):
 
 def test_a_rank_that_stops_and_exits_is_reported_by_its_reason_not_as_lost(control):
     # rank 2's wait for rank 1 timed out: it tells everyone why, then its process ends.  The
-    # others must name the hung rank 1 (rank 2's reason), not "lost rank 2" (a race CI hit).
+    # others must name the hung rank 1 (rank 2's reason), not "lost rank 2" (the exit races the reason).
     server, clients = control
     clients[2].announce_stop("SyncTimeoutError", "rank 2 waited 5 s for round 10; ranks [1] have not pushed it")
     clients[2]._closing = True
