@@ -1,4 +1,4 @@
-"""Dispatch ``python -m tfsync.bench [training|ops|scheduler|convergence|network|elastic] [options]``."""
+"""Dispatch ``python -m tfsync.bench [training|ops|scheduler|convergence|network|elastic|control] [options]``."""
 
 import importlib
 import sys
@@ -10,6 +10,7 @@ SUBCOMMANDS = {
     "convergence": "tfsync.bench.convergence",
     "network": "tfsync.bench.network",
     "elastic": "tfsync.bench.elastic",
+    "control": "tfsync.bench.control",
 }
 
 

@@ -189,18 +189,20 @@ class ControlClient:
         return attached
 
     def report(self, clock: int, min_interval_s: float = REPORT_INTERVAL_S):
-        """Fire-and-forget clock report, at most one per ``min_interval_s`` and one in flight.
+        """Fire-and-forget clock report, at most one per ``min_interval_s`` and one in flight: the
+        call's future, or None when none was sent.
 
         The live clocks only name the ranks behind when a wait times out (after
         seconds), so reporting every step would only cost CPU on rank 0.
         """
         now = time.monotonic()
         if now - self._last_report < min_interval_s or (self._inflight is not None and not self._inflight.done()):
-            return
+            return None
         self._last_report = now
         self._inflight = self._report.future(
             {"rank": self.rank, "clock": clock}, timeout=REPORT_TIMEOUT_S, wait_for_ready=True, metadata=self._metadata
         )
+        return self._inflight
 
     def ready(self, round_: int, on_accepted=None):
         """Tell the coordinator that this worker's contribution to ``round_`` is ready (async).

@@ -55,6 +55,7 @@ class RoundCoordinator:
         rank, round_ = int(request["rank"]), int(request["round"])
         accepted = 0
         with self._lock:
+            self._served["ready"] += 1
             next_open = self._closed[-1][0] + 1 if self._closed else 0
             # a notice for a round already closed is late: that worker drops the contribution
             ready = self._ready.setdefault(round_, []) if self._policy is not None and round_ >= next_open else None
@@ -77,6 +78,7 @@ class RoundCoordinator:
         (its weights are that round's): taken if the round is still open."""
         rank, round_ = int(request["rank"]), int(request["round"])
         with self._lock:
+            self._served["late"] += 1
             next_open = self._closed[-1][0] + 1 if self._closed else 0
             if self._policy is None or round_ != next_open:
                 return {"joined": 0}

@@ -82,6 +82,7 @@ class ControlServer(TokenGate, Streams, StopHandshake, RoundCoordinator, Service
         self._stream_ids = itertools.count(1)
         self._detached = {}  # rank whose stream ended without Leave -> (stream id, at_s, grace timer)
         self.reattached = collections.Counter()  # rank -> how many times it re-attached
+        self._served = collections.Counter()  # what the service served, by kind (served())
         self.rejected = []  # the first REJECTIONS_KEPT refused calls: {"method", "peer", "at_s"}
         self.rejected_count = 0
         self._last_rejection_log = float("-inf")
@@ -172,6 +173,12 @@ class ControlServer(TokenGate, Streams, StopHandshake, RoundCoordinator, Service
         with a third item, the ranks whose late compensated contribution it took, when any."""
         with self._lock:
             return [list(c) for c in self._closed]
+
+    def served(self) -> dict:
+        """What the service served so far, by kind: ``reports``, ``ready`` notices, ``closings``
+        delivered (one per stream and closing), ``tells``, ``asks``, ``late`` offers."""
+        with self._lock:
+            return dict(self._served)
 
     def stop(self):
         self._stopping.set()

@@ -23,18 +23,23 @@ class Services:
     def _report(self, request, context):
         rank = int(request["rank"])
         with self._lock:
+            self._served["reports"] += 1
             self._clocks[rank] = max(self._clocks[rank], int(request["clock"]))
             self._last_seen[rank] = time.time() - self.t0
         return {"ok": 1}
 
     def _tell(self, request, context):
         """A message for the policy's service (fire-and-forget; ignored when there is none)."""
+        with self._lock:
+            self._served["tells"] += 1
         if self._service is not None:
             self._service.tell(int(request["rank"]), request["topic"], request, time.time() - self.t0)
         return {"ok": 1}
 
     def _ask(self, request, context):
         """A question for the policy's service, answered at once."""
+        with self._lock:
+            self._served["asks"] += 1
         if self._service is None:
             context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,

@@ -99,6 +99,7 @@ class Streams:
                 if self._streams.get(rank) != stream or self._stopping.is_set():
                     return
                 closed = self._closings[told[2] :]
+                self._served["closings"] += len(closed)
                 told = (len(self._lost), len(self._stopped), len(self._closings))
                 message = {"lost": list(self._lost.values()), "stopped": list(self._stopped.values()), "closed": closed}
             yield message

@@ -1,0 +1,54 @@
+"""Rank 0 of ``python -m tfsync.bench control``: the real control service, and what it costs.
+
+argv: ``POLICY SIZE TOKEN STATS_PATH``.  Starts the job's control service on 127.0.0.1 for
+``SIZE`` workers under ``POLICY`` (:func:`tfsync.bench.control.policy_for`), prints
+``ADDRESS <host:port>``, samples this process's CPU time, threads, resident memory and the
+clock reports served every ``SAMPLE_S`` and, when a line arrives on stdin (or stdin closes),
+stops the service and writes the samples and the service's counters to ``STATS_PATH`` (JSON).
+No TensorFlow.
+"""
+
+import json
+import sys
+import threading
+import time
+
+import psutil
+
+from tfsync.bench.control import policy_for
+from tfsync.engine import bindings
+from tfsync.engine.control import ControlServer
+
+SAMPLE_S = 0.05
+
+
+def main(argv):
+    policy_name, size, token, stats_path = argv[0], int(argv[1]), argv[2], argv[3]
+    policy = policy_for(policy_name, size)
+    server = ControlServer(
+        size, time.time(), token, host="127.0.0.1", policy=policy, service=bindings.service(policy, size)
+    )
+    process = psutil.Process()
+    samples, done = [], threading.Event()
+
+    def sample():
+        while not done.is_set():
+            cpu, reports, rss = process.cpu_times(), server.served().get("reports", 0), process.memory_info().rss
+            samples.append((time.time(), cpu.user + cpu.system, process.num_threads(), rss, reports))
+            done.wait(SAMPLE_S)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    print(f"ADDRESS {server.address}", flush=True)
+    sys.stdin.readline()
+    done.set()
+    sampler.join(5.0)
+    stats = {"samples": samples, "served": server.served()}
+    server.stop()
+    with open(stats_path, "w") as f:
+        json.dump(stats, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,234 @@
+"""Rank 0's control service under N simulated workers: rounds per second, latency, its cost.
+
+``python -m tfsync.bench control --workers N [N ...] --policy backup|psp|dssp [--reports-hz H]
+[--rounds R] [--ranks-per-host K] --json FILE``
+
+For each N: the real control service (:mod:`tfsync.bench._control_rank0`, its own process, as
+rank 0's is in a job) and N simulated workers deployed as a job's are, hosts of ``K`` ranks
+(default 8), each host its own process (:mod:`tfsync.bench._control_host`).  Every worker
+attaches with the job's token and runs ``R`` rounds of its policy's control traffic, while its
+host reports every worker's clock ``H`` times a second (default 4, what a waiting worker does):
+
+* ``backup``: backup workers with ``b = 0`` (every round closes when every worker's ``Ready``
+  came, and its closing goes to every worker);
+* ``psp``: PSP with ``c = N - 1`` and no timeout (every round closes at the ``N - 1``-th notice,
+  and its closing goes to every worker, the last one's notice dropped);
+* ``dssp``: DSSP's controller: a ``pushed`` notice per worker per step, a ``grant`` question
+  every 4th.
+
+One record per N, in a JSON list: ``workers``, ``policy``, ``rounds_per_s`` (rounds completed
+per second after ``--warmup`` rounds; dssp: steps per worker per second), ``latency_p50_ms``
+and ``latency_p99_ms`` (from a round's last ``Ready`` to every worker having its closing;
+dssp: a grant question's round trip), ``reports_per_s`` (clock reports rank 0 served per
+second) and ``reports_offered_per_s``, ``rank0_cpu_ms_per_round``, ``rank0_cpu_percent``,
+``rank0_threads`` (the most rank 0's process held), ``rank0_rss_mb``, ``clients_cpu_percent``
+(the simulated hosts' CPU, of one core: on a small machine they compete with rank 0), and what
+the service served.  The machine is shared: one run is one sample.
+
+Example:
+
+    python -m tfsync.bench control --workers 8 32 128 256 512 1024 --policy backup --json control.json
+"""
+
+import argparse
+import json
+import math
+import os
+import secrets
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+from tfsync.launch import integer, number
+
+POLICIES = ("backup", "psp", "dssp")
+START_TIMEOUT_S = 60.0  # rank 0's service prints its address within this
+LAUNCH_MARGIN_S = 600.0  # the hosts' whole run is bounded by this plus a second a round
+
+
+def policy_for(name, size):
+    """The policy the benchmark runs as ``name`` on ``size`` workers (module docstring)."""
+    from tfsync.policies import DSSP, PSP, BackupWorkers
+
+    if name == "backup":
+        return BackupWorkers(backups=0)
+    if name == "psp":
+        return PSP(min_contributions=max(1, size - 1), push_timeout_s=0.0)
+    if name == "dssp":
+        return DSSP()
+    raise ValueError(f"--policy {name!r}: expected one of {', '.join(POLICIES)}")
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="python -m tfsync.bench control", description=__doc__.splitlines()[0])
+    p.add_argument("--workers", type=integer(2), nargs="+", required=True, help="simulated workers, one record each")
+    p.add_argument("--policy", choices=POLICIES, required=True)
+    p.add_argument("--reports-hz", type=number(0.0), default=4.0, help="clock reports per worker per second (0: none)")
+    p.add_argument("--rounds", type=integer(2), default=None, help="rounds per run (default: by N, about 20 s)")
+    p.add_argument("--warmup", type=integer(1), default=5, help="rounds left out of the figures")
+    p.add_argument("--ranks-per-host", type=integer(1), default=8, help="simulated workers per host process")
+    p.add_argument("--json", required=True, help="write the records here")
+    args = p.parse_args(argv)
+    if args.rounds is not None and args.rounds <= args.warmup:
+        p.error(f"--rounds {args.rounds} must exceed --warmup {args.warmup}: the figures need measured rounds")
+    return args
+
+
+def default_rounds(workers):
+    """Rounds enough for a figure and few enough for a slow service: about 20 s at today's rate."""
+    return max(20, min(400, int(4000 / workers)))
+
+
+def run_one(workers, args, log):
+    """One N: start rank 0, the hosts, wait for them, stop rank 0; the record."""
+    rounds = args.rounds or default_rounds(workers)
+    token = secrets.token_hex(16)
+    with tempfile.TemporaryDirectory(prefix="tfsync-control-") as tmp:
+        stats_path = os.path.join(tmp, "rank0.json")
+        rank0 = subprocess.Popen(
+            [sys.executable, "-m", "tfsync.bench._control_rank0", args.policy, str(workers), token, stats_path],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            address = _address_of(rank0)
+            hosts = _start_hosts(address, token, workers, rounds, args, tmp)
+            deadline = time.monotonic() + LAUNCH_MARGIN_S + rounds
+            for proc, _ in hosts:
+                proc.wait(max(1.0, deadline - time.monotonic()))
+            rank0.stdin.write("stop\n")
+            rank0.stdin.flush()
+            rank0.wait(30)
+        finally:
+            for proc in [rank0, *(p for p, _ in locals().get("hosts", []))]:
+                if proc.poll() is None:
+                    proc.kill()
+        outputs = []
+        for proc, path in hosts:
+            if not os.path.exists(path):
+                raise RuntimeError(f"a simulated host exited with {proc.returncode} and wrote no results ({path})")
+            with open(path) as f:
+                outputs.append(json.load(f))
+        errors = [e for out in outputs for e in out["errors"]]
+        if errors:
+            raise RuntimeError(f"{len(errors)} simulated workers failed, e.g. {errors[:3]}")
+        with open(stats_path) as f:
+            stats = json.load(f)
+    record = summarize(workers, rounds, args, outputs, stats)
+    log(
+        f"{workers:>6} workers {args.policy:7s} {record['rounds_per_s']:8.1f} rounds/s  latency p50/p99 "
+        f"{record['latency_p50_ms']:7.1f} / {record['latency_p99_ms']:7.1f} ms  rank 0: "
+        f"{record['rank0_cpu_ms_per_round']:8.2f} ms CPU a round, {record['rank0_threads']} threads, "
+        f"{record['rank0_rss_mb']:.0f} MB; reports {record['reports_per_s']:.0f}/s of "
+        f"{record['reports_offered_per_s']:.0f}"
+    )
+    return record
+
+
+def _address_of(rank0):
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        line = rank0.stdout.readline()
+        if line.startswith("ADDRESS "):
+            return line.split(None, 1)[1].strip()
+        if not line and rank0.poll() is not None:
+            break
+    raise RuntimeError(f"rank 0's control service did not start within {START_TIMEOUT_S:.0f} s")
+
+
+def _start_hosts(address, token, workers, rounds, args, tmp):
+    hosts = []
+    per_host = args.ranks_per_host
+    for h, first in enumerate(range(0, workers, per_host)):
+        count = min(per_host, workers - first)
+        path = os.path.join(tmp, f"host{h}.json")
+        argv = [address, token, args.policy, workers, first, count, rounds, args.reports_hz, path]
+        cmd = [sys.executable, "-m", "tfsync.bench._control_host", *map(str, argv)]
+        hosts.append((subprocess.Popen(cmd, stdin=subprocess.DEVNULL), path))
+    return hosts
+
+
+def summarize(workers, rounds, args, outputs, stats):
+    """The record of one N from the hosts' outputs and rank 0's samples."""
+    warm = args.warmup
+    known = np.array([rec["known"] for out in outputs for rec in out["records"].values()])  # [worker, round]
+    start_s, end_s = float(known[:, warm - 1].max()), float(known[:, -1].max())
+    window_s = max(end_s - start_s, 1e-9)
+    if args.policy == "dssp":
+        steps = sum(int(((k > start_s) & (k <= end_s)).sum()) for k in known)
+        rounds_per_s = steps / workers / window_s
+        latencies = [s for out in outputs for rec in out["records"].values() for s in rec["asks_s"][warm:]]
+        measured_rounds = rounds_per_s * window_s
+    else:
+        sent = np.array([rec["sent"] for out in outputs for rec in out["records"].values()])
+        latencies = list(known[:, warm:].max(axis=0) - sent[:, warm:].max(axis=0))
+        measured_rounds = rounds - warm
+        rounds_per_s = measured_rounds / window_s
+    samples = np.array(stats["samples"])  # (time, cpu_s, threads, rss, reports served so far)
+    inside = samples[(samples[:, 0] >= start_s) & (samples[:, 0] <= end_s)]
+    cpu_s = _at(samples, end_s) - _at(samples, start_s)
+    reports = _at(samples, end_s, column=4) - _at(samples, start_s, column=4)
+    clients_cpu_s = sum(_at(np.array(out["cpu_at"]), end_s) - _at(np.array(out["cpu_at"]), start_s) for out in outputs)
+    served = stats["served"]
+    return {
+        "workers": workers,
+        "policy": args.policy,
+        "rounds": rounds,
+        "warmup": warm,
+        "rounds_per_s": rounds_per_s,
+        "latency_p50_ms": 1e3 * float(np.percentile(latencies, 50)),
+        "latency_p99_ms": 1e3 * float(np.percentile(latencies, 99)),
+        "reports_per_s": reports / window_s,
+        "reports_offered_per_s": args.reports_hz * workers,
+        "rank0_cpu_ms_per_round": 1e3 * cpu_s / max(measured_rounds, 1e-9),
+        "rank0_cpu_percent": 100.0 * cpu_s / window_s,
+        "rank0_threads": int(samples[:, 2].max()),
+        "rank0_rss_mb": float((inside if len(inside) else samples)[:, 3].max()) / 2**20,
+        "clients_cpu_percent": 100.0 * clients_cpu_s / window_s,
+        "hosts": math.ceil(workers / args.ranks_per_host),
+        "ranks_per_host": args.ranks_per_host,
+        "reports_hz": args.reports_hz,
+        "window_s": window_s,
+        "served": served,
+    }
+
+
+def _at(samples, t, column=1):
+    """A cumulative figure of ``samples`` (rows ``(time, cpu_s, ...)``; ``column``: which) at time
+    ``t``, interpolated."""
+    return float(np.interp(t, samples[:, 0], samples[:, column]))
+
+
+def format_table(records):
+    head = (
+        "| workers | policy | rounds/s | latency p50 / p99 ms | rank 0 CPU ms/round | rank 0 CPU % | threads "
+        "| RSS MB | reports/s (of) |"
+    )
+    rows = [head, "|" + "---|" * 9]
+    for r in records:
+        rows.append(
+            f"| {r['workers']} | {r['policy']} | {r['rounds_per_s']:.1f} | {r['latency_p50_ms']:.1f} / "
+            f"{r['latency_p99_ms']:.1f} | {r['rank0_cpu_ms_per_round']:.2f} | {r['rank0_cpu_percent']:.0f} | "
+            f"{r['rank0_threads']} | {r['rank0_rss_mb']:.0f} | {r['reports_per_s']:.0f} "
+            f"({r['reports_offered_per_s']:.0f}) |"
+        )
+    return "\n".join(rows)
+
+
+def main(argv=None):
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    records = []
+    for workers in args.workers:
+        records.append(run_one(workers, args, lambda line: print(line, flush=True)))
+        with open(args.json, "w") as f:  # (after every N: a long sweep keeps what it measured)
+            json.dump(records, f, indent=1)
+    print(format_table(records))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
