@@ -43,6 +43,12 @@ CONTROL_PORT = Var(
     "0",
     "TCP port rank 0's control service listens on; 0: one the system picks (open a fixed one in a firewall)",
 )
+CONTROL_RELAYS = Var(
+    "TFSYNC_CONTROL_RELAYS",
+    "auto",
+    "auto | off: auto, the workers of each host but rank 0's reach rank 0's control service through "
+    "one relay on their host (tfsync.engine.control.relay); off, each worker holds its own link to rank 0",
+)
 SINGLE_PROCESS = Var("TFSYNC_SINGLE_PROCESS", "0", "1: train one worker without horovodrun, on purpose")
 OPS_IMPL = Var("TFSYNC_OPS_IMPL", "compiled", "compiled | reference: the kernels tfsync.ops runs")
 SCHEDULER_IMPL = Var(
@@ -87,6 +93,18 @@ def control_port(environ=None) -> int:
     return port
 
 
+def control_relays(environ=None) -> bool:
+    """Whether the hosts relay their workers' control traffic (``TFSYNC_CONTROL_RELAYS``); checked."""
+    raw = CONTROL_RELAYS.get(environ)
+    if raw not in ("auto", "off"):
+        raise ValueError(
+            f"{CONTROL_RELAYS.name}={raw!r}: expected auto (the default: one relay per host of several "
+            f"workers carries their control traffic to rank 0) or off (each worker links to rank 0 itself); "
+            f"set it to auto or off, or unset it"
+        )
+    return raw == "auto"
+
+
 def single_process() -> bool:
     """Whether ``TFSYNC_SINGLE_PROCESS`` asks to train one worker without ``horovodrun``
     (``1``; ``0`` or unset: no); another value is refused rather than read as no."""
@@ -99,4 +117,4 @@ def single_process() -> bool:
     return raw == "1"
 
 
-ALL = (STRAGGLERS, WAIT_TIMEOUT_S, CONTROL_HOST, CONTROL_PORT, SINGLE_PROCESS, OPS_IMPL, SCHEDULER_IMPL)
+ALL = (STRAGGLERS, WAIT_TIMEOUT_S, CONTROL_HOST, CONTROL_PORT, CONTROL_RELAYS, SINGLE_PROCESS, OPS_IMPL, SCHEDULER_IMPL)

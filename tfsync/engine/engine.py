@@ -103,7 +103,7 @@ class SyncEngine:
         self._cluster = cluster
         self.started = False
         self.error = None
-        self._server = None
+        self._server = self._relay = None
         self._trace = Trace(None, None)
 
     # ----------------------------------------------------------------- lifecycle
@@ -142,7 +142,7 @@ class SyncEngine:
         }
         self.hosts = lifecycle.agree_config(cluster, config, self.wait_timeout_s)
         self.t0 = lifecycle.agree_t0(cluster, self.wait_timeout_s)
-        address, token = lifecycle.open_control(self, cluster)  # (sets self._server on rank 0)
+        address, fallback, token = lifecycle.open_control(self, cluster)  # (sets self._server, self._relay)
         options = {**protocol_cls.exchange_options(), **self.entry.exchange_options()}
         for c in self.components:
             options.update(c.exchange_options())
@@ -158,7 +158,7 @@ class SyncEngine:
         )
         self.protocol = protocol_cls(tensors, self.size, policy)
         self.protocol.bind(self)
-        self.control = ControlClient(address, self.rank, token, on_close=self.entry.on_close())
+        self.control = ControlClient(address, self.rank, token, on_close=self.entry.on_close(), fallback=fallback)
         # an inline round that waits reports this worker's clock, as the polling wait does
         self.exchange.on_inline_wait = lambda: self.control.report(self.last_pushed, min_interval_s=0.0)
         # rounds run inline (on the training thread) only on one host: across hosts a collective can

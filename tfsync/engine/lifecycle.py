@@ -20,10 +20,12 @@ import threading
 import time
 import weakref
 
+from tfsync import _env
 from tfsync.engine import bindings
 from tfsync.engine.address import choose as choose_control_address
 from tfsync.engine.bounded import run_bounded
 from tfsync.engine.control import ControlServer
+from tfsync.engine.control.relay import HostRelay
 
 ABANDON_JOIN_S = 2.0  # at exit, how long an unclosed engine waits for its communication thread
 
@@ -133,12 +135,16 @@ def agree_t0(cluster, timeout_s: float) -> float:
 
 
 def open_control(engine, cluster):
-    """Rank 0 starts the control service; every rank learns its address and the job's token.
+    """Rank 0 starts the control service; every rank learns its address and the job's token;
+    the first rank of each host but rank 0's with several ranks starts the host's relay
+    (:mod:`tfsync.engine.control.relay`; ``TFSYNC_CONTROL_RELAYS``), and its host's ranks learn
+    its address.
 
-    Returns ``(address, token)`` (collective, bounded by the engine's wait bound); rank
-    0's server is ``engine._server`` (set before anything can fail, so :func:`abandon`
-    stops it).  From here on the engine is abandoned at interpreter exit unless closed
-    (:func:`leave_at_exit`).
+    Returns ``(address, fallback, token)``: where this rank attaches (its host's relay, or rank
+    0's service) and where it re-attaches if that is gone (collective, bounded by the engine's
+    wait bound); rank 0's server is ``engine._server`` and a relay ``engine._relay`` (set before
+    anything can fail, so :func:`abandon` stops them).  From here on the engine is abandoned at
+    interpreter exit unless closed (:func:`leave_at_exit`).
     """
     server, contact = None, None
     if engine.rank == 0:
@@ -160,13 +166,37 @@ def open_control(engine, cluster):
         contact = (server.address, token)
     engine._server = server
     leave_at_exit(engine)  # from here on something runs that must not outlive the process
-    return run_bounded(
+    address, token = run_bounded(
         cluster,
         lambda: cluster.broadcast_object(contact, root_rank=0, name="tfsync.control_address"),
         name="tfsync.control_address",
         purpose="the address and token of rank 0's control service, broadcast when the engine starts",
         timeout_s=engine.wait_timeout_s,
     )
+    leaders = relay_leaders(engine.hosts) if _env.control_relays() else {}
+    if not leaders:
+        return address, None, token
+    if leaders.get(engine.rank) == engine.rank:
+        engine._relay = HostRelay(address, token, engine.t0)
+    relays = run_bounded(
+        cluster,
+        lambda: cluster.allgather_object(engine._relay.address if engine._relay else None, name="tfsync.relays"),
+        name="tfsync.relays",
+        purpose="the addresses of the hosts' control relays, gathered when the engine starts",
+        timeout_s=engine.wait_timeout_s,
+    )
+    leader = leaders.get(engine.rank)
+    return (relays[leader], address, token) if leader is not None else (address, None, token)
+
+
+def relay_leaders(hosts) -> dict:
+    """``{rank: the first rank of its host}`` for the ranks whose host is not rank 0's and holds
+    several ranks (``hosts``: every rank's host name, in rank order): those attach through their
+    host's relay."""
+    ranks_of = {}
+    for rank, host in enumerate(hosts):
+        ranks_of.setdefault(host, []).append(rank)
+    return {rank: ranks[0] for host, ranks in ranks_of.items() if host != hosts[0] and len(ranks) > 1 for rank in ranks}
 
 
 def leave_at_exit(engine):
@@ -264,9 +294,13 @@ def abandon(engine):
 
 
 def _release(engine):
-    if engine._server is not None:
-        engine._server.stop()
-    engine._trace.close()
+    try:
+        if engine._relay is not None:
+            engine._relay.stop()
+    finally:
+        if engine._server is not None:
+            engine._server.stop()
+        engine._trace.close()
 
 
 def abandon_all():

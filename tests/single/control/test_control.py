@@ -9,7 +9,7 @@ import pytest
 
 from tfsync.engine.control import READY_TIMEOUT_S, ControlClient, ControlServer
 from tfsync.engine.control import transport as control_transport
-from tfsync.engine.control.transport import _decode, _encode
+from tfsync.engine.control.transport import LINK_METHOD, decode, encode
 from tfsync.policies import PSP
 
 TOKEN = "a" * 32
@@ -24,18 +24,23 @@ def server():
 
 @pytest.fixture
 def raw(server):
-    """A plain gRPC channel to the server, carrying whatever metadata a test gives."""
+    """A plain gRPC channel to the server: ``call(items, metadata)`` sends one message on a link
+    carrying whatever metadata a test gives, and returns rank 0's reply to it."""
     channel = grpc.insecure_channel(server.address)
     grpc.channel_ready_future(channel).result(timeout=5)
 
-    def call(method, request, metadata=None):
-        stub = channel.unary_unary(
-            f"/tfsync.Control/{method}", request_serializer=_encode, response_deserializer=_decode
-        )
-        return stub(request, timeout=5, metadata=metadata)
+    def call(items, metadata=None):
+        link = channel.stream_stream(LINK_METHOD)(iter([encode(items)]), timeout=5, metadata=metadata)
+        return decode(next(link))
 
     yield call
     channel.close()
+
+
+def _answer(reply):
+    """The payload of the one answer in ``reply``."""
+    (answer,) = [item for item in reply if item[0] == "answer"]
+    return answer[3]
 
 
 def _wait_until(predicate, timeout_s=5.0):
@@ -63,7 +68,7 @@ def test_a_client_with_a_wrong_token_is_refused_quickly(server):
         ControlClient(server.address, 1, "b" * 32, connect_timeout_s=10)
     assert time.monotonic() - start < 3
     assert server.address in str(info.value) and "horovodrun" in str(info.value)
-    assert server.rejected_count == 1 and server.rejected[0]["method"] == "Attach"
+    assert server.rejected_count == 1 and server.rejected[0]["method"] == LINK_METHOD
     # nothing of the refused Attach was applied: rank 1 is neither attached nor lost
     good = ControlClient(server.address, 0, TOKEN, connect_timeout_s=5)
     try:
@@ -74,36 +79,36 @@ def test_a_client_with_a_wrong_token_is_refused_quickly(server):
 
 
 def test_a_raw_call_with_a_wrong_token_is_refused_and_not_applied(server, raw, caplog):
-    before = raw("Table", {}, metadata=[("tfsync-token", TOKEN)])
+    before = _answer(raw([["table", 0, 1]], metadata=[("tfsync-token", TOKEN)]))
     with caplog.at_level(logging.WARNING, logger="tfsync.control"):
         with pytest.raises(grpc.RpcError) as info:
-            raw("Report", {"rank": 2, "clock": 9}, metadata=[("tfsync-token", "wrong")])
+            raw([["report", 2, 9]], metadata=[("tfsync-token", "wrong")])
     assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
     assert "did not match this job" in info.value.details()
     assert server.address in info.value.details()
-    after = raw("Table", {}, metadata=[("tfsync-token", TOKEN)])
+    after = _answer(raw([["table", 0, 1]], metadata=[("tfsync-token", TOKEN)]))
     assert after["clocks"] == before["clocks"] == [-1, -1, -1]
     assert after["last_seen_s"] == before["last_seen_s"]
     assert after["rejected"] == 1
     assert server.rejected_count == 1
-    assert server.rejected[0]["method"] == "Report" and server.rejected[0]["peer"]
+    assert server.rejected[0]["method"] == LINK_METHOD and server.rejected[0]["peer"]
     assert [r.name for r in caplog.records] == ["tfsync.control"]
 
 
 def test_calls_without_a_token_are_refused(server, raw):
-    for method, request in [
-        ("Report", {"rank": 1, "clock": 3}),
-        ("Leave", {"rank": 1}),
-        ("Stop", {"rank": 1, "kind": "x", "message": "stray"}),
-        ("Table", {}),
+    for items in [
+        [["report", 1, 3]],
+        [["leave", 1]],
+        [["stop", 1, 1, "x", "stray"]],
+        [["table", 1, 1]],
     ]:
         with pytest.raises(grpc.RpcError) as info:
-            raw(method, request)
-        assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED, method
-    table = raw("Table", {}, metadata=[("tfsync-token", TOKEN)])
+            raw(items)
+        assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED, items
+    table = _answer(raw([["table", 0, 1]], metadata=[("tfsync-token", TOKEN)]))
     assert table["clocks"] == [-1, -1, -1] and table["rejected"] == 4
     assert server._stopped == {} and server._left == set()
-    assert [r["method"] for r in server.rejected] == ["Report", "Leave", "Stop", "Table"]
+    assert [r["method"] for r in server.rejected] == [LINK_METHOD] * 4
 
 
 def test_refusals_are_bounded_and_their_warnings_rate_limited(server, raw, caplog, monkeypatch):
@@ -111,7 +116,7 @@ def test_refusals_are_bounded_and_their_warnings_rate_limited(server, raw, caplo
     with caplog.at_level(logging.WARNING, logger="tfsync.control"):
         for _ in range(5):
             with pytest.raises(grpc.RpcError):
-                raw("Table", {}, metadata=[("tfsync-token", "wrong")])
+                raw([["table", 0, 1]], metadata=[("tfsync-token", "wrong")])
     assert server.rejected_count == 5 and len(server.rejected) == 3
     assert len(caplog.records) == 1  # five refusals well within a second: one line
 
@@ -156,7 +161,7 @@ def test_close_ends_the_stream_reader_before_the_channel_and_is_idempotent(serve
     assert _wait_until(lambda: 1 in server._left)
 
 
-FLOOD_HELD_CALLS = 8  # per method: twice the spare threads the server once had beside its streams
+FLOOD_HELD_CALLS = 8  # per kind of call a worker makes: held links from a stray client
 FLOOD_QUICK_CALLS = 200
 FLOOD_HOLD_S = 8.0  # the longest a held stray call lasts (its deadline): past READY_TIMEOUT_S
 
@@ -181,13 +186,11 @@ def test_a_flood_of_refused_calls_delays_no_ready_notice():
 
     try:
         clients = [ControlClient(server.address, r, TOKEN, connect_timeout_s=5) for r in range(size)]
-        for method in ("Ready", "Attach", "Table"):
-            stub = stray.stream_unary(
-                f"/tfsync.Control/{method}", request_serializer=_encode, response_deserializer=_decode
-            )
-            held += [stub.future(withheld_request(), timeout=FLOOD_HOLD_S) for _ in range(FLOOD_HELD_CALLS)]
-        quick = stray.unary_unary("/tfsync.Control/Report", request_serializer=_encode, response_deserializer=_decode)
-        quick_calls = [quick.future({"rank": 1, "clock": 99}, timeout=FLOOD_HOLD_S) for _ in range(FLOOD_QUICK_CALLS)]
+        link = stray.stream_stream(LINK_METHOD)
+        held = [link(withheld_request(), timeout=FLOOD_HOLD_S) for _ in range(3 * FLOOD_HELD_CALLS)]
+        quick_calls = [
+            link(iter([encode([["report", 1, 99]])]), timeout=FLOOD_HOLD_S) for _ in range(FLOOD_QUICK_CALLS)
+        ]
         time.sleep(0.5)  # the flood reaches the server
         answered_s = []
         for round_ in range(rounds):
@@ -195,12 +198,14 @@ def test_a_flood_of_refused_calls_delays_no_ready_notice():
             for client in clients:
                 client.ready(round_)
             for call in [client._ready_calls[-1] for client in clients]:
-                call.result(timeout=READY_TIMEOUT_S + 1)  # raises DEADLINE_EXCEEDED if held back
+                call.result(timeout=READY_TIMEOUT_S + 1)  # raises TimeoutError if held back
             answered_s.append(time.monotonic() - start)
         assert server.closed == [[r, list(range(size))] for r in range(rounds)]
         assert max(answered_s) < 1.0, answered_s
         for call in quick_calls:
-            assert call.exception(timeout=FLOOD_HOLD_S).code() == grpc.StatusCode.PERMISSION_DENIED
+            with pytest.raises(grpc.RpcError) as info:
+                next(call)
+            assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
         assert server.rejected_count >= FLOOD_QUICK_CALLS + len(held)
         assert server._clocks[1] == -1  # nothing of the flood was applied
     finally:

@@ -1,15 +1,30 @@
 """A worker's end of the control path (:class:`ControlClient`).
 
-It attaches one long-lived stream to rank 0 (:mod:`~tfsync.engine.control.streams`:
-what a broken stream means and how a worker re-attaches), reports its clock
-(throttled), sends ready notices, late offers, and its policy's messages, and
-announces its stop (:mod:`~tfsync.engine.control.stop`).  Every call carries
-the job's token; while the connection is down (a flap) a call waits for it,
-within its deadline, rather than fail.
+It holds one link (:mod:`~tfsync.engine.control.transport`) to its host's relay
+or to rank 0's service, and sends on it its clock (throttled), its ready
+notices, late offers, its policy's messages, and its stop
+(:mod:`~tfsync.engine.control.stop`); whatever is queued when the link is free
+goes out as one message.  Rank 0 acknowledges every message; what is not
+acknowledged when the link breaks goes out again on the next one, and rank 0
+takes a repeated item as once (every item is idempotent), so a flap loses
+nothing.  The link carries back the answers, the losses and stop notices and
+the round closings, in order and each once (the worker says, when it
+re-attaches, how many it has).
+
+When the link breaks while the worker is not closing, it re-attaches within
+:data:`~tfsync.engine.control.transport.RECONNECT_GRACE_S`, to the same address
+or, if that is gone (its host's relay died with its process), to rank 0's
+service directly; only when no re-attach gets through within the grace does it
+report rank 0 unreachable (``host_lost``).  A worker on rank 0's host (rank 0
+says so when it attaches) does not re-attach: only the end of rank 0's
+process ends its link.
 """
 
 import collections
+import concurrent.futures
+import itertools
 import logging
+import queue
 import threading
 import time
 
@@ -18,64 +33,121 @@ import grpc
 from tfsync.engine.control.stop import STOP_CALL_TIMEOUT_S
 from tfsync.engine.control.transport import (
     CHANNEL_OPTIONS,
+    LINK_METHOD,
     RECONNECT_BACKOFF_MS,
     RECONNECT_GRACE_S,
-    SERVICE,
     TOKEN_METADATA_KEY,
     _check_token,
-    _decode,
-    _encode,
+    decode,
+    encode,
 )
 
-REPORT_INTERVAL_S = 0.25  # at most one clock report per this, and one in flight
-REPORT_TIMEOUT_S = 5.0  # deadline of one (fire-and-forget) clock report
+REPORT_INTERVAL_S = 0.25  # at most one clock report per this
+ATTEMPT_S = 1.0  # a re-attach to one of two addresses (a relay, rank 0) gives up on it after this
 CONNECT_TIMEOUT_S = 30.0  # how long a worker waits for rank 0's control service
-CALL_TIMEOUT_S = 2.0  # deadline of Leave and Table calls
-WATCHER_JOIN_S = 2.0  # how long ControlClient.close waits for its stream reader to end
-READY_TIMEOUT_S = 5.0  # deadline of one (fire-and-forget) ready notice
-LATE_TIMEOUT_S = 5.0  # deadline of one late-contribution offer (the worker waits for the answer)
-ASK_TIMEOUT_S = 5.0  # deadline of one question to the policy's service (the worker waits for the answer)
+CALL_TIMEOUT_S = 2.0  # how long leave and table wait for rank 0's answer
+WATCHER_JOIN_S = 2.0  # how long ControlClient.close waits for its link's reader to end
+READY_TIMEOUT_S = 5.0  # a ready notice's answer comes within this, or is not waited for
+LATE_TIMEOUT_S = 5.0  # how long a late-contribution offer waits for the answer
+ASK_TIMEOUT_S = 5.0  # how long a question to the policy's service waits for the answer
 
 log = logging.getLogger("tfsync.control")
 
 
+class ControlError(RuntimeError):
+    """Rank 0 did not answer a request within its bound, or answered with an error."""
+
+
+class _Link:
+    """One attempt at a link: its call, the queue its messages are taken from, what it sent."""
+
+    def __init__(self, channel, metadata):
+        self.attached = False  # rank 0 (or the relay) answered its attach
+        self.failed = False  # it ended without getting through: connecting failed or was given up
+        self.queue = queue.Queue()
+        self.sent = 0  # messages handed to gRPC on this link
+        self.unacked = collections.deque()  # (index, items) sent and not yet acknowledged
+        self.lock = threading.Lock()
+        self.call = channel.stream_stream(LINK_METHOD)(self._messages(), metadata=metadata, wait_for_ready=True)
+
+    def _messages(self):
+        """What gRPC sends: everything queued when it asks, as one message (reports are not
+        kept for resending: a later one supersedes them)."""
+        while True:
+            first = self.queue.get()
+            if first is None:
+                return
+            items, end = list(first), False
+            while True:
+                try:
+                    more = self.queue.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    end = True
+                    break
+                items.extend(more)
+            with self.lock:
+                self.sent += 1
+                kept = [i for i in items if i[0] != "report"]
+                if kept:
+                    self.unacked.append((self.sent, kept))
+            yield encode(items)
+            if end:
+                return
+
+    def acked(self, count):
+        with self.lock:
+            while self.unacked and self.unacked[0][0] <= count:
+                self.unacked.popleft()
+
+    def pending(self):
+        with self.lock:
+            return [item for _, items in self.unacked for item in items]
+
+
 class ControlClient:
-    """A worker's end of the control path."""
+    """A worker's end of the control path.
+
+    Args:
+        address: where it attaches: its host's relay, or rank 0's service.
+        rank, token: the worker's rank and the job's token.
+        connect_timeout_s: how long the first attach may take.
+        on_close: called with ``(round, accepted ranks, late ranks)`` for every round closing,
+            in order, on the link's reader thread.
+        fallback: rank 0's service, where it re-attaches when ``address`` (a relay) is gone.
+    """
 
     def __init__(
-        self, address: str, rank: int, token: str, connect_timeout_s: float = CONNECT_TIMEOUT_S, on_close=None
+        self,
+        address: str,
+        rank: int,
+        token: str,
+        connect_timeout_s: float = CONNECT_TIMEOUT_S,
+        on_close=None,
+        fallback=None,
     ):
         self.address, self.rank = address, rank
+        self._addresses = [address] + ([fallback] if fallback and fallback != address else [])
         self._on_close = on_close
         self._closes_seen = 0
-        # fire-and-forget calls in flight: gRPC cancels a call whose future is collected
-        self._ready_calls = collections.deque(maxlen=4)
-        self._seen_calls = collections.deque(maxlen=8)
         self._metadata = ((TOKEN_METADATA_KEY, _check_token(token)),)
-        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
-        method = lambda name: self._channel.unary_unary(  # noqa: E731
-            f"/{SERVICE}/{name}", request_serializer=_encode, response_deserializer=_decode
-        )
-        self._report, self._leave, self._table = method("Report"), method("Leave"), method("Table")
-        self._ready, self._late = method("Ready"), method("Late")
-        self._tell, self._ask = method("Tell"), method("Ask")
-        self._stop, self._seen = method("Stop"), method("Seen")
+        self._ids = itertools.count(1)
+        self._requests = {}  # request id -> Future of its answer
+        self._ready_calls = collections.deque(maxlen=8)  # the newest ready notices' answers (Futures)
         self._closing = False
         self._channel_closed = False
         self.host_lost = None
         self.known_lost = []
         self.known_stopped = []
-        self.reattached = 0  # how many times its stream broke and it re-attached
-        self._local = False  # rank 0 said this worker runs on its host (from the stream's first message)
+        self.reattached = 0  # how many times its link broke and it re-attached
+        self._local = False  # rank 0 said this worker runs on its host (when it attached)
         self._last_table = {"clocks": [], "last_seen_s": [], "lost": []}
-        self._inflight = None
         self._last_report = float("-inf")
         self._attach_error = None
-        self._attach = self._channel.unary_stream(
-            f"/{SERVICE}/Attach", request_serializer=_encode, response_deserializer=_decode
-        )
-        self._stream_lock = threading.Lock()  # a re-attach does not start once close() has begun
-        self._stream = self._attach({"rank": rank}, wait_for_ready=True, timeout=None, metadata=self._metadata)
+        self._lock = threading.Lock()  # the current link; a re-attach does not start once close() has begun
+        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._link = self._open(self._channel, [])
         first = threading.Event()
         self._watcher = threading.Thread(target=self._watch, args=(first,), daemon=True, name="tfsync-control-watch")
         self._watcher.start()
@@ -88,6 +160,7 @@ class ControlClient:
         error = self._attach_error
         if error is not None and error.code() == grpc.StatusCode.PERMISSION_DENIED:
             self._closing = True
+            self._link.queue.put(None)
             self._channel.close()
             raise PermissionError(
                 f"tfsync: rank {rank}'s token was rejected by the control service at {address} "
@@ -95,19 +168,33 @@ class ControlClient:
                 f"(horovodrun) so that they share rank 0's token"
             )
 
+    # ------------------------------------------------------------------- the link
+    @property
+    def _stream(self):
+        """The current link's call (what a test cancels to end it as a process exit would)."""
+        return self._link.call
+
+    def _open(self, channel, resend):
+        """A new link on ``channel``: attach, then what the last one left unacknowledged."""
+        link = _Link(channel, self._metadata)
+        link.queue.put([["attach", self.rank, self._closes_seen, len(self.known_stopped)], *resend])
+        return link
+
+    def _send(self, item):
+        with self._lock:
+            self._link.queue.put([item])
+
     def _watch(self, first):
-        """Follow the stream; when it breaks, re-attach within the grace, else rank 0 is lost."""
-        stream, confirmed, give_up, deadline = self._stream, None, None, None
+        """Follow the link; when it breaks, re-attach within the grace, else rank 0 is lost."""
+        link, deadline, attached = self._link, None, False
         while True:
-            attached = self._read(stream, first, confirmed)
-            if give_up is not None:
-                give_up.cancel()
-            if self._closing or self._local:  # (on rank 0's host only its process's end ends a stream)
+            attached = self._read(link, first) or attached
+            if self._closing or self._local:  # (on rank 0's host only its process's end ends a link)
                 break
-            if attached:  # the grace runs from the end of a stream that worked
+            if attached and deadline is None:  # the grace runs from the end of a link that worked
                 deadline = time.monotonic() + RECONNECT_GRACE_S
                 log.warning(
-                    "tfsync: rank %d's control stream to rank 0 at %s broke; re-attaching for up to %g s",
+                    "tfsync: rank %d's control link to %s broke; re-attaching for up to %g s",
                     self.rank,
                     self.address,
                     RECONNECT_GRACE_S,
@@ -124,145 +211,146 @@ class ControlClient:
                     RECONNECT_GRACE_S,
                 )
                 break
-            started = self._reattach(deadline)
-            if started is None:
+            link = self._reattach(link, deadline)
+            if link is None:
                 break
-            stream, confirmed, give_up = started
+            attached = False
         if not self._closing:
             self.host_lost = time.time()
         first.set()
 
-    def _reattach(self, deadline):
-        """Start a new stream (same rank and token) that resumes after what this worker has,
-        cancelled at ``deadline`` unless attached by then; None once closing."""
-        with self._stream_lock:
+    def _reattach(self, broken, deadline):
+        """A new link resuming after what this worker has, given up at ``deadline`` unless attached
+        by then; None once closing.  With two addresses (its host's relay, then rank 0), an attempt
+        that did not get through moves to the other, and each attempt gets ``ATTEMPT_S``: a relay
+        that died with its process does not keep the worker from rank 0 for the whole grace."""
+        with self._lock:
             if self._closing:
                 return None
-            stream = self._attach(
-                {"rank": self.rank, "closings": self._closes_seen, "stops": len(self.known_stopped)},
-                wait_for_ready=True,
-                timeout=None,
-                metadata=self._metadata,
-            )
-            self._stream = stream
-        confirmed = threading.Event()
-        give_up = threading.Timer(max(deadline - time.monotonic(), 0.0), lambda: confirmed.is_set() or stream.cancel())
-        give_up.daemon = True
-        give_up.start()
-        return stream, confirmed, give_up
+            if len(self._addresses) > 1:
+                if broken.failed or not broken.attached:
+                    self._addresses.append(self._addresses.pop(0))
+                deadline = min(deadline, time.monotonic() + ATTEMPT_S)
+            address = self._addresses[0]
+            if address != self.address:
+                self._channel.close()
+                self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+                self.address = address
+            link = self._open(self._channel, broken.pending())
+            self._link = link
+        timer = threading.Timer(max(deadline - time.monotonic(), 0.0), lambda: link.attached or link.call.cancel())
+        timer.daemon = True
+        timer.start()
+        return link
 
-    def _read(self, stream, first, confirmed=None):
-        """Take one stream's messages until it ends; whether it attached (its first message came)."""
-        attached = False
+    def _read(self, link, first):
+        """Take one link's messages until it ends; whether it attached."""
         try:
-            for message in stream:
-                if "attached" in message:
-                    attached = True
-                    self._local = bool(message.get("local"))
-                    if confirmed is not None:  # a re-attach
-                        confirmed.set()
-                        self.reattached += 1
-                        log.warning("tfsync: rank %d re-attached to rank 0 at %s", self.rank, self.address)
-                if "lost" in message:
-                    stops_before = len(self.known_stopped)
-                    self.known_lost = message["lost"]
-                    self.known_stopped = message["stopped"]
-                    if len(self.known_stopped) > stops_before:
-                        # confirm only after recording them: the stopping rank waits for this
-                        self._seen_calls.append(
-                            self._seen.future(
-                                {"rank": self.rank, "stops": len(self.known_stopped)},
-                                timeout=STOP_CALL_TIMEOUT_S,
-                                wait_for_ready=True,
-                                metadata=self._metadata,
-                            )
-                        )
-                for entry in message.get("closed", ()):
-                    round_, accepted, late = entry[0], entry[1], entry[2] if len(entry) > 2 else ()
-                    if self._on_close is not None:
-                        self._on_close(int(round_), tuple(int(r) for r in accepted), tuple(int(r) for r in late))
-                    self._closes_seen += 1
-                first.set()
+            for data in link.call:
+                for item in decode(data):
+                    self._take(link, item, first)
         except grpc.RpcError as exc:
+            link.failed = not link.attached
             if not first.is_set():
                 self._attach_error = exc
-        return attached
+        return link.attached
 
-    def report(self, clock: int, min_interval_s: float = REPORT_INTERVAL_S):
-        """Fire-and-forget clock report, at most one per ``min_interval_s`` and one in flight: the
-        call's future, or None when none was sent.
+    def _take(self, link, item, first):
+        kind = item[0]
+        if kind == "acked":
+            link.acked(item[1])
+        elif kind == "attached":
+            if link is not self._link or link.attached:
+                return
+            link.attached = True
+            self._local = bool(item[2])
+            if first.is_set():  # a re-attach
+                self.reattached += 1
+                log.warning("tfsync: rank %d re-attached to rank 0 at %s", self.rank, self.address)
+            first.set()
+        elif kind == "answer":
+            future = self._requests.pop(item[2], None)
+            if future is not None and not future.done():
+                future.set_result(item[3])
+        elif kind == "notices":
+            stops_before = len(self.known_stopped)
+            self.known_lost, self.known_stopped = item[1], item[2]
+            if len(self.known_stopped) > stops_before:  # confirm only after recording them: the stopper waits
+                self._send(["seen", self.rank, len(self.known_stopped)])
+        elif kind == "closed":
+            start, entries = item[1], item[2]
+            for k, entry in enumerate(entries):
+                if start + k < self._closes_seen:  # (resent after a re-attach)
+                    continue
+                round_, accepted, late = entry[0], entry[1], entry[2] if len(entry) > 2 else ()
+                if self._on_close is not None:
+                    self._on_close(int(round_), tuple(int(r) for r in accepted), tuple(int(r) for r in late))
+                self._closes_seen += 1
+        elif kind == "host_lost":  # (from a relay: rank 0 is gone beyond the grace)
+            self.host_lost = time.time()
 
-        The live clocks only name the ranks behind when a wait times out (after
-        seconds), so reporting every step would only cost CPU on rank 0.
-        """
+    def _request(self, kind, *args):
+        """Send a request; its answer's Future."""
+        request = next(self._ids)
+        future = concurrent.futures.Future()
+        self._requests[request] = future
+        self._send([kind, self.rank, request, *args])
+        return future
+
+    def _answer(self, future, timeout_s, what):
+        try:
+            reply = future.result(timeout_s)
+        except concurrent.futures.TimeoutError:
+            raise ControlError(f"tfsync: rank 0 did not answer {what} of rank {self.rank} in {timeout_s:g} s") from None
+        if "error" in reply:
+            raise ControlError(reply["error"])
+        return reply
+
+    # ----------------------------------------------------------------- what it sends
+    def report(self, clock: int, min_interval_s: float = REPORT_INTERVAL_S) -> bool:
+        """Report this worker's clock, at most one report per ``min_interval_s``; whether one was
+        sent.  The live clocks only name the ranks behind when a wait times out (after seconds),
+        so reporting every step would only cost CPU on rank 0."""
         now = time.monotonic()
-        if now - self._last_report < min_interval_s or (self._inflight is not None and not self._inflight.done()):
-            return None
+        if now - self._last_report < min_interval_s:
+            return False
         self._last_report = now
-        self._inflight = self._report.future(
-            {"rank": self.rank, "clock": clock}, timeout=REPORT_TIMEOUT_S, wait_for_ready=True, metadata=self._metadata
-        )
-        return self._inflight
+        self._send(["report", self.rank, int(clock)])
+        return True
 
     def ready(self, round_: int, on_accepted=None):
         """Tell the coordinator that this worker's contribution to ``round_`` is ready (async).
 
-        ``on_accepted(round_)`` runs (on a gRPC thread) if the answer says the
-        round will aggregate it for certain; a failed call only skips it (the
-        closing on the stream still comes, and a lost coordinator is seen there).
-        While the connection is down (a flap) the notice waits for it, within its deadline.
-        """
-        call = self._ready.future(
-            {"rank": self.rank, "round": round_}, timeout=READY_TIMEOUT_S, wait_for_ready=True, metadata=self._metadata
-        )
-        self._ready_calls.append(call)
+        ``on_accepted(round_)`` runs (on the link's reader thread) if the answer says the round
+        will aggregate it for certain; no answer only skips it (the closing still comes, and a
+        lost coordinator is seen on the link)."""
+        future = self._request("ready", int(round_))
+        self._ready_calls.append(future)
         if on_accepted is not None:
-
-            def answered(done):
-                if not done.cancelled() and done.exception() is None and done.result().get("accepted"):
-                    on_accepted(round_)
-
-            call.add_done_callback(answered)
+            future.add_done_callback(lambda done: done.result().get("accepted") and on_accepted(round_))
 
     def tell(self, topic: str, **fields):
         """Tell the policy's service on rank 0 something (:meth:`Policy.service`; async)."""
-        self._ready_calls.append(
-            self._tell.future(
-                {"rank": self.rank, "topic": topic, **fields},
-                timeout=READY_TIMEOUT_S,
-                wait_for_ready=True,
-                metadata=self._metadata,
-            )
-        )
+        self._send(["tell", self.rank, topic, fields])
 
     def ask(self, topic: str, **fields) -> dict:
         """Ask the policy's service on rank 0 (:meth:`Policy.service`); its answer.
         Blocks for at most ``ASK_TIMEOUT_S``."""
-        return self._ask(
-            {"rank": self.rank, "topic": topic, **fields},
-            timeout=ASK_TIMEOUT_S,
-            wait_for_ready=True,
-            metadata=self._metadata,
-        )
+        return self._answer(self._request("ask", topic, fields), ASK_TIMEOUT_S, f"the question {topic!r}")
 
     def join_late(self, round_: int) -> bool:
         """Offer a late, compensated contribution to ``round_``; whether the coordinator took it
         (False: the round had closed).  Blocks for at most ``LATE_TIMEOUT_S``."""
-        reply = self._late(
-            {"rank": self.rank, "round": round_}, timeout=LATE_TIMEOUT_S, wait_for_ready=True, metadata=self._metadata
-        )
+        reply = self._answer(self._request("late", int(round_)), LATE_TIMEOUT_S, "a late offer")
         return bool(reply.get("joined"))
 
     def announce_stop(self, kind: str, message: str):
-        """Tell every worker (through rank 0) why this one stops, so they can say so too."""
+        """Tell every worker (through rank 0) why this one stops, so they can say so too; waits
+        (at most ``STOP_CALL_TIMEOUT_S``) until they have read it."""
         if self.host_lost is None:
             try:
-                self._stop(
-                    {"rank": self.rank, "kind": kind, "message": message},
-                    timeout=STOP_CALL_TIMEOUT_S,
-                    metadata=self._metadata,
-                )
-            except grpc.RpcError:
+                self._request("stop", kind, message).result(STOP_CALL_TIMEOUT_S)
+            except concurrent.futures.TimeoutError:
                 pass
 
     def table(self, timeout_s: float = CALL_TIMEOUT_S) -> dict:
@@ -270,16 +358,16 @@ class ControlClient:
 
         When rank 0 (the control host) is unreachable, the losses it pushed
         before are reported, or else rank 0 itself, with the last clocks read.
-        Rank 0 is unreachable when the stream says so (``host_lost``: it broke
+        Rank 0 is unreachable when the link says so (``host_lost``: it broke
         and no re-attach got through within ``RECONNECT_GRACE_S``), not when one
-        query goes unanswered: that may be a flap the stream survives, or a busy
+        query goes unanswered: that may be a flap the link survives, or a busy
         server, and reporting rank 0 lost would stop the job.
         """
         if self.host_lost is None:
             try:
-                self._last_table = self._table({}, timeout=timeout_s, wait_for_ready=True, metadata=self._metadata)
+                self._last_table = self._answer(self._request("table"), timeout_s, "a table query")
                 return self._last_table
-            except grpc.RpcError:
+            except ControlError:
                 return {**self._last_table, "lost": self.known_lost}
         return {
             **self._last_table,
@@ -290,22 +378,26 @@ class ControlClient:
     def close(self):
         """Leave the control path (idempotent).
 
-        The stream's reader thread is joined (bounded) before the channel
-        closes: closing a gRPC Python channel while another thread is still
-        inside one of its calls is the pattern of gRPC's segfault reports
-        (grpc/grpc#16290, #19235), such as a worker's open stream when rank 0's
-        server goes away.
+        The leave is acknowledged (bounded) before the link ends, and the link's
+        reader thread is joined (bounded) before the channel closes: closing a
+        gRPC Python channel while another thread is still inside one of its
+        calls is the pattern of gRPC's segfault reports (grpc/grpc#16290,
+        #19235), such as a worker's open link when rank 0's server goes away.
         """
         if self._channel_closed:
             return
+        if self.host_lost is None and not self._closing:
+            self._send(["leave", self.rank])
+            left = self._request("table")  # (answered after the leave before it: the leave arrived)
+            try:
+                self._answer(left, CALL_TIMEOUT_S, "a leave")
+            except ControlError:
+                pass
         self._closing = True
-        try:
-            self._leave({"rank": self.rank}, timeout=CALL_TIMEOUT_S, metadata=self._metadata)
-        except grpc.RpcError:
-            pass
-        with self._stream_lock:  # (the watcher starts no new stream once _closing is set)
-            stream = self._stream
-        stream.cancel()
+        with self._lock:  # (the watcher starts no new link once _closing is set)
+            link = self._link
+        link.queue.put(None)
+        link.call.cancel()
         self._watcher.join(WATCHER_JOIN_S)
         self._channel_closed = True
         self._channel.close()

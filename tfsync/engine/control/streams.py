@@ -1,119 +1,175 @@
-"""Each worker's ``Attach`` stream on rank 0: losses, stop notices and round closings, in order.
+"""Rank 0's links: who is attached where, what each has been told, and what a link's end means.
 
-Each worker holds one long-lived ``Attach`` stream, which carries rank 0's
-notices to it and tells each end whether the other is still there.  What a
-stream's end means depends on where the worker runs.  On rank 0's host (it
+A link (:class:`Link`) carries one worker, or the workers of one host through
+its relay (:mod:`~tfsync.engine.control.relay`).  A worker attaches on it with
+``["attach", rank, closings, stops]``, saying how many closings and stop
+notices it already has; the link then carries, in order and each once, what
+rank 0 tells every worker (:meth:`Streams._broadcast`): the losses and stop
+notices (whole, when they change) and the round closings (from the first the
+link does not have).  Links that are at the same point get the same encoded
+message, so a closing costs one encoding a round, not one per worker.
+
+What a link's end means depends on where its worker runs.  On rank 0's host (it
 connected from an address rank 0 listens on) nothing but the end of its
-process can end its stream: rank 0 records the rank lost at once, and the
-worker, when its stream breaks, reports rank 0 unreachable at once
-(``host_lost``).  Across hosts a dropped connection and a dead process look the
-same to rank 0 (gRPC's server tells a handler that its call ended, not why),
-so a stream that ends without ``Leave`` leaves its rank detached
-(``"detached"`` in the table), and rank 0 records it lost only if it has not
-re-attached within :data:`~tfsync.engine.control.transport.RECONNECT_GRACE_S`.
-The worker, when its stream breaks while it is not closing, re-attaches with
-the same rank and token, saying how many closings and stop notices it already
-has; the new stream resumes after them, so none is delivered twice or
-skipped, and the losses and stop notices come again whole.  A dead worker on
-another host is thus named after the grace, a link that stays down after the
-keepalive bound and the grace; a flap that heals within the grace costs
-nothing.
+process can end a worker's own link: rank 0 records the rank lost at once.  A
+relay tells rank 0 the same of a worker whose local link ended
+(``["ended", rank]``).  Across hosts a dropped connection and a dead process
+look the same to rank 0, so a link that ends without ``Leave`` leaves its
+workers detached (``"detached"`` in the table), and rank 0 records a worker lost
+only if it has not re-attached within
+:data:`~tfsync.engine.control.transport.RECONNECT_GRACE_S`: its link flapped
+and came back (a worker or a relay re-attaches with the same rank and token,
+and resumes after what it has, so nothing is delivered twice or skipped), or
+its relay died and it attached to rank 0 directly.  A flap that heals within
+the grace costs nothing.
 """
 
+import asyncio
+import itertools
 import logging
-import threading
 import time
 
-from tfsync.engine.control.transport import RECONNECT_GRACE_S, _peer_ip
+import grpc.aio
 
-STREAM_WAKE_S = 0.5  # an Attach stream's condition wait: rechecks end/shutdown this often
+from tfsync.engine.control.transport import RECONNECT_GRACE_S, _peer_ip, decode, encode
 
 log = logging.getLogger("tfsync.control")
 
 
+class Link:
+    """One gRPC stream into rank 0's service and what it has been told."""
+
+    _ids = itertools.count(1)
+
+    def __init__(self, local: bool, peer: str):
+        self.id = next(Link._ids)
+        self.local, self.peer = local, peer
+        self.ranks = set()
+        self.out = asyncio.Queue()  # encoded messages, written in order by the link's writer
+        self.cursor = None  # (closings sent, lost version, stopped version), set at the first attach
+        self.received = 0  # messages received: what the next reply acknowledges
+        self.reply = []  # items for the reply to the message being handled
+
+    def send(self, data: bytes):
+        self.out.put_nowait(data)
+
+
 class Streams:
-    """The server's streams (a part of :class:`~tfsync.engine.control.server.ControlServer`)."""
+    """The server's links (a part of :class:`~tfsync.engine.control.server.ControlServer`);
+    everything here runs on the server's event loop."""
 
-    def _attach(self, request, context):
-        """A worker's stream: losses, stop notices and round closings, in order.
+    async def _serve_link(self, request_iterator, context):
+        """One link: read its messages, answer each (its acknowledgement and answers), until it
+        ends; its writer task sends what the link is told meanwhile."""
+        peer = context.peer()
+        link = Link(_peer_ip(peer) in self._own_ips, peer)
+        self._links[link.id] = link
+        writer = asyncio.ensure_future(self._write_link(link, context))
+        try:
+            while not self._stopping.is_set():
+                data = await context.read()
+                if data is grpc.aio.EOF:
+                    break
+                link.received += 1
+                self._on_message(link, decode(data))
+        except (asyncio.CancelledError, Exception) as exc:  # noqa: BLE001 - a broken link is a link's end
+            if not isinstance(exc, asyncio.CancelledError):
+                log.debug("tfsync: link %d from %s ended: %s", link.id, peer, exc)
+        finally:
+            link.send(None)
+            writer.cancel()
+            self._links.pop(link.id, None)
+            self._link_ended(link)
 
-        ``request``: ``rank``, and on a re-attach how many closings and stop notices
-        the worker already has (``closings``, ``stops``): the stream resumes there.
-        """
-        rank = int(request["rank"])
-        local = _peer_ip(context.peer()) in self._own_ips
-        with self._lock:
-            stream = next(self._stream_ids)
-            # a stream this one replaces (its worker gave up on it before this end noticed) sees this and ends
-            replaced = self._streams.get(rank)
-            self._streams[rank] = stream
-            detached = self._detached.pop(rank, None)
-            if detached is not None:
-                detached[2].cancel()
-            if detached is not None or replaced is not None:
-                self.reattached[rank] += 1
-            self._last_seen[rank] = time.time() - self.t0
-            self._stops_seen[rank] = int(request.get("stops", 0))
-            told_closings = min(int(request.get("closings", 0)), len(self._closings))
-            self._changed.notify_all()
-        if detached is not None:
-            log.warning(
-                "tfsync: rank %d re-attached to the control path %.1f s after its stream ended",
-                rank,
-                time.time() - self.t0 - detached[1],
-            )
-
-        def on_end():
-            with self._lock:
-                if self._streams.get(rank) != stream:  # replaced by a re-attach: nothing ended
-                    return
-                del self._streams[rank]
-                self._stops_seen.pop(rank, None)
-                self._changed.notify_all()
-                if rank in self._left or self._stopping.is_set():
-                    return
-                if local:  # nothing between it and this host could have dropped: its process ended
-                    self._record_lost(rank, time.time() - self.t0, "its process or connection ended")
-                    return
-                timer = threading.Timer(RECONNECT_GRACE_S, self._grace_over, args=(rank, stream))
-                timer.daemon = True
-                self._detached[rank] = (stream, time.time() - self.t0, timer)
-                timer.start()
-
-        if not context.add_callback(on_end):  # the call ended already (gRPC then never calls it)
-            on_end()
-        yield {"attached": rank, "local": int(local)}
-        # Push every loss to every worker at once: if rank 0 goes down right after
-        # (it stops too), the others still know whom they lost first.
-        # Round closings go out in order, each once, in the same stream (and, after a
-        # re-attach, from the first one the worker does not have).
-        told = (0, 0, told_closings)
+    async def _write_link(self, link, context):
         while True:
-            with self._lock:
-                while (
-                    (len(self._lost), len(self._stopped), len(self._closings)) == told
-                    and self._streams.get(rank) == stream
-                    and not self._stopping.is_set()
-                ):
-                    self._changed.wait(STREAM_WAKE_S)
-                if self._streams.get(rank) != stream or self._stopping.is_set():
-                    return
-                closed = self._closings[told[2] :]
-                self._served["closings"] += len(closed)
-                told = (len(self._lost), len(self._stopped), len(self._closings))
-                message = {"lost": list(self._lost.values()), "stopped": list(self._stopped.values()), "closed": closed}
-            yield message
+            data = await link.out.get()
+            if data is None:
+                return
+            await context.write(data)
+
+    def _on_message(self, link, items):
+        """Handle one message's items; reply with its acknowledgement and answers."""
+        now = time.time() - self.t0
+        with self._lock:
+            for item in items:
+                handle = self._handlers.get(item[0])
+                if handle is None:
+                    raise ValueError(f"tfsync: a link sent an item of unknown kind {item[0]!r}")
+                handle(link, item, now)
+            reply, link.reply = [["acked", link.received], *link.reply], []
+        link.send(encode(reply))
+        self._broadcast_soon()
+
+    # ------------------------------------------------------------------ attach and end
+    def _attach_item(self, link, item, now):
+        """``["attach", rank, closings, stops]``: ``rank`` is on ``link`` now, having the first
+        ``closings`` closings and ``stops`` stop notices (lock held)."""
+        rank, closings, stops = int(item[1]), int(item[2]), int(item[3])
+        prior = self._rank_link.get(rank)
+        if prior is not None and prior != link.id and prior in self._links:
+            self._links[prior].ranks.discard(rank)  # (a link its worker gave up on before this end noticed)
+        self._rank_link[rank] = link.id
+        link.ranks.add(rank)
+        detached = self._detached.pop(rank, None)
+        if detached is not None:
+            detached[2].cancel()
+            log.warning(
+                "tfsync: rank %d re-attached to the control path %.1f s after its link ended", rank, now - detached[1]
+            )
+        if detached is not None or prior is not None:
+            self.reattached[rank] += 1
+        self._last_seen[rank] = now
+        self._stops_seen[rank] = stops
+        if link.cursor is None:
+            link.cursor = (min(closings, len(self._closings)), -1, -1)
+        link.reply.append(["attached", rank, int(link.local and len(link.ranks) == 1)])
+
+    def _ended_item(self, link, item, now):
+        """``["ended", rank]`` from a relay: the rank's own link to it ended without ``Leave``;
+        on its host, only the end of its process does that (lock held)."""
+        rank = int(item[1])
+        if self._rank_link.get(rank) == link.id:
+            del self._rank_link[rank]
+            link.ranks.discard(rank)
+            self._stops_seen.pop(rank, None)
+            if rank not in self._left and not self._stopping.is_set():
+                self._record_lost(rank, now, "its process or connection ended")
+
+    def _leave_item(self, link, item, now):
+        self._left.add(int(item[1]))
+
+    def _link_ended(self, link):
+        """A link ended: its workers are lost (a worker's own link on rank 0's host) or detached
+        until they re-attach within the grace."""
+        now = time.time() - self.t0
+        with self._lock:
+            own = link.local and len(link.ranks) == 1
+            for rank in sorted(link.ranks):
+                if self._rank_link.get(rank) != link.id:  # re-attached elsewhere meanwhile
+                    continue
+                del self._rank_link[rank]
+                self._stops_seen.pop(rank, None)
+                if rank in self._left or self._stopping.is_set():
+                    continue
+                if own:  # nothing between it and this host could have dropped: its process ended
+                    self._record_lost(rank, now, "its process or connection ended")
+                    continue
+                timer = self._loop.call_later(RECONNECT_GRACE_S, self._grace_over, rank, link.id)
+                self._detached[rank] = (link.id, now, timer)
+        self._broadcast_soon()
 
     def _record_lost(self, rank, at_s, reason):
-        """Record ``rank`` lost (lock held); every stream pushes it."""
-        self._lost.setdefault(rank, {"rank": rank, "clock": self._clocks[rank], "at_s": at_s, "reason": reason})
-        self._changed.notify_all()
+        """Record ``rank`` lost (lock held); every link is told."""
+        if rank not in self._lost:
+            self._lost[rank] = {"rank": rank, "clock": self._clocks[rank], "at_s": at_s, "reason": reason}
+            self._lost_version += 1
 
-    def _grace_over(self, rank, stream):
+    def _grace_over(self, rank, link_id):
         """A worker on another host did not re-attach within the grace: it is lost."""
         with self._lock:
             detached = self._detached.get(rank)
-            if detached is None or detached[0] != stream or self._stopping.is_set():
+            if detached is None or detached[0] != link_id or self._stopping.is_set():
                 return
             del self._detached[rank]
             if rank not in self._left:
@@ -123,3 +179,37 @@ class Streams:
                     f"its connection to rank 0 ended and it did not re-attach within {RECONNECT_GRACE_S:g} s: "
                     f"its process ended or stopped answering, or the link between its host and rank 0's stayed down",
                 )
+        self._broadcast_soon()
+
+    # ----------------------------------------------------------------------- broadcast
+    def _broadcast_soon(self):
+        """Tell every link what changed, once this turn of the loop is done (one message for all
+        the changes a turn made)."""
+        if not self._broadcast_due:
+            self._broadcast_due = True
+            self._loop.call_soon(self._broadcast)
+
+    def _broadcast(self):
+        """Send each link what it has not been told: the losses and stop notices when they
+        changed, and the closings from its cursor; links at the same point share one encoding."""
+        self._broadcast_due = False
+        with self._lock:
+            now = (len(self._closings), self._lost_version, self._stopped_version)
+            messages = {}
+            for link in self._links.values():
+                if link.cursor is None or link.cursor == now:
+                    continue
+                data = messages.get(link.cursor)
+                if data is None:
+                    closings, lost, stopped = link.cursor
+                    items = []
+                    if lost < now[1] or stopped < now[2]:
+                        items.append(["notices", list(self._lost.values()), list(self._stopped.values())])
+                    if closings < now[0]:
+                        items.append(["closed", closings, self._closings[closings:]])
+                        self._served["closings"] += now[0] - closings
+                    data = messages[link.cursor] = encode(items)
+                else:
+                    self._served["closings"] += now[0] - link.cursor[0]
+                link.send(data)
+                link.cursor = now

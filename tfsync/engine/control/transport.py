@@ -1,43 +1,45 @@
-"""The control path's transport: gRPC with keepalive, its wire format, and the token gate.
+"""The control path's transport: gRPC links with keepalive, their wire, and the token gate.
 
-gRPC (shipped with TensorFlow) carries the control path; messages are protobuf
-``Struct``s, so no wire format is written here.  Both ends ping every
-connection (gRPC keepalive, :data:`KEEPALIVE_TIME_MS`,
-:data:`KEEPALIVE_TIMEOUT_MS`): a link that went down without a word is noticed
-within seconds, while an outage of a couple of seconds trips nothing (TCP
-delivers what it held once the link is back).
+Everything on the control path travels on **links**: one gRPC bidirectional stream
+(``/tfsync.Control/Link``) from a worker (or from its host's relay,
+:mod:`~tfsync.engine.control.relay`) to rank 0's service.  A message on a link
+is a batch of items, JSON-encoded (:func:`encode`, :func:`decode`): whatever a
+sender has queued goes out as one message, so a busy link sends fewer, larger
+messages, and a message rank 0 sends to every link (a round's closing) is
+encoded once.  Both ends ping every connection (gRPC keepalive,
+:data:`KEEPALIVE_TIME_MS`, :data:`KEEPALIVE_TIMEOUT_MS`): a link that went down
+without a word is noticed within seconds, while an outage of a couple of
+seconds trips nothing (TCP delivers what it held once the link is back).
 
 Only this job's workers may use the service.  Rank 0 draws a random token per
 job and hands it to the workers through the launch's own collective; every
-call carries it as gRPC metadata (``tfsync-token``), and the server compares it
+link carries it as gRPC metadata (``tfsync-token``), and the server compares it
 in constant time and refuses (``PERMISSION_DENIED``) any call without it, so a
 stray process, or a worker of another job on the same host, cannot attach,
 report clocks, stop or read this job's table and so cannot decide this job's
 rounds.  Refusals are counted (``ControlServer.rejected``, ``"rejected"`` in the
 table) and logged (logger ``tfsync.control``).  The token is checked as the call
-arrives, on gRPC's polling thread (:class:`_Gate`), before its request is read
-or any handler thread taken, and a refusal is answered by a thread of its own;
-the ``Attach`` streams, each holding a thread for the whole job, have their own
-pool too.  So a flood of refused calls, even from clients that withhold their
-request as long as the server would wait for it, queues only behind other
-refusals and delays no ``Ready`` notice past its round.  The token is not
-encryption: the traffic is plaintext gRPC on one host or the cluster network,
-readable by anyone who can capture that network.  The server listens only on
-the address the workers use (chosen by :mod:`tfsync.engine.address`), not on
-every interface.
+arrives (:class:`_Gate`), before its request is read, and a refusal reads
+nothing: a flood of refused calls, even from clients that withhold their
+request, delays no ready notice past its round.  The token is not encryption:
+the traffic is plaintext gRPC on one host or the cluster network, readable by
+anyone who can capture that network.  The server listens only on the address
+the workers use (chosen by :mod:`tfsync.engine.address`), not on every
+interface.
 """
 
 import hmac
 import ipaddress
+import json
 import logging
 import socket
 import time
 import urllib.parse
 
 import grpc
-from google.protobuf import json_format, struct_pb2
 
 SERVICE = "tfsync.Control"
+LINK_METHOD = f"/{SERVICE}/Link"
 TOKEN_METADATA_KEY = "tfsync-token"
 REJECTION_LOG_INTERVAL_S = 1.0  # at most one logged warning about refused calls per this
 REJECTIONS_KEPT = 100  # ControlServer.rejected keeps the first this many
@@ -71,16 +73,13 @@ CONNECT_ATTEMPT_MS = 1000
 log = logging.getLogger("tfsync.control")
 
 
-def _encode(message: dict) -> bytes:
-    s = struct_pb2.Struct()
-    s.update(message)
-    return s.SerializeToString()
+def encode(items) -> bytes:
+    """One message: a list of items, each a list whose first element names its kind."""
+    return json.dumps(items, separators=(",", ":")).encode()
 
 
-def _decode(data: bytes) -> dict:
-    s = struct_pb2.Struct()
-    s.ParseFromString(data)
-    return json_format.MessageToDict(s)
+def decode(data: bytes) -> list:
+    return json.loads(data)
 
 
 def _check_token(token) -> str:
@@ -173,19 +172,12 @@ def _token_of(metadata):
     return None
 
 
-def _pooled(behavior, pool):
-    """``behavior`` run by ``pool`` instead of the server's default pool (gRPC's per-method pools)."""
-    behavior.experimental_thread_pool = pool
-    return behavior
-
-
 class _Gate(grpc.GenericRpcHandler):
     """Admits this job's calls to their handlers and hands every other call to a refusal.
 
-    gRPC asks this on its polling thread, before the call's request is read or any pool
-    thread taken: a call without the token never waits in a pool for its request (a
-    client that withholds it once held a worker thread until its deadline), and its
-    refusal reads nothing and runs on the refusal pool.
+    gRPC asks this as the call arrives, before its request is read: a call without the token
+    never waits for its request (a client that withholds it would otherwise hold the call
+    until its deadline), and its refusal reads nothing.
     """
 
     def __init__(self, admits, handlers, refusals):
@@ -198,6 +190,19 @@ class _Gate(grpc.GenericRpcHandler):
         return self._refusals[handler_call_details.method]
 
 
+def gate(admits, links, refuse):
+    """The gate of an asyncio gRPC server whose one method is :data:`LINK_METHOD`: ``links``
+    (an async ``(request_iterator, context)`` handler) for calls ``admits(metadata)`` takes,
+    ``refuse(method, context)`` (async) for the others."""
+
+    async def refusal(request_iterator, context):
+        await refuse(LINK_METHOD, context)
+
+    handler = grpc.stream_stream_rpc_method_handler(links)
+    refused = grpc.stream_stream_rpc_method_handler(refusal)
+    return _Gate(admits, {LINK_METHOD: handler}, {LINK_METHOD: refused})
+
+
 class TokenGate:
     """The server's side of the token: admits this job's calls, records and refuses the rest
     (a part of :class:`~tfsync.engine.control.server.ControlServer`)."""
@@ -207,8 +212,8 @@ class TokenGate:
         sent = _token_of(metadata)
         return sent is not None and hmac.compare_digest(sent, self._token)
 
-    def _refuse(self, method, context):
-        """Record a call without this job's token and abort it (on the refusal pool)."""
+    async def _refuse(self, method, context):
+        """Record a call without this job's token and abort it (nothing of it is read)."""
         sent = _token_of(context.invocation_metadata())
         peer = context.peer()
         now = time.monotonic()
@@ -230,7 +235,7 @@ class TokenGate:
                 count,
                 self.rejected_count,
             )
-        context.abort(
+        await context.abort(
             grpc.StatusCode.PERMISSION_DENIED,
             f"tfsync: the token did not match this job: a process that is not one of this job's "
             f"workers, or a worker of another job, called the control service of rank 0 at "

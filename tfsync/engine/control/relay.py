@@ -1,0 +1,368 @@
+"""A host's relay (:class:`HostRelay`): its workers' control traffic on one link to rank 0.
+
+Every worker of a host but rank 0's attaches to its host's relay, which runs in
+the process of the host's first rank, instead of to rank 0: rank 0 then holds
+one link per host, not per worker, and reads one message where the host's
+workers sent several, as hierarchical allreduce reduces within a host before
+it crosses the network.  The relay
+
+* forwards its workers' items on its one link to rank 0, whatever is queued as
+  one message, and acknowledges a worker's message once rank 0 acknowledged
+  what carried it (what rank 0 did not acknowledge goes again after a
+  re-attach);
+* sends their clocks together, at most every ``REPORT_FLUSH_S``
+  (``["reports", {rank: clock}]``), the newest of each;
+* passes rank 0's answers to the worker that asked, and what rank 0 tells
+  every worker (notices, closings) to each of its workers as rank 0 encoded it,
+  keeping it for a worker that attaches later;
+* asks rank 0 for the table once for the workers that ask meanwhile;
+* tells rank 0 when a worker's own link ended without ``Leave``
+  (``["ended", rank]``): on its host, only the end of the worker's process
+  does that;
+* re-attaches when its link to rank 0 breaks, within
+  :data:`~tfsync.engine.control.transport.RECONNECT_GRACE_S`, and past it tells
+  its workers that rank 0 is unreachable (``["host_lost"]``).
+
+A worker's link to the relay carries the token too; a worker whose relay is
+gone (the relay's process ended) re-attaches to rank 0 directly
+(:class:`~tfsync.engine.control.client.ControlClient`'s ``fallback``).
+"""
+
+import asyncio
+import concurrent.futures
+import itertools
+import logging
+import threading
+import time
+
+import grpc
+import grpc.aio
+
+from tfsync.engine.control.transport import (
+    CHANNEL_OPTIONS,
+    LINK_METHOD,
+    RECONNECT_BACKOFF_MS,
+    RECONNECT_GRACE_S,
+    SERVER_OPTIONS,
+    TOKEN_METADATA_KEY,
+    TokenGate,
+    _check_token,
+    _host_port,
+    decode,
+    encode,
+    gate,
+)
+
+REPORT_FLUSH_S = 0.25  # a host's clocks go to rank 0 together at most this often
+RELAY_START_S = 30.0  # the relay starts (binds its port) within this
+RELAY_STOP_S = 2.0  # how long HostRelay.stop waits for its server and link to end
+BROADCAST = ("notices", "closed")  # what rank 0 tells every worker: passed on as it came
+
+log = logging.getLogger("tfsync.control")
+
+
+class _Local:
+    """A worker's link to the relay."""
+
+    _ids = itertools.count(1)
+
+    def __init__(self):
+        self.id = next(_Local._ids)
+        self.out = asyncio.Queue()
+        self.ranks = set()
+        self.received = 0  # its messages received
+        self.acked = 0  # the newest of them rank 0 has acknowledged everything of
+
+
+class HostRelay(TokenGate):
+    """The relay of one host (see the module docstring).
+
+    Args:
+        upstream: rank 0's service (``host:port``).
+        token: the job's token.
+        t0: the job's t0 (refusals are recorded in seconds since it).
+        host: where its workers reach it (default the loopback address: they run on its host).
+    """
+
+    def __init__(self, upstream: str, token: str, t0: float, host: str = "127.0.0.1"):
+        self.upstream, self.t0 = upstream, t0
+        self._token = _check_token(token).encode("ascii")
+        self._metadata = ((TOKEN_METADATA_KEY, token),)
+        self._lock = threading.Lock()
+        self.rejected, self.rejected_count = [], 0
+        self._last_rejection_log, self._rejections_unlogged = float("-inf"), 0
+        self._stopping = threading.Event()
+        self._locals = {}  # local link id -> _Local
+        self._rank_local = {}  # rank -> local link id
+        self._attached = {}  # rank -> the attach item it sent (re-sent to rank 0 after a re-attach)
+        self._left = set()
+        self._closings = []  # every closing rank 0 sent, for a worker that attaches later
+        self._notices = None  # the newest ["notices", lost, stopped]
+        self._clocks = {}  # rank -> newest clock not yet sent
+        self._pending = []  # (items, [(local link id, its message index)]) for rank 0, not yet sent
+        self._unacked = []  # (upstream message index, items, [(local link id, its message index)])
+        self._sent = 0  # messages sent on the current upstream link
+        self._table_waiters = None  # (request id to rank 0, [(local link id, rank, its request id)])
+        self._ids = itertools.count(1)
+        self._wake = None  # set when there is something to send upstream
+        self.host_lost = None
+        self.reattached = 0
+        self._loop = asyncio.new_event_loop()
+        started = concurrent.futures.Future()
+        self._thread = threading.Thread(target=self._run, args=(host, started), daemon=True, name="tfsync-relay")
+        self._thread.start()
+        try:
+            self.address = started.result(RELAY_START_S)
+        except concurrent.futures.TimeoutError:
+            raise RuntimeError(f"tfsync: the host's control relay did not start in {RELAY_START_S:.0f} s") from None
+
+    # ------------------------------------------------------------------- lifecycle
+    def _run(self, host, started):
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._loop.run_until_complete(self._start(host, started))
+        except BaseException as exc:  # noqa: BLE001 - the constructor raises it
+            if not started.done():
+                started.set_exception(exc)
+            return
+        self._loop.run_forever()
+
+    async def _start(self, host, started):
+        self._wake = asyncio.Event()
+        self._server = grpc.aio.server(options=SERVER_OPTIONS)
+        self._server.add_generic_rpc_handlers([gate(self._admits, self._serve_local, self._refuse)])
+        port = self._server.add_insecure_port(_host_port(host, 0))
+        if not port:
+            raise RuntimeError(f"tfsync: the host's control relay could not listen on {host!r}")
+        self.address = _host_port(host, port)
+        await self._server.start()
+        self._channel = grpc.aio.insecure_channel(self.upstream, options=CHANNEL_OPTIONS)
+        self._upstream_task = asyncio.ensure_future(self._follow_upstream())
+        self._flusher = asyncio.ensure_future(self._flush_reports())
+        started.set_result(self.address)
+
+    def stop(self):
+        """Stop relaying (its workers have left: ``close()`` runs a barrier first)."""
+        if self._stopping.is_set():
+            return
+        self._stopping.set()
+
+        async def shut():
+            self._upstream_task.cancel()
+            self._flusher.cancel()
+            await self._server.stop(grace=None)
+            await self._channel.close()
+
+        try:
+            asyncio.run_coroutine_threadsafe(shut(), self._loop).result(RELAY_STOP_S)
+        except (concurrent.futures.TimeoutError, RuntimeError):
+            pass
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(RELAY_STOP_S)
+
+    # ---------------------------------------------------------------- its workers
+    async def _serve_local(self, request_iterator, context):
+        local = _Local()
+        self._locals[local.id] = local
+        writer = asyncio.ensure_future(_write(local.out, context))
+        try:
+            while not self._stopping.is_set():
+                data = await context.read()
+                if data is grpc.aio.EOF:
+                    break
+                local.received += 1
+                self._from_local(local, decode(data))
+        except (asyncio.CancelledError, Exception):  # noqa: BLE001 - a broken link is a link's end
+            pass
+        finally:
+            local.out.put_nowait(None)
+            writer.cancel()
+            self._locals.pop(local.id, None)
+            for rank in local.ranks:
+                if self._rank_local.get(rank) == local.id:
+                    del self._rank_local[rank]
+                    self._attached.pop(rank, None)
+                    if rank not in self._left and not self._stopping.is_set():
+                        self._forward([["ended", rank]], None)
+
+    def _from_local(self, local, items):
+        forwarded, reply = [], []
+        for item in items:
+            kind, rank = item[0], int(item[1])
+            if kind == "attach":
+                local.ranks.add(rank)
+                self._rank_local[rank] = local.id
+                self._attached[rank] = item
+                forwarded.append(["attach", rank, len(self._closings), _stops(self._notices)])
+                reply.append(["attached", rank, 0])
+                self._catch_up(local, int(item[2]))
+            elif kind == "report":
+                self._clocks[rank] = max(self._clocks.get(rank, -1), int(item[2]))
+            elif kind == "table":
+                self._ask_table(local, rank, item[2])
+            else:
+                if kind == "leave":
+                    self._left.add(rank)
+                forwarded.append(item)
+        if reply:
+            local.out.put_nowait(encode(reply))
+        self._forward(forwarded, local if forwarded else None)
+        if not forwarded:  # (nothing rank 0 must acknowledge: its reports are the relay's now)
+            local.acked = local.received
+            local.out.put_nowait(encode([["acked", local.received]]))
+
+    def _catch_up(self, local, closings):
+        """A worker attaching with the first ``closings`` closings: the notices and the closings
+        after them that the relay has."""
+        items = [self._notices] if self._notices is not None else []
+        if closings < len(self._closings):
+            items.append(["closed", closings, self._closings[closings:]])
+        if items:
+            local.out.put_nowait(encode(items))
+
+    def _ask_table(self, local, rank, request):
+        """One table question to rank 0 for every worker that asks while it is out."""
+        if self._table_waiters is None:
+            self._table_waiters = (next(self._ids), [])
+            self._forward([["table", -1, self._table_waiters[0]]], None)
+        self._table_waiters[1].append((local.id, rank, request))
+
+    def _forward(self, items, local):
+        """Queue ``items`` for rank 0 (``local``: the worker link they came from, acknowledged once
+        rank 0 acknowledged them)."""
+        if not items:
+            return
+        self._pending.append((items, [] if local is None else [(local.id, local.received)]))
+        self._wake.set()
+
+    async def _flush_reports(self):
+        while True:
+            await asyncio.sleep(REPORT_FLUSH_S)
+            if self._clocks:
+                clocks, self._clocks = self._clocks, {}
+                self._pending.append(([["reports", {str(r): c for r, c in clocks.items()}]], []))
+                self._wake.set()
+
+    # --------------------------------------------------------------- its link to rank 0
+    async def _follow_upstream(self):
+        """Keep one link to rank 0: re-attach within the grace when it breaks; past the grace,
+        rank 0 is unreachable."""
+        deadline = None
+        while not self._stopping.is_set():
+            call = self._channel.stream_stream(LINK_METHOD)(metadata=self._metadata, wait_for_ready=True)
+            attached = await self._run_upstream(call, deadline)
+            if self._stopping.is_set():
+                return
+            if attached or deadline is None:
+                deadline = time.monotonic() + RECONNECT_GRACE_S
+                log.warning("tfsync: the host relay's link to rank 0 at %s broke; re-attaching", self.upstream)
+            if time.monotonic() >= deadline:
+                self.host_lost = time.time()
+                log.warning("tfsync: the host relay could not re-attach to rank 0 within %g s", RECONNECT_GRACE_S)
+                for local in list(self._locals.values()):
+                    local.out.put_nowait(encode([["host_lost"]]))
+                    local.out.put_nowait(None)
+                return
+            await asyncio.sleep(RECONNECT_BACKOFF_MS[0] / 1e3)
+
+    async def _run_upstream(self, call, deadline):
+        """One link to rank 0, until it ends; whether it attached."""
+        self._sent = 0
+        resend = [item for _, items, _ in self._unacked for item in items]
+        acks = [ack for _, _, carried in self._unacked for ack in carried]
+        self._unacked = []
+        attach = [["attach", rank, len(self._closings), _stops(self._notices)] for rank in self._attached]
+        if attach or resend:
+            self._pending.insert(0, ([*attach, *resend], acks))
+        self._wake.set()
+        sender = asyncio.ensure_future(self._send_upstream(call))
+        attached = False
+        timer = None
+        if deadline is not None:
+            timer = self._loop.call_later(max(deadline - time.monotonic(), 0.0), call.cancel)
+        try:
+            async for data in call:
+                if not attached:
+                    attached = True
+                    if timer is not None:
+                        timer.cancel()
+                    if deadline is not None:
+                        self.reattached += 1
+                        log.warning("tfsync: the host relay re-attached to rank 0 at %s", self.upstream)
+                self._from_upstream(data)
+        except (asyncio.CancelledError, grpc.RpcError):
+            pass
+        finally:
+            sender.cancel()
+            if timer is not None:
+                timer.cancel()
+        return attached
+
+    async def _send_upstream(self, call):
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            if not self._pending:
+                continue
+            pending, self._pending = self._pending, []
+            items = [item for batch, _ in pending for item in batch]
+            acks = [ack for _, carried in pending for ack in carried]
+            self._sent += 1
+            self._unacked.append((self._sent, [i for i in items if i[0] != "reports"], acks))
+            await call.write(encode(items))
+
+    def _from_upstream(self, data):
+        items = decode(data)
+        if items and all(item[0] in BROADCAST for item in items):
+            for item in items:
+                if item[0] == "notices":
+                    self._notices = item
+                else:
+                    start, entries = item[1], item[2]
+                    self._closings.extend(entries[max(len(self._closings) - start, 0) :])
+            for local in self._locals.values():
+                local.out.put_nowait(data)  # (as rank 0 encoded it)
+            return
+        replies = {}  # local link id -> items
+        for item in items:
+            kind = item[0]
+            if kind == "acked":
+                self._acked(item[1], replies)
+            elif kind == "answer":
+                rank, request = int(item[1]), item[2]
+                if rank == -1 and self._table_waiters is not None and request == self._table_waiters[0]:
+                    waiters, self._table_waiters = self._table_waiters[1], None
+                    for local_id, asker, asked in waiters:
+                        replies.setdefault(local_id, []).append(["answer", asker, asked, item[3]])
+                elif rank in self._rank_local:
+                    replies.setdefault(self._rank_local[rank], []).append(item)
+        for local_id, out in replies.items():
+            local = self._locals.get(local_id)
+            if local is not None:
+                local.out.put_nowait(encode(out))
+
+    def _acked(self, count, replies):
+        """Rank 0 acknowledged the first ``count`` messages of this link: so are the worker
+        messages they carried."""
+        while self._unacked and self._unacked[0][0] <= count:
+            _, _, acks = self._unacked.pop(0)
+            for local_id, index in acks:
+                local = self._locals.get(local_id)
+                if local is not None and index > local.acked:
+                    local.acked = index
+                    replies.setdefault(local_id, []).append(["acked", index])
+
+
+def _stops(notices):
+    return len(notices[2]) if notices is not None else 0
+
+
+async def _write(out, context):
+    while True:
+        data = await out.get()
+        if data is None:
+            return
+        await context.write(data)
+
+
+__all__ = ["HostRelay"]
