@@ -1,13 +1,15 @@
 """Rank 0's control service under N simulated workers: rounds per second, latency, its cost.
 
 ``python -m tfsync.bench control --workers N [N ...] --policy backup|psp|dssp [--reports-hz H]
-[--rounds R] [--ranks-per-host K] --json FILE``
+[--rounds R] [--ranks-per-host K] [--relays auto|off] --json FILE``
 
 For each N: the real control service (:mod:`tfsync.bench._control_rank0`, its own process, as
 rank 0's is in a job) and N simulated workers deployed as a job's are, hosts of ``K`` ranks
 (default 8), each host its own process (:mod:`tfsync.bench._control_host`).  Every worker
-attaches with the job's token and runs ``R`` rounds of its policy's control traffic, while its
-host reports every worker's clock ``H`` times a second (default 4, what a waiting worker does):
+attaches with the job's token, as a job's do (``--relays auto``, the default: the workers of
+each host but the first, rank 0's, through their host's relay; ``off``: each its own link to
+rank 0), and runs ``R`` rounds of its policy's control traffic, while its host reports every
+worker's clock ``H`` times a second (default 4, what a waiting worker does):
 
 * ``backup``: backup workers with ``b = 0`` (every round closes when every worker's ``Ready``
   came, and its closing goes to every worker);
@@ -70,6 +72,7 @@ def parse_args(argv):
     p.add_argument("--rounds", type=integer(2), default=None, help="rounds per run (default: by N, about 20 s)")
     p.add_argument("--warmup", type=integer(1), default=5, help="rounds left out of the figures")
     p.add_argument("--ranks-per-host", type=integer(1), default=8, help="simulated workers per host process")
+    p.add_argument("--relays", choices=("auto", "off"), default="auto", help="as TFSYNC_CONTROL_RELAYS")
     p.add_argument("--json", required=True, help="write the records here")
     args = p.parse_args(argv)
     if args.rounds is not None and args.rounds <= args.warmup:
@@ -146,7 +149,8 @@ def _start_hosts(address, token, workers, rounds, args, tmp):
     for h, first in enumerate(range(0, workers, per_host)):
         count = min(per_host, workers - first)
         path = os.path.join(tmp, f"host{h}.json")
-        argv = [address, token, args.policy, workers, first, count, rounds, args.reports_hz, path]
+        relay = int(args.relays == "auto" and h > 0 and count > 1)  # (host 0 is rank 0's)
+        argv = [address, token, args.policy, workers, first, count, rounds, args.reports_hz, relay, path]
         cmd = [sys.executable, "-m", "tfsync.bench._control_host", *map(str, argv)]
         hosts.append((subprocess.Popen(cmd, stdin=subprocess.DEVNULL), path))
     return hosts
@@ -191,6 +195,7 @@ def summarize(workers, rounds, args, outputs, stats):
         "clients_cpu_percent": 100.0 * clients_cpu_s / window_s,
         "hosts": math.ceil(workers / args.ranks_per_host),
         "ranks_per_host": args.ranks_per_host,
+        "relays": args.relays,
         "reports_hz": args.reports_hz,
         "window_s": window_s,
         "served": served,

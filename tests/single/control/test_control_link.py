@@ -1,18 +1,18 @@
 """A worker's link to rank 0 that flaps or stays down (one process, a TCP proxy, no Horovod).
 
-:class:`Link` (threads and sockets on 127.0.0.1) stands between a
+:class:`TcpProxy` (threads and sockets on 127.0.0.1) stands between a
 :class:`ControlClient` and the :class:`ControlServer`.  Its upstream connections
 come from 127.0.0.2, so rank 0 takes that worker for one on another host: a
 worker on rank 0's own host has no link that could drop, and its stream's end is
 its process's (named at once).
 """
 
-import socket
 import threading
 import time
 import types
 
 import pytest
+from control_helpers import Closes, TcpProxy, wait_until
 
 from tfsync.engine.control import (
     CONNECT_ATTEMPT_MS,
@@ -29,150 +29,19 @@ from tfsync.policies import PSP
 
 TOKEN = "c" * 32
 FLAP_S = 2.0  # the outage a job must survive (docs/guide/faults.md)
-POLL_S = 0.05  # the proxy's socket timeout: how soon its threads see a cut or a shutdown
-HOLD_MAX_S = 30.0  # the longest the proxy holds a stalled connection
-JOIN_S = 2.0
 # a dead link: unanswered keepalive, then the grace, plus slack for a loaded machine
 STAYS_DOWN_BOUND_S = (KEEPALIVE_TIME_MS + KEEPALIVE_TIMEOUT_MS) / 1e3 + RECONNECT_GRACE_S + 2.0
-
-
-class Link:
-    """A TCP proxy that can drop (reset every connection, refuse new ones) or stall
-    (forward nothing, hold new connections) the link, and restore it."""
-
-    def __init__(self, upstream_port, source_ip="127.0.0.2"):
-        self._upstream, self._source = ("127.0.0.1", upstream_port), (source_ip, 0)
-        self._cond = threading.Condition()
-        self._state = "up"  # or "dropped", "stalled"
-        self._shut = False
-        self._sockets, self._threads = set(), []
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self._listener.settimeout(POLL_S)
-        self.address = f"127.0.0.1:{self._listener.getsockname()[1]}"
-        self._spawn(self._accept)
-
-    def cut(self, how):
-        with self._cond:
-            self._state = {"drop": "dropped", "stall": "stalled"}[how]
-            doomed = list(self._sockets) if how == "drop" else []
-            self._cond.notify_all()
-        for sock in doomed:
-            self._reset(sock)
-
-    def restore(self):
-        with self._cond:
-            self._state = "up"
-            self._cond.notify_all()
-
-    def shutdown(self):
-        with self._cond:
-            self._shut = True
-            doomed = list(self._sockets)
-            self._cond.notify_all()
-        self._listener.close()
-        for sock in doomed:
-            self._reset(sock)
-        for thread in self._threads:
-            thread.join(JOIN_S)
-
-    def _spawn(self, target, *args):
-        thread = threading.Thread(target=target, args=args, daemon=True, name="test-link")
-        self._threads.append(thread)
-        thread.start()
-
-    def _open(self):
-        """Wait while the link stalls (bounded); whether traffic may pass (not dropped or shut)."""
-        with self._cond:
-            self._cond.wait_for(lambda: self._state != "stalled" or self._shut, HOLD_MAX_S)
-            return self._state == "up" and not self._shut
-
-    def _track(self, sock):
-        with self._cond:
-            self._sockets.add(sock)
-
-    def _reset(self, sock):
-        with self._cond:
-            self._sockets.discard(sock)
-        try:  # an abortive close (RST), as a middlebox or a peer's kernel sends it
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
-        except OSError:
-            pass
-        sock.close()
-
-    def _accept(self):
-        while not self._shut:
-            try:
-                conn, _ = self._listener.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            self._spawn(self._connect, conn)
-
-    def _connect(self, conn):
-        self._track(conn)
-        if not self._open():  # a dropped link refuses new connections
-            self._reset(conn)
-            return
-        try:
-            upstream = socket.create_connection(self._upstream, timeout=JOIN_S, source_address=self._source)
-        except OSError:
-            self._reset(conn)
-            return
-        self._track(upstream)
-        self._spawn(self._pump, conn, upstream)
-        self._spawn(self._pump, upstream, conn)
-
-    def _pump(self, src, dst):
-        src.settimeout(POLL_S)
-        try:
-            while not self._shut:
-                try:
-                    data = src.recv(65536)
-                except TimeoutError:
-                    continue
-                if not data or not self._open():  # (a stall holds what was read)
-                    break
-                dst.sendall(data)
-        except OSError:
-            pass
-        self._reset(src)
-        self._reset(dst)
-
-
-class Closes:
-    """One client's ``on_close`` notices, in the order its stream delivered them."""
-
-    def __init__(self):
-        self.seen, self._cond = [], threading.Condition()
-
-    def __call__(self, round_, accepted, late=()):
-        with self._cond:
-            self.seen.append((round_, accepted))
-            self._cond.notify_all()
-
-    def wait_for(self, n, timeout_s=10.0):
-        with self._cond:
-            self._cond.wait_for(lambda: len(self.seen) >= n, timeout_s)
-            return list(self.seen)
-
-
-def _wait_until(predicate, timeout_s):
-    deadline = time.monotonic() + timeout_s
-    while not predicate() and time.monotonic() < deadline:
-        time.sleep(0.02)
-    return predicate()
 
 
 @pytest.fixture
 def job():
     """Rank 0's server on 127.0.0.1 under PSP(min_contributions=1, push_timeout_s=0):
     rank 0's ready notice alone closes a round, so every closing goes down every stream.
-    Ranks 0 and 2 attach directly (rank 0's host), rank 1 through a :class:`Link`."""
+    Ranks 0 and 2 attach directly (rank 0's host), rank 1 through a :class:`TcpProxy`."""
     server = ControlServer(
         size=3, t0=time.time(), token=TOKEN, host="127.0.0.1", policy=PSP(min_contributions=1, push_timeout_s=0.0)
     )
-    link = Link(server.port)
+    link = TcpProxy(server.port)
     closes = [Closes() for _ in range(3)]
     clients = []
     try:
@@ -210,7 +79,7 @@ def test_a_link_down_for_two_seconds_loses_no_worker_and_no_notice(job, how):
     job.link.cut(how)
     cut_at = time.monotonic()
     if how == "drop":
-        assert _wait_until(lambda: near.table()["detached"] == [1], FLAP_S)  # rank 0 saw the stream end
+        assert wait_until(lambda: near.table()["detached"] == [1], FLAP_S)  # rank 0 saw the stream end
     _close_rounds(near, range(2, 4))
     # (held until every attached rank confirms it, or STOP_NOTICE_GRACE_S: off the clock)
     stop = threading.Thread(
@@ -220,7 +89,7 @@ def test_a_link_down_for_two_seconds_loses_no_worker_and_no_notice(job, how):
     time.sleep(max(cut_at + FLAP_S - time.monotonic(), 0.0))
     job.link.restore()
     stop.join(5.0)
-    assert _wait_until(lambda: len(far.known_stopped) == 1, RECONNECT_GRACE_S)
+    assert wait_until(lambda: len(far.known_stopped) == 1, RECONNECT_GRACE_S)
     _close_rounds(near, [4])
     expected = [(r, (0,)) for r in range(5)]
     assert job.closes[1].wait_for(5) == expected
@@ -230,7 +99,7 @@ def test_a_link_down_for_two_seconds_loses_no_worker_and_no_notice(job, how):
     assert near.table()["lost"] == [] and near.table()["detached"] == []
     assert far.table()["lost"] == []
     assert far.reattached == job.server.reattached[1] == (1 if how == "drop" else 0)
-    assert _wait_until(lambda: job.server._stops_seen.get(1) == 1, 2.0)  # it confirmed the notice
+    assert wait_until(lambda: job.server._stops_seen.get(1) == 1, 2.0)  # it confirmed the notice
 
 
 @pytest.mark.parametrize("how", ["drop", "stall"])
@@ -241,7 +110,7 @@ def test_a_link_that_stays_down_is_named_within_a_bound(job, how):
     near, far = job.clients[0], job.clients[1]
     job.link.cut(how)
     cut_at, cut_wall = time.monotonic(), time.time()
-    assert _wait_until(lambda: near.known_lost, STAYS_DOWN_BOUND_S + 2.0)
+    assert wait_until(lambda: near.known_lost, STAYS_DOWN_BOUND_S + 2.0)
     named_s = time.monotonic() - cut_at
     assert RECONNECT_GRACE_S - 0.5 <= named_s <= (RECONNECT_GRACE_S + 2.0 if how == "drop" else STAYS_DOWN_BOUND_S)
     assert [d["rank"] for d in near.known_lost] == [1]
@@ -249,7 +118,7 @@ def test_a_link_that_stays_down_is_named_within_a_bound(job, how):
     diagnosis = Diagnosis(near, rank=0, mode_name="psp", wait_timeout_s=60, timeout_env="TFSYNC_WAIT_TIMEOUT_S")
     with pytest.raises(WorkerLostError, match=r"lost rank 1 \(its connection to rank 0 ended"):
         diagnosis.check_while_waiting(3, last_pushed=3, deadline=time.monotonic() + 60)
-    assert _wait_until(lambda: far.host_lost is not None, STAYS_DOWN_BOUND_S)
+    assert wait_until(lambda: far.host_lost is not None, STAYS_DOWN_BOUND_S)
     assert far.host_lost - cut_wall <= STAYS_DOWN_BOUND_S
     assert far.table(timeout_s=0.5)["lost"][0]["rank"] == 0
 
@@ -262,12 +131,12 @@ def test_a_worker_on_rank_0s_host_is_named_at_once_and_one_on_another_after_the_
     near, far, local = job.clients
     start = time.monotonic()
     _vanish(local)
-    assert _wait_until(lambda: near.known_lost, 2.0), "a local worker's end waited for the grace"
+    assert wait_until(lambda: near.known_lost, 2.0), "a local worker's end waited for the grace"
     assert time.monotonic() - start < RECONNECT_GRACE_S / 2
     assert [(d["rank"], d["reason"]) for d in near.known_lost] == [(2, "its process or connection ended")]
     start = time.monotonic()
     _vanish(far)
-    assert _wait_until(lambda: len(near.known_lost) == 2, RECONNECT_GRACE_S + 2.0)
+    assert wait_until(lambda: len(near.known_lost) == 2, RECONNECT_GRACE_S + 2.0)
     assert time.monotonic() - start >= RECONNECT_GRACE_S - 0.5
     assert [d["rank"] for d in near.known_lost] == [2, 1]
 

@@ -1,33 +1,16 @@
 """Rank 0's round coordinator (PSP, backup workers) in :class:`ControlServer`, over gRPC on
 localhost.  Every wait is bounded, so a bug fails instead of hanging."""
 
-import threading
 import time
 
 import pytest
+from control_helpers import Closes
 
 from tfsync.engine.control import ControlClient, ControlServer
 from tfsync.policies import BSP, PSP, SSP, BackupWorkers, Closing, DelayCompensation, Policy
 
 TOKEN = "p" * 32
 WAIT_S = 10.0  # bound of every wait in this file: far above what a passing test needs
-
-
-class Closes:
-    """One client's ``on_close`` notices, in the order its stream delivered them."""
-
-    def __init__(self):
-        self.seen, self._cond = [], threading.Condition()
-
-    def __call__(self, round_, accepted, late=()):
-        with self._cond:
-            self.seen.append((round_, accepted) + ((late,) if late else ()))
-            self._cond.notify_all()
-
-    def wait_for(self, n, timeout_s=WAIT_S):
-        with self._cond:
-            self._cond.wait_for(lambda: len(self.seen) >= n, timeout_s)
-            return list(self.seen)
 
 
 @pytest.fixture

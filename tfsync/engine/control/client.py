@@ -15,7 +15,9 @@ When the link breaks while the worker is not closing, it re-attaches within
 :data:`~tfsync.engine.control.transport.RECONNECT_GRACE_S`, to the same address
 or, if that is gone (its host's relay died with its process), to rank 0's
 service directly; only when no re-attach gets through within the grace does it
-report rank 0 unreachable (``host_lost``).  A worker on rank 0's host (rank 0
+report rank 0 unreachable (``host_lost``).  A relay that could not re-attach to
+rank 0 within its grace says so and closes its workers' links: each then tries
+rank 0 itself once (``ATTEMPT_S``) before it reports rank 0 unreachable.  A worker on rank 0's host (rank 0
 says so when it attaches) does not re-attach: only the end of rank 0's
 process ends its link.
 """
@@ -145,6 +147,7 @@ class ControlClient:
         self._last_table = {"clocks": [], "last_seen_s": [], "lost": []}
         self._last_report = float("-inf")
         self._attach_error = None
+        self._relay_gone = False  # its relay gave up on rank 0: it tries rank 0 itself, once
         self._lock = threading.Lock()  # the current link; a re-attach does not start once close() has begun
         self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
         self._link = self._open(self._channel, [])
@@ -186,12 +189,12 @@ class ControlClient:
 
     def _watch(self, first):
         """Follow the link; when it breaks, re-attach within the grace, else rank 0 is lost."""
-        link, deadline, attached = self._link, None, False
+        link, deadline = self._link, None
         while True:
-            attached = self._read(link, first) or attached
+            attached = self._read(link, first)
             if self._closing or self._local:  # (on rank 0's host only its process's end ends a link)
                 break
-            if attached and deadline is None:  # the grace runs from the end of a link that worked
+            if attached:  # the grace runs from the end of a link that worked
                 deadline = time.monotonic() + RECONNECT_GRACE_S
                 log.warning(
                     "tfsync: rank %d's control link to %s broke; re-attaching for up to %g s",
@@ -203,6 +206,8 @@ class ControlClient:
                 break
             else:  # an attempt that did not get through: not at once again
                 time.sleep(RECONNECT_BACKOFF_MS[0] / 1e3)
+            if self._relay_gone:  # its relay gave up on rank 0 after the grace: one try at rank 0 itself
+                deadline = min(deadline, time.monotonic() + ATTEMPT_S)
             if time.monotonic() >= deadline:
                 log.warning(
                     "tfsync: rank %d could not re-attach to rank 0 at %s within %g s",
@@ -214,7 +219,6 @@ class ControlClient:
             link = self._reattach(link, deadline)
             if link is None:
                 break
-            attached = False
         if not self._closing:
             self.host_lost = time.time()
         first.set()
@@ -227,7 +231,9 @@ class ControlClient:
         with self._lock:
             if self._closing:
                 return None
-            if len(self._addresses) > 1:
+            if self._relay_gone and len(self._addresses) > 1:
+                self._addresses = self._addresses[1:]  # (rank 0 itself, from now on)
+            elif len(self._addresses) > 1:
                 if broken.failed or not broken.attached:
                     self._addresses.append(self._addresses.pop(0))
                 deadline = min(deadline, time.monotonic() + ATTEMPT_S)
@@ -276,7 +282,7 @@ class ControlClient:
             stops_before = len(self.known_stopped)
             self.known_lost, self.known_stopped = item[1], item[2]
             if len(self.known_stopped) > stops_before:  # confirm only after recording them: the stopper waits
-                self._send(["seen", self.rank, len(self.known_stopped)])
+                self._confirm_stops(len(self.known_stopped))
         elif kind == "closed":
             start, entries = item[1], item[2]
             for k, entry in enumerate(entries):
@@ -286,8 +292,12 @@ class ControlClient:
                 if self._on_close is not None:
                     self._on_close(int(round_), tuple(int(r) for r in accepted), tuple(int(r) for r in late))
                 self._closes_seen += 1
-        elif kind == "host_lost":  # (from a relay: rank 0 is gone beyond the grace)
-            self.host_lost = time.time()
+        elif kind == "host_lost":  # (its relay could not re-attach to rank 0 within the grace)
+            self._relay_gone = True
+
+    def _confirm_stops(self, count):
+        """Tell rank 0 this worker has read the first ``count`` stop notices."""
+        self._send(["seen", self.rank, count])
 
     def _request(self, kind, *args):
         """Send a request; its answer's Future."""

@@ -20,8 +20,9 @@ it crosses the network.  The relay
   (``["ended", rank]``): on its host, only the end of the worker's process
   does that;
 * re-attaches when its link to rank 0 breaks, within
-  :data:`~tfsync.engine.control.transport.RECONNECT_GRACE_S`, and past it tells
-  its workers that rank 0 is unreachable (``["host_lost"]``).
+  :data:`~tfsync.engine.control.transport.RECONNECT_GRACE_S`; past it, tells its
+  workers so (``["host_lost"]``), closes their links and takes no new ones:
+  each worker tries rank 0 itself before it reports rank 0 unreachable.
 
 A worker's link to the relay carries the token too; a worker whose relay is
 gone (the relay's process ended) re-attaches to rank 0 directly
@@ -38,6 +39,7 @@ import time
 import grpc
 import grpc.aio
 
+from tfsync.engine.control.streams import LINK_DRAIN_S
 from tfsync.engine.control.transport import (
     CHANNEL_OPTIONS,
     LINK_METHOD,
@@ -72,6 +74,7 @@ class _Local:
         self.ranks = set()
         self.received = 0  # its messages received
         self.acked = 0  # the newest of them rank 0 has acknowledged everything of
+        self.task = None  # the task that serves it
 
 
 class HostRelay(TokenGate):
@@ -162,7 +165,10 @@ class HostRelay(TokenGate):
 
     # ---------------------------------------------------------------- its workers
     async def _serve_local(self, request_iterator, context):
+        if self.host_lost is not None:  # (it gave up on rank 0: its workers go there themselves)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "tfsync: this host's relay lost rank 0")
         local = _Local()
+        local.task = asyncio.current_task()
         self._locals[local.id] = local
         writer = asyncio.ensure_future(_write(local.out, context))
         try:
@@ -175,8 +181,11 @@ class HostRelay(TokenGate):
         except (asyncio.CancelledError, Exception):  # noqa: BLE001 - a broken link is a link's end
             pass
         finally:
-            local.out.put_nowait(None)
-            writer.cancel()
+            local.out.put_nowait(None)  # the writer ends once what was queued is written
+            try:
+                await asyncio.wait_for(writer, LINK_DRAIN_S)
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001 - a broken link, or one past the bound
+                writer.cancel()
             self._locals.pop(local.id, None)
             for rank in local.ranks:
                 if self._rank_local.get(rank) == local.id:
@@ -261,7 +270,7 @@ class HostRelay(TokenGate):
                 log.warning("tfsync: the host relay could not re-attach to rank 0 within %g s", RECONNECT_GRACE_S)
                 for local in list(self._locals.values()):
                     local.out.put_nowait(encode([["host_lost"]]))
-                    local.out.put_nowait(None)
+                    local.task.cancel()  # (its link ends once the notice is written)
                 return
             await asyncio.sleep(RECONNECT_BACKOFF_MS[0] / 1e3)
 
@@ -272,8 +281,7 @@ class HostRelay(TokenGate):
         acks = [ack for _, _, carried in self._unacked for ack in carried]
         self._unacked = []
         attach = [["attach", rank, len(self._closings), _stops(self._notices)] for rank in self._attached]
-        if attach or resend:
-            self._pending.insert(0, ([*attach, *resend], acks))
+        self._pending.insert(0, ([["relay"], *attach, *resend], acks))
         self._wake.set()
         sender = asyncio.ensure_future(self._send_upstream(call))
         attached = False

@@ -97,6 +97,7 @@ class ControlServer(TokenGate, Streams, StopHandshake, RoundCoordinator, Service
         self._broadcast_due = False
         self._handlers = {
             "attach": self._attach_item,
+            "relay": self._relay_item,
             "ended": self._ended_item,
             "leave": self._leave_item,
             "report": self._report_item,

@@ -33,6 +33,11 @@ import grpc.aio
 
 from tfsync.engine.control.transport import RECONNECT_GRACE_S, _peer_ip, decode, encode
 
+LINK_DRAIN_S = 1.0  # a link that ends writes what it was told before the call ends, within this
+# beyond the grace, for the workers behind a relay whose link ended: a relay gives up after the grace
+# and its workers each try rank 0 once (the client's ATTEMPT_S, 1 s), with room for a loaded host
+RELAY_HANDOVER_S = 2.0
+
 log = logging.getLogger("tfsync.control")
 
 
@@ -49,6 +54,7 @@ class Link:
         self.cursor = None  # (closings sent, lost version, stopped version), set at the first attach
         self.received = 0  # messages received: what the next reply acknowledges
         self.reply = []  # items for the reply to the message being handled
+        self.relay = False  # a host's relay (it said so): its workers' own links end at the relay
 
     def send(self, data: bytes):
         self.out.put_nowait(data)
@@ -76,8 +82,11 @@ class Streams:
             if not isinstance(exc, asyncio.CancelledError):
                 log.debug("tfsync: link %d from %s ended: %s", link.id, peer, exc)
         finally:
-            link.send(None)
-            writer.cancel()
+            link.send(None)  # the writer ends once what was queued is written: the call ends after it
+            try:
+                await asyncio.wait_for(writer, LINK_DRAIN_S)
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001 - a broken link, or one past the bound
+                writer.cancel()
             self._links.pop(link.id, None)
             self._link_ended(link)
 
@@ -123,7 +132,11 @@ class Streams:
         self._stops_seen[rank] = stops
         if link.cursor is None:
             link.cursor = (min(closings, len(self._closings)), -1, -1)
-        link.reply.append(["attached", rank, int(link.local and len(link.ranks) == 1)])
+        link.reply.append(["attached", rank, int(link.local and not link.relay)])
+
+    def _relay_item(self, link, item, now):
+        """``["relay"]``: the link is a host's relay's."""
+        link.relay = True
 
     def _ended_item(self, link, item, now):
         """``["ended", rank]`` from a relay: the rank's own link to it ended without ``Leave``;
@@ -143,8 +156,11 @@ class Streams:
         """A link ended: its workers are lost (a worker's own link on rank 0's host) or detached
         until they re-attach within the grace."""
         now = time.time() - self.t0
+        # a relay that loses its link re-attaches within the grace, or gives up and hands its
+        # workers to rank 0 (each tries once): they have that much longer
+        grace_s = RECONNECT_GRACE_S + (RELAY_HANDOVER_S if link.relay else 0.0)
         with self._lock:
-            own = link.local and len(link.ranks) == 1
+            own = link.local and not link.relay
             for rank in sorted(link.ranks):
                 if self._rank_link.get(rank) != link.id:  # re-attached elsewhere meanwhile
                     continue
@@ -155,7 +171,7 @@ class Streams:
                 if own:  # nothing between it and this host could have dropped: its process ended
                     self._record_lost(rank, now, "its process or connection ended")
                     continue
-                timer = self._loop.call_later(RECONNECT_GRACE_S, self._grace_over, rank, link.id)
+                timer = self._loop.call_later(grace_s, self._grace_over, rank, link.id)
                 self._detached[rank] = (link.id, now, timer)
         self._broadcast_soon()
 
@@ -176,7 +192,8 @@ class Streams:
                 self._record_lost(
                     rank,
                     detached[1],
-                    f"its connection to rank 0 ended and it did not re-attach within {RECONNECT_GRACE_S:g} s: "
+                    f"its connection to rank 0 ended and it did not re-attach within the grace "
+                    f"({RECONNECT_GRACE_S:g} s; through its host's relay {RECONNECT_GRACE_S + RELAY_HANDOVER_S:g} s): "
                     f"its process ended or stopped answering, or the link between its host and rank 0's stayed down",
                 )
         self._broadcast_soon()
