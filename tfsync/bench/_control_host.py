@@ -88,7 +88,7 @@ def main(argv):
                     if r % ASK_EVERY == 0:
                         t = time.time()
                         worker.client.ask("grant", step=r, room=1)
-                        rec["asks_s"].append(time.time() - t)
+                        rec["asks_s"].append((r, time.time() - t))
                     rec["known"].append(time.time())
                 else:
                     rec["sent"].append(time.time())

@@ -165,7 +165,9 @@ def summarize(workers, rounds, args, outputs, stats):
     if args.policy == "dssp":
         steps = sum(int(((k > start_s) & (k <= end_s)).sum()) for k in known)
         rounds_per_s = steps / workers / window_s
-        latencies = [s for out in outputs for rec in out["records"].values() for s in rec["asks_s"][warm:]]
+        latencies = [
+            s for out in outputs for rec in out["records"].values() for step, s in rec["asks_s"] if step >= warm
+        ]
         measured_rounds = rounds_per_s * window_s
     else:
         sent = np.array([rec["sent"] for out in outputs for rec in out["records"].values()])
