@@ -10,8 +10,10 @@ it crosses the network.  The relay
   one message, and acknowledges a worker's message once rank 0 acknowledged
   what carried it (what rank 0 did not acknowledge goes again after a
   re-attach);
-* sends their clocks together, at most every ``REPORT_FLUSH_S``
-  (``["reports", {rank: clock}]``), the newest of each;
+* sends their clocks together (``["reports", {rank: clock}]``), the newest of
+  each: a report at once when none went for ``REPORT_FLUSH_S``, else with the
+  others at the end of that interval (so a waiting worker's forced report is
+  as fresh at rank 0 as a direct one's);
 * passes rank 0's answers to the worker that asked, and what rank 0 tells
   every worker (notices, closings) to each of its workers as rank 0 encoded it,
   keeping it for a worker that attaches later;
@@ -102,6 +104,7 @@ class HostRelay(TokenGate):
         self._closings = []  # every closing rank 0 sent, for a worker that attaches later
         self._notices = None  # the newest ["notices", lost, stopped]
         self._clocks = {}  # rank -> newest clock not yet sent
+        self._flushed = float("-inf")  # when clocks last went to rank 0
         self._pending = []  # (items, [(local link id, its message index)]) for rank 0, not yet sent
         self._unacked = []  # (upstream message index, items, [(local link id, its message index)])
         self._sent = 0  # messages sent on the current upstream link
@@ -207,6 +210,8 @@ class HostRelay(TokenGate):
                 self._catch_up(local, int(item[2]))
             elif kind == "report":
                 self._clocks[rank] = max(self._clocks.get(rank, -1), int(item[2]))
+                if time.monotonic() - self._flushed >= REPORT_FLUSH_S:  # (a lone report goes at once)
+                    self._send_clocks()
             elif kind == "table":
                 self._ask_table(local, rank, item[2])
             else:
@@ -248,9 +253,14 @@ class HostRelay(TokenGate):
         while True:
             await asyncio.sleep(REPORT_FLUSH_S)
             if self._clocks:
-                clocks, self._clocks = self._clocks, {}
-                self._pending.append(([["reports", {str(r): c for r, c in clocks.items()}]], []))
-                self._wake.set()
+                self._send_clocks()
+
+    def _send_clocks(self):
+        """Every clock not sent yet, to rank 0, in one item."""
+        clocks, self._clocks = self._clocks, {}
+        self._flushed = time.monotonic()
+        self._pending.append(([["reports", {str(r): c for r, c in clocks.items()}]], []))
+        self._wake.set()
 
     # --------------------------------------------------------------- its link to rank 0
     async def _follow_upstream(self):
