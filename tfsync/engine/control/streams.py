@@ -34,9 +34,6 @@ import grpc.aio
 from tfsync.engine.control.transport import RECONNECT_GRACE_S, _peer_ip, decode, encode
 
 LINK_DRAIN_S = 1.0  # a link that ends writes what it was told before the call ends, within this
-# beyond the grace, for the workers behind a relay whose link ended: a relay gives up after the grace
-# and its workers each try rank 0 once (the client's ATTEMPT_S, 1 s), with room for a loaded host
-RELAY_HANDOVER_S = 2.0
 
 log = logging.getLogger("tfsync.control")
 
@@ -156,9 +153,6 @@ class Streams:
         """A link ended: its workers are lost (a worker's own link on rank 0's host) or detached
         until they re-attach within the grace."""
         now = time.time() - self.t0
-        # a relay that loses its link re-attaches within the grace, or gives up and hands its
-        # workers to rank 0 (each tries once): they have that much longer
-        grace_s = RECONNECT_GRACE_S + (RELAY_HANDOVER_S if link.relay else 0.0)
         with self._lock:
             own = link.local and not link.relay
             for rank in sorted(link.ranks):
@@ -171,7 +165,7 @@ class Streams:
                 if own:  # nothing between it and this host could have dropped: its process ended
                     self._record_lost(rank, now, "its process or connection ended")
                     continue
-                timer = self._loop.call_later(grace_s, self._grace_over, rank, link.id)
+                timer = self._loop.call_later(RECONNECT_GRACE_S, self._grace_over, rank, link.id)
                 self._detached[rank] = (link.id, now, timer)
         self._broadcast_soon()
 
@@ -192,8 +186,7 @@ class Streams:
                 self._record_lost(
                     rank,
                     detached[1],
-                    f"its connection to rank 0 ended and it did not re-attach within the grace "
-                    f"({RECONNECT_GRACE_S:g} s; through its host's relay {RECONNECT_GRACE_S + RELAY_HANDOVER_S:g} s): "
+                    f"its connection to rank 0 ended and it did not re-attach within {RECONNECT_GRACE_S:g} s: "
                     f"its process ended or stopped answering, or the link between its host and rank 0's stayed down",
                 )
         self._broadcast_soon()
