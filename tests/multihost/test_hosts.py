@@ -74,6 +74,8 @@ def test_every_mode_trains_across_two_hosts_with_identical_replicas(every_mode, 
         for a, b in zip(res["weights"], per_rank[0]["weights"]):
             np.testing.assert_array_equal(a, b, err_msg=f"rank {rank} differs from rank 0 after {run}")
         c = res["counts"]
-        assert c["produced"] > 0 and c["produced"] == c["applied"] + c["compensated"] + c["dropped"], (rank, c)
+        # (a rank every round closes without, backup workers' slow one, may skip all its steps)
+        assert c["produced"] + c["skipped"] > 0, (rank, c)
+        assert c["produced"] == c["applied"] + c["compensated"] + c["dropped"], (rank, c)
     if run == "callback:auto":
         assert all(res["auto_decisions"] >= 1 for res in per_rank), per_rank
