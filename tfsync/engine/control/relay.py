@@ -6,10 +6,10 @@ one link per host, not per worker, and reads one message where the host's
 workers sent several, as hierarchical allreduce reduces within a host before
 it crosses the network.  The relay
 
-* forwards its workers' items on its one link to rank 0, whatever is queued as
-  one message, and acknowledges a worker's message once rank 0 acknowledged
-  what carried it (what rank 0 did not acknowledge goes again after a
-  re-attach);
+* forwards its workers' items on its one link to rank 0, one message in flight
+  at a time (what is queued meanwhile goes as the next message), and
+  acknowledges a worker's message once rank 0 acknowledged what carried it
+  (what rank 0 did not acknowledge goes again after a re-attach);
 * sends their clocks together (``["reports", {rank: clock}]``), the newest of
   each: a report at once when none went for ``REPORT_FLUSH_S``, else with the
   others at the end of that interval (so a waiting worker's forced report is
@@ -317,10 +317,13 @@ class HostRelay(TokenGate):
         return attached
 
     async def _send_upstream(self, call):
+        """Send what is queued for rank 0, one message at a time: what is queued while a message
+        is unacknowledged goes together after its acknowledgement, so a busy host sends fewer,
+        larger messages and rank 0 reads one per host per turn, not one per worker item."""
         while True:
             await self._wake.wait()
             self._wake.clear()
-            if not self._pending:
+            if not self._pending or self._unacked:
                 continue
             pending, self._pending = self._pending, []
             items = [item for batch, _ in pending for item in batch]
@@ -330,17 +333,10 @@ class HostRelay(TokenGate):
             await call.write(encode(items))
 
     def _from_upstream(self, data):
+        """Rank 0's message: to each worker, in one message, its acknowledgements and answers and
+        what rank 0 tells every worker (as rank 0 encoded it, when that is all it held)."""
         items = decode(data)
-        if items and all(item[0] in BROADCAST for item in items):
-            for item in items:
-                if item[0] == "notices":
-                    self._notices = item
-                else:
-                    start, entries = item[1], item[2]
-                    self._closings.extend(entries[max(len(self._closings) - start, 0) :])
-            for local in self._locals.values():
-                local.out.put_nowait(data)  # (as rank 0 encoded it)
-            return
+        broadcast = [item for item in items if item[0] in BROADCAST]
         replies = {}  # local link id -> items
         for item in items:
             kind = item[0]
@@ -354,10 +350,21 @@ class HostRelay(TokenGate):
                         replies.setdefault(local_id, []).append(["answer", asker, asked, item[3]])
                 elif rank in self._rank_local:
                     replies.setdefault(self._rank_local[rank], []).append(item)
-        for local_id, out in replies.items():
-            local = self._locals.get(local_id)
-            if local is not None:
-                local.out.put_nowait(encode(out))
+        shared = b""
+        if broadcast:
+            for item in broadcast:
+                if item[0] == "notices":
+                    self._notices = item
+                else:
+                    start, entries = item[1], item[2]
+                    self._closings.extend(entries[max(len(self._closings) - start, 0) :])
+            shared = data if len(broadcast) == len(items) else encode(broadcast)
+        for local_id, local in self._locals.items():
+            own = replies.get(local_id)
+            if own:  # (its answers first, then what every worker is told, in one message)
+                local.out.put_nowait(encode(own)[:-1] + b"," + shared[1:] if shared else encode(own))
+            elif shared:
+                local.out.put_nowait(shared)
 
     def _acked(self, count, replies):
         """Rank 0 acknowledged the first ``count`` messages of this link: so are the worker
@@ -369,6 +376,8 @@ class HostRelay(TokenGate):
                 if local is not None and index > local.acked:
                     local.acked = index
                     replies.setdefault(local_id, []).append(["acked", index])
+        if not self._unacked and self._pending:  # (the next message may go)
+            self._wake.set()
 
 
 def _stops(notices):

@@ -13,8 +13,6 @@ with them.
 
 import asyncio
 
-from tfsync.engine.control.transport import encode
-
 STOP_CALL_TIMEOUT_S = 3.0  # how long a stopping worker waits for the answer (rank 0 holds it up to the grace)
 STOP_NOTICE_GRACE_S = 2.0  # the stop is answered once every attached worker confirmed the notice, or after this
 STOP_NOTICE_POLL_S = 0.05  # how often a held stop rechecks the confirmations
@@ -40,7 +38,9 @@ class StopHandshake:
                 if all(n >= count for n in self._stops_seen.values()):
                     break
             await asyncio.sleep(STOP_NOTICE_POLL_S)
-        link.send(encode([["answer", rank, request, {"ok": 1}]]))
+        with self._lock:
+            link.reply.append(["answer", rank, request, {"ok": 1}])
+        self._broadcast_soon()
 
     def _seen_item(self, link, item, now):
         """``["seen", rank, stops]``: a worker has read the first ``stops`` stop notices (what a

@@ -7,7 +7,9 @@ notices it already has; the link then carries, in order and each once, what
 rank 0 tells every worker (:meth:`Streams._broadcast`): the losses and stop
 notices (whole, when they change) and the round closings (from the first the
 link does not have).  Links that are at the same point get the same encoded
-message, so a closing costs one encoding a round, not one per worker.
+message, so a closing costs one encoding a round, not one per worker, and a
+link's acknowledgement and answers ride in the same message: rank 0 writes to
+a link at most once per turn of its event loop, however many messages it read.
 
 What a link's end means depends on where its worker runs.  On rank 0's host (it
 connected from an address rank 0 listens on) nothing but the end of its
@@ -49,8 +51,9 @@ class Link:
         self.ranks = set()
         self.out = asyncio.Queue()  # encoded messages, written in order by the link's writer
         self.cursor = None  # (closings sent, lost version, stopped version), set at the first attach
-        self.received = 0  # messages received: what the next reply acknowledges
-        self.reply = []  # items for the reply to the message being handled
+        self.received = 0  # messages received: what the next message to it acknowledges
+        self.acked = 0  # the messages it has been told were received
+        self.reply = []  # answers for it, sent with the next broadcast
         self.relay = False  # a host's relay (it said so): its workers' own links end at the relay
 
     def send(self, data: bytes):
@@ -62,8 +65,8 @@ class Streams:
     everything here runs on the server's event loop."""
 
     async def _serve_link(self, request_iterator, context):
-        """One link: read its messages, answer each (its acknowledgement and answers), until it
-        ends; its writer task sends what the link is told meanwhile."""
+        """One link: read and handle its messages until it ends; its writer task sends what the
+        link is told meanwhile."""
         peer = context.peer()
         link = Link(_peer_ip(peer) in self._own_ips, peer)
         self._links[link.id] = link
@@ -95,7 +98,8 @@ class Streams:
             await context.write(data)
 
     def _on_message(self, link, items):
-        """Handle one message's items; reply with its acknowledgement and answers."""
+        """Handle one message's items; its acknowledgement and answers go with this turn's
+        broadcast (:meth:`_broadcast`), in one message to the link."""
         now = time.time() - self.t0
         with self._lock:
             for item in items:
@@ -103,8 +107,6 @@ class Streams:
                 if handle is None:
                     raise ValueError(f"tfsync: a link sent an item of unknown kind {item[0]!r}")
                 handle(link, item, now)
-            reply, link.reply = [["acked", link.received], *link.reply], []
-        link.send(encode(reply))
         self._broadcast_soon()
 
     # ------------------------------------------------------------------ attach and end
@@ -200,26 +202,33 @@ class Streams:
             self._loop.call_soon(self._broadcast)
 
     def _broadcast(self):
-        """Send each link what it has not been told: the losses and stop notices when they
-        changed, and the closings from its cursor; links at the same point share one encoding."""
+        """Send each link, in one message, its acknowledgement and answers and what it has not
+        been told: the losses and stop notices when they changed, and the closings from its
+        cursor.  Links at the same point share one encoding of the latter, so a turn costs one
+        write per link that has news, however many messages it handled."""
         self._broadcast_due = False
         with self._lock:
             now = (len(self._closings), self._lost_version, self._stopped_version)
             messages = {}
             for link in self._links.values():
-                if link.cursor is None or link.cursor == now:
+                told = link.cursor is None or link.cursor == now
+                if told and not link.reply and link.received == link.acked:
                     continue
-                data = messages.get(link.cursor)
-                if data is None:
-                    closings, lost, stopped = link.cursor
-                    items = []
-                    if lost < now[1] or stopped < now[2]:
-                        items.append(["notices", list(self._lost.values()), list(self._stopped.values())])
-                    if closings < now[0]:
-                        items.append(["closed", closings, self._closings[closings:]])
-                        self._served["closings"] += now[0] - closings
-                    data = messages[link.cursor] = encode(items)
-                else:
+                data = b""
+                if not told:
+                    data = messages.get(link.cursor)
+                    if data is None:
+                        closings, lost, stopped = link.cursor
+                        items = []
+                        if lost < now[1] or stopped < now[2]:
+                            items.append(["notices", list(self._lost.values()), list(self._stopped.values())])
+                        if closings < now[0]:
+                            items.append(["closed", closings, self._closings[closings:]])
+                        data = messages[link.cursor] = encode(items)
                     self._served["closings"] += now[0] - link.cursor[0]
+                    link.cursor = now
+                if link.received > link.acked or link.reply:
+                    own = encode([["acked", link.received], *link.reply])
+                    link.acked, link.reply = link.received, []
+                    data = own[:-1] + b"," + data[1:] if data else own  # (two JSON lists joined)
                 link.send(data)
-                link.cursor = now
