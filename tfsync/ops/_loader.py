@@ -63,6 +63,17 @@ def load_library():
         return _library
 
 
+def has_gpu_kernels():
+    """Whether the loaded library has GPU kernels: its build compiled the CUDA kernels
+    (``cuda_kernels`` in ``_build_info.json``; a TensorFlow with CUDA and ``nvcc``).
+
+    Loads the library first, so a missing or stale one raises :class:`OpLibraryError`.
+    """
+    load_library()
+    with open(os.path.join(library_dir(), BUILD_INFO_FILE)) as f:
+        return bool(json.load(f).get("cuda_kernels", False))
+
+
 def _load(directory):
     """Checks and loads the library found in ``directory`` (separate for tests)."""
     path = os.path.join(directory, LIBRARY_FILE)
