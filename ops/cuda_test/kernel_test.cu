@@ -8,7 +8,9 @@
 //                                the grids the GPU launches use (no GPU needed)
 //   kernel_test --dump DIR       writes the reference's cases (inputs and outputs) to DIR
 //                                for the comparison with TensorFlow's CPU kernels
-//                                (tests/build/test_cuda_kernels.py)
+//                                (tests/build/test_cuda_kernels.py), computed as those
+//                                run: with subnormals flushed to zero (TensorFlow sets
+//                                FTZ and DAZ on its threads; x86-64 only)
 //   --max-elements N             the largest size tried (default: 33554433 on the GPU,
 //                                16777221 with --host)
 //
@@ -20,6 +22,11 @@
 // among random ones; pointers aligned (vector path) and one element off (scalar
 // path); outputs apart and in place.
 //
+// Subnormals: the kernels keep them (IEEE, nothing is compiled with -ftz or fast math),
+// as the reference does here; TensorFlow's CPU kernels see them as zero (FTZ/DAZ on
+// TensorFlow's threads). So where an input or a result is subnormal in float32, float64
+// or bfloat16, the GPU and CPU kernels differ, by design of the two platforms' modes.
+//
 // Tolerance, per dtype: 0 ulp (bit for bit; two NaNs are equal whatever their
 // payload) for float16, bfloat16, float32 and float64 alike. The kernels make the
 // reference's IEEE operations in its order, each rounded to nearest (the _rn
@@ -27,6 +34,9 @@
 // nothing is compiled with fast math), and round the 16-bit types once from float,
 // to nearest even, as the reference does, so there is nothing left to differ.
 #include <cuda_runtime.h>
+#if defined(__x86_64__)
+#include <pmmintrin.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -836,8 +846,8 @@ void Report(Gpu& gpu, const char* kernel, const char* dtype, int64_t n, double t
   gpu.Free(src);
   gpu.Free(dst);
   const double kernel_gbs = traffic / (kernel_ms * 1e6), copy_gbs = traffic / (copy_ms * 1e6);
-  std::printf("%-26s %-9s %11" PRId64 " %9.1f %9.3f %10.1f %9.3f %7.2f\n", kernel, dtype, n, traffic / 1e6, kernel_ms,
-              kernel_gbs, copy_ms, copy_gbs, kernel_gbs / copy_gbs);
+  std::printf("%-26s %-9s %11" PRId64 " %9.1f %9.3f %10.1f %9.3f %10.1f %7.2f\n", kernel, dtype, n, traffic / 1e6,
+              kernel_ms, kernel_gbs, copy_ms, copy_gbs, kernel_gbs / copy_gbs);
 }
 
 template <typename R>
@@ -924,6 +934,14 @@ int main(int argc, char** argv) {
   if (SelfCheck() != 0) return 1;
 
   if (mode == "dump") {
+#if defined(__x86_64__)
+    // after the self-check (whose known values include subnormals): TensorFlow's mode
+    _MM_SET_FLUSH_ZERO_MODE(_MM_FLUSH_ZERO_ON);
+    _MM_SET_DENORMALS_ZERO_MODE(_MM_DENORMALS_ZERO_ON);
+#else
+    std::printf("FAILED: --dump computes as TensorFlow's CPU kernels on x86-64 (FTZ/DAZ); this is another CPU\n");
+    return 1;
+#endif
     Dump dump{dir};
     const auto sizes = Sizes(largest < 0 ? 65537 : largest);
     DumpDtype<Half>(dump, sizes);
@@ -962,8 +980,8 @@ int main(int argc, char** argv) {
   std::printf("\nbandwidth at %" PRId64 " elements, aligned, mean of 20 launches after 3 (traffic: bytes read + "
               "written; the copy is cudaMemcpyAsync device to device of half that many bytes)\n",
               bandwidth_n);
-  std::printf("%-26s %-9s %11s %9s %9s %10s %9s %7s\n", "kernel", "dtype", "elements", "MB", "ms", "GB/s", "copy ms",
-              "of copy");
+  std::printf("%-26s %-9s %11s %9s %9s %10s %9s %10s %7s\n", "kernel", "dtype", "elements", "MB", "ms", "GB/s",
+              "copy ms", "copy GB/s", "of copy");
   Bandwidth<Half>(gpu, bandwidth_n);
   Bandwidth<BFloat16>(gpu, bandwidth_n);
   Bandwidth<float>(gpu, bandwidth_n);
