@@ -117,6 +117,42 @@ def test_the_library_loads_with_gpu_kernels_registered(gpu_build):
         assert "GPU" in devices[op] and "CPU" in devices[op], f"{op}: kernels registered for {devices[op]}"
 
 
+def test_tfsync_runs_the_finiteness_kernels_of_this_library_on_gpu_tensors(gpu_build):
+    """tfsync.ops's choice for all_finite and scale_all_finite with the library this GPU build
+    made: tensors on a GPU go to the compiled kernels (the library has CUDA kernels), tensors
+    on the CPU to the compiled kernels pinned to their CPU, and with the reference selected,
+    to the reference. There is no GPU here: a GPU tensor is stood in for by its device."""
+    check = textwrap.dedent(
+        f"""
+        import json, sys, types
+        sys.path.insert(0, {REPO_ROOT!r})
+        import tensorflow as tf
+        from tfsync.ops import _loader
+        _loader.library_dir = lambda: {os.path.dirname(gpu_build["library"])!r}
+        from tfsync import ops
+        ops.set_implementation("compiled")
+        gpu = types.SimpleNamespace(device="/job:localhost/replica:0/task:0/device:GPU:0")
+        cpu = tf.constant([1.0, float("nan")])
+        on_gpu, on_cpu = ops._finite_backend([gpu]), ops._finite_backend([cpu])
+        finite = ops.all_finite([cpu, tf.constant([2.0])]).numpy().tolist()
+        (scaled,), scaled_finite = ops.scale_all_finite([tf.constant([3.0])], 0.5)
+        ops.set_implementation("reference")
+        reference = ops._finite_backend([gpu])
+        print("ROUTES", json.dumps({{
+            "gpu": [on_gpu[0].__name__, on_gpu[1]], "cpu": [on_cpu[0].__name__, on_cpu[1]],
+            "reference": [reference[0].__name__, reference[1]], "finite": finite,
+            "scaled": scaled.numpy().tolist(), "scaled_finite": scaled_finite.numpy().tolist()}}))
+        """
+    )
+    out = run([gpu_build["python"], "-c", check], 300, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+    routes = json.loads(re.search(r"^ROUTES (.*)$", out, re.MULTILINE).group(1))
+    assert routes["gpu"] == ["tfsync.ops._compiled", None], routes
+    assert routes["cpu"][0] == "tfsync.ops._compiled" and routes["cpu"][1].endswith("device:CPU:0"), routes
+    assert routes["reference"] == ["tfsync.ops._reference", None], routes
+    # the GPU-built library's CPU kernels, in a TensorFlow without a GPU
+    assert routes["finite"] == [False, True] and routes["scaled"] == [1.5] and routes["scaled_finite"] == [True], routes
+
+
 @pytest.mark.parametrize("archs", ["8.0;9.0", "unsupported"])
 def test_a_bad_architecture_list_stops_the_build_and_says_what_nvcc_has(gpu_build, archs):
     supported = nvcc_targets()

@@ -33,6 +33,7 @@ OP_NAMES = (
 
 _lock = threading.Lock()
 _library = None
+_gpu_kernels = None  # read from the build info once, with the library
 
 
 class OpLibraryError(ImportError):
@@ -69,9 +70,12 @@ def has_gpu_kernels():
 
     Loads the library first, so a missing or stale one raises :class:`OpLibraryError`.
     """
-    load_library()
-    with open(os.path.join(library_dir(), BUILD_INFO_FILE)) as f:
-        return bool(json.load(f).get("cuda_kernels", False))
+    global _gpu_kernels
+    if _gpu_kernels is None:
+        load_library()
+        with open(os.path.join(library_dir(), BUILD_INFO_FILE)) as f:
+            _gpu_kernels = bool(json.load(f).get("cuda_kernels", False))
+    return _gpu_kernels
 
 
 def _load(directory):

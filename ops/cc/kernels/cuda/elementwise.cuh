@@ -20,6 +20,9 @@
 #include <cstring>
 #include <type_traits>
 
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
 #include "tfsync_cuda.h"
 
 #define TFSYNC_HD __host__ __device__ __forceinline__

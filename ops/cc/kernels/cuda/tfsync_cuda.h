@@ -16,11 +16,16 @@
 #ifndef TFSYNC_OPS_CC_KERNELS_CUDA_TFSYNC_CUDA_H_
 #define TFSYNC_OPS_CC_KERNELS_CUDA_TFSYNC_CUDA_H_
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+
+// The 16-bit element types of cuda_fp16.h and cuda_bf16.h, declared only: callers pass
+// pointers, and the host compile of TensorFlow's glue then needs no more of CUDA's
+// headers than cuda_runtime_api.h (TensorFlow's GPU wheel ships cuda_fp16.h without the
+// libcu++ headers it includes on the path).
+struct __half;
+struct __nv_bfloat16;
 
 namespace tfsync {
 namespace cuda {
