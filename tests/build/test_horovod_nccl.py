@@ -9,7 +9,7 @@ the nvidia-nccl-cu12 package and finds it at run time; every symbol it needs is 
 by TensorFlow's libraries, NCCL or the system's (so nothing is left to fail at load or
 at a first call); it holds CUDA code for the compute capabilities the build chose;
 loaded, it reports NCCL and CUDA built and registers GPU kernels for Horovod's ops; and
-on the CPU its Gloo path still reduces. The NCCL collectives themselves need GPUs
+two ranks under ``horovodrun --gloo`` reduce CPU tensors with it. The NCCL collectives themselves need GPUs
 (docs/install.md, "GPU build").
 
 Slow (Horovod's build with its CUDA kernels, about 15 minutes on 2 cores) and needs
@@ -193,6 +193,29 @@ def test_it_loads_reports_nccl_and_registers_gpu_kernels_and_reduces_on_the_cpu(
     for op in GPU_OPS:
         assert report["devices"][op] == ["CPU", "GPU"], f"{op}: kernels registered for {report['devices'][op]}"
     assert report["size"] == 1 and report["total"] == [1.0, 2.0], report
+
+
+def test_two_ranks_reduce_cpu_tensors_under_horovodrun(horovod_nccl, tmp_path):
+    """The NCCL build's Gloo controller and CPU collectives, across processes."""
+    script = tmp_path / "reduce.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import horovod.tensorflow as hvd
+            import tensorflow as tf
+            hvd.init()
+            with tf.device("/CPU:0"):
+                total = hvd.allreduce(tf.constant([float(hvd.rank() + 1)]), op=hvd.Sum).numpy().tolist()
+            print("RANK", hvd.rank(), hvd.size(), total)
+            """
+        )
+    )
+    bin_dir = os.path.dirname(horovod_nccl["python"])
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "TF_CPP_MIN_LOG_LEVEL": "2"}
+    horovodrun = os.path.join(bin_dir, "horovodrun")
+    out = run([horovodrun, "-np", "2", "--gloo", horovod_nccl["python"], str(script)], 300, env=env)
+    ranks = sorted(re.findall(r"RANK (\d) (\d) \[([\d.]+)\]", out))
+    assert ranks == [("0", "2", "3.0"), ("1", "2", "3.0")], out[-4000:]
 
 
 def test_install_sh_refuses_a_forced_nccl_build_on_tensorflow_without_cuda():
