@@ -1,6 +1,7 @@
 # The README's two commands: `make demo` (install everything, run the main job)
 # and `make test` (install everything, run the whole test suite); `make docs` builds the
-# documentation site (docs/, mkdocs.yml) into build/site.
+# documentation site (docs/, mkdocs.yml) into build/site; `make cuda-test` runs the CUDA
+# kernels' standalone test.
 PYTHON ?= python3
 PIP = $(PYTHON) -m pip
 # every pip call is constrained: nothing may pull a TensorFlow, Keras or protobuf that breaks the stack
@@ -13,9 +14,9 @@ TF_VERSION ?= 2.21.0
 STAMP = build/.tfsync-installed-$(TF_VERSION)
 HOROVOD_VERSION = 0.28.1
 BUILD_INPUTS = setup.py requirements.txt requirements-docs.txt constraints.txt $(wildcard third_party/horovod/*)\
-	$(wildcard ops/cc/*/*.cc ops/cc/*/*.h tfsync/scheduler/*.pyx)
+	$(wildcard ops/cc/*/*.cc ops/cc/*/*.h ops/cc/kernels/cuda/* tfsync/scheduler/*.pyx)
 
-.PHONY: install demo test docs bench clean
+.PHONY: install demo test docs bench clean cuda-test
 
 install: $(STAMP)
 
@@ -55,6 +56,13 @@ docs:
 # with a README (command, date, commit, machine), replacing that study's previous run.
 bench: install
 	$(PYTHON) -m tfsync.bench --json build/bench_training.json
+
+# The CUDA kernels' standalone test (ops/cuda_test/): built by nvcc alone, no TensorFlow
+# and no install needed. Where `nvidia-smi` lists a GPU it checks every kernel against the
+# CPU reference and measures its bandwidth; elsewhere it checks the kernels' bodies on the
+# CPU and says it skipped the GPU run.
+cuda-test:
+	bash ops/cuda_test/run.sh
 
 clean:
 	rm -rf build tfsync/ops/*.so tfsync/ops/_build_info.json tfsync/scheduler/*.so tfsync/scheduler/_zipline.c

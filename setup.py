@@ -6,15 +6,17 @@ so install with ``pip install --no-build-isolation .`` after TensorFlow.  The
 TensorFlow version used at build time is written next to the library and
 checked by the loader (``tfsync/ops/_loader.py``).
 
-CUDA kernels (``ops/cc/kernels/*.cu.cc``) are compiled only when the installed
-TensorFlow was built with CUDA *and* ``nvcc`` is on the PATH: as SASS for
-:data:`DEFAULT_CUDA_ARCHS` (those the found ``nvcc`` can target; ``TFSYNC_CUDA_ARCHS``
-overrides, e.g. ``"80;90"``) plus PTX of the newest, so later GPUs JIT it. The host
-compile of the kernels' ``.cc`` files includes the CUDA headers TensorFlow's GPU wheel
-ships (``GOOGLE_CUDA`` turns on Eigen's GPU device, which includes
-``cuda_runtime.h``). The library does not link the CUDA runtime itself: it resolves
-``__cudaRegisterFatBinary`` and the launch calls against ``libtensorflow_framework``,
-which exports them and forwards to the CUDA runtime TensorFlow loads.
+CUDA kernels (``ops/cc/kernels/cuda/*.cu``: plain CUDA, nothing of TensorFlow, also
+built alone by ``ops/cuda_test/``) are compiled only when the installed TensorFlow was
+built with CUDA *and* ``nvcc`` is on the PATH: as SASS for :data:`DEFAULT_CUDA_ARCHS`
+(those the found ``nvcc`` can target; ``TFSYNC_CUDA_ARCHS`` overrides, e.g. ``"80;90"``)
+plus PTX of the newest, so later GPUs JIT it; the kernels' ``.cc`` files then define
+``GOOGLE_CUDA`` and register GPU kernels that call them. Their host compile includes
+the CUDA headers TensorFlow's GPU wheel ships (Eigen's GPU device and the launchers'
+header include ``cuda_runtime.h``). The library does not link the CUDA runtime itself:
+it resolves ``__cudaRegisterFatBinary`` and the launch calls against
+``libtensorflow_framework``, which exports them and forwards to the CUDA runtime
+TensorFlow loads.
 
 Skipping a compiled part is opt-in and loud: ``TFSYNC_BUILD_OPS=0`` skips the op
 library, ``TFSYNC_BUILD_SCHEDULER=0`` the Cython scheduler.  A compiler error is
@@ -165,7 +167,7 @@ class BuildExt(build_ext):
         ext.extra_compile_args = flags["compile_flags"] + ["-O3", "-fPIC", "-fvisibility=hidden"]
         ext.extra_link_args = flags["link_flags"]
         ext.language = "c++"
-        cuda_sources = sorted(glob.glob(os.path.join("ops", "cc", "kernels", "*.cu.cc")))
+        cuda_sources = sorted(glob.glob(os.path.join("ops", "cc", "kernels", "cuda", "*.cu")))
         nvcc = shutil.which("nvcc")
         flags.update(cuda_kernels=False, cuda_archs=[], nvcc_version=None)
         if flags["cuda"] and nvcc and cuda_sources:
@@ -181,39 +183,33 @@ class BuildExt(build_ext):
             archs = _cuda_archs(nvcc)
             ext.define_macros = list(ext.define_macros or []) + [("GOOGLE_CUDA", "1")]
             ext.include_dirs = list(ext.include_dirs) + [_cuda_include_dir(flags["include_dir"], nvcc)]
-            ext.extra_objects = list(ext.extra_objects or []) + [
-                self._nvcc(nvcc, src, flags, archs) for src in cuda_sources
-            ]
+            ext.extra_objects = list(ext.extra_objects or []) + [self._nvcc(nvcc, src, archs) for src in cuda_sources]
             flags.update(cuda_kernels=True, cuda_archs=archs, nvcc_version=".".join(map(str, nvcc_version)))
         elif cuda_sources:
             reason = "TensorFlow was built without CUDA" if not flags["cuda"] else "nvcc not found"
             print(f"tfsync: building CPU kernels only ({reason})")
 
-    def _nvcc(self, nvcc, src, flags, archs):
+    def _nvcc(self, nvcc, src, archs):
         obj = os.path.join(self.build_temp, os.path.basename(src) + ".o")
         os.makedirs(self.build_temp, exist_ok=True)
         gencode = []
         for arch in archs:
             gencode += ["-gencode", f"arch=compute_{arch},code=sm_{arch}"]
         gencode += ["-gencode", f"arch=compute_{archs[-1]},code=compute_{archs[-1]}"]  # PTX for newer GPUs
-        cmd = (
-            [
-                nvcc,
-                "-std=c++17",
-                "-c",
-                src,
-                "-o",
-                obj,
-                "-DGOOGLE_CUDA=1",
-                "-x",
-                "cu",
-                "-Xcompiler",
-                "-fPIC",
-                "--expt-relaxed-constexpr",
-            ]
-            + gencode
-            + [f for f in flags["compile_flags"] if f.startswith(("-I", "-D"))]
-        )
+        # Plain CUDA: no TensorFlow flag is needed (ops/cuda_test/ builds the same files alone).
+        cmd = [
+            nvcc,
+            "-std=c++17",
+            "-O3",
+            "-c",
+            src,
+            "-o",
+            obj,
+            "-Xcompiler",
+            "-fPIC",
+            "-Xcompiler",
+            "-fvisibility=hidden",
+        ] + gencode
         print(" ".join(cmd))
         subprocess.check_call(cmd)
         return obj
@@ -229,7 +225,6 @@ class BuildExt(build_ext):
 def _extensions():
     exts = []
     op_sources = sorted(glob.glob(os.path.join("ops", "cc", "**", "*.cc"), recursive=True))
-    op_sources = [s for s in op_sources if not s.endswith(".cu.cc")]
     if not _env_flag("TFSYNC_BUILD_OPS"):
         print(
             "tfsync: WARNING: TFSYNC_BUILD_OPS=0: the TensorFlow op library is NOT built; "

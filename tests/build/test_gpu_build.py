@@ -1,73 +1,50 @@
 """The op library's GPU build, checked on a machine without a GPU.
 
 Builds ``_tfsync_ops.so`` the way ``setup.py`` does on a GPU machine, against
-TensorFlow's GPU wheel (the release installed here) in a throwaway virtual
-environment, with the ``nvcc`` on the PATH, and checks what can be checked without a
-device: the CUDA kernels are in the library as SASS for every architecture the build
-chose and as PTX; every CUDA runtime symbol the library needs is exported by the
-wheel's ``libtensorflow_framework`` (so it loads in a TensorFlow process); and loaded
-in that environment, the ops have GPU kernels registered. Running the kernels needs a
-GPU (docs/install.md, "GPU build").
+TensorFlow's GPU wheel (the release installed here) in the build checks' throwaway
+virtual environment (conftest.py), with the ``nvcc`` on the PATH, and checks what can be
+checked without a device: the CUDA kernels are in the library as SASS for every
+architecture the build chose and as PTX; every CUDA runtime symbol the library needs is
+exported by the wheel's ``libtensorflow_framework`` (so it loads in a TensorFlow
+process); and loaded in that environment, the ops have GPU kernels registered. Running
+the kernels needs a GPU: ``tests/build/test_cuda_kernels.py`` runs them (plain CUDA,
+without TensorFlow) where one is (docs/install.md, "GPU build").
 
 Slow (a TensorFlow install and an nvcc build, a few minutes) and needs ``nvcc``: it is
 skipped where ``nvcc`` is missing, except under CI, where it must run.
 """
 
-import glob
 import json
 import os
 import re
-import shutil
 import subprocess
-import sys
 import textwrap
 
 import pytest
+from _build_tools import cuobjdump, nvcc_targets, require_nvcc, run
 
 from tfsync.launch import REPO_ROOT
 
-NVCC = shutil.which("nvcc")
-CUDA_OPS = ("TfSync>DelayCompensate", "TfSync>DelayCompensateAdaptive")
+# every op with a GPU kernel, and the kernels' names in the device code
+CUDA_OPS = ("TfSync>DelayCompensate", "TfSync>DelayCompensateAdaptive", "TfSync>AllFinite", "TfSync>ScaleAllFinite")
+DEVICE_KERNELS = ("DelayCompensateOp", "AdaptiveOp", "AllFiniteOp", "ScaleAllFiniteOp")
 
-if NVCC is None and os.environ.get("CI"):
-    raise RuntimeError("CI must check the GPU build, but nvcc is not on the PATH (the machine has the CUDA toolkit)")
-pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc is not on the PATH: the GPU build cannot be compiled here")
-
-
-def _run(cmd, timeout_s, **kwargs):
-    """stdout + stderr of ``cmd``, which must succeed within ``timeout_s``."""
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, **kwargs)
-    output = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"{' '.join(cmd)} failed ({proc.returncode}):\n{output[-8000:]}"
-    return output
-
-
-def _nvcc_targets():
-    """The compute capabilities nvcc can compile SASS for (``nvcc --list-gpu-code``)."""
-    return {int(c[3:]) for c in _run([NVCC, "--list-gpu-code"], 60).split() if re.fullmatch(r"sm_\d+", c)}
+pytestmark = [
+    pytest.mark.skipif(
+        not require_nvcc("the GPU build"), reason="nvcc is not on the PATH: the GPU build cannot be compiled here"
+    ),
+    pytest.mark.timeout(2400),  # the first test makes the shared environment and the build
+]
 
 
 @pytest.fixture(scope="module")
-def gpu_build(tmp_path_factory):
+def gpu_build(gpu_venv, tmp_path_factory):
     root = tmp_path_factory.mktemp("gpu_build")
-    venv = root / "venv"
-    _run([sys.executable, "-m", "venv", str(venv)], 120)
-    python = str(venv / "bin" / "python")
-    import tensorflow as tf
-
-    version = tf.__version__  # the GPU wheel of the release this install compiled against
-    _run(
-        # cuobjdump reads the library's device code; the CUDA toolkit here ships nvcc without it
-        [python, "-m", "pip", "install", "-q", "-c", "constraints.txt", f"tensorflow=={version}", "setuptools", "wheel"]
-        + ["nvidia-cuda-cuobjdump"],
-        900,
-        cwd=REPO_ROOT,
-    )
     lib_dir = root / "lib"
     env = {**os.environ, "TFSYNC_BUILD_SCHEDULER": "0"}
     env.pop("TFSYNC_CUDA_ARCHS", None)
-    build_log = _run(
-        [python, "setup.py", "build_ext", "--build-lib", str(lib_dir), "--build-temp", str(root / "tmp")],
+    build_log = run(
+        [gpu_venv["python"], "setup.py", "build_ext", "--build-lib", str(lib_dir), "--build-temp", str(root / "tmp")],
         1500,
         cwd=REPO_ROOT,
         env=env,
@@ -75,16 +52,14 @@ def gpu_build(tmp_path_factory):
     ops_dir = lib_dir / "tfsync" / "ops"
     with open(ops_dir / "_build_info.json") as f:
         info = json.load(f)
-    site = venv / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
-    cuobjdump = sorted(glob.glob(str(site / "nvidia" / "*" / "bin" / "cuobjdump")))
-    assert cuobjdump, "the nvidia-cuda-cuobjdump package installed no cuobjdump"
+    site = gpu_venv["site"]
     return {
         "root": root,
-        "python": python,
+        "python": gpu_venv["python"],
         "library": str(ops_dir / "_tfsync_ops.so"),
         "info": info,
         "framework": str(site / "tensorflow" / "libtensorflow_framework.so.2"),
-        "cuobjdump": cuobjdump[-1],
+        "cuobjdump": cuobjdump(site),
         "log": build_log,
     }
 
@@ -92,7 +67,7 @@ def gpu_build(tmp_path_factory):
 def test_the_build_compiles_cuda_kernels_for_the_default_architectures(gpu_build):
     info = gpu_build["info"]
     assert info["cuda"] is True and info["cuda_kernels"] is True, info
-    supported = _nvcc_targets()
+    supported = nvcc_targets()
     assert info["cuda_archs"] == [a for a in (70, 80, 90) if a in supported], info
     assert info["cuda_archs"], "nvcc targets none of sm_70, sm_80, sm_90"
     for dropped in sorted({70, 80, 90} - supported):
@@ -102,23 +77,23 @@ def test_the_build_compiles_cuda_kernels_for_the_default_architectures(gpu_build
 
 def test_the_library_holds_sass_for_each_architecture_and_ptx_of_the_newest(gpu_build):
     cuobjdump = gpu_build["cuobjdump"]
-    elves = _run([cuobjdump, "--list-elf", gpu_build["library"]], 120)
-    ptx = _run([cuobjdump, "--list-ptx", gpu_build["library"]], 120)
+    elves = run([cuobjdump, "--list-elf", gpu_build["library"]], 120)
+    ptx = run([cuobjdump, "--list-ptx", gpu_build["library"]], 120)
     archs = gpu_build["info"]["cuda_archs"]
     for arch in archs:
         assert re.search(rf"\.sm_{arch}\.cubin", elves), f"no sm_{arch} code in the library:\n{elves}"
     assert re.search(rf"\.sm_{archs[-1]}\.ptx", ptx), f"no PTX for compute_{archs[-1]}:\n{ptx}"
     # the kernels themselves, not only an empty fat binary
-    names = _run([cuobjdump, "--dump-elf-symbols", gpu_build["library"]], 120)
-    for kernel in ("DelayCompensateKernel", "DelayCompensateAdaptiveKernel"):
+    names = run([cuobjdump, "--dump-elf-symbols", gpu_build["library"]], 120)
+    for kernel in DEVICE_KERNELS:
         assert kernel in names, f"{kernel} is not in the library's device code"
 
 
 def test_every_cuda_runtime_symbol_the_library_needs_is_exported_by_tensorflow(gpu_build):
-    undefined = _run(["nm", "-D", "--undefined-only", gpu_build["library"]], 60).split()
+    undefined = run(["nm", "-D", "--undefined-only", gpu_build["library"]], 60).split()
     needed = {s for s in undefined if s.startswith(("__cuda", "cuda"))}
     assert "__cudaRegisterFatBinary" in needed, "the library registers no fat binary: no CUDA code was linked"
-    exported = set(_run(["nm", "-D", "--defined-only", gpu_build["framework"]], 300).split())
+    exported = set(run(["nm", "-D", "--defined-only", gpu_build["framework"]], 300).split())
     missing = sorted(needed - exported)
     assert not missing, f"CUDA runtime symbols the library needs but libtensorflow_framework does not export: {missing}"
 
@@ -134,7 +109,7 @@ def test_the_library_loads_with_gpu_kernels_registered(gpu_build):
         print("KERNELS", json.dumps({{op: sorted({{k.device_type for k in ks}}) for op, ks in registered.items()}}))
         """
     )
-    out = _run([gpu_build["python"], "-c", check], 300, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+    out = run([gpu_build["python"], "-c", check], 300, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
     found = re.search(r"^KERNELS (.*)$", out, re.MULTILINE)
     assert found, f"the check printed no kernel table:\n{out[-4000:]}"
     devices = json.loads(found.group(1))
@@ -142,9 +117,45 @@ def test_the_library_loads_with_gpu_kernels_registered(gpu_build):
         assert "GPU" in devices[op] and "CPU" in devices[op], f"{op}: kernels registered for {devices[op]}"
 
 
+def test_tfsync_runs_the_finiteness_kernels_of_this_library_on_gpu_tensors(gpu_build):
+    """tfsync.ops's choice for all_finite and scale_all_finite with the library this GPU build
+    made: tensors on a GPU go to the compiled kernels (the library has CUDA kernels), tensors
+    on the CPU to the compiled kernels pinned to their CPU, and with the reference selected,
+    to the reference. There is no GPU here: a GPU tensor is stood in for by its device."""
+    check = textwrap.dedent(
+        f"""
+        import json, sys, types
+        sys.path.insert(0, {REPO_ROOT!r})
+        import tensorflow as tf
+        from tfsync.ops import _loader
+        _loader.library_dir = lambda: {os.path.dirname(gpu_build["library"])!r}
+        from tfsync import ops
+        ops.set_implementation("compiled")
+        gpu = types.SimpleNamespace(device="/job:localhost/replica:0/task:0/device:GPU:0")
+        cpu = tf.constant([1.0, float("nan")])
+        on_gpu, on_cpu = ops._finite_backend([gpu]), ops._finite_backend([cpu])
+        finite = ops.all_finite([cpu, tf.constant([2.0])]).numpy().tolist()
+        (scaled,), scaled_finite = ops.scale_all_finite([tf.constant([3.0])], 0.5)
+        ops.set_implementation("reference")
+        reference = ops._finite_backend([gpu])
+        print("ROUTES", json.dumps({{
+            "gpu": [on_gpu[0].__name__, on_gpu[1]], "cpu": [on_cpu[0].__name__, on_cpu[1]],
+            "reference": [reference[0].__name__, reference[1]], "finite": finite,
+            "scaled": scaled.numpy().tolist(), "scaled_finite": scaled_finite.numpy().tolist()}}))
+        """
+    )
+    out = run([gpu_build["python"], "-c", check], 300, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+    routes = json.loads(re.search(r"^ROUTES (.*)$", out, re.MULTILINE).group(1))
+    assert routes["gpu"] == ["tfsync.ops._compiled", None], routes
+    assert routes["cpu"][0] == "tfsync.ops._compiled" and routes["cpu"][1].endswith("device:CPU:0"), routes
+    assert routes["reference"] == ["tfsync.ops._reference", None], routes
+    # the GPU-built library's CPU kernels, in a TensorFlow without a GPU
+    assert routes["finite"] == [False, True] and routes["scaled"] == [1.5] and routes["scaled_finite"] == [True], routes
+
+
 @pytest.mark.parametrize("archs", ["8.0;9.0", "unsupported"])
 def test_a_bad_architecture_list_stops_the_build_and_says_what_nvcc_has(gpu_build, archs):
-    supported = _nvcc_targets()
+    supported = nvcc_targets()
     if archs == "unsupported":
         archs = str(next(a for a in (35, 50, 60, 70, 75) if a not in supported))
     env = {**os.environ, "TFSYNC_BUILD_SCHEDULER": "0", "TFSYNC_CUDA_ARCHS": archs}

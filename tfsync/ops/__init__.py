@@ -20,10 +20,12 @@ ops accept float16, bfloat16, float32 and float64 (half and bfloat16 are compute
 float32) and have no gradient. See ``docs/ops.md``.
 """
 
+import contextlib
 import math
 
 import tensorflow as tf  # noqa: E402
 
+from tfsync.ops import _loader  # noqa: E402
 from tfsync.ops._loader import OpLibraryError, load_library  # noqa: E402
 
 # First, so that a bad TFSYNC_OPS_IMPL fails before TensorFlow is loaded.
@@ -276,14 +278,40 @@ def update_apply_round(variable, w_bar, pending, total, own_share, name=None):
     _update_backend(variable).update_apply_round(variable, w_bar, pending, total, own_share, name=name)
 
 
+def _finite_backend(tensors):
+    """Where :func:`all_finite` and :func:`scale_all_finite` run, decided once per call:
+    ``(implementation, device)``.
+
+    Tensors on CPU: the selected implementation, pinned to their CPU (a library with GPU
+    kernels would otherwise have TensorFlow copy them to a GPU). Tensors on a GPU: the
+    compiled kernels when the compiled implementation is selected and the library was
+    built with CUDA kernels, placed by TensorFlow with the tensors; else the reference's
+    TensorFlow ops, which run on the device (a placement rule, not a fallback: with
+    ``compiled`` selected and the library missing, this raises its error).
+    """
+    if all(_on_cpu(t) for t in tensors):
+        return _backend(), next((t.device for t in tensors if t.device), None)
+    if get_implementation() == "compiled" and _loader.has_gpu_kernels():
+        return _backend(), None
+    from tfsync.ops import _reference
+
+    return _reference, None
+
+
+def _on(device):
+    return tf.device(device) if device else contextlib.nullcontext()
+
+
 def all_finite(tensors, name=None):
     """Whether each tensor of ``tensors`` is finite: no element is NaN or infinite.
 
     One read-only pass over each tensor (its elements' exponent bits, tested
     without a branch), split over TensorFlow's intra-op threads for large
-    tensors; one op for the whole list, so checking a model's gradients costs
-    one call. The compiled kernel runs on CPU; tensors on a GPU are checked by
-    the reference's TensorFlow ops, on the device.
+    tensors on CPU, one CUDA kernel per tensor on a GPU; one op for the whole
+    list, so checking a model's gradients costs one call. Tensors on a GPU run
+    the compiled GPU kernel when the library was built with CUDA (see
+    ``docs/install.md``, "GPU build"), else the reference's TensorFlow ops, on
+    the device.
 
     Args:
       tensors: a non-empty list of float16, bfloat16, float32 or float64 tensors
@@ -300,11 +328,9 @@ def all_finite(tensors, name=None):
     tensors = [_float_tensor(t, f"tensors[{i}]") for i, t in enumerate(tensors)]
     if not tensors:
         raise ValueError("tensors must hold at least one tensor to check; got an empty list")
-    if all(_on_cpu(t) for t in tensors):
-        return _backend().all_finite(tensors, name=name)
-    from tfsync.ops import _reference
-
-    return _reference.all_finite(tensors, name=name)
+    backend, device = _finite_backend(tensors)
+    with _on(device):
+        return backend.all_finite(tensors, name=name)
 
 
 def scale_all_finite(tensors, scale, name=None):
@@ -317,8 +343,9 @@ def scale_all_finite(tensors, scale, name=None):
     the result equals Horovod's), with the finiteness check riding along.  The
     engine asks Horovod for a round's plain sum and divides it with this op, so
     the sum of every worker's gradients is checked without a pass of its own.
-    The compiled kernel runs on CPU; tensors on a GPU are handled by the
-    reference's TensorFlow ops, on the device.
+    Tensors on a GPU run the compiled GPU kernel when the library was built
+    with CUDA (see ``docs/install.md``, "GPU build"), else the reference's
+    TensorFlow ops, on the device.
 
     Args:
       tensors: a non-empty list of float16, bfloat16, float32 or float64 tensors.
@@ -341,8 +368,6 @@ def scale_all_finite(tensors, scale, name=None):
         if not math.isfinite(float(scale)):
             raise ValueError(f"scale must be a finite number, got {scale!r}")
         scale = tf.constant(float(scale), tf.float64)
-    if all(_on_cpu(t) for t in tensors):
-        return _backend().scale_all_finite(tensors, scale, name=name)
-    from tfsync.ops import _reference
-
-    return _reference.scale_all_finite(tensors, scale, name=name)
+    backend, device = _finite_backend(tensors)
+    with _on(device):
+        return backend.scale_all_finite(tensors, scale, name=name)

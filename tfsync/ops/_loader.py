@@ -33,6 +33,7 @@ OP_NAMES = (
 
 _lock = threading.Lock()
 _library = None
+_gpu_kernels = None  # read from the build info once, with the library
 
 
 class OpLibraryError(ImportError):
@@ -61,6 +62,20 @@ def load_library():
             for op_name in OP_NAMES:
                 tf.no_gradient(op_name)
         return _library
+
+
+def has_gpu_kernels():
+    """Whether the loaded library has GPU kernels: its build compiled the CUDA kernels
+    (``cuda_kernels`` in ``_build_info.json``; a TensorFlow with CUDA and ``nvcc``).
+
+    Loads the library first, so a missing or stale one raises :class:`OpLibraryError`.
+    """
+    global _gpu_kernels
+    if _gpu_kernels is None:
+        load_library()
+        with open(os.path.join(library_dir(), BUILD_INFO_FILE)) as f:
+            _gpu_kernels = bool(json.load(f).get("cuda_kernels", False))
+    return _gpu_kernels
 
 
 def _load(directory):

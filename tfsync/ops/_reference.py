@@ -9,8 +9,10 @@ machines without the compiled library and as the oracle the tests compare with:
 * :func:`update_push_share`, :func:`update_apply_round`: the "updates"
   protocol's state updates (SSP, DSSP, ElasticBSP); also what runs on a GPU,
   where the compiled kernels (CPU only) do not.
-* :func:`all_finite`: whether each tensor of a list is finite; on a GPU too.
-* :func:`scale_all_finite`: each tensor scaled, and whether it is finite; on a GPU too.
+* :func:`all_finite`: whether each tensor of a list is finite; also what runs on a
+  GPU when the compiled library has no GPU kernels (a build without CUDA).
+* :func:`scale_all_finite`: each tensor scaled, and whether it is finite; on a GPU
+  likewise.
 
 Errors follow the compiled kernels: in eager mode an ``InvalidArgumentError``; while
 building a graph, a shape error is a ``ValueError`` (as from a shape function) and a

@@ -462,13 +462,17 @@ struct DelayCompensateAdaptiveImpl<CPUDevice, T> {
 };
 
 #if GOOGLE_CUDA
+// The GPU kernels are plain CUDA (kernels/cuda/), launched on the op's stream.
 template <typename T>
 struct DelayCompensateImpl<GPUDevice, T> {
   static void Run(OpKernelContext* ctx, const Tensor& g, const Tensor& w_now,
                   const Tensor& w_stale, float lambda, Tensor* out) {
-    GpuLaunch<T>::DelayCompensate(ctx->eigen_device<GPUDevice>(), g.flat<T>().data(),
-                                  w_now.flat<T>().data(), w_stale.flat<T>().data(), lambda,
-                                  out->flat<T>().data(), g.NumElements());
+    OP_REQUIRES_OK(ctx, CudaLaunchStatus(cuda::DelayCompensate(
+                                             AsCuda(g.flat<T>().data()), AsCuda(w_now.flat<T>().data()),
+                                             AsCuda(w_stale.flat<T>().data()), lambda,
+                                             AsCuda(out->flat<T>().data()), g.NumElements(),
+                                             ctx->eigen_device<GPUDevice>().stream()),
+                                         "TfSync>DelayCompensate"));
   }
 };
 
@@ -481,11 +485,14 @@ struct DelayCompensateAdaptiveImpl<GPUDevice, T> {
   }
   static void Run(OpKernelContext* ctx, const Tensor& g, const Tensor& w_now,
                   const Tensor& w_stale, AdaptiveParams<T> p, Tensor* v, Tensor* out) {
-    GpuLaunch<T>::DelayCompensateAdaptive(
-        ctx->eigen_device<GPUDevice>(), v->flat<A>().data(), g.flat<T>().data(),
-        w_now.flat<T>().data(), w_stale.flat<T>().data(), static_cast<float>(p.lambda0),
-        static_cast<float>(p.momentum), static_cast<float>(p.epsilon), out->flat<T>().data(),
-        g.NumElements());
+    // the launcher takes the op's float32 inputs and rounds them to A as the CPU kernel did
+    OP_REQUIRES_OK(ctx, CudaLaunchStatus(cuda::DelayCompensateAdaptive(
+                                             v->flat<A>().data(), AsCuda(g.flat<T>().data()),
+                                             AsCuda(w_now.flat<T>().data()), AsCuda(w_stale.flat<T>().data()),
+                                             static_cast<float>(p.lambda0), static_cast<float>(p.momentum),
+                                             static_cast<float>(p.epsilon), AsCuda(out->flat<T>().data()),
+                                             g.NumElements(), ctx->eigen_device<GPUDevice>().stream()),
+                                         "TfSync>DelayCompensateAdaptive"));
   }
 };
 #endif  // GOOGLE_CUDA

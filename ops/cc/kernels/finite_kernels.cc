@@ -19,9 +19,15 @@
 // in float32), so a round scaled here equals one Horovod averaged. Large outputs
 // reuse a released buffer of an earlier call (ReusableOutput): a round's result is
 // the size of the model, and a fresh one would first be page-faulted in.
-// CPU only: on a GPU the reference's TensorFlow ops run on the device instead
-// (tfsync.ops chooses by the tensors' device).
+// On a GPU (GOOGLE_CUDA builds) both ops run the plain CUDA kernels of
+// kernels/cuda/finite.cu on the op's stream: the flags are set to true once and each
+// tensor's launch clears its own; the outputs are the inputs' buffers when TensorFlow
+// can forward them (the GPU allocator hands out memory that is already mapped, so
+// there is nothing to reuse buffers for).
 #define EIGEN_USE_THREADS
+#if GOOGLE_CUDA
+#define EIGEN_USE_GPU
+#endif
 
 #include <atomic>
 #include <cmath>
@@ -193,6 +199,81 @@ class ScaleAllFiniteOp : public OpKernel {
 };
 
 REGISTER_KERNEL_BUILDER(Name("TfSync>ScaleAllFinite").Device(tensorflow::DEVICE_CPU), ScaleAllFiniteOp);
+
+#if GOOGLE_CUDA
+using GPUDevice = Eigen::GpuDevice;
+
+// The finite output (output `index`, one flag per tensor) in device memory, every flag
+// set to true.
+absl::Status FlagsOnDevice(OpKernelContext* ctx, int index, int count, bool** flags) {
+  Tensor* out = nullptr;
+  TF_RETURN_IF_ERROR(ctx->allocate_output(index, TensorShape({count}), &out));
+  *flags = out->flat<bool>().data();
+  return CudaLaunchStatus(cuda::SetFlags(*flags, count, ctx->eigen_device<GPUDevice>().stream()),
+                          "setting the finite flags");
+}
+
+class AllFiniteGpuOp : public OpKernel {
+ public:
+  explicit AllFiniteGpuOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
+
+  void Compute(OpKernelContext* ctx) override {
+    OpInputList tensors;
+    OP_REQUIRES_OK(ctx, ctx->input_list("tensors", &tensors));
+    bool* finite = nullptr;
+    OP_REQUIRES_OK(ctx, FlagsOnDevice(ctx, 0, tensors.size(), &finite));
+    const auto stream = ctx->eigen_device<GPUDevice>().stream();
+    for (int i = 0; i < tensors.size(); ++i) {
+      const Tensor& t = tensors[i];
+      cudaError_t err = cudaSuccess;
+      const bool known = ForFloatType(t.dtype(), [&](auto tag) {
+        using T = decltype(tag);
+        err = cuda::AllFinite(AsCuda(t.flat<T>().data()), t.NumElements(), finite + i, stream);
+      });
+      OP_REQUIRES(ctx, known, UnsupportedType(i, t));
+      OP_REQUIRES_OK(ctx, CudaLaunchStatus(err, "TfSync>AllFinite"));
+    }
+  }
+};
+
+class ScaleAllFiniteGpuOp : public OpKernel {
+ public:
+  explicit ScaleAllFiniteGpuOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
+
+  void Compute(OpKernelContext* ctx) override {
+    OpInputList tensors;
+    OP_REQUIRES_OK(ctx, ctx->input_list("tensors", &tensors));
+    const Tensor& scale_t = ctx->input(tensors.size());
+    OP_REQUIRES(ctx, tensorflow::TensorShapeUtils::IsScalar(scale_t.shape()),
+                errors::InvalidArgument("scale must be a scalar, got shape ",
+                                        scale_t.shape().DebugString()));
+    const double scale = scale_t.scalar<double>()();
+    OP_REQUIRES(ctx, std::isfinite(scale),
+                errors::InvalidArgument("scale must be finite, got ", scale));
+    bool* finite = nullptr;
+    OP_REQUIRES_OK(ctx, FlagsOnDevice(ctx, tensors.size(), tensors.size(), &finite));
+    const auto stream = ctx->eigen_device<GPUDevice>().stream();
+    for (int i = 0; i < tensors.size(); ++i) {
+      const Tensor& t = tensors[i];
+      Tensor* out = nullptr;
+      OP_REQUIRES_OK(ctx, ctx->forward_input_or_allocate_output({i}, i, t.shape(), &out));
+      cudaError_t err = cudaSuccess;
+      const bool known = ForFloatType(t.dtype(), [&](auto tag) {
+        using T = decltype(tag);
+        err = cuda::ScaleAllFinite(AsCuda(t.flat<T>().data()), AsCuda(out->flat<T>().data()),
+                                   t.NumElements(), scale, finite + i, stream);
+      });
+      OP_REQUIRES(ctx, known, UnsupportedType(i, t));
+      OP_REQUIRES_OK(ctx, CudaLaunchStatus(err, "TfSync>ScaleAllFinite"));
+    }
+  }
+};
+
+REGISTER_KERNEL_BUILDER(Name("TfSync>AllFinite").Device(tensorflow::DEVICE_GPU), AllFiniteGpuOp);
+// the scale is read on the host, to check it and pass it to the launch
+REGISTER_KERNEL_BUILDER(Name("TfSync>ScaleAllFinite").Device(tensorflow::DEVICE_GPU).HostMemory("scale"),
+                        ScaleAllFiniteGpuOp);
+#endif  // GOOGLE_CUDA
 
 }  // namespace
 }  // namespace tfsync

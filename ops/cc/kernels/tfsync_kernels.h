@@ -1,6 +1,6 @@
-// Pieces shared by tfsync's CPU kernels (.cc) and CUDA kernels (.cu.cc): the
-// accumulation type per element type and the GPU launchers (declared here,
-// defined in the .cu.cc files, compiled only with GOOGLE_CUDA).
+// Pieces shared by tfsync's kernels: the accumulation type per element type, the
+// bits that mark NaN and infinity, and (with GOOGLE_CUDA) what the TensorFlow glue of
+// the GPU kernels needs to call the plain CUDA launchers of kernels/cuda/tfsync_cuda.h.
 #ifndef TFSYNC_OPS_CC_KERNELS_TFSYNC_KERNELS_H_
 #define TFSYNC_OPS_CC_KERNELS_TFSYNC_KERNELS_H_
 
@@ -8,6 +8,10 @@
 
 #include "tensorflow/core/framework/numeric_types.h"
 #include "unsupported/Eigen/CXX11/Tensor"
+#if GOOGLE_CUDA
+#include "kernels/cuda/tfsync_cuda.h"
+#include "tensorflow/core/platform/errors.h"
+#endif
 
 namespace tfsync {
 
@@ -54,15 +58,41 @@ struct FloatBits<double> {
 };
 
 #if GOOGLE_CUDA
+// TensorFlow's element types as the CUDA launchers take them: Eigen::half and
+// Eigen::bfloat16 are binary16 and bfloat16 bits, as __half and __nv_bfloat16 are.
 template <typename T>
-struct GpuLaunch {
-  static void DelayCompensate(const Eigen::GpuDevice& d, const T* g, const T* w_now,
-                              const T* w_stale, float lambda, T* out, int64_t n);
-  static void DelayCompensateAdaptive(const Eigen::GpuDevice& d,
-                                      typename Accumulator<T>::type* mean_square, const T* g,
-                                      const T* w_now, const T* w_stale, float lambda0,
-                                      float momentum, float epsilon, T* out, int64_t n);
+struct CudaType {
+  using type = T;
 };
+template <>
+struct CudaType<Eigen::half> {
+  using type = __half;
+};
+template <>
+struct CudaType<Eigen::bfloat16> {
+  using type = __nv_bfloat16;
+};
+
+// (__half and __nv_bfloat16 are only declared here: their bits are the same 16 as
+// Eigen's types, which the kernels' own compile sees in full.)
+template <typename T>
+typename CudaType<T>::type* AsCuda(T* p) {
+  return reinterpret_cast<typename CudaType<T>::type*>(p);
+}
+template <typename T>
+const typename CudaType<T>::type* AsCuda(const T* p) {
+  return reinterpret_cast<const typename CudaType<T>::type*>(p);
+}
+
+// What a launcher's error means for the op that launched it.
+inline absl::Status CudaLaunchStatus(cudaError_t err, const char* op) {
+  if (err == cudaSuccess) return absl::OkStatus();
+  return tensorflow::errors::Internal(
+      op, ": its CUDA kernel did not launch: ", cudaGetErrorName(err), " (", cudaGetErrorString(err),
+      "). tfsync's kernels run on the GPU architectures and need the CUDA driver that "
+      "tfsync/ops/_build_info.json records (cuda_archs, nvcc_version); rebuild tfsync with an nvcc "
+      "that targets this GPU and that its driver supports (docs/install.md, \"GPU build\").");
+}
 #endif  // GOOGLE_CUDA
 
 }  // namespace tfsync
