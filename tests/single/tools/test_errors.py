@@ -519,6 +519,16 @@ BAD_INPUTS = [
         r"set it to a port every worker's host may reach",
     ),
     Bad(
+        "env-control-relays",
+        E,
+        "`TFSYNC_CONTROL_RELAYS` not `auto` or `off`",
+        _env_var(_env.CONTROL_RELAYS.name, "on", _env.control_relays),
+        ValueError,
+        r"TFSYNC_CONTROL_RELAYS='on'",
+        r"expected auto .* or off",
+        r"set it to auto or off, or unset it",
+    ),
+    Bad(
         "env-single-process",
         E,
         "`TFSYNC_SINGLE_PROCESS` other than `0` or `1`",

@@ -2,10 +2,10 @@
 
 A worker whose contribution to round ``r`` is in its outbox sends
 ``["ready", rank, id, r]``; the coordinator evaluates the policy's pure ``close_round``
-on the ready notices of the oldest open round and the clock (in the ``Ready``
-handler when a notice arrives, on its own thread when a timeout is due), and
-when it closes, appends ``[r, accepted ranks]`` to the closed list, which every
-worker's ``Attach`` stream carries in order.  A worker whose contribution missed
+on the ready notices of the oldest open round and the clock (when a notice
+arrives, and at the time the policy names when a timeout is due, on the
+service's event loop), and when it closes, appends ``[r, accepted ranks]`` to
+the closed list, which every worker's link carries in order.  A worker whose contribution missed
 its round and was delay-compensated (``compensate=``) offers it with
 ``["late", rank, id, r]`` for the round ``r`` it is about to compute; the coordinator
 takes it if ``r`` is still open, as an extra the policy's rule does not count,
