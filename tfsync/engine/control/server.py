@@ -95,6 +95,8 @@ class ControlServer(TokenGate, Streams, StopHandshake, RoundCoordinator, Service
         self._recheck_timer = None
         self._policy_failed = False
         self._broadcast_due = False
+        self._told = None  # (closings, lost version, stopped version) the last broadcast told every link
+        self._answering = {}  # link id -> Link: links with an acknowledgement or answers to send
         self._handlers = {
             "attach": self._attach_item,
             "relay": self._relay_item,
@@ -161,7 +163,7 @@ class ControlServer(TokenGate, Streams, StopHandshake, RoundCoordinator, Service
     def served(self) -> dict:
         """What the service served so far, by kind: ``reports`` (one per worker's clock),
         ``ready`` notices, ``closings`` sent (one per link and closing), ``tells``, ``asks``,
-        ``late`` offers."""
+        ``late`` offers, and the messages its links carried (``messages_in``, ``messages_out``)."""
         with self._lock:
             return dict(self._served)
 

@@ -40,6 +40,7 @@ class StopHandshake:
             await asyncio.sleep(STOP_NOTICE_POLL_S)
         with self._lock:
             link.reply.append(["answer", rank, request, {"ok": 1}])
+            self._answering[link.id] = link
         self._broadcast_soon()
 
     def _seen_item(self, link, item, now):

@@ -102,6 +102,8 @@ class Streams:
         broadcast (:meth:`_broadcast`), in one message to the link."""
         now = time.time() - self.t0
         with self._lock:
+            self._served["messages_in"] += 1
+            self._answering[link.id] = link
             for item in items:
                 handle = self._handlers.get(item[0])
                 if handle is None:
@@ -209,8 +211,12 @@ class Streams:
         self._broadcast_due = False
         with self._lock:
             now = (len(self._closings), self._lost_version, self._stopped_version)
+            # every link when there is news for all, else only those with answers (a turn that
+            # closed nothing costs the links it read, not every link)
+            links = self._links.values() if now != self._told else list(self._answering.values())
+            self._told, self._answering = now, {}
             messages = {}
-            for link in self._links.values():
+            for link in links:
                 told = link.cursor is None or link.cursor == now
                 if told and not link.reply and link.received == link.acked:
                     continue
@@ -232,3 +238,4 @@ class Streams:
                     link.acked, link.reply = link.received, []
                     data = own[:-1] + b"," + data[1:] if data else own  # (two JSON lists joined)
                 link.send(data)
+                self._served["messages_out"] += 1
