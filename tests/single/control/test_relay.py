@@ -21,6 +21,7 @@ from tfsync.engine.control import (
     ControlClient,
     ControlServer,
 )
+from tfsync.engine.control import relay as relay_module
 from tfsync.engine.control.relay import REPORT_FLUSH_S, HostRelay
 from tfsync.engine.lifecycle import relay_leaders
 from tfsync.policies import DSSP, BackupWorkers
@@ -99,6 +100,40 @@ def test_the_workers_of_a_host_reach_rank_0_on_one_link(job):
     # the relay sends its workers' clocks together, within its flush interval
     assert wait_until(lambda: job.server._clocks == [10, 11, 12, 13], 5 * REPORT_FLUSH_S + 2.0)
     assert job.clients[2].table()["clocks"] == [10, 11, 12, 13]
+
+
+def test_a_hosts_ready_notices_reach_rank_0_in_one_message(monkeypatch):
+    monkeypatch.setattr(relay_module, "READY_HOLD_S", 30.0)  # (held until the host's last notice)
+    made = _job()
+    try:
+        _rounds(made.clients, [0])  # (every link attached and used)
+        before = made.server.served()
+        for client in made.clients[:3]:  # rank 0 (direct) and two of the relay's three
+            client.ready(1)
+        made.clients[0]._ready_calls[-1].result(timeout=5)
+        time.sleep(0.3)
+        assert made.server.served()["ready"] == before["ready"] + 1  # the relay holds ranks 1 and 2
+        made.clients[3].ready(1)
+        assert made.closes[3].wait_for(2) == [(0, (0, 1, 2, 3)), (1, (0, 1, 2, 3))]
+        after = made.server.served()
+        assert after["ready"] == before["ready"] + 4
+        assert after["messages_in"] == before["messages_in"] + 2  # rank 0's notice, and the host's three in one
+    finally:
+        _end(made)
+
+
+def test_a_held_ready_notice_goes_after_the_hold_without_the_hosts_last_worker(monkeypatch):
+    monkeypatch.setattr(relay_module, "READY_HOLD_S", 1.0)
+    made = _job(BackupWorkers(backups=1))
+    try:
+        start = time.monotonic()
+        for client in made.clients[:3]:
+            client.ready(0)
+        # rank 3 never sends: the round closes with the others once the hold is over
+        assert made.closes[0].wait_for(1) == [(0, (0, 1, 2))]
+        assert time.monotonic() - start >= 1.0
+    finally:
+        _end(made)
 
 
 def test_a_worker_that_ends_on_the_relays_host_is_named_at_once(job):

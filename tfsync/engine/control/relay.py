@@ -10,10 +10,14 @@ it crosses the network.  The relay
   at a time (what is queued meanwhile goes as the next message), and
   acknowledges a worker's message once rank 0 acknowledged what carried it
   (what rank 0 did not acknowledge goes again after a re-attach);
+* holds its workers' ready notices until every worker of the host has sent
+  its own, or for at most :data:`READY_HOLD_S`, so that a round costs rank 0
+  one message per host, not one per worker (a host whose workers finish a
+  step together, as data-parallel workers do, is never held);
 * sends their clocks together (``["reports", {rank: clock}]``), the newest of
-  each: a report at once when none went for ``REPORT_FLUSH_S``, else with the
-  others at the end of that interval (so a waiting worker's forced report is
-  as fresh at rank 0 as a direct one's);
+  each, with the next message that goes to rank 0, or on their own: at once
+  when none went for ``REPORT_FLUSH_S``, else at the end of that interval (so
+  a waiting worker's forced report is as fresh at rank 0 as a direct one's);
 * passes rank 0's answers to the worker that asked, and what rank 0 tells
   every worker (notices, closings) to each of its workers as rank 0 encoded it,
   keeping it for a worker that attaches later;
@@ -57,7 +61,8 @@ from tfsync.engine.control.transport import (
     gate,
 )
 
-REPORT_FLUSH_S = 0.25  # a host's clocks go to rank 0 together at most this often
+REPORT_FLUSH_S = 0.25  # a host's clocks go to rank 0 on their own at most this often
+READY_HOLD_S = 0.002  # a ready notice waits at most this for the host's other workers' notices
 RELAY_START_S = 30.0  # the relay starts (binds its port) within this
 RELAY_STOP_S = 2.0  # how long HostRelay.stop waits for its server and link to end
 BROADCAST = ("notices", "closed")  # what rank 0 tells every worker: passed on as it came
@@ -106,6 +111,9 @@ class HostRelay(TokenGate):
         self._clocks = {}  # rank -> newest clock not yet sent
         self._flushed = float("-inf")  # when clocks last went to rank 0
         self._pending = []  # (items, [(local link id, its message index)]) for rank 0, not yet sent
+        self._held = []  # the same, of ready notices held for the host's others (READY_HOLD_S)
+        self._held_ranks = set()  # the ranks whose notice is held
+        self._hold_timer = None
         self._unacked = []  # (upstream message index, items, [(local link id, its message index)])
         self._sent = 0  # messages sent on the current upstream link
         self._table_waiters = None  # (request id to rank 0, [(local link id, rank, its request id)])
@@ -198,7 +206,7 @@ class HostRelay(TokenGate):
                         self._forward([["ended", rank]], None)
 
     def _from_local(self, local, items):
-        forwarded, reply = [], []
+        forwarded, reply, ready = [], [], []
         for item in items:
             kind, rank = item[0], int(item[1])
             if kind == "attach":
@@ -214,14 +222,18 @@ class HostRelay(TokenGate):
                     self._send_clocks()
             elif kind == "table":
                 self._ask_table(local, rank, item[2])
+            elif kind == "ready":
+                ready.append(item)
             else:
                 if kind == "leave":
                     self._left.add(rank)
                 forwarded.append(item)
         if reply:
             local.out.put_nowait(encode(reply))
+        if ready:
+            self._hold(ready, local)
         self._forward(forwarded, local if forwarded else None)
-        if not forwarded:  # (nothing rank 0 must acknowledge: its reports are the relay's now)
+        if not forwarded and not ready:  # (nothing rank 0 must acknowledge: its reports are the relay's now)
             local.acked = local.received
             local.out.put_nowait(encode([["acked", local.received]]))
 
@@ -243,16 +255,37 @@ class HostRelay(TokenGate):
 
     def _forward(self, items, local):
         """Queue ``items`` for rank 0 (``local``: the worker link they came from, acknowledged once
-        rank 0 acknowledged them)."""
+        rank 0 acknowledged them); what is held goes with them."""
         if not items:
             return
+        self._release()
         self._pending.append((items, [] if local is None else [(local.id, local.received)]))
         self._wake.set()
 
+    def _hold(self, items, local):
+        """Hold ready notices until every worker of the host has sent one, or ``READY_HOLD_S``."""
+        self._held.append((items, [(local.id, local.received)]))
+        self._held_ranks.update(int(item[1]) for item in items)
+        if self._held_ranks >= self._attached.keys() - self._left:
+            self._release()
+        elif self._hold_timer is None:
+            self._hold_timer = self._loop.call_later(READY_HOLD_S, self._release)
+
+    def _release(self):
+        """Queue the held ready notices for rank 0."""
+        if self._hold_timer is not None:
+            self._hold_timer.cancel()
+            self._hold_timer = None
+        if self._held:
+            self._pending.extend(self._held)
+            self._held, self._held_ranks = [], set()
+            self._wake.set()
+
     async def _flush_reports(self):
+        """Clocks that no message took along go on their own, ``REPORT_FLUSH_S`` after the last went."""
         while True:
-            await asyncio.sleep(REPORT_FLUSH_S)
-            if self._clocks:
+            await asyncio.sleep(REPORT_FLUSH_S / 4)
+            if self._clocks and time.monotonic() - self._flushed >= REPORT_FLUSH_S:
                 self._send_clocks()
 
     def _send_clocks(self):
@@ -326,6 +359,10 @@ class HostRelay(TokenGate):
             if not self._pending or self._unacked:
                 continue
             pending, self._pending = self._pending, []
+            if self._clocks:  # (the clocks ride along)
+                clocks, self._clocks = self._clocks, {}
+                self._flushed = time.monotonic()
+                pending.append(([["reports", {str(r): c for r, c in clocks.items()}]], []))
             items = [item for batch, _ in pending for item in batch]
             acks = [ack for _, carried in pending for ack in carried]
             self._sent += 1
