@@ -1,116 +1,190 @@
 """One simulated host of ``python -m tfsync.bench control``: its workers' control traffic.
 
 argv: ``ADDRESS TOKEN POLICY SIZE FIRST_RANK RANKS ROUNDS REPORTS_HZ RELAY OUT_PATH``.  The
-host's ``RANKS`` workers (ranks ``FIRST_RANK`` on) each attach with the job's token, as a real
-worker's engine does: through the host's relay (``RELAY`` 1: :class:`HostRelay` in this
-process, as it runs in the host's first worker), or to rank 0's service at ``ADDRESS``; then
-they run ``ROUNDS`` rounds of their policy's control traffic, each on a thread of this process:
+host's ``RANKS`` workers (ranks ``FIRST_RANK`` on) each open a link with the job's token and
+attach, as a real worker's control client does: through the host's relay (``RELAY`` 1: the real
+:class:`HostRelay` in this process, as it runs in the host's first worker), or to rank 0's
+service at ``ADDRESS``.  The host prints ``ATTACHED`` and waits for a line on stdin (every host
+attached: the harness's start); then its workers run ``ROUNDS`` rounds of their policy's control
+traffic:
 
-* ``backup``, ``psp``: ``Ready(rank, r)``, then wait (bounded) until the closing of round ``r``
-  reaches its stream; the next round right after (no computation: the service sets the pace);
-* ``dssp``: per step, ``tell("pushed")``, and every ``ASK_EVERY`` steps ``ask("grant")``, timed.
+* ``backup``, ``psp``: ``["ready", rank, id, r]``, then wait (bounded) until the closing of round
+  ``r`` reaches its link; the next round right after (no computation: the service sets the pace);
+* ``dssp``: per step, ``["tell", rank, "pushed", ...]``, and every ``ASK_EVERY`` steps
+  ``["ask", rank, id, "grant", ...]``, timed.
 
-Meanwhile one thread reports every worker's clock ``REPORTS_HZ`` times a second.  Writes to
-``OUT_PATH`` (JSON): per worker, when it sent each round's notice and when its closing reached
-it (or its asks' round trips); the reports sent; this process's CPU seconds at the end of every
-round of its first worker.  No TensorFlow.
+Meanwhile the host reports every worker's clock ``REPORTS_HZ`` times a second, and at the end
+every worker leaves.  The workers speak the link's wire (:mod:`tfsync.engine.control.transport`)
+as coroutines on one event loop, each with its own channel, not as
+:class:`~tfsync.engine.control.client.ControlClient` threads: in a job each worker's client runs
+in its own process on its own host, and a thousand clients of threads would saturate this
+process's machine long before rank 0 (what is measured).  Writes to ``OUT_PATH`` (JSON): per
+worker, when it sent each round's notice and when its closing reached it (or its asks' round
+trips); the reports sent; this process's CPU seconds at the end of every round of its first
+worker.  No TensorFlow.
 """
 
+import asyncio
+import itertools
 import json
 import sys
-import threading
 import time
 
+import grpc
+import grpc.aio
 import psutil
 
-from tfsync.engine.control import ControlClient
 from tfsync.engine.control.relay import HostRelay
+from tfsync.engine.control.transport import CHANNEL_OPTIONS, LINK_METHOD, TOKEN_METADATA_KEY, decode, encode
 
 ROUND_TIMEOUT_S = 60.0  # one round's closing must come within this, or the host gives up (and says so)
-CONNECT_TIMEOUT_S = 120.0  # a thousand workers attach at once on a loaded machine
+CONNECT_TIMEOUT_S = 300.0  # a thousand workers attach at once on a loaded machine
 ASK_EVERY = 4  # dssp: a worker asks for a grant every this many steps (at its lower bound)
 
 
 class Worker:
-    """One simulated worker: its control client and when each round's closing reached it."""
+    """One simulated worker: its link, its open requests, when each round's closing reached it."""
 
-    def __init__(self, address, token, rank, fallback):
+    def __init__(self, address, token, rank):
         self.rank = rank
         self.closed = {}  # round -> time its closing arrived
-        self._cond = threading.Condition()
-        self.client = ControlClient(
-            address, rank, token, connect_timeout_s=CONNECT_TIMEOUT_S, on_close=self._on_close, fallback=fallback
+        self._changed = asyncio.Condition()
+        self._answers = {}  # request id -> Future
+        self._ids = itertools.count(1)
+        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._call = self._channel.stream_stream(LINK_METHOD)(
+            metadata=((TOKEN_METADATA_KEY, token),), wait_for_ready=True
         )
+        self._reader = None
+        self._writing = asyncio.Lock()  # (one write at a time on a call: its rounds and its host's reports)
 
-    def _on_close(self, round_, accepted, late=()):
-        with self._cond:
-            self.closed[round_] = time.time()
-            self._cond.notify_all()
+    async def attach(self):
+        attached = asyncio.get_running_loop().create_future()
+        self._reader = asyncio.ensure_future(self._read(attached))
+        await self._call.write(encode([["attach", self.rank, 0, 0]]))
+        await asyncio.wait_for(attached, CONNECT_TIMEOUT_S)
 
-    def wait_closed(self, round_):
-        with self._cond:
-            if not self._cond.wait_for(lambda: round_ in self.closed, ROUND_TIMEOUT_S):
+    async def _read(self, attached):
+        async for data in self._call:
+            closed = False
+            for item in decode(data):
+                kind = item[0]
+                if kind == "attached" and not attached.done():
+                    attached.set_result(True)
+                elif kind == "answer":
+                    future = self._answers.pop(item[2], None)
+                    if future is not None and not future.done():
+                        future.set_result(item[3])
+                elif kind == "closed":
+                    now = time.time()
+                    for entry in item[2]:
+                        self.closed.setdefault(int(entry[0]), now)
+                    closed = True
+            if closed:
+                async with self._changed:
+                    self._changed.notify_all()
+
+    async def send(self, *items):
+        async with self._writing:
+            await self._call.write(encode(list(items)))
+
+    async def request(self, kind, *args):
+        """Send a request; its answer (bounded)."""
+        request = next(self._ids)
+        future = self._answers[request] = asyncio.get_running_loop().create_future()
+        await self.send([kind, self.rank, request, *args])
+        return await asyncio.wait_for(future, ROUND_TIMEOUT_S)
+
+    async def ready(self, round_):
+        request = next(self._ids)
+        await self.send(["ready", self.rank, request, round_])
+
+    async def wait_closed(self, round_):
+        async with self._changed:
+            try:
+                await asyncio.wait_for(self._changed.wait_for(lambda: round_ in self.closed), ROUND_TIMEOUT_S)
+            except TimeoutError:
                 raise TimeoutError(
                     f"rank {self.rank}: round {round_}'s closing did not come within {ROUND_TIMEOUT_S} s"
-                )
-            return self.closed[round_]
+                ) from None
+        return self.closed[round_]
+
+    async def leave(self):
+        await self.send(["leave", self.rank])
+        await self.request("table")  # (answered after the leave: it arrived, which is what counts)
+        async with self._writing:
+            if not self._call.done():
+                try:
+                    await self._call.done_writing()
+                except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+                    pass  # (the link ended meanwhile: the leave was answered)
+        self._reader.cancel()
+        await self._channel.close()
 
 
-def main(argv):
-    address, token, policy = argv[0], argv[1], argv[2]  # (argv[3], the job's size: rank 0's business)
-    first, count, rounds, reports_hz = int(argv[4]), int(argv[5]), int(argv[6]), float(argv[7])
-    relay, out_path = HostRelay(address, token, time.time()) if argv[8] == "1" else None, argv[9]
+async def run_host(address, token, policy, first, count, rounds, reports_hz, relay, records, cpu_at, errors):
     process = psutil.Process()
     here = relay.address if relay is not None else address
-    workers = [Worker(here, token, first + k, address) for k in range(count)]
-    records = {w.rank: {"sent": [], "known": [], "asks_s": []} for w in workers}
-    cpu_at = []  # (time, this process's CPU seconds) at each round end of its first worker
-    errors = []
-    stop = threading.Event()
+    workers = [Worker(here, token, first + k) for k in range(count)]
+    await asyncio.gather(*(w.attach() for w in workers))
+    loop = asyncio.get_running_loop()
+    print("ATTACHED", flush=True)
+    await loop.run_in_executor(None, sys.stdin.readline)
     reports = {"sent": 0}
-    lock = threading.Lock()
+    done = asyncio.Event()
 
-    def report():
+    async def report():
         clock = 0
-        while not stop.wait(1.0 / reports_hz):
+        while not done.is_set():
+            await asyncio.sleep(1.0 / reports_hz)
             clock += 1
             for w in workers:
-                if w.client.report(clock, min_interval_s=0.0):
-                    with lock:
-                        reports["sent"] += 1
+                await w.send(["report", w.rank, clock])
+                reports["sent"] += 1
 
-    def run(worker):
+    async def run(worker):
         rec = records[worker.rank]
         try:
             for r in range(rounds):
                 if policy == "dssp":
-                    worker.client.tell("pushed", step=r)
+                    await worker.send(["tell", worker.rank, "pushed", {"step": r}])
                     if r % ASK_EVERY == 0:
                         t = time.time()
-                        worker.client.ask("grant", step=r, room=1)
+                        await worker.request("ask", "grant", {"step": r, "room": 1})
                         rec["asks_s"].append((r, time.time() - t))
                     rec["known"].append(time.time())
                 else:
                     rec["sent"].append(time.time())
-                    worker.client.ready(r)
-                    rec["known"].append(worker.wait_closed(r))
+                    await worker.ready(r)
+                    rec["known"].append(await worker.wait_closed(r))
                 if worker is workers[0]:
                     cpu = process.cpu_times()
                     cpu_at.append((time.time(), cpu.user + cpu.system))
         except Exception as exc:  # noqa: BLE001 - written to the output, the harness reports it
             errors.append(f"rank {worker.rank}: {type(exc).__name__}: {exc}")
 
-    reporter = threading.Thread(target=report, daemon=True) if reports_hz > 0 else None
+    reporter = asyncio.ensure_future(report()) if reports_hz > 0 else None
+    await asyncio.gather(*(run(w) for w in workers))
+    done.set()
     if reporter is not None:
-        reporter.start()
-    threads = [threading.Thread(target=run, args=(w,)) for w in workers]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    stop.set()
+        await reporter  # (not cancelled: a write cancelled midway cancels its worker's call)
     for w in workers:
-        w.client.close()
+        try:
+            await w.leave()
+        except Exception as exc:  # noqa: BLE001 - written to the output, the harness reports it
+            errors.append(f"rank {w.rank} leaving: {type(exc).__name__}: {exc}")
+    return reports
+
+
+def main(argv):
+    address, token, policy = argv[0], argv[1], argv[2]  # (argv[3], the job's size: rank 0's business)
+    first, count, rounds, reports_hz = int(argv[4]), int(argv[5]), int(argv[6]), float(argv[7])
+    relay, out_path = HostRelay(address, token, time.time()) if argv[8] == "1" else None, argv[9]
+    records = {first + k: {"sent": [], "known": [], "asks_s": []} for k in range(count)}
+    cpu_at, errors = [], []  # (time, this process's CPU seconds) at each round end of its first worker
+    reports = asyncio.run(
+        run_host(address, token, policy, first, count, rounds, reports_hz, relay, records, cpu_at, errors)
+    )
     if relay is not None:
         relay.stop()
     with open(out_path, "w") as f:

@@ -2,9 +2,10 @@
 
 argv: ``POLICY SIZE TOKEN STATS_PATH``.  Starts the job's control service on 127.0.0.1 for
 ``SIZE`` workers under ``POLICY`` (:func:`tfsync.bench.control.policy_for`), prints
-``ADDRESS <host:port>``, samples this process's CPU time, threads, resident memory and the
-clock reports served every ``SAMPLE_S`` and, when a line arrives on stdin (or stdin closes),
-stops the service and writes the samples and the service's counters to ``STATS_PATH`` (JSON).
+``ADDRESS <host:port>``, samples this process's CPU time, threads, resident memory, the clock
+reports served and the messages its links carried every ``SAMPLE_S`` and, when a line arrives
+on stdin (or stdin closes), stops the service and writes the samples and the service's counters
+to ``STATS_PATH`` (JSON).
 No TensorFlow.
 """
 
@@ -33,8 +34,18 @@ def main(argv):
 
     def sample():
         while not done.is_set():
-            cpu, reports, rss = process.cpu_times(), server.served().get("reports", 0), process.memory_info().rss
-            samples.append((time.time(), cpu.user + cpu.system, process.num_threads(), rss, reports))
+            cpu, served, rss = process.cpu_times(), server.served(), process.memory_info().rss
+            samples.append(
+                (
+                    time.time(),
+                    cpu.user + cpu.system,
+                    process.num_threads(),
+                    rss,
+                    served.get("reports", 0),
+                    served.get("messages_in", 0),
+                    served.get("messages_out", 0),
+                )
+            )
             done.wait(SAMPLE_S)
 
     sampler = threading.Thread(target=sample, daemon=True)

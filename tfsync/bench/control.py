@@ -23,6 +23,7 @@ per second after ``--warmup`` rounds; dssp: steps per worker per second), ``late
 and ``latency_p99_ms`` (from a round's last ``Ready`` to every worker having its closing;
 dssp: a grant question's round trip), ``reports_per_s`` (clock reports rank 0 served per
 second) and ``reports_offered_per_s``, ``rank0_cpu_ms_per_round``, ``rank0_cpu_percent``,
+``rank0_messages_in_per_round`` and ``rank0_messages_out_per_round`` (what its links carried),
 ``rank0_threads`` (the most rank 0's process held), ``rank0_rss_mb``, ``clients_cpu_percent``
 (the simulated hosts' CPU, of one core: on a small machine they compete with rank 0), and what
 the service served.  The machine is shared: one run is one sample.
@@ -37,6 +38,7 @@ import json
 import math
 import os
 import secrets
+import select
 import subprocess
 import sys
 import tempfile
@@ -49,6 +51,7 @@ from tfsync.launch import integer, number
 POLICIES = ("backup", "psp", "dssp")
 START_TIMEOUT_S = 60.0  # rank 0's service prints its address within this
 LAUNCH_MARGIN_S = 600.0  # the hosts' whole run is bounded by this plus a second a round
+ATTACH_TIMEOUT_S = 600.0  # every simulated host has attached its workers within this (a thousand on 2 cores)
 
 
 def policy_for(name, size):
@@ -100,6 +103,7 @@ def run_one(workers, args, log):
         try:
             address = _address_of(rank0)
             hosts = _start_hosts(address, token, workers, rounds, args, tmp)
+            _start_rounds(hosts)
             deadline = time.monotonic() + LAUNCH_MARGIN_S + rounds
             for proc, _ in hosts:
                 proc.wait(max(1.0, deadline - time.monotonic()))
@@ -152,8 +156,25 @@ def _start_hosts(address, token, workers, rounds, args, tmp):
         relay = int(args.relays == "auto" and h > 0 and count > 1)  # (host 0 is rank 0's)
         argv = [address, token, args.policy, workers, first, count, rounds, args.reports_hz, relay, path]
         cmd = [sys.executable, "-m", "tfsync.bench._control_host", *map(str, argv)]
-        hosts.append((subprocess.Popen(cmd, stdin=subprocess.DEVNULL), path))
+        hosts.append((subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True), path))
     return hosts
+
+
+def _start_rounds(hosts):
+    """Wait until every host has attached its workers, then let them all start (the rounds measure
+    the service, not a thousand workers' start-up on a small machine)."""
+    deadline = time.monotonic() + ATTACH_TIMEOUT_S
+    for proc, _ in hosts:
+        ready, _, _ = select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
+        line = proc.stdout.readline() if ready else ""
+        if line.strip() != "ATTACHED":
+            raise RuntimeError(
+                f"a simulated host did not attach its workers within {ATTACH_TIMEOUT_S:.0f} s "
+                f"(exit status {proc.poll()}, said {line!r})"
+            )
+    for proc, _ in hosts:
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
 
 
 def summarize(workers, rounds, args, outputs, stats):
@@ -174,7 +195,7 @@ def summarize(workers, rounds, args, outputs, stats):
         latencies = list(known[:, warm:].max(axis=0) - sent[:, warm:].max(axis=0))
         measured_rounds = rounds - warm
         rounds_per_s = measured_rounds / window_s
-    samples = np.array(stats["samples"])  # (time, cpu_s, threads, rss, reports served so far)
+    samples = np.array(stats["samples"])  # (time, cpu_s, threads, rss, reports, messages in, out so far)
     inside = samples[(samples[:, 0] >= start_s) & (samples[:, 0] <= end_s)]
     cpu_s = _at(samples, end_s) - _at(samples, start_s)
     reports = _at(samples, end_s, column=4) - _at(samples, start_s, column=4)
@@ -192,6 +213,9 @@ def summarize(workers, rounds, args, outputs, stats):
         "reports_offered_per_s": args.reports_hz * workers,
         "rank0_cpu_ms_per_round": 1e3 * cpu_s / max(measured_rounds, 1e-9),
         "rank0_cpu_percent": 100.0 * cpu_s / window_s,
+        "rank0_messages_in_per_round": (_at(samples, end_s, 5) - _at(samples, start_s, 5)) / max(measured_rounds, 1e-9),
+        "rank0_messages_out_per_round": (_at(samples, end_s, 6) - _at(samples, start_s, 6))
+        / max(measured_rounds, 1e-9),
         "rank0_threads": int(samples[:, 2].max()),
         "rank0_rss_mb": float((inside if len(inside) else samples)[:, 3].max()) / 2**20,
         "clients_cpu_percent": 100.0 * clients_cpu_s / window_s,

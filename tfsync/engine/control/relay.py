@@ -233,7 +233,9 @@ class HostRelay(TokenGate):
         if ready:
             self._hold(ready, local)
         self._forward(forwarded, local if forwarded else None)
-        if not forwarded and not ready:  # (nothing rank 0 must acknowledge: its reports are the relay's now)
+        if not forwarded and not ready and len(items) > sum(item[0] == "report" for item in items):
+            # (its table question, which the relay answers: nothing for rank 0 to acknowledge; a
+            # message of reports alone needs no acknowledgement, its sender keeps nothing of it)
             local.acked = local.received
             local.out.put_nowait(encode([["acked", local.received]]))
 
@@ -366,7 +368,9 @@ class HostRelay(TokenGate):
             items = [item for batch, _ in pending for item in batch]
             acks = [ack for _, carried in pending for ack in carried]
             self._sent += 1
-            self._unacked.append((self._sent, [i for i in items if i[0] != "reports"], acks))
+            kept = [i for i in items if i[0] != "reports"]
+            if kept or acks:  # (clocks alone: not resent, not acknowledged, not in the window)
+                self._unacked.append((self._sent, kept, acks))
             await call.write(encode(items))
 
     def _from_upstream(self, data):

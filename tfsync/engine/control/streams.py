@@ -35,6 +35,7 @@ import grpc.aio
 
 from tfsync.engine.control.transport import RECONNECT_GRACE_S, _peer_ip, decode, encode
 
+REPORTS = ("report", "reports")  # a message of only these needs no acknowledgement of its own
 LINK_DRAIN_S = 1.0  # a link that ends writes what it was told before the call ends, within this
 
 log = logging.getLogger("tfsync.control")
@@ -103,7 +104,8 @@ class Streams:
         now = time.time() - self.t0
         with self._lock:
             self._served["messages_in"] += 1
-            self._answering[link.id] = link
+            if any(item[0] not in REPORTS for item in items):  # (clocks alone: acknowledged with the next reply)
+                self._answering[link.id] = link
             for item in items:
                 handle = self._handlers.get(item[0])
                 if handle is None:
