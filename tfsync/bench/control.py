@@ -1,7 +1,7 @@
 """Rank 0's control service under N simulated workers: rounds per second, latency, its cost.
 
 ``python -m tfsync.bench control --workers N [N ...] --policy backup|psp|dssp [--reports-hz H]
-[--rounds R] [--ranks-per-host K] [--relays auto|off] --json FILE``
+[--rounds R] [--ranks-per-host K] [--relays auto|off] --json FILE [--plot PNG]``
 
 For each N: the real control service (:mod:`tfsync.bench._control_rank0`, its own process, as
 rank 0's is in a job) and N simulated workers deployed as a job's are, hosts of ``K`` ranks
@@ -77,6 +77,7 @@ def parse_args(argv):
     p.add_argument("--ranks-per-host", type=integer(1), default=8, help="simulated workers per host process")
     p.add_argument("--relays", choices=("auto", "off"), default="auto", help="as TFSYNC_CONTROL_RELAYS")
     p.add_argument("--json", required=True, help="write the records here")
+    p.add_argument("--plot", metavar="PNG", help="also plot rank 0's CPU per round and the rounds per second here")
     args = p.parse_args(argv)
     if args.rounds is not None and args.rounds <= args.warmup:
         p.error(f"--rounds {args.rounds} must exceed --warmup {args.warmup}: the figures need measured rounds")
@@ -250,6 +251,31 @@ def format_table(records):
     return "\n".join(rows)
 
 
+def plot(runs, path):
+    """Rank 0's CPU per round and the rounds per second against the number of workers, log-log,
+    a line per run (``runs``: label -> records, as :func:`main` writes them), to ``path`` (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (cpu, rate) = plt.subplots(1, 2, figsize=(10, 4))
+    for label, records in runs.items():
+        workers = [r["workers"] for r in records]
+        cpu.plot(workers, [r["rank0_cpu_ms_per_round"] for r in records], "o-", label=label)
+        rate.plot(workers, [r["rounds_per_s"] for r in records], "o-", label=label)
+    for axis, title in ((cpu, "rank 0's CPU per round (ms)"), (rate, "rounds per second")):
+        axis.set_xscale("log", base=2)
+        axis.set_yscale("log")
+        axis.set_xlabel("workers")
+        axis.set_title(title)
+        axis.grid(True, which="both", alpha=0.3)
+    cpu.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
     records = []
@@ -258,6 +284,8 @@ def main(argv=None):
         with open(args.json, "w") as f:  # (after every N: a long sweep keeps what it measured)
             json.dump(records, f, indent=1)
     print(format_table(records))
+    if args.plot:
+        plot({f"{args.policy}, relays {args.relays}": records}, args.plot)
     return 0
 
 

@@ -27,7 +27,7 @@ BENCH_TIMEOUT_S = 300
 def test_the_control_benchmark_writes_a_record_per_size(tmp_path, policy, relays):
     out = tmp_path / "control.json"
     cmd = [sys.executable, "-m", "tfsync.bench", "control", "--workers", "4", "16", "--policy", policy]
-    cmd += ["--rounds", "20", "--relays", relays, "--json", str(out)]
+    cmd += ["--rounds", "20", "--relays", relays, "--json", str(out), "--plot", str(tmp_path / "control.png")]
     proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=BENCH_TIMEOUT_S)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     records = json.loads(out.read_text())
@@ -44,3 +44,4 @@ def test_the_control_benchmark_writes_a_record_per_size(tmp_path, policy, relays
         else:
             assert served["ready"] == r["workers"] * r["rounds"], served
     assert "| workers | policy |" in proc.stdout
+    assert (tmp_path / "control.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
