@@ -54,8 +54,6 @@ SCENARIOS = {
     "rare-pull": "base=0.02,pull=0.004:0.5,seed=1",
 }
 ALL_SCENARIOS = ("straggler", "heterogeneous", "jitter")
-# --all's modes: every registered mode at its defaults, and every configuration a situation names
-DEMO_MODES = tuple(dict.fromkeys([m.name for m in registry.modes()] + registry.best_for("straggler")))
 SITUATIONS = ("straggler", "slow-link")
 # The slow link: 2 hosts x 1 worker, hidden 2048 2048 (4.3M parameters: about 140 ms of allreduce a
 # step at 1gbit against a few ms of compute), SGD at 0.1, batch 16 per worker
@@ -139,30 +137,13 @@ def main(argv=None):
             "(pip install -e . keeps the examples next to the package)"
         )
     flags = {**MODES, **registry.configurations(staleness=args.staleness)}  # (SSP's bound: --staleness)
-    if args.stragglers:
-        local = {"custom": args.stragglers}
-    elif args.all:
-        local = {s: SCENARIOS[s] for s in args.scenarios or ALL_SCENARIOS}
-    else:
-        local = {"straggler": SCENARIOS["straggler"]} if "straggler" in args.situations else {}
     start, rows = time.time(), []
-    for scenario, spec in local.items():
-        modes = args.modes or ([BASELINE, *DEMO_MODES] if args.all else [BASELINE, *registry.best_for("straggler")])
+    for scenario, (spec, modes) in local_plan(args).items():
         for mode in modes:
             log(f"training digits with {mode.upper()} on {args.workers} workers ({scenario}: {spec})...")
+            argv = [*flags[mode], "--epochs", args.epochs, "--stragglers", spec]
             row = horovodrun(
-                EXAMPLE,
-                [
-                    *flags[mode],
-                    "--epochs",
-                    args.epochs,
-                    "--stragglers",
-                    spec,
-                    "--target-accuracy",
-                    *args.target_accuracy,
-                ],
-                workers=args.workers,
-                timeout_s=LAUNCH_TIMEOUT_S,
+                EXAMPLE, [*argv, "--target-accuracy", *args.target_accuracy], args.workers, LAUNCH_TIMEOUT_S
             )
             rows.append({"scenario": scenario, "stragglers": spec, "config": mode, **row})
     if not (args.all or args.stragglers) and "slow-link" in args.situations:
@@ -180,8 +161,38 @@ def main(argv=None):
     return 0
 
 
+def local_plan(args):
+    """scenario -> (straggler spec, the configurations to run) of the local runs: plain Horovod and
+    the registry's answer to a straggler (``best_for``), or with ``--all`` every mode, or ``--modes``."""
+    if args.stragglers:
+        scenarios = {"custom": args.stragglers}
+    elif args.all:
+        scenarios = {s: SCENARIOS[s] for s in args.scenarios or ALL_SCENARIOS}
+    else:
+        scenarios = {"straggler": SCENARIOS["straggler"]} if "straggler" in args.situations else {}
+    if args.modes:
+        modes = list(args.modes)
+    elif args.all:
+        modes = [BASELINE, *all_modes()]
+    else:
+        modes = [BASELINE, *registry.best_for("straggler")]
+    return {scenario: (spec, modes) for scenario, spec in scenarios.items()}
+
+
+def all_modes():
+    """``--all``'s modes: every registered mode at its defaults, and every configuration the registry
+    names as the answer to a situation the local runs show."""
+    return list(dict.fromkeys([m.name for m in registry.modes()] + registry.best_for("straggler")))
+
+
 def log(line):
     print(f"tfsync.demo: {line}", file=sys.stderr, flush=True)
+
+
+def __getattr__(name):
+    if name == "DEMO_MODES":  # (read when asked: a mode registered later is in it)
+        return tuple(all_modes())
+    raise AttributeError(f"module 'tfsync.demo' has no attribute {name!r}")
 
 
 def slow_link(args):
@@ -191,7 +202,7 @@ def slow_link(args):
     from tfsync.bench import network
     from tfsync.bench.hosts import Hosts
 
-    modes = [BASELINE, *registry.best_for("slow-link")]
+    modes = slow_link_modes()
     target = max(args.target_accuracy)
     bench_args = network.parse_args(
         [
@@ -215,6 +226,11 @@ def slow_link(args):
         log(f"training digits across a slow link ({spec}) with {', '.join(m.upper() for m in modes)}...")
         records = network.run(hosts, bench_args, log=log)
     return [{"scenario": "slow-link", "stragglers": spec, "config": r["key"], **r} for r in records]
+
+
+def slow_link_modes():
+    """Plain Horovod and the registry's answer to a slow link (``best_for``)."""
+    return [BASELINE, *registry.best_for("slow-link")]
 
 
 def compare_with_baseline(rows, target):
