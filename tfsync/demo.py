@@ -256,7 +256,6 @@ def format_table(rows, args):
     ]
     for r in rows:
         reached = [_seconds(r["time_to_accuracy_s"].get(t), t in r["time_to_accuracy_s"]) for t in targets]
-        speedup = r["speedup_vs_horovod"]
         lines.append(
             f"| {r['scenario']} | {r['mode']} | {r['samples_per_s']:.0f} | "
             f"{r['effective_samples_per_s']:.0f} | {r['compensated']} | {r['dropped']} | {r['skipped']} | "
@@ -264,10 +263,19 @@ def format_table(rows, args):
             + " | "
             + " | ".join(reached)
             + f" | {r['final_accuracy']:.3f} | {r['replicas_identical']} | "
-            + ("—" if speedup is None else f"{speedup:.2f}× faster" if speedup >= 1 else f"{1 / speedup:.2f}× slower")
+            + _against_baseline(r)
             + " |"
         )
     return "\n".join(lines)
+
+
+def _against_baseline(row):
+    speedup = row["speedup_vs_horovod"]
+    if speedup is None:
+        return "—"
+    if row["config"] == BASELINE:
+        return "1.00× (the reference)"
+    return f"{speedup:.2f}× faster" if speedup >= 1 else f"{1 / speedup:.2f}× slower"
 
 
 def _seconds(value, measured):
