@@ -314,7 +314,19 @@ setup(
     # TensorFlow and Horovod are not listed: the op library and Horovod are compiled
     # against the TensorFlow already installed (CPU or GPU build), so they are installed
     # first and in that order by `make install` (see README).
-    install_requires=["keras>=3.12,<3.16", "protobuf>=6.31.1,<8", "numpy", "matplotlib", "grpcio"],
+    # Horovod's own runtime dependencies are here too: python -m tfsync.install_horovod (and make install)
+    # installs Horovod with --no-deps, since its [tensorflow] extra would pull another TensorFlow.
+    install_requires=[
+        "keras>=3.12,<3.16",
+        "protobuf>=6.31.1,<8",
+        "numpy",
+        "matplotlib",
+        "grpcio",
+        "cloudpickle",
+        "psutil",
+        "pyyaml",
+        "packaging",
+    ],
     ext_modules=_extensions(),
     entry_points={"console_scripts": ["tfsync-install-horovod = tfsync.install_horovod:main"]},
     cmdclass={"build_ext": BuildExt, "build_py": BuildPy},
