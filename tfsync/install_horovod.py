@@ -13,7 +13,9 @@ built by it against the same TensorFlow and patch).
 
 What the build needs is checked before it starts, each missing piece named with
 the way to get it: TensorFlow importable, ``cmake``, a C++ compiler,
-``patch``, ``tar``, Python's headers, pip, setuptools. The build is bounded
+``patch``, ``tar``, Python's headers, pip, setuptools, wheel and Horovod's runtime
+dependencies (installed with tfsync; the script installs Horovod with ``--no-deps``
+and imports it once built). The build is bounded
 (``--timeout-s``); past the bound its whole process group is killed.
 
 Example:
@@ -75,7 +77,10 @@ def missing_requirements(python=sys.executable):
             f"Python's headers are missing ({include}/Python.h): `apt-get install python{version}-dev` "
             "(python3-dev for the system's Python)"
         )
-    for module, package in (("pip", "pip"), ("setuptools", "setuptools"), ("wheel", "wheel")):
+    # the build tools, and Horovod's runtime dependencies: the script installs Horovod with --no-deps
+    # and imports it once built (tfsync's install brings them; an install with --no-deps does not)
+    needed = ("pip", "setuptools", "wheel", "cloudpickle", "psutil", "yaml", "packaging")
+    for module, package in ((m, "pyyaml" if m == "yaml" else m) for m in needed):
         if importlib.util.find_spec(module) is None:
             missing.append(f"the Python package {package} is not installed: `{python} -m pip install {package}`")
     return missing

@@ -39,3 +39,15 @@ def test_the_build_files_are_found_in_the_package_or_the_checkout():
     assert os.path.isfile(os.path.join(files, "install.sh"))
     assert any(name.endswith(".patch") for name in os.listdir(files))
     assert os.path.isfile(os.path.join(constraints_dir, "constraints.txt"))
+
+
+def test_horovods_runtime_dependencies_are_checked_before_the_build(monkeypatch):
+    # (the script installs Horovod with --no-deps and imports it after an 8-minute build)
+    real = install_horovod.importlib.util.find_spec
+    absent = {"psutil", "yaml"}
+    monkeypatch.setattr(
+        install_horovod.importlib.util, "find_spec", lambda name: None if name in absent else real(name)
+    )
+    missing = "\n".join(install_horovod.missing_requirements(python="py"))
+    assert "the Python package psutil is not installed: `py -m pip install psutil`" in missing
+    assert "the Python package pyyaml is not installed: `py -m pip install pyyaml`" in missing
