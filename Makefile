@@ -59,11 +59,13 @@ CHECK_TESTS ?= tests/single tests/packaging tests/parallel/test_bsp.py tests/par
 PYENV_ROOT ?= $(HOME)/.pyenv
 VENV ?= build/venv-$(PY)
 check-python:
-	@test -n "$(PY)" || { echo "make check-python: name the interpreter, e.g. make check-python PY=3.12 (3.11, 3.12 or 3.13)"; exit 2; }
+	@case "$(PY)" in 3.11|3.12|3.13) ;; *) echo "make check-python: PY=$(PY): expected 3.11, 3.12 or 3.13 (Keras 3.15 needs 3.11 or newer; TensorFlow $(TF_VERSION) has wheels up to 3.13), e.g. make check-python PY=3.12"; exit 2;; esac
 	@py=; if python$(PY) -c "" 2>/dev/null; then py=$$(command -v python$(PY)); fi; \
 	if [ -z "$$py" ]; then py=$$(ls -d $(PYENV_ROOT)/versions/$(PY).*/bin/python$(PY) 2>/dev/null | sort -V | tail -1); fi; \
 	if [ -z "$$py" ]; then echo "make check-python: no python$(PY) on the PATH nor under $(PYENV_ROOT)/versions/$(PY).*; install it (apt-get install python$(PY) python$(PY)-venv python$(PY)-dev, or pyenv install $(PY))"; exit 2; fi; \
 	"$$py" -c "import sys; sys.exit(sys.version_info[:2] != tuple(map(int, '$(PY)'.split('.'))))" || { echo "make check-python: $$py is not Python $(PY)"; exit 2; }; \
+	"$$py" -c "import os, sys, sysconfig; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()['include'], 'Python.h')))" || \
+	  { echo "make check-python: $$py has no headers (Python.h), which Horovod's and the scheduler's builds need: apt-get install python$(PY)-dev"; exit 2; }; \
 	test -x $(VENV)/bin/python || { echo "make check-python: creating $(VENV) with $$py"; "$$py" -m venv $(VENV); }
 	$(MAKE) install PYTHON=$(abspath $(VENV))/bin/python
 	PATH=$(abspath $(VENV))/bin:$$PATH $(abspath $(VENV))/bin/python -m pytest -q -p no:cacheprovider $(CHECK_TESTS)
