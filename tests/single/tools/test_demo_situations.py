@@ -18,7 +18,8 @@ def registered(monkeypatch):
 
 def test_the_demo_shows_plain_horovod_beside_what_the_registry_names_for_each_situation(registered):
     before = demo.local_plan(demo.parse_args([]))["straggler"][1]
-    registry.register("every2", Every2, "every 2", variants={"every2+": registry.Variant((), "every 2+")}, best_for={"straggler": "every2+"})
+    variants = {"every2+": registry.Variant((), "every 2+")}
+    registry.register("every2", Every2, "every 2", variants=variants, best_for={"straggler": "every2+"})
     spec, modes = demo.local_plan(demo.parse_args([]))["straggler"]
     assert spec == demo.SCENARIOS["straggler"]
     assert modes == [*before, "every2+"] and modes[0] == demo.BASELINE
