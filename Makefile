@@ -11,12 +11,15 @@ PIP_INSTALL = $(PIP) install -c constraints.txt
 # make install TENSORFLOW='tensorflow[and-cuda]' (in an environment without tensorflow-cpu).
 TENSORFLOW ?= tensorflow-cpu
 TF_VERSION ?= 2.21.0
-STAMP = build/.tfsync-installed-$(TF_VERSION)
+# one stamp per environment (sys.prefix): make install PYTHON=venv/bin/python in a checkout that
+# installed into another interpreter installs again
+PYTHON_ID := $(shell $(PYTHON) -c "import hashlib, sys; print(hashlib.sha1(sys.prefix.encode()).hexdigest()[:10])" 2>/dev/null)
+STAMP = build/.tfsync-installed-$(TF_VERSION)-$(PYTHON_ID)
 HOROVOD_VERSION = 0.28.1
 BUILD_INPUTS = setup.py requirements.txt requirements-docs.txt constraints.txt $(wildcard third_party/horovod/*)\
 	$(wildcard ops/cc/*/*.cc ops/cc/*/*.h ops/cc/kernels/cuda/* tfsync/scheduler/*.pyx)
 
-.PHONY: install demo test docs bench clean cuda-test
+.PHONY: install demo test docs bench clean cuda-test check-python
 
 install: $(STAMP)
 
@@ -45,6 +48,28 @@ test: install
 	@# docstring mkdocstrings cannot render, fails here (tests/single/tools/test_docs.py checks the rest)
 	$(PYTHON) -m mkdocs build --strict --quiet
 	$(PYTHON) -m pytest tests -q -p no:cacheprovider
+
+# make check-python PY=3.12 (or 3.13, 3.11): the install and CHECK_TESTS under that interpreter, in a
+# virtual environment of its own (VENV, default build/venv-3.12; docs/install.md, "Supported versions").
+# The interpreter is python3.12 on the PATH, else pyenv's newest 3.12.x. CHECK_TESTS: every
+# single-process test (the op library against its reference, the Cython scheduler against its twin,
+# the policies, the engine on the fake cluster), the sdist's contents, and under horovodrun BSP (the
+# op library's finiteness check), PSP and delay compensation (its kernels) on real Horovod ranks.
+CHECK_TESTS ?= tests/single tests/packaging tests/parallel/test_bsp.py tests/parallel/test_partial_under_horovodrun.py \
+	tests/parallel/test_compensation_under_horovodrun.py
+PYENV_ROOT ?= $(HOME)/.pyenv
+VENV ?= build/venv-$(PY)
+check-python:
+	@case "$(PY)" in 3.11|3.12|3.13) ;; *) echo "make check-python: PY=$(PY): expected 3.11, 3.12 or 3.13 (Keras 3.15 needs 3.11 or newer; TensorFlow $(TF_VERSION) has wheels up to 3.13), e.g. make check-python PY=3.12"; exit 2;; esac
+	@py=; if python$(PY) -c "" 2>/dev/null; then py=$$(command -v python$(PY)); fi; \
+	if [ -z "$$py" ]; then py=$$(ls -d $(PYENV_ROOT)/versions/$(PY).*/bin/python$(PY) 2>/dev/null | sort -V | tail -1); fi; \
+	if [ -z "$$py" ]; then echo "make check-python: no python$(PY) on the PATH nor under $(PYENV_ROOT)/versions/$(PY).*; install it (apt-get install python$(PY) python$(PY)-venv python$(PY)-dev, or pyenv install $(PY))"; exit 2; fi; \
+	"$$py" -c "import sys; sys.exit(sys.version_info[:2] != tuple(map(int, '$(PY)'.split('.'))))" || { echo "make check-python: $$py is not Python $(PY)"; exit 2; }; \
+	"$$py" -c "import os, sys, sysconfig; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()['include'], 'Python.h')))" || \
+	  { echo "make check-python: $$py has no headers (Python.h), which Horovod's and the scheduler's builds need: apt-get install python$(PY)-dev"; exit 2; }; \
+	test -x $(VENV)/bin/python || { echo "make check-python: creating $(VENV) with $$py"; "$$py" -m venv $(VENV); }
+	$(MAKE) install PYTHON=$(abspath $(VENV))/bin/python
+	PATH=$(abspath $(VENV))/bin:$$PATH $(abspath $(VENV))/bin/python -m pytest -q -p no:cacheprovider $(CHECK_TESTS)
 
 # Only the documentation's packages (requirements-docs.txt), not the whole stack: the API
 # reference is read from the sources by static analysis, nothing is imported.

@@ -18,6 +18,12 @@ it resolves ``__cudaRegisterFatBinary`` and the launch calls against
 ``libtensorflow_framework``, which exports them and forwards to the CUDA runtime
 TensorFlow loads.
 
+Horovod's build files (``third_party/horovod``: its script and our patch) and
+``constraints.txt`` are copied into the package as ``tfsync/_horovod_build/``,
+so ``python -m tfsync.install_horovod`` builds the patched Horovod from an
+installed tfsync, without a checkout; ``MANIFEST.in`` puts everything the build
+reads into the sdist (``tests/single/test_sdist_contents.py`` checks it).
+
 Skipping a compiled part is opt-in and loud: ``TFSYNC_BUILD_OPS=0`` skips the op
 library, ``TFSYNC_BUILD_SCHEDULER=0`` the Cython scheduler.  A compiler error is
 never swallowed.
@@ -33,6 +39,7 @@ import sys
 
 from setuptools import Extension, find_packages, setup
 from setuptools.command.build_ext import build_ext
+from setuptools.command.build_py import build_py
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 OPS_EXT_NAME = "tfsync.ops._tfsync_ops"
@@ -131,6 +138,30 @@ def _cuda_include_dir(tf_include_dir, nvcc):
         f"tfsync: cuda_runtime.h is neither in {shipped} (TensorFlow's GPU wheel) nor in {toolkit} "
         f"(beside {nvcc}); the CUDA kernels' host code needs it. Install the CUDA toolkit's headers."
     )
+
+
+# Package data that lives outside the package in the checkout: Horovod's build script and patch,
+# and the pins its pip call reads (python -m tfsync.install_horovod runs the script from here).
+HOROVOD_BUILD_PACKAGE_DIR = os.path.join("tfsync", "_horovod_build")
+HOROVOD_BUILD_FILES = ("third_party/horovod/*", "constraints.txt")
+
+
+class BuildPy(build_py):
+    def run(self):
+        super().run()
+        target = os.path.join(self.build_lib, HOROVOD_BUILD_PACKAGE_DIR)
+        os.makedirs(target, exist_ok=True)
+        copied = []
+        for pattern in HOROVOD_BUILD_FILES:
+            for path in sorted(glob.glob(os.path.join(HERE, pattern))):
+                if os.path.isfile(path):
+                    shutil.copy(path, target)
+                    copied.append(os.path.basename(path))
+        if "install.sh" not in copied or not any(name.endswith(".patch") for name in copied):
+            raise SystemExit(
+                f"tfsync: Horovod's build files are missing from {HERE}/third_party/horovod (found: "
+                f"{', '.join(copied) or 'nothing'}); build from a complete checkout or sdist"
+            )
 
 
 class TensorFlowOpExtension(Extension):
@@ -267,12 +298,32 @@ setup(
     description="Relaxed synchronization (BSP, SSP, ...) for Keras 3 / TensorFlow data-parallel training on Horovod",
     packages=find_packages(include=["tfsync", "tfsync.*"]),
     package_data={"tfsync.ops": ["*.so", "_build_info.json"], "tfsync.scheduler": ["*.pyx"]},
-    python_requires=">=3.10",
+    # Keras >= 3.13 needs Python 3.11; verified on 3.11, 3.12 and 3.13 (docs/install.md)
+    python_requires=">=3.11",
+    classifiers=[
+        "Programming Language :: Python :: 3.11",
+        "Programming Language :: Python :: 3.12",
+        "Programming Language :: Python :: 3.13",
+        "Operating System :: POSIX :: Linux",
+    ],
     # TensorFlow and Horovod are not listed: the op library and Horovod are compiled
     # against the TensorFlow already installed (CPU or GPU build), so they are installed
     # first and in that order by `make install` (see README).
-    install_requires=["keras>=3.12,<3.16", "protobuf>=6.31.1,<8", "numpy", "matplotlib", "grpcio"],
+    # Horovod's own runtime dependencies are here too: python -m tfsync.install_horovod (and make install)
+    # installs Horovod with --no-deps, since its [tensorflow] extra would pull another TensorFlow.
+    install_requires=[
+        "keras>=3.12,<3.16",
+        "protobuf>=6.31.1,<8",
+        "numpy",
+        "matplotlib",
+        "grpcio",
+        "cloudpickle",
+        "psutil",
+        "pyyaml",
+        "packaging",
+    ],
     ext_modules=_extensions(),
-    cmdclass={"build_ext": BuildExt},
+    entry_points={"console_scripts": ["tfsync-install-horovod = tfsync.install_horovod:main"]},
+    cmdclass={"build_ext": BuildExt, "build_py": BuildPy},
     zip_safe=False,
 )

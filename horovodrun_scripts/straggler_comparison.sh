@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# BSP vs SSP on digits with one straggler (rank 3 +40 ms per step), printed as a table.
+# Plain Horovod beside tfsync's answer to a straggler (rank 3 +40 ms per step) on digits: a table and a plot.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-exec "${PYTHON:-python3}" -m tfsync.demo "$@"
+exec "${PYTHON:-python3}" -m tfsync.demo --situations straggler "$@"

@@ -298,7 +298,7 @@ def plot(runs, summary, args):
     rows = (n + cols - 1) // cols
     fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 3.8 * rows), squeeze=False)
     for ax, scenario in zip(axes.flat, args.scenarios):
-        _curves(ax, runs, scenario, args.modes, colours, label, args.target_accuracy)
+        accuracy_curves(ax, runs, scenario, args.modes, colours, label, args.target_accuracy)
         ax.set_title(f"{scenario}: {SCENARIOS[scenario]}", fontsize=9)
     for ax in list(axes.flat)[n:]:
         ax.axis("off")
@@ -341,7 +341,7 @@ def plot(runs, summary, args):
             continue
         fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.8), gridspec_kw={"width_ratios": [3, 2]})
         ceiling = max(r["wall_s"] for r in summary if r["scenario"] == scenario)
-        _curves(left, runs, scenario, modes, colours, label, args.target_accuracy)
+        accuracy_curves(left, runs, scenario, modes, colours, label, args.target_accuracy)
         for j, mode in enumerate(modes):
             row = next(x for x in summary if x["scenario"] == scenario and x["mode"] == mode)
             _spread_bar(right, j, 0.7, row, "time_to_target_s", "time_to_target_runs_s", ceiling, colours[mode])
@@ -355,7 +355,7 @@ def plot(runs, summary, args):
     return paths
 
 
-def _curves(ax, runs, scenario, modes, colours, label, target):
+def accuracy_curves(ax, runs, scenario, modes, colours, label, target):
     """Accuracy against wall time in ``scenario``: a line per run, a colour per mode."""
     for mode in modes:
         for i, r in enumerate(x for x in runs if x["scenario"] == scenario and x["study_mode"] == mode):

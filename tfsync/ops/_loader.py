@@ -19,7 +19,10 @@ import tensorflow as tf
 
 LIBRARY_FILE = "_tfsync_ops.so"
 BUILD_INFO_FILE = "_build_info.json"
-BUILD_COMMAND = "`pip install --no-build-isolation -e .` (or `make install`) in the tfsync checkout"
+BUILD_COMMAND = (
+    "`pip install --no-build-isolation -e .` (or `make install`) in the tfsync checkout, or "
+    "`pip install --no-build-isolation --force-reinstall tfsync-<version>.tar.gz` from its sdist"
+)
 
 # Op names as registered in ops/cc/ops/tfsync_ops.cc.
 OP_NAMES = (

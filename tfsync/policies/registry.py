@@ -1,8 +1,11 @@
 """The modes tfsync knows: one registry, read by every tool that names a mode.
 
 An entry (:class:`Mode`) is a mode's name (``mode="ssp"``, ``--mode ssp``),
-its policy class, a label for tables, its command-line options and its named
-variants (``"psp+dc"``: PSP with ``--compensate``).  The launcher's flags
+its policy class, a label for tables, its command-line options, its named
+variants (``"psp+dc"``: PSP with ``--compensate``) and the situations it is
+tfsync's answer for (``best_for={"straggler": "backup"}``: which configuration
+``python -m tfsync.demo`` shows beside plain Horovod there, from the measured
+studies in ``docs/results/``).  The launcher's flags
 (:func:`tfsync.launch.add_mode_arguments`), :func:`tfsync.policies.resolve`,
 the simulator, the bench, the demo and the convergence study all read it, so
 a new mode is its policy module, its tests and one :func:`register` call
@@ -61,6 +64,7 @@ class Mode:
     options: tuple = ()
     variants: dict = dataclasses.field(default_factory=dict)  # name -> Variant
     simulated: bool = False  # python -m tfsync.simulate plays it
+    best_for: dict = dataclasses.field(default_factory=dict)  # situation -> this mode's name or a variant's
 
     def from_args(self, args):
         """The policy the parsed flags describe."""
@@ -80,11 +84,14 @@ class Mode:
 _MODES = {}
 
 
-def register(name: str, cls: type, label: str, options=(), variants=None, simulated=False) -> Mode:
+def register(name: str, cls: type, label: str, options=(), variants=None, simulated=False, best_for=None) -> Mode:
     """Register a mode (its name must be new; ``cls`` a :class:`tfsync.policies.Policy`
     subclass whose instances are built with no arguments, or from ``options``; ``label``: its
     name in tables, ``{field}`` placeholders taking its settings; ``variants``: name ->
-    :class:`Variant`)."""
+    :class:`Variant`).
+
+    ``best_for``: situation (``"straggler"``, ``"slow-link"``) -> the configuration, ``name``
+    or one of ``variants``, that answers it (:func:`best_for`)."""
     from tfsync.policies.base import Policy
 
     if not isinstance(name, str) or not name.isidentifier() or name != name.lower():
@@ -103,7 +110,13 @@ def register(name: str, cls: type, label: str, options=(), variants=None, simula
             raise TypeError(
                 f"register_mode({name!r}): variant {variant!r} must be a Variant(flags, label), got {spec!r}"
             )
-    mode = Mode(name, cls, label, tuple(options), dict(variants or {}), simulated)
+    unknown = sorted(c for c in (best_for or {}).values() if c != name and c not in (variants or {}))
+    if unknown:
+        raise ValueError(
+            f"register_mode({name!r}, best_for=...): {', '.join(map(repr, unknown))} is neither the mode nor one "
+            f"of its variants ({', '.join(map(repr, [name, *(variants or {})]))}); name one of those"
+        )
+    mode = Mode(name, cls, label, tuple(options), dict(variants or {}), simulated, dict(best_for or {}))
     _MODES[name] = mode
     return mode
 
@@ -116,6 +129,17 @@ def modes() -> tuple:
 def get(name: str) -> Mode:
     """The mode registered as ``name`` (``KeyError`` if none is)."""
     return _MODES[name]
+
+
+def best_for(situation: str) -> list:
+    """The configurations (names of :func:`configurations`) registered as the answer to
+    ``situation``, in registration order: what ``python -m tfsync.demo`` shows there."""
+    return [m.best_for[situation] for m in _MODES.values() if situation in m.best_for]
+
+
+def situations() -> list:
+    """Every situation some mode is registered as the answer to, in first-registration order."""
+    return list(dict.fromkeys(s for m in _MODES.values() for s in m.best_for))
 
 
 def configurations(**settings) -> dict:

@@ -44,7 +44,8 @@ def load(implementation=None):
             raise ImportError(
                 "tfsync.scheduler: the compiled ZipLine extension tfsync.scheduler._zipline "
                 f"is not built ({exc}). Build it with `pip install --no-build-isolation -e .` "
-                "or `make install` (in a checkout, `TFSYNC_BUILD_OPS=0 python setup.py "
+                "or `make install` (from the sdist: `pip install --no-build-isolation --force-reinstall "
+                "tfsync-<version>.tar.gz`; in a checkout, `TFSYNC_BUILD_OPS=0 python setup.py "
                 "build_ext --inplace` builds only the scheduler), or choose the slow "
                 f"pure-Python kernels explicitly with {ENV_VAR}=reference."
             ) from exc
