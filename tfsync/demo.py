@@ -33,26 +33,10 @@ import os
 import sys
 import time
 
+from tfsync.bench.digits import BASELINE, EXAMPLE, MODES, SCENARIOS
 from tfsync.launch import REPO_ROOT, horovodrun, integer, number, stragglers_spec
 from tfsync.policies import registry
 
-EXAMPLE = os.path.join(REPO_ROOT, "keras_examples", "digits.py")
-BASELINE = "horovod"  # plain Horovod (in-graph hvd.grouped_allreduce), not a tfsync mode
-# mode -> the example's flags: every registered mode and named variant (tfsync.policies.registry;
-# psp+dc, backup+dc: late gradients compensated instead of dropped), plus plain Horovod BSP
-# (the anchor of python -m tfsync.bench convergence) and auto
-MODES = {BASELINE: ["--plain-horovod"], **registry.configurations(), "auto": ["--mode", "auto"]}
-SCENARIOS = {
-    "none": "base=0.02,seed=1",
-    "straggler": "base=0.02,slow=3:0.04,seed=1",
-    "heterogeneous": "base=0.02,slow=3:0.02,seed=1",
-    "jitter": "base=0.02,jitter=0.04,seed=1",
-    # the PSP paper's rare large delays: about 4 events per worker in a 12-epoch run of 264 steps
-    "rare": "base=0.02,rare=0.015:0.5,seed=1",
-    # the PSP paper's simulation itself: a block of a round's result reaches a worker 0.5 s late,
-    # about 4 times per worker in a 12-epoch run (264 rounds of 4 blocks)
-    "rare-pull": "base=0.02,pull=0.004:0.5,seed=1",
-}
 ALL_SCENARIOS = ("straggler", "heterogeneous", "jitter")
 SITUATIONS = ("straggler", "slow-link")
 # The slow link: 2 hosts x 1 worker, hidden 2048 2048 (4.3M parameters: about 140 ms of allreduce a

@@ -45,7 +45,7 @@ import sys
 import time
 from statistics import median
 
-from tfsync.demo import EXAMPLE, MODES, SCENARIOS
+from tfsync.bench.digits import EXAMPLE, MODES, SCENARIOS
 from tfsync.launch import horovodrun
 from tfsync.policies import registry
 

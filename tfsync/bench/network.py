@@ -37,14 +37,14 @@ import os
 import re
 import sys
 
-from tfsync import demo
+from tfsync.bench import digits
 from tfsync.bench.hosts import Hosts
 from tfsync.bench.training import MODE_FLAGS, MODE_LABELS, MODELS, MODES
 from tfsync.launch import integer, number, results_in
 from tfsync.policies import registry
 
 DEFAULT_MODES = ("local", "horovod", "bsp", "ssp", "dcs3gd", "psp")
-DIGITS_MODES = tuple(demo.MODES)  # (``horovod``: keras_examples/digits.py --plain-horovod)
+DIGITS_MODES = tuple(digits.MODES)  # (``horovod``: keras_examples/digits.py --plain-horovod)
 DEFAULT_DIGITS_MODES = ("horovod", "localsgd", "diloco")
 _RATE = re.compile(r"^[0-9]+(\.[0-9]+)?(bit|kbit|mbit|gbit)$")
 
@@ -190,8 +190,8 @@ def _digits(hosts, link, args, log):
     for repeat in range(args.repeats):
         for mode in args.modes:
             argv = [
-                demo.EXAMPLE,
-                *demo.MODES[mode],
+                digits.EXAMPLE,
+                *digits.MODES[mode],
                 *("--hidden", *args.hidden, "--epochs", args.epochs, "--lr", args.lr),
                 *("--target-accuracy", args.target_accuracy, "--stragglers", "base=0.0"),
             ]

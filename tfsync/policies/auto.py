@@ -49,7 +49,11 @@ import dataclasses
 import statistics
 import time
 
+from tfsync.policies.base import Policy
+from tfsync.policies.compensation import DelayCompensation
 from tfsync.policies.local import DiLoCo, LocalSGD
+from tfsync.policies.partial import BackupWorkers
+from tfsync.policies.sync import BSP
 
 PROFILES = ("none", "straggler", "heterogeneous", "jitter", "rare")
 STRAGGLER_RATIO = 2.5
@@ -168,8 +172,6 @@ def default_modes():
     mean, a step up to 4/3 of BSP's, and choosing that would change the effective learning
     rate, not the synchronization. The measurements behind this are in docs/choosing.md.
     """
-    from tfsync.policies import BSP, BackupWorkers, DelayCompensation
-
     slow = BackupWorkers(backups=1, compensate=DelayCompensation())
     return {"none": BSP(), "straggler": slow, "heterogeneous": slow, "jitter": slow, "rare": slow}
 
@@ -212,8 +214,6 @@ class Auto:
     initial: object = None
 
     def __post_init__(self):
-        from tfsync.policies import BSP, Policy
-
         for field, value, low, default in (
             ("window_steps", self.window_steps, 1, 16),
             ("confirm", self.confirm, 1, 2),
