@@ -1,5 +1,5 @@
-"""The modes every worker decides alone: BSP (every round complete before a step applies) and
-SSP (a bounded number of rounds outstanding)."""
+"""BSP and SSP: a fixed number of rounds a worker may have outstanding (none for BSP, ``staleness``
+for SSP), a rule every worker applies alone (re-exported by :mod:`tfsync.policies`)."""
 
 import dataclasses
 
