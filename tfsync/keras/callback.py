@@ -44,8 +44,8 @@ class SyncCallback(keras.callbacks.Callback):
 
     Synchronized: every update through the model optimizer's ``apply`` or
     ``apply_gradients`` (a custom ``train_step`` too), mixed precision's
-    ``LossScaleOptimizer`` and, under ``"bsp"``, ``"psp"`` and ``"backup"``, gradient
-    accumulation; anything else is refused before the first step, saying why
+    ``LossScaleOptimizer`` and, under ``"bsp"``, ``"psp"``, ``"backup"``, ``"localsgd"`` and
+    ``"diloco"``, gradient accumulation; anything else is refused before the first step, saying why
     (``docs/guide/callback.md``, "What it synchronizes").
 
     Args:

@@ -8,7 +8,7 @@ BatchNormalization statistics) are identical after every outer step and differ b
 Local SGD; both match a reference of H independent local steps and an average (DiLoCo: the
 paper's Nesterov outer step); the inner optimizer's state stays local and its ``iterations``
 count inner steps; every outer step is one counted contribution and a period with a gradient
-that is not finite is rejected.
+that is not finite is rejected; with gradient accumulation the period counts updates.
 """
 
 import json
@@ -171,16 +171,17 @@ def test_diloco_with_outer_sgd_at_1_and_no_momentum_trains_as_localsgd(frontend)
         assert_close(diloco[r]["weights"], local[r]["weights"])
 
 
-def reference(initial, period, outer=None, overlap=0, mixing=0.0):
-    """Two replicas from ``initial``, each with its own Adam on its own shard.  Every
-    ``period`` steps (and at the end) an outer step: the mean of ``w_outer - w_i`` as taken
-    ``overlap`` steps before, applied to the last outer weights as the average (``outer`` None)
-    or by ``outer`` (a Keras optimizer); the replicas then go on from
-    ``(1 - mixing)·w_outer + mixing·w_i``.  The final weights are ``w_outer``, each replica's."""
+def reference(initial, period, outer=None, overlap=0, mixing=0.0, accumulate=None):
+    """Two replicas from ``initial``, each with its own Adam on its own shard (accumulating
+    ``accumulate`` batches per update, when given).  Every ``period`` updates (and at the end) an
+    outer step: the mean of ``w_outer - w_i`` as taken ``overlap`` updates before, applied to the
+    last outer weights as the average (``outer`` None) or by ``outer`` (a Keras optimizer); the
+    replicas then go on from ``(1 - mixing)·w_outer + mixing·w_i``.  The final weights are
+    ``w_outer``, each replica's."""
     models = []
     for _ in range(SIZE):
         m = keras.Sequential(layers())
-        m.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+        m.compile(optimizer=keras.optimizers.Adam(0.01, gradient_accumulation_steps=accumulate), loss="mse")
         m.set_weights(initial)
         models.append(m)
     anchor = [tf.Variable(w) for w in initial]
@@ -202,7 +203,7 @@ def reference(initial, period, outer=None, overlap=0, mixing=0.0):
         for m in models:
             m.set_weights([(1 - mixing) * a.numpy() + mixing * w for a, w in zip(anchor, m.get_weights())])
 
-    done, in_flight = 0, None
+    done, batches, in_flight = 0, 0, None
     for _ in range(EPOCHS):
         for k in range(STEPS):
             for m, (x, y) in zip(models, shards):
@@ -210,6 +211,9 @@ def reference(initial, period, outer=None, overlap=0, mixing=0.0):
                 with tf.GradientTape() as tape:
                     value = loss(yb, m(xb))
                 m.optimizer.apply(tape.gradient(value, m.trainable_variables), m.trainable_variables)
+            batches += 1
+            if batches % (accumulate or 1):  # (a batch that only accumulated: no update to count)
+                continue
             done += 1
             if done % period == (period - overlap) % period:
                 in_flight = pseudo_gradient()
@@ -305,10 +309,69 @@ def test_mixed_precision_loss_scaling_trains_under_local_steps(frontend):
     assert results[0]["counts"]["applied"] == 3
 
 
-def test_gradient_accumulation_is_refused_before_training():
+ACCUMULATING = {
+    "localsgd": (tfsync.LocalSGD(period=4), None),
+    "diloco": (tfsync.DiLoCo(inner_steps=4), keras.optimizers.SGD(0.7, momentum=0.9, nesterov=True)),
+}
+
+
+def accumulating_adam():
+    return keras.optimizers.Adam(0.01, gradient_accumulation_steps=2)
+
+
+@pytest.mark.parametrize("name", sorted(ACCUMULATING))
+def test_with_gradient_accumulation_the_period_counts_updates(name):
+    """Adam with ``gradient_accumulation_steps=2``, period 4 over 12 batches: 6 updates, an outer
+    step after the 4th (batch 8) and a last one for updates 5-6; the weights match local
+    training that accumulates the same way, the replicas are identical at the outer step and
+    apart after each update between, and at a batch that only accumulates no weight moves."""
+    mode, outer = ACCUMULATING[name]
+    initial = initial_weights()
+    results = job("callback", mode, initial=initial, make_optimizer=accumulating_adam)
+    expected = reference(initial, 4, outer, accumulate=2)
+    for r in range(SIZE):
+        assert_close(results[r]["weights"], expected[r])
+        assert results[r]["iterations"] == TOTAL // 2  # (Keras counts updates)
+        counts = results[r]["counts"]
+        assert counts["produced"] == counts["applied"] == 2 and counts["rejected"] == 0, counts
+    steps0, steps1 = results[0]["steps"], results[1]["steps"]
+    for k in range(TOTAL):
+        same = all(np.array_equal(a, b) for a, b in zip(steps0[k], steps1[k]))
+        # (identical before the first update, at the outer step and at the batch after it, which
+        # only accumulates)
+        assert same == (k in (0, 7, 8)), f"batch {k}: replicas {'identical' if same else 'apart'}"
+        if k % 2 == 0 and k:  # (a batch that only accumulates)
+            assert all(np.array_equal(a, b) for a, b in zip(steps0[k], steps0[k - 1])), k
+
+
+def test_with_gradient_accumulation_a_batch_that_is_not_finite_rejects_its_period():
+    """Rank 1's third batch of every epoch overflows (batches 2 and 8): its accumulator gets zeros
+    for it (skipping it would move rank 1's updates off rank 0's), and both of its periods'
+    contributions are rejected; every rank makes the same two outer steps, and the replicas end
+    identical and finite."""
+    results = job("callback", tfsync.LocalSGD(period=4), make_optimizer=accumulating_adam, overflow_at=2)
+    c0, c1 = results[0]["counts"], results[1]["counts"]
+    assert c1["produced"] == 2 and c1["rejected"] == 2 and c1["applied"] == 0, c1
+    assert c0["produced"] == 2 and c0["applied"] == 2 and c0["rejected"] == 0, c0
+    assert_replicas_identical(results, finite=True)
+    assert results[1]["iterations"] == TOTAL // 2
+
+
+def loss_scaled_accumulating_adam():
+    return keras.optimizers.LossScaleOptimizer(accumulating_adam())
+
+
+@pytest.mark.parametrize(
+    "frontend,make_optimizer",
+    [("strategy", accumulating_adam), ("callback", loss_scaled_accumulating_adam)],
+    ids=["strategy", "callback-loss-scaled"],
+)
+def test_gradient_accumulation_is_refused_where_the_workers_updates_could_drift_apart(frontend, make_optimizer):
+    """Under ``SyncStrategy`` (Keras all-reduces only at update batches) and under a
+    ``LossScaleOptimizer`` (it skips an overflowed batch on its worker alone): every rank
+    refuses before training."""
     fake = FakeCluster(SIZE, timeout_s=60)
-    accumulate = lambda: keras.optimizers.Adam(0.01, gradient_accumulation_steps=2)  # noqa: E731
-    fns = [lambda r=r: fit_rank(fake.rank(r), "callback", "localsgd", make_optimizer=accumulate) for r in range(SIZE)]
+    fns = [lambda r=r: fit_rank(fake.rank(r), frontend, "localsgd", make_optimizer=make_optimizer) for r in range(SIZE)]
     _, errors = on_threads(fns, JOIN_S)
     for e in errors:
         assert isinstance(e, ValueError) and "gradient_accumulation_steps=2" in str(e), e

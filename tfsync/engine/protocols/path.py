@@ -259,13 +259,13 @@ ACCUMULATION_UPDATES = (
     "corrects its delay, or its period of local steps) in steps, which would then not be "
     "updates. Use a mode that exchanges gradients ('bsp', 'psp', 'backup'), where each "
     "step's gradients are averaged before they are accumulated, or a larger batch instead "
-    "of accumulating (under 'localsgd' and 'diloco': a larger batch or period)"
+    "of accumulating"
 )
 ACCUMULATION_AT_ALL_REDUCE = (
     "Keras' optimizer all-reduces the accumulated gradients only at those steps, which BSP's "
     "rounds follow, but a mode that skips steps or exchanges updates counts every step. Use "
     "mode='bsp', or tfsync.keras.SyncCallback, which synchronizes accumulation under 'bsp', "
-    "'psp' and 'backup'"
+    "'psp', 'backup', 'localsgd' and 'diloco'"
 )
 
 
