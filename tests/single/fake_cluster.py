@@ -31,7 +31,7 @@ import traceback
 import numpy as np
 import tensorflow as tf
 
-from tfsync.engine import protocols, rounds
+from tfsync.engine import protocols, quantized, rounds
 
 DEFAULT_TIMEOUT_S = 10.0
 
@@ -190,6 +190,9 @@ class FakeRank:
     def collective(self, average):
         return rounds.horovod_collective(average, hvd=self)
 
+    def quantized_collective(self, quantize, average):
+        return quantized.quantized_collective(quantize, average, hvd=self)
+
     def barrier(self, name):
         return lambda: self._cluster.meet(self._rank, "barrier", name, None, lambda objs: [None] * len(objs))
 
@@ -219,7 +222,28 @@ class FakeRank:
         with self._cluster._cond:
             return sorted(set(range(self._cluster.size)) - self._cluster.arrivals.get(key, set()))
 
-    # what horovod_collective needs from Horovod
+    # what horovod_collective and quantized_collective need from Horovod
+    def alltoall(self, tensor, name):
+        """Equal splits of the first dimension: row block ``j`` goes to rank ``j``."""
+        value = np.asarray(tensor)
+        size = self._cluster.size
+
+        def exchange(per_rank):
+            parts = [np.split(v, size) for v in per_rank]
+            return [tf.constant(np.concatenate([parts[src][dst] for src in range(size)])) for dst in range(size)]
+
+        detail = (str(value.dtype), value.shape)
+        return self._cluster.meet(self._rank, "alltoall", name, value, exchange, detail=detail)
+
+    def allgather(self, tensor, name):
+        value = np.asarray(tensor)
+
+        def gather(per_rank):
+            return [tf.constant(np.concatenate(per_rank)) for _ in per_rank]
+
+        detail = (str(value.dtype), value.shape[1:])
+        return self._cluster.meet(self._rank, "allgather", name, value, gather, detail=detail)
+
     def grouped_allreduce(self, tensors, op, name, postscale_factor=1.0):
         arrays = [np.asarray(t) for t in tensors]
         dtypes = tuple(str(a.dtype) for a in arrays)

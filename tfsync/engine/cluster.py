@@ -215,6 +215,13 @@ class HorovodCluster:
         """One ``hvd.grouped_allreduce`` per round: :func:`tfsync.engine.rounds.horovod_collective`."""
         return horovod_collective(average)
 
+    def quantized_collective(self, quantize, average: bool):
+        """A round whose payload travels quantized, over an alltoall and an all-gather
+        (:func:`tfsync.engine.quantized.quantized_collective`)."""
+        from tfsync.engine.quantized import quantized_collective
+
+        return quantized_collective(quantize, average)
+
     def abort(self):
         """``hvd.shutdown()``: a pending collective on this rank raises at once (Horovod's
         "has been shut down" error), and Horovod tells the other ranks, whose pending and

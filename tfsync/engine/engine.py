@@ -149,7 +149,7 @@ class SyncEngine:
         # the exchange first: a frontend may route the protocol's variable creation
         # (SyncStrategy broadcasts initial values) through it
         self.exchange = RoundExchange(
-            cluster.collective(options["averages"]),
+            protocol_cls.collective(cluster, policy, options["averages"]),
             self.rank,
             self.size,
             self.t0,

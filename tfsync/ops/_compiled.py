@@ -53,3 +53,22 @@ def all_finite(tensors, name=None):
 def scale_all_finite(tensors, scale, name=None):
     scaled, finite = load_library().tf_sync_scale_all_finite(tensors=tensors, scale=scale, name=name)
     return list(scaled), finite
+
+
+def quantize_blocks(x, bits, block_size, residual=False, name=None):
+    packed, rest = load_library().tf_sync_quantize_blocks(
+        x=x, bits=bits, block_size=block_size, with_residual=residual, name=name
+    )
+    return (packed, rest) if residual else packed
+
+
+def dequantize_blocks(packed, bits, block_size, length, name=None):
+    return load_library().tf_sync_dequantize_blocks(
+        packed=packed, bits=bits, block_size=block_size, length=length, name=name
+    )
+
+
+def dequantize_sum(packed, bits, block_size, length, scale, name=None):
+    return load_library().tf_sync_dequantize_sum(
+        packed=packed, scale=scale, bits=bits, block_size=block_size, length=length, name=name
+    )

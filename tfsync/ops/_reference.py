@@ -174,3 +174,56 @@ def scale_all_finite(tensors, scale, name=None):
             # float32 and the half types: the scale rounded to float32 first, as the kernel does
             scaled.append(tf.cast(tf.cast(scale, acc) * tf.cast(t, acc), t.dtype))
         return scaled, all_finite(tensors)
+
+
+def _qmax(bits):
+    return 127 if bits == 8 else 7
+
+
+def _codes_bytes(length, bits):
+    return length * bits // 8
+
+
+def quantize_blocks(x, bits, block_size, residual=False, name=None):
+    with tf.name_scope(name or "quantize_blocks"):
+        rows, length = x.shape[0], x.shape[1]
+        blocks = tf.reshape(x, [rows, length // block_size, block_size])
+        qmax = _qmax(bits)
+        scale = tf.reduce_max(tf.abs(blocks), axis=-1) / tf.constant(qmax, tf.float32)
+        safe = tf.where(scale > 0, scale, tf.ones_like(scale))[..., None]
+        q = tf.clip_by_value(tf.round(blocks / safe), -qmax, qmax)
+        if bits == 8:
+            codes = tf.bitcast(tf.cast(q, tf.int8), tf.uint8)
+        else:
+            pairs = tf.reshape(tf.cast(q + 8.0, tf.uint8), [rows, length // 2, 2])
+            codes = tf.bitwise.bitwise_or(pairs[..., 0], tf.bitwise.left_shift(pairs[..., 1], tf.constant(4, tf.uint8)))
+        scale_bytes = tf.reshape(tf.bitcast(scale, tf.uint8), [rows, -1])
+        packed = tf.concat([tf.reshape(codes, [rows, _codes_bytes(length, bits)]), scale_bytes], axis=1)
+        if not residual:
+            return packed
+        return packed, x - tf.reshape(q * scale[..., None], [rows, length])
+
+
+def dequantize_blocks(packed, bits, block_size, length, name=None):
+    with tf.name_scope(name or "dequantize_blocks"):
+        rows = tf.shape(packed)[0]
+        n_codes = _codes_bytes(length, bits)
+        codes, scale_bytes = packed[:, :n_codes], packed[:, n_codes:]
+        scale = tf.bitcast(tf.reshape(scale_bytes, [rows, length // block_size, 4]), tf.float32)
+        if bits == 8:
+            q = tf.cast(tf.bitcast(codes, tf.int8), tf.float32)
+        else:
+            low = tf.bitwise.bitwise_and(codes, tf.constant(15, tf.uint8))
+            high = tf.bitwise.right_shift(codes, tf.constant(4, tf.uint8))
+            q = tf.cast(tf.reshape(tf.stack([low, high], axis=-1), [rows, length]), tf.float32) - 8.0
+        q = tf.reshape(q, [rows, length // block_size, block_size])
+        return tf.reshape(q * scale[..., None], [rows, length])
+
+
+def dequantize_sum(packed, bits, block_size, length, scale, name=None):
+    with tf.name_scope(name or "dequantize_sum"):
+        values = dequantize_blocks(packed, bits, block_size, length)
+        total = tf.zeros([length], tf.float32)
+        for i in range(packed.shape[0]):  # (in row order, as the kernel sums)
+            total = total + values[i]
+        return total * tf.cast(scale, tf.float32)

@@ -30,6 +30,10 @@ import json
 
 from tfsync.policies.base import Policy
 
+# the codes an outer round can travel in (tfsync.engine.quantized): None is float32
+QUANTIZE = (None, "int8", "int4")
+QUANTIZE_BLOCK = 256  # values sharing one float32 scale
+
 # DiLoCo's outer optimizer (Douillard et al. 2023, Section 3, "outer optimizer"): SGD with
 # Nesterov momentum 0.9 and learning rate 0.7
 DEFAULT_OUTER_LEARNING_RATE = 0.7
@@ -104,6 +108,15 @@ def outer_config(optimizer) -> dict:
     return json.loads(json.dumps(config))  # plain data: compared across ranks, written to traces
 
 
+def _check_quantize(who, value, example):
+    if value not in QUANTIZE:
+        raise ValueError(
+            f"{who}(quantize={value!r}): quantize must be None (float32 outer rounds), 'int8' (int8 codes "
+            f"with one scale per block of {QUANTIZE_BLOCK} values) or 'int4' (4-bit codes with error "
+            f"feedback); e.g. {example}"
+        )
+
+
 @dataclasses.dataclass(frozen=True)
 class LocalSGD(Policy):
     """Local SGD (periodic model averaging): ``period`` local steps, then the replicas average.
@@ -141,6 +154,14 @@ class LocalSGD(Policy):
 
     Args:
         period: ``H``, local steps between two averagings (int ``>= 1``). Default 8.
+        quantize: ``None`` (default: the outer round in float32), ``"int8"`` (int8 codes with
+            one float32 scale per block of 256 values: about 0.25 of the bytes) or ``"int4"``
+            (4-bit codes with error feedback: each worker keeps the error of its last
+            contribution's codes and adds it to its next one; about 0.13 of the bytes).  The
+            round is then an alltoall of each worker's quantized chunks, a float32 sum of its
+            own chunk and an all-gather of the quantized result, so the bytes fall at any
+            worker count and every replica decodes the same bytes
+            (:mod:`tfsync.engine.quantized`).
 
     Example:
 
@@ -148,6 +169,7 @@ class LocalSGD(Policy):
     """
 
     period: int = DEFAULT_INNER_STEPS
+    quantize: str = None
     name = "localsgd"
     payload = "pseudo_gradients"
     overlap_steps = 0  # (DiLoCo's streaming variant only: every outer step waits for its round)
@@ -155,6 +177,7 @@ class LocalSGD(Policy):
 
     def __post_init__(self):
         _check_steps("LocalSGD", "period", self.period, "tfsync.LocalSGD(period=8)")
+        _check_quantize("LocalSGD", self.quantize, "tfsync.LocalSGD(period=8, quantize='int8')")
 
     @property
     def inner_steps(self) -> int:
@@ -234,6 +257,14 @@ class DiLoCo(Policy):
             round lands (default 0: the ``τ`` steps made meanwhile are dropped, and the replicas
             are identical after every outer step; above 0 they keep part of that progress and
             differ by it; only with ``overlap_steps > 0``).
+        quantize: ``None`` (default: the outer round in float32), ``"int8"`` (int8 codes with
+            one float32 scale per block of 256 values: about 0.25 of the bytes) or ``"int4"``
+            (4-bit codes with error feedback: each worker keeps the error of its last
+            contribution's codes and adds it to its next one; about 0.13 of the bytes).  The
+            round is then an alltoall of each worker's quantized chunks, a float32 sum of its
+            own chunk and an all-gather of the quantized result, so the bytes fall at any
+            worker count and every replica decodes the same bytes
+            (:mod:`tfsync.engine.quantized`).
 
     Example:
 
@@ -244,11 +275,13 @@ class DiLoCo(Policy):
     outer_optimizer: object = None
     overlap_steps: int = 0
     mixing: float = 0.0
+    quantize: str = None
     name = "diloco"
     payload = "pseudo_gradients"
 
     def __post_init__(self):
         _check_steps("DiLoCo", "inner_steps", self.inner_steps, "tfsync.DiLoCo(inner_steps=8)")
+        _check_quantize("DiLoCo", self.quantize, "tfsync.DiLoCo(inner_steps=8, quantize='int4')")
         example = "e.g. tfsync.DiLoCo(inner_steps=8, overlap_steps=2)"
         tau = self.overlap_steps
         if isinstance(tau, bool) or not isinstance(tau, int) or not 0 <= tau < self.inner_steps:
@@ -283,7 +316,7 @@ class DiLoCo(Policy):
 
     def __hash__(self):
         outer = json.dumps(self.outer_optimizer, sort_keys=True)
-        return hash((self.name, self.inner_steps, outer, self.overlap_steps, self.mixing))
+        return hash((self.name, self.inner_steps, outer, self.overlap_steps, self.mixing, self.quantize))
 
     @property
     def outer_optimizer_config(self) -> dict:
@@ -315,6 +348,7 @@ class DiLoCo(Policy):
             "outer_optimizer": self.outer_optimizer_config,
             "overlap_steps": self.overlap_steps,
             "mixing": self.mixing,
+            "quantize": self.quantize,
         }
 
 

@@ -12,6 +12,9 @@
 //    checked before they go into a round).
 //  * TfSync>ScaleAllFinite: each tensor of a list scaled, and whether it is finite,
 //    from one pass (a round's sum divided by its number of contributions, checked).
+//  * TfSync>QuantizeBlocks / TfSync>DequantizeBlocks / TfSync>DequantizeSum: int8 and
+//    4-bit codes with one float32 scale per block (Local SGD's and DiLoCo's quantized
+//    outer rounds), the residual for error feedback, and the fused sum of received rows.
 //
 // The shape functions check ranks and shapes so that graph construction fails
 // early (a ValueError in Python) with the same wording the kernels use at run time.
@@ -112,6 +115,69 @@ Status UpdateApplyRoundShape(InferenceContext* c) {
   return absl::OkStatus();
 }
 
+// The packed row of `length` values: the codes (`bits` each), then one float32 scale per block.
+int64_t PackedRowBytes(int64_t length, int64_t bits, int64_t block_size) {
+  return length * bits / 8 + 4 * (length / block_size);
+}
+
+Status QuantizeAttrs(InferenceContext* c, int64_t* bits, int64_t* block_size) {
+  TF_RETURN_IF_ERROR(c->GetAttr("bits", bits));
+  TF_RETURN_IF_ERROR(c->GetAttr("block_size", block_size));
+  if (*bits != 8 && *bits != 4) return errors::InvalidArgument("bits must be 8 or 4, got ", *bits);
+  if (*block_size < 2 || *block_size % 2) {
+    return errors::InvalidArgument("block_size must be an even number >= 2, got ", *block_size);
+  }
+  return absl::OkStatus();
+}
+
+Status RequireWholeBlocks(int64_t length, int64_t block_size) {
+  if (length <= 0 || length % block_size) {
+    return errors::InvalidArgument("the row length must be a positive multiple of block_size=", block_size,
+                                   ", got ", length, "; pad each row with zeros to a whole number of blocks");
+  }
+  return absl::OkStatus();
+}
+
+Status QuantizeBlocksShape(InferenceContext* c) {
+  int64_t bits, block_size;
+  TF_RETURN_IF_ERROR(QuantizeAttrs(c, &bits, &block_size));
+  bool with_residual;
+  TF_RETURN_IF_ERROR(c->GetAttr("with_residual", &with_residual));
+  ShapeHandle x;
+  TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 2, &x));
+  auto length = c->Dim(x, 1);
+  auto row = c->UnknownDim();
+  if (c->ValueKnown(length)) {
+    TF_RETURN_IF_ERROR(RequireWholeBlocks(c->Value(length), block_size));
+    row = c->MakeDim(PackedRowBytes(c->Value(length), bits, block_size));
+  }
+  c->set_output(0, c->Matrix(c->Dim(x, 0), row));
+  c->set_output(1, with_residual ? x : c->Vector(0));
+  return absl::OkStatus();
+}
+
+Status DequantizeShape(InferenceContext* c, bool sum) {
+  int64_t bits, block_size, length;
+  TF_RETURN_IF_ERROR(QuantizeAttrs(c, &bits, &block_size));
+  TF_RETURN_IF_ERROR(c->GetAttr("length", &length));
+  TF_RETURN_IF_ERROR(RequireWholeBlocks(length, block_size));
+  ShapeHandle packed;
+  TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 2, &packed));
+  const int64_t want = PackedRowBytes(length, bits, block_size);
+  auto row = c->Dim(packed, 1);
+  if (c->ValueKnown(row) && c->Value(row) != want) {
+    return errors::InvalidArgument("packed must have rows of ", want, " bytes (", length, " values at ", bits,
+                                   " bits in blocks of ", block_size, "), got shape ", c->DebugString(packed));
+  }
+  if (sum) {
+    TF_RETURN_IF_ERROR(RequireScalar(c, 1, "scale"));
+    c->set_output(0, c->Vector(length));
+  } else {
+    c->set_output(0, c->Matrix(c->Dim(packed, 0), length));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 REGISTER_OP("TfSync>DelayCompensate")
@@ -191,6 +257,46 @@ REGISTER_OP("TfSync>ScaleAllFinite")
     .Doc(R"doc(
 scaled[i] = scale * tensors[i] (half and bfloat16 computed in float32), and
 finite[i]: whether every element of tensors[i] is finite, from the same pass.
+)doc");
+
+REGISTER_OP("TfSync>QuantizeBlocks")
+    .Input("x: float")
+    .Output("packed: uint8")
+    .Output("residual: float")
+    .Attr("bits: int")
+    .Attr("block_size: int")
+    .Attr("with_residual: bool = false")
+    .SetShapeFn(QuantizeBlocksShape)
+    .Doc(R"doc(
+Symmetric block quantization of each row of x [rows, length]: per block of block_size
+values, scale = max|x| / qmax (qmax 127 for bits=8, 7 for bits=4) and codes
+round(x / scale) (ties to even) in [-qmax, qmax]. packed[r] holds the row's codes (int8,
+or two 4-bit codes per byte offset by 8, the even element in the low nibble) then its
+scales as little-endian float32. residual = x - codes * scale when with_residual, else
+an empty vector.
+)doc");
+
+REGISTER_OP("TfSync>DequantizeBlocks")
+    .Input("packed: uint8")
+    .Output("values: float")
+    .Attr("bits: int")
+    .Attr("block_size: int")
+    .Attr("length: int")
+    .SetShapeFn([](InferenceContext* c) { return DequantizeShape(c, false); })
+    .Doc(R"doc(
+values[r] = codes * scale of packed row r (TfSync>QuantizeBlocks' format).
+)doc");
+
+REGISTER_OP("TfSync>DequantizeSum")
+    .Input("packed: uint8")
+    .Input("scale: float")
+    .Output("total: float")
+    .Attr("bits: int")
+    .Attr("block_size: int")
+    .Attr("length: int")
+    .SetShapeFn([](InferenceContext* c) { return DequantizeShape(c, true); })
+    .Doc(R"doc(
+total = scale * the sum, in row order and float32, of the values each packed row stands for.
 )doc");
 
 REGISTER_OP("TfSync>UpdateApplyRound")

@@ -54,6 +54,12 @@ class StepProtocol:
         return {"averages": cls.averages}
 
     @classmethod
+    def collective(cls, cluster, policy, averages: bool):
+        """The round's collective (:class:`~tfsync.engine.exchange.RoundExchange`'s): the
+        cluster's grouped allreduce by default."""
+        return cluster.collective(averages)
+
+    @classmethod
     def optimizer_path(cls, policy, engine, optimizer=None, station="apply", shared=False):
         """What ``optimizer``'s update becomes under this protocol
         (:class:`~tfsync.engine.protocols.path.OptimizerPath`): built once, installed by a frontend.

@@ -69,6 +69,14 @@ class OuterStepProtocol(StepProtocol):
         return [FinalOuterStep()]
 
     @classmethod
+    def collective(cls, cluster, policy, averages):
+        """With ``quantize`` set, the quantized round (:mod:`tfsync.engine.quantized`)."""
+        quantize = getattr(policy, "quantize", None)
+        if quantize is None:
+            return cluster.collective(averages)
+        return cluster.quantized_collective(quantize, averages)
+
+    @classmethod
     def optimizer_path(cls, policy, engine, optimizer=None, station="apply", shared=False):
         return PeriodicAfter(policy, engine, optimizer, station, shared)
 
