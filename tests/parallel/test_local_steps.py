@@ -8,7 +8,7 @@ from tests.parallel.launch import results_of
 
 pytestmark = pytest.mark.parallel
 
-OUTER_CASES = ["localsgd", "diloco", "diloco/strategy", "diloco-overlap"]
+OUTER_CASES = ["localsgd", "diloco", "diloco/strategy", "diloco-overlap", "localsgd-int8", "diloco-int4/strategy"]
 
 
 @pytest.fixture(scope="module")
@@ -53,3 +53,12 @@ def test_diloco_with_outer_sgd_at_1_trains_as_localsgd(results):
         )
     # the paper's Nesterov outer step does something else (the comparison above is not void)
     assert not np.allclose(flat(results[0]["diloco"]["weights"]), flat(results[0]["localsgd"]["weights"]))
+
+
+@pytest.mark.parametrize("case,exact", [("localsgd-int8", "localsgd"), ("diloco-int4/strategy", "diloco/strategy")])
+def test_quantized_outer_rounds_stay_near_the_float32_ones(results, case, exact):
+    """The same training with its outer rounds quantized: close to the float32 run, and not it
+    (the codes went over the wire)."""
+    q, f = flat(results[0][case]["weights"]), flat(results[0][exact]["weights"])
+    assert not np.array_equal(q, f)
+    assert np.abs(q - f).max() < 0.1 * np.abs(f).max(), (np.abs(q - f).max(), np.abs(f).max())

@@ -60,6 +60,17 @@ CASES = {
         "callback",
     ),
     "diloco/strategy": (lambda: tfsync.DiLoCo(inner_steps=PERIOD), lambda: keras.optimizers.Adam(0.01), "strategy"),
+    # quantized outer rounds: Horovod's alltoall and allgather of the packed codes
+    "localsgd-int8": (
+        lambda: tfsync.LocalSGD(period=PERIOD, quantize="int8"),
+        lambda: keras.optimizers.Adam(0.01),
+        "callback",
+    ),
+    "diloco-int4/strategy": (
+        lambda: tfsync.DiLoCo(inner_steps=PERIOD, quantize="int4"),
+        lambda: keras.optimizers.Adam(0.01),
+        "strategy",
+    ),
 }
 
 

@@ -270,12 +270,15 @@ def test_every_outer_step_is_one_counted_contribution(frontend, name):
         assert counts["skipped"] == counts["rejected"] == 0, counts
 
 
-@pytest.mark.parametrize("name", sorted(MODES))
+QUANTIZED = {"localsgd-int8": tfsync.LocalSGD(period=4, quantize="int8"), "diloco-int4": tfsync.DiLoCo(inner_steps=4, quantize="int4")}
+
+
+@pytest.mark.parametrize("name", sorted(MODES) + sorted(QUANTIZED))
 def test_a_period_with_a_gradient_that_is_not_finite_is_rejected(name):
     """Rank 1's third batch of every epoch overflows (steps 2 and 8): its guard skips those
     steps, and the contributions of its periods 1 and 3 (steps 0-3, 8-11) are rejected (it
     restarts from the others' average); the replicas stay identical and finite."""
-    results = job("callback", MODES[name], overflow_at=2)
+    results = job("callback", {**MODES, **QUANTIZED}[name], overflow_at=2)
     c0, c1 = results[0]["counts"], results[1]["counts"]
     assert c1["rejected"] == 2 and c1["applied"] == 1 and c1["produced"] == 3, c1
     assert c0["rejected"] == 0 and c0["applied"] == 3, c0
