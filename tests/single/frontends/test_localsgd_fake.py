@@ -270,7 +270,10 @@ def test_every_outer_step_is_one_counted_contribution(frontend, name):
         assert counts["skipped"] == counts["rejected"] == 0, counts
 
 
-QUANTIZED = {"localsgd-int8": tfsync.LocalSGD(period=4, quantize="int8"), "diloco-int4": tfsync.DiLoCo(inner_steps=4, quantize="int4")}
+QUANTIZED = {
+    "localsgd-int8": tfsync.LocalSGD(period=4, quantize="int8"),
+    "diloco-int4": tfsync.DiLoCo(inner_steps=4, quantize="int4"),
+}
 
 
 @pytest.mark.parametrize("name", sorted(MODES) + sorted(QUANTIZED))
