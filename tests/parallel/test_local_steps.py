@@ -62,3 +62,13 @@ def test_quantized_outer_rounds_stay_near_the_float32_ones(results, case, exact)
     q, f = flat(results[0][case]["weights"]), flat(results[0][exact]["weights"])
     assert not np.array_equal(q, f)
     assert np.abs(q - f).max() < 0.1 * np.abs(f).max(), (np.abs(q - f).max(), np.abs(f).max())
+
+
+def test_fragments_end_with_identical_replicas_every_fragments_round_counted(results):
+    """DiLoCo(H=4, fragments=2, overlap 1) over 16 steps: 8 fragment rounds (each carrying half the
+    model) and a last round of the whole model."""
+    a, b = results[0]["diloco-fragments"], results[1]["diloco-fragments"]
+    assert flat(a["weights"]).tobytes() == flat(b["weights"]).tobytes()
+    for r in (0, 1):
+        counts = results[r]["diloco-fragments"]["counts"]
+        assert counts["produced"] == counts["applied"] == 9 and counts["rejected"] == 0, counts

@@ -11,8 +11,9 @@ all-gather of the quantized result:
    quantizes each chunk into one packed row (:func:`tfsync.ops.quantize_blocks`:
    the codes and one float32 scale per block of :data:`BLOCK` values).  With
    4-bit codes, error feedback: the worker adds the quantization error it kept
-   from its last contribution before it quantizes, and keeps the new one
-   (a contribution's error is not lost, it arrives one round later).
+   from its last contribution of the same layout (DiLoCo's fragments each have
+   their own) before it quantizes, and keeps the new one (a contribution's
+   error is not lost, it arrives one round later).
 2. An alltoall sends row ``j`` to worker ``j``, which receives every worker's
    row ``j``; it dequantizes and sums them in float32, in rank order, in one
    pass (:func:`tfsync.ops.dequantize_sum`), times the round's scale (the mean's
@@ -86,7 +87,7 @@ def quantized_collective(quantize: str, average: bool, hvd=None):
     if hvd is None:
         hvd = _horovod.horovod()
     size, rank, bits = hvd.size(), hvd.rank(), BITS[quantize]
-    state = {"error": None}  # 4-bit: this worker's quantization error, kept for its next round
+    errors = {}  # 4-bit: this worker's quantization error per payload layout (a DiLoCo fragment's own)
 
     def collective(payload, meta, divisor=None):
         shapes = [tuple(t.shape) for t in payload]
@@ -98,9 +99,10 @@ def quantized_collective(quantize: str, average: bool, hvd=None):
         flat = tf.reshape(tf.pad(flat, [[0, size * length - values]]), [size, length])
         present = bool(np.asarray(meta)[rank, 0] > 0)
         if bits == 4 and present:
-            if state["error"] is not None and state["error"].shape == flat.shape:
-                flat = flat + state["error"]
-            rows, state["error"] = ops.quantize_blocks(flat, bits, BLOCK, residual=True)
+            layout = tuple(zip(shapes, dtypes))
+            if layout in errors:
+                flat = flat + errors[layout]
+            rows, errors[layout] = ops.quantize_blocks(flat, bits, BLOCK, residual=True)
         else:
             rows = ops.quantize_blocks(flat, bits, BLOCK)
         received = hvd.alltoall(rows, name="tfsync.quantized.scatter")

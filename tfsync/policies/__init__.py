@@ -264,11 +264,21 @@ register(
             "alpha",
         ),
         _QUANTIZE,
+        Option(
+            "--fragments",
+            "fragments",
+            int,
+            1,
+            "Streaming DiLoCo's fragments: parts of the model whose outer steps are spread over the period "
+            "(--mode diloco; default 1, the whole model at once)",
+            "P",
+        ),
     ),
     # the streaming variant: the outer exchange overlaps the last 2 inner steps of each period; the
     # quantized outer rounds
     variants={
         "diloco+overlap": Variant(("--overlap-steps", "2"), "DiLoCo(H={inner_steps}, tau=2)", study=False),
+        "diloco+fragments": Variant(("--fragments", "4"), "DiLoCo(H={inner_steps}, P=4)", study=False),
         **{
             f"diloco+{q}": Variant(("--quantize", q), f"DiLoCo(H={{inner_steps}}, {q})", study=False)
             for q in ("int8", "int4")

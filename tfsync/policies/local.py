@@ -257,6 +257,16 @@ class DiLoCo(Policy):
             round lands (default 0: the ``τ`` steps made meanwhile are dropped, and the replicas
             are identical after every outer step; above 0 they keep part of that progress and
             differ by it; only with ``overlap_steps > 0``).
+        fragments: ``P``, the parts of the model whose outer steps are spread over the period
+            (int from 1 to ``inner_steps``; default 1: the whole model at every ``inner_steps``-th
+            step).  Streaming DiLoCo's fragments (Douillard et al., 2025): the weight tensors in
+            ``P`` consecutive groups of about equal size; fragment ``p``'s outer step comes at inner
+            step ``(p + 1)·H/P`` of each period (with ``overlap_steps``, its exchange sent that many
+            steps before, ``overlap_steps < H/P``), so each round carries about ``1/P`` of the model
+            and the bytes in flight at a time fall by about ``P``.  Each fragment still takes one
+            outer step per period (one round each: a period counts ``P`` contributions); the outer
+            optimizer's iterations count periods.  Training that ends mid-period ends with one
+            round of the whole model.
         quantize: ``None`` (default: the outer round in float32), ``"int8"`` (int8 codes with
             one float32 scale per block of 256 values: about 0.25 of the bytes) or ``"int4"``
             (4-bit codes with error feedback: each worker keeps the error of its last
@@ -276,6 +286,7 @@ class DiLoCo(Policy):
     overlap_steps: int = 0
     mixing: float = 0.0
     quantize: str = None
+    fragments: int = 1
     name = "diloco"
     payload = "pseudo_gradients"
 
@@ -283,12 +294,22 @@ class DiLoCo(Policy):
         _check_steps("DiLoCo", "inner_steps", self.inner_steps, "tfsync.DiLoCo(inner_steps=8)")
         _check_quantize("DiLoCo", self.quantize, "tfsync.DiLoCo(inner_steps=8, quantize='int4')")
         example = "e.g. tfsync.DiLoCo(inner_steps=8, overlap_steps=2)"
-        tau = self.overlap_steps
-        if isinstance(tau, bool) or not isinstance(tau, int) or not 0 <= tau < self.inner_steps:
+        fragments = self.fragments
+        if isinstance(fragments, bool) or not isinstance(fragments, int) or not 1 <= fragments <= self.inner_steps:
             raise ValueError(
-                f"DiLoCo(inner_steps={self.inner_steps}, overlap_steps={tau!r}): overlap_steps must be an int "
-                f">= 0 and below inner_steps (the inner steps the outer exchange overlaps, sent that many "
-                f"steps before the period ends; 0: the outer step waits for it); {example}"
+                f"DiLoCo(inner_steps={self.inner_steps}, fragments={fragments!r}): fragments must be an int from 1 "
+                f"to inner_steps (the model's parts whose outer steps are spread over the period, one every "
+                f"inner_steps / fragments inner steps; 1: the whole model at once); e.g. "
+                f"tfsync.DiLoCo(inner_steps=8, fragments=4)"
+            )
+        tau = self.overlap_steps
+        slot = self.inner_steps // fragments
+        if isinstance(tau, bool) or not isinstance(tau, int) or not 0 <= tau < slot:
+            within = "inner_steps" if fragments == 1 else f"inner_steps // fragments = {slot}"
+            raise ValueError(
+                f"DiLoCo(inner_steps={self.inner_steps}, fragments={fragments}, overlap_steps={tau!r}): "
+                f"overlap_steps must be an int >= 0 and below {within} (the inner steps each outer exchange "
+                f"overlaps, sent that many steps before its outer step; 0: the outer step waits for it); {example}"
             )
         alpha = self.mixing
         if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not 0.0 <= alpha <= 1.0:
@@ -316,7 +337,8 @@ class DiLoCo(Policy):
 
     def __hash__(self):
         outer = json.dumps(self.outer_optimizer, sort_keys=True)
-        return hash((self.name, self.inner_steps, outer, self.overlap_steps, self.mixing, self.quantize))
+        settings = (self.inner_steps, outer, self.overlap_steps, self.mixing, self.quantize, self.fragments)
+        return hash((self.name, *settings))
 
     @property
     def outer_optimizer_config(self) -> dict:
@@ -349,6 +371,7 @@ class DiLoCo(Policy):
             "overlap_steps": self.overlap_steps,
             "mixing": self.mixing,
             "quantize": self.quantize,
+            "fragments": self.fragments,
         }
 
 

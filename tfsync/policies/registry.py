@@ -205,6 +205,8 @@ def describe(policy) -> str:
             parts.append(f"outer={policy.outer_label()}")
         elif k in ("overlap_steps", "mixing") and not v:  # DiLoCo without the streaming overlap
             continue
+        elif k == "fragments" and v == 1:  # DiLoCo's whole model at once
+            continue
         elif k == "pull_fraction" and v == 1.0:  # PSP without partial pulling
             continue
         elif k != "mode" and v is not None:

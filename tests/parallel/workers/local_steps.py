@@ -66,6 +66,11 @@ CASES = {
         lambda: keras.optimizers.Adam(0.01),
         "callback",
     ),
+    "diloco-fragments": (
+        lambda: tfsync.DiLoCo(inner_steps=PERIOD, fragments=2, overlap_steps=1),
+        lambda: keras.optimizers.Adam(0.01),
+        "callback",
+    ),
     "diloco-int4/strategy": (
         lambda: tfsync.DiLoCo(inner_steps=PERIOD, quantize="int4"),
         lambda: keras.optimizers.Adam(0.01),

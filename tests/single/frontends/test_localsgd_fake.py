@@ -25,6 +25,7 @@ from training_fake import BATCH, EPOCHS, JOIN_S, SIZE, STEPS, data, layers
 import tfsync
 from tfsync import timeline
 from tfsync.engine import NonFiniteError, WorkerLostError
+from tfsync.engine.protocols.outer import split_fragments
 
 pytestmark = pytest.mark.usefixtures("engines_on_localhost")
 
@@ -487,3 +488,93 @@ def test_overlapped_a_gradient_that_is_not_finite_rejects_only_a_contribution_it
     assert c1["rejected"] == 1 and c1["applied"] == 2 and c1["produced"] == 3, c1
     assert c0["rejected"] == 0 and c0["applied"] == 3, c0
     assert_replicas_identical(results, finite=True)
+
+
+def fragment_reference(initial, period, fragments):
+    """Two replicas from ``initial``, each with its own Adam on its own shard; at inner step
+    ``(p + 1)·period/fragments`` of each period, fragment ``p``'s pieces (``split_fragments``)
+    averaged over the replicas (DiLoCo with outer ``SGD(1.0)``), and at the end the whole
+    model; every replica's final weights."""
+    models = []
+    for _ in range(SIZE):
+        m = keras.Sequential(layers())
+        m.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+        m.set_weights(initial)
+        models.append(m)
+    pieces, parts = split_fragments([w.shape for w in initial], fragments)
+    shards = [data(r) for r in range(SIZE)]
+    loss = keras.losses.MeanSquaredError()
+
+    def average(part):
+        weights = [m.get_weights() for m in models]
+        for k in part:
+            i, rows = pieces[k]
+            where = slice(None) if rows is None else slice(*rows)
+            mean = np.mean([w[i][where] for w in weights], axis=0)
+            for w in weights:
+                w[i][where] = mean
+        for m, w in zip(models, weights):
+            m.set_weights(w)
+
+    done = 0
+    for _ in range(EPOCHS):
+        for k in range(STEPS):
+            for m, (x, y) in zip(models, shards):
+                xb, yb = x[k * BATCH : (k + 1) * BATCH], y[k * BATCH : (k + 1) * BATCH]
+                with tf.GradientTape() as tape:
+                    value = loss(yb, m(xb))
+                m.optimizer.apply(tape.gradient(value, m.trainable_variables), m.trainable_variables)
+            done += 1
+            for p in range(fragments):
+                if done % period == ((p + 1) * period // fragments) % period:
+                    average(parts[p])
+    average(list(range(len(pieces))))  # (the last round: the whole model)
+    return [m.get_weights() for m in models]
+
+
+def test_fragments_take_their_outer_steps_in_turn_over_the_period():
+    """DiLoCo(H=4, fragments=2) with outer SGD(1.0) (plain averaging) over 12 steps: the first
+    fragment averaged at steps 2, 6, 10, the second at 4, 8, 12, each round carrying its
+    fragment only, and a last round of the whole model (the first fragment trained on after
+    step 10): the replicas' first fragment is identical after step 2 while the rest differs;
+    the weights match that schedule applied to local training."""
+    initial = initial_weights()
+    mode = tfsync.DiLoCo(inner_steps=4, fragments=2, outer_optimizer=keras.optimizers.SGD(1.0))
+    results = job("callback", mode, initial=initial)
+    expected = fragment_reference(initial, 4, 2)
+    for r in range(SIZE):
+        assert_close(results[r]["weights"], expected[r])
+        counts = results[r]["counts"]
+        assert counts["produced"] == counts["applied"] == 7 and counts["rejected"] == 0, counts
+    pieces, parts = split_fragments([w.shape for w in initial], 2)
+    first = [k for k in parts[0]]
+    after = results[0]["steps"][1], results[1]["steps"][1]  # (after step 2: the first fragment's outer step)
+    for k in first:
+        i, rows = pieces[k]
+        where = slice(None) if rows is None else slice(*rows)
+        np.testing.assert_array_equal(after[0][i][where], after[1][i][where])
+    assert not all(np.array_equal(a, b) for a, b in zip(*after))  # (the second fragment: apart)
+    assert_replicas_identical(results)
+
+
+@pytest.mark.parametrize("frontend", FRONTENDS)
+def test_overlapped_quantized_fragments_end_with_identical_replicas(frontend):
+    """Fragments with their exchange overlapping an inner step and 4-bit codes: every fragment's
+    round counted, a last round for the whole model (training ends mid-period), identical
+    replicas."""
+    results = job(frontend, tfsync.DiLoCo(inner_steps=5, fragments=2, overlap_steps=1, quantize="int4"))
+    assert_replicas_identical(results, finite=True)
+    for result in results:
+        counts = result["counts"]
+        # 12 steps, H = 5, P = 2: fragment rounds sent at steps 1, 4, 6, 9 and 11 (a step before their
+        # outer steps at 2, 5, 7, 10, 12; the last lands in the drain), then the last round
+        assert counts["produced"] == counts["applied"] == 6, counts
+
+
+def test_a_model_too_small_for_its_fragments_is_refused_before_training():
+    fake = FakeCluster(SIZE, timeout_s=60)
+    mode = tfsync.DiLoCo(inner_steps=32, fragments=32)
+    fns = [lambda r=r: fit_rank(fake.rank(r), "callback", mode) for r in range(SIZE)]
+    _, errors = on_threads(fns, JOIN_S)
+    for e in errors:
+        assert isinstance(e, ValueError) and "fragments=32" in str(e) and "use fewer fragments" in str(e), e

@@ -76,4 +76,28 @@ def test_the_timeline_labels_diloco_by_its_outer_optimizer_class_and_rate():
     from tfsync import timeline
 
     label = timeline.mode_label(tfsync.DiLoCo(inner_steps=4).config())
-    assert label == "DILOCO (inner_steps=4, outer_optimizer=SGD(lr=0.7), overlap_steps=0, mixing=0.0)"
+    assert label == (
+        "DILOCO (inner_steps=4, outer_optimizer=SGD(lr=0.7), overlap_steps=0, mixing=0.0, quantize=None, fragments=1)"
+    )
+
+
+@pytest.mark.parametrize(
+    "make,error",
+    [
+        (lambda: tfsync.DiLoCo(fragments=0), r"fragments=0\): fragments must be an int from 1 to inner_steps"),
+        (lambda: tfsync.DiLoCo(inner_steps=4, fragments=5), r"fragments=5\)"),
+        (
+            lambda: tfsync.DiLoCo(inner_steps=8, fragments=4, overlap_steps=2),
+            r"overlap_steps must be an int >= 0 and below inner_steps // fragments = 2",
+        ),
+    ],
+)
+def test_bad_fragments_are_refused_saying_what_fits(make, error):
+    with pytest.raises(ValueError, match=error):
+        make()
+
+
+def test_fragments_describe_and_launch():
+    mode = tfsync.DiLoCo(inner_steps=8, fragments=4, overlap_steps=1)
+    assert registry.describe(mode) == "diloco(H=8, outer=SGD(lr=0.7, nesterov 0.9), tau=1, P=4)"
+    assert mode.config()["fragments"] == 4 and mode != tfsync.DiLoCo(inner_steps=8, overlap_steps=1)

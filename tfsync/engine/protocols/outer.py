@@ -33,6 +33,9 @@ passes them, ride in the same round and are averaged plainly.  The worker's
 own optimizer state is not touched (it stays local, as in both papers).
 """
 
+import collections
+import math
+
 import keras
 import tensorflow as tf
 
@@ -86,27 +89,58 @@ class OuterStepProtocol(StepProtocol):
         self.period = int(policy.inner_steps)
         self.overlap = int(policy.overlap_steps)
         self.mixing = float(policy.mixing)
+        self.fragments = int(getattr(policy, "fragments", 1))
         self.variables = [tf_variable(v) for v in variables]
         # trainable weights go through the outer optimizer; statistics are averaged plainly
         self.trainable = [bool(getattr(v, "trainable", True)) for v in variables]
         self.shapes = [tuple(v.shape) for v in self.variables]
         self.dtypes = [v.dtype for v in self.variables]
+        # the model in pieces (a weight tensor, or a range of its rows), the pieces of each fragment,
+        # and (last) every piece: a final round when training ends between two fragments' outer steps
+        self.pieces, parts = split_fragments(self.shapes, self.fragments)
+        self.parts = parts + [list(range(len(self.pieces)))]
         with tf.init_scope():
-            self.w_outer = [state_variable(tf.identity(v)) for v in self.variables]
-            self._zeros = [tf.zeros(v.shape, v.dtype) for v in self.variables]
+            # w_outer: one variable per piece (the outer optimizer's slots follow it)
+            self.w_outer = [state_variable(tf.identity(self._read(k))) for k in range(len(self.pieces))]
             self.outer_optimizer = build_outer_optimizer(policy.outer_optimizer_config)
-            weights = [w for w, t in zip(self.w_outer, self.trainable) if t]
+            weights = [w for k, w in enumerate(self.w_outer) if self.trainable[self.pieces[k][0]]]
             if self.outer_optimizer is not None:
                 self.outer_optimizer.build(weights)
         self.inner_done = 0  # inner steps of this period, this one included
-        self.pushed = False  # (overlapped) this period's contribution is in flight
+        self.next_fragment = 0  # the fragment whose outer step comes next in this period
+        self.in_flight = collections.deque()  # (overlapped) fragments pushed, not yet landed
+        self.sent = collections.deque()  # the part each round not yet applied carries, in round order
         self.all_finite = True  # every inner step since the last push had finite gradients
-        variables, w_outer, trainable, outer = self.variables, self.w_outer, self.trainable, self.outer_optimizer
-        mixing = self.mixing
-        specs = [tf.TensorSpec(s, d) for s, d in zip(self.shapes, self.dtypes)]
+        self.trained = False  # an inner step was made since the last round of the whole model
+        self._pseudo_gradient, self._apply_mean, self._restart = [], [], []
+        for k, part in enumerate(self.parts):
+            pseudo_gradient, apply_mean, restart = self._part_functions(part, counts_iteration=k >= self.fragments - 1)
+            self._pseudo_gradient.append(compile_flat(pseudo_gradient))
+            specs = [tf.TensorSpec(self.w_outer[k].shape, self.w_outer[k].dtype) for k in part]
+            self._apply_mean.append(compile_flat(apply_mean, specs))
+            self._restart.append(compile_flat(restart))
+
+    def _read(self, k):
+        """Piece ``k`` of the model's weights: its tensor, or its rows."""
+        i, rows = self.pieces[k]
+        return self.variables[i] if rows is None else self.variables[i][rows[0] : rows[1]]
+
+    def _write(self, k, value):
+        i, rows = self.pieces[k]
+        target = self.variables[i] if rows is None else self.variables[i][rows[0] : rows[1]]
+        target.assign(value)
+
+    def _part_functions(self, part, counts_iteration):
+        """The pseudo-gradient, the application of a round's mean and the restart of the pieces
+        ``part``; the outer optimizer's iteration advances once per period (at the last
+        fragment's outer step, and at the final round)."""
+        w_outer = [self.w_outer[k] for k in part]
+        trainable = [self.trainable[self.pieces[k][0]] for k in part]
+        outer, mixing = self.outer_optimizer, self.mixing
+        read, write = self._read, self._write
 
         def pseudo_gradient():
-            delta = [w - v for w, v in zip(w_outer, variables)]
+            delta = [w - read(k) for k, w in zip(part, w_outer)]
             return [*delta, ops.all_finite(delta)]
 
         def apply_mean(*mean):
@@ -119,85 +153,154 @@ class OuterStepProtocol(StepProtocol):
                 for m, w, t in zip(mean, w_outer, trainable):
                     if t:
                         outer.update_step(m, w, tf.cast(learning_rate, w.dtype))
-                outer.iterations.assign_add(1)
+                if counts_iteration:
+                    outer.iterations.assign_add(1)
             for w, m, t in zip(w_outer, mean, trainable):
                 if outer is None or not t:
                     w.assign_sub(m)
-            for v, w in zip(variables, w_outer):
+            for k, w in zip(part, w_outer):
                 # (overlapped, mixing α: keep that share of the worker's own weights)
-                v.assign(w if not mixing else w + mixing * (v - w))
+                write(k, w if not mixing else w + mixing * (read(k) - w))
 
         def restart():
-            for v, w in zip(variables, w_outer):
-                v.assign(w)
+            for k, w in zip(part, w_outer):
+                write(k, w)
 
-        self._pseudo_gradient = compile_flat(pseudo_gradient)
-        self._apply_mean = compile_flat(apply_mean, specs)
-        self._restart = compile_flat(restart)
+        return pseudo_gradient, apply_mean, restart
+
+    @property
+    def pushed(self) -> bool:
+        """(overlapped) a contribution of this period is in flight."""
+        return bool(self.in_flight)
+
+    def _boundary(self, fragment) -> int:
+        """The inner step at which ``fragment``'s outer step lands (its push comes
+        ``overlap_steps`` before): the fragments' outer steps are spread evenly over the period."""
+        return (fragment + 1) * self.period // self.fragments
 
     def end_inner_step(self, finite: bool, updated: bool = True):
         """One batch of the worker's optimizer is done (``finite``: its gradients were, so it ran;
         ``updated``: it updated the weights, False for a batch an optimizer with
         ``gradient_accumulation_steps`` only accumulated: the period counts updates).
-        What else the step does: :attr:`PUSH` (the frontend calls the engine's ``sync_step``: at
-        the period's end, or ``overlap_steps`` before it), :attr:`LAND` (overlapped: the period
-        ends, the frontend waits for its round and applies it), or None (an inner step only)."""
+        What else the step does: :attr:`PUSH` (the frontend calls the engine's ``sync_step``:
+        at a fragment's boundary, or ``overlap_steps`` before it), :attr:`LAND` (overlapped: a
+        fragment's boundary, the frontend waits for its round and applies it), or None (an
+        inner step only)."""
         self.all_finite = self.all_finite and bool(finite)
         if not updated:
             return None
         self.inner_done += 1
-        if not self.pushed and self.inner_done >= self.period - self.overlap:
-            return self.PUSH
-        if self.inner_done >= self.period:  # (overlapped: pushed overlap_steps ago)
-            self.end_period()
+        self.trained = True
+        if self.in_flight and self.inner_done >= self._boundary(self.in_flight[0]):
+            self.in_flight.popleft()
+            if self.inner_done >= self.period:
+                self.end_period()
             if not self.mixing:  # the steps since the push are dropped when the round lands
                 self.all_finite = True
             return self.LAND
+        if self.next_fragment < self.fragments and self.inner_done >= self._boundary(self.next_fragment) - self.overlap:
+            return self.PUSH
         return None
 
     def end_period(self):
-        """The period's round is applied: the next period begins."""
-        self.inner_done, self.pushed = 0, False
+        """The period's last round is applied: the next period begins."""
+        self.inner_done, self.next_fragment = 0, 0
+        self.in_flight.clear()
 
     def contribution(self, inputs):
-        """The pseudo-gradient ``w_outer - w`` and whether each tensor of it is finite (all false
-        when a gradient since the last push was not: those steps were skipped, the contribution
-        is rejected); without overlap a new period begins."""
-        out = self._pseudo_gradient()
+        """The next fragment's pseudo-gradient ``w_outer - w`` (at the end of training, the whole
+        model's) and whether each tensor of it is finite (all false when a gradient since the
+        last push was not: those steps were skipped, the contribution is rejected); without
+        overlap the period ends with its last fragment."""
+        part = self.next_fragment if self.next_fragment < self.fragments else self.fragments
+        out = self._pseudo_gradient[part]()
         finite = out[-1] if self.all_finite else tf.zeros_like(out[-1])
         self.all_finite = True
-        if self.overlap:
-            self.pushed = True
-        else:
-            self.end_period()
+        self.sent.append(part)
+        if part < self.fragments:
+            self.next_fragment += 1
+            if self.overlap:
+                self.in_flight.append(part)
+            elif self.next_fragment >= self.fragments:
+                self.end_period()
         return list(out[:-1]), finite
 
-    def reject(self, _payload):
-        """A contribution that is not finite goes nowhere: this worker goes back to ``w_outer`` (its
-        period lost), and the round averages the others'; sends zeros."""
-        self._restart()
-        return self._zeros
+    def reject(self, payload):
+        """A contribution that is not finite goes nowhere: this worker's weights of its fragment go
+        back to ``w_outer`` (their period lost), and the round averages the others'; sends zeros."""
+        self._restart[self.sent[-1]]()
+        return [tf.zeros_like(t) for t in payload]
 
     def apply_round(self, result):
-        """Move ``w_outer`` by the round's mean and every weight to it (overlapped with mixing α:
-        to ``(1 − α)·w_outer + α·w``); a round without a finite contribution (every rank
-        rejected) moves nothing."""
+        """Move ``w_outer`` of the round's fragment by the round's mean and its weights to it
+        (overlapped with mixing α: to ``(1 − α)·w_outer + α·w``); a round without a finite
+        contribution (every rank rejected) moves nothing."""
+        part = self.sent.popleft()
         if not result.present.any():
-            self._restart()
+            self._restart[part]()
             return
-        self._apply_mean(*result.total)
+        self._apply_mean[part](*result.total)
 
     def last_round(self, completed, required):
         return min(completed, required)  # outer step k applies round k
 
     def absent(self):
-        return self._zeros
+        return [tf.zeros_like(self.w_outer[k]) for k in self.parts[min(self.next_fragment, self.fragments)]]
+
+    def final_round_due(self) -> bool:
+        """Training ends: whether one last round must make the replicas identical: inner steps
+        since the last outer step (overlapped and unfragmented, a round in flight lands instead
+        and the steps after its push are dropped); with fragments, any step trained (every
+        fragment but the period's last has trained on since its outer step)."""
+        if self.fragments == 1:
+            return bool(self.inner_done) and not self.pushed
+        return self.trained
+
+    def push_final(self):
+        """The next contribution is the whole model's (:class:`FinalOuterStep`)."""
+        self.next_fragment, self.trained = self.fragments, False
 
     def finish(self):
         """Every round applied: the weights are ``w_outer``, identical on every worker (overlapped:
         the steps since the last push, which an in-flight round has not taken, are dropped, as
         with ``mixing=0`` during training)."""
-        self._restart()
+        self._restart[-1]()
+
+
+def split_fragments(shapes, fragments: int):
+    """The model in ``fragments`` consecutive fragments of about equal size (Streaming DiLoCo's
+    fragments are consecutive layers; a dense layer's matrix can hold most of a small model,
+    so a tensor is cut between rows where a fragment's share ends): ``(pieces, parts)``, the
+    pieces ``(tensor index, None or (first row, end row))`` in order, and the piece indices of
+    each fragment.  One fragment: every tensor whole."""
+    sizes = [math.prod(s) for s in shapes]
+    if fragments == 1:
+        return [(i, None) for i in range(len(shapes))], [list(range(len(shapes)))]
+    total = sum(sizes)
+    pieces, parts, p, filled = [], [[] for _ in range(fragments)], 0, 0
+    for i, shape in enumerate(shapes):
+        rows = shape[0] if shape else 1
+        row_size = sizes[i] // rows if rows else 0
+        start = 0
+        while start < rows or (start == 0 and not rows):
+            end = rows
+            if p < fragments - 1 and row_size:
+                take = max(1, round((total * (p + 1) / fragments - filled) / row_size))
+                end = min(rows, start + take)
+            whole = start == 0 and end == rows
+            pieces.append((i, None if whole or not shape else (start, end)))
+            parts[p].append(len(pieces) - 1)
+            filled += (end - start) * row_size
+            start = end if rows else 1
+            if p < fragments - 1 and filled >= total * (p + 1) / fragments - row_size / 2:
+                p += 1
+    empty = [p for p, part in enumerate(parts) if not part]
+    if empty:
+        raise ValueError(
+            f"tfsync.DiLoCo(fragments={fragments}): the model's {len(shapes)} weight tensors ({total} values) "
+            f"leave fragment(s) {empty} without any; use fewer fragments"
+        )
+    return pieces, parts
 
 
 class FinalOuterStep(StepComponent):
@@ -208,7 +311,8 @@ class FinalOuterStep(StepComponent):
 
     def finish(self, apply_mean) -> bool:
         engine, protocol = self.engine, self.engine.protocol
-        if protocol.inner_done and not protocol.pushed:
+        if protocol.final_round_due():
+            protocol.push_final()
             engine.sync_step([])
             engine.wait_and_apply(engine.step - 1)  # (overlapped: the push did not wait for it)
         protocol.end_period()
