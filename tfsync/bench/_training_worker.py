@@ -103,6 +103,7 @@ def main():
                 "wall_s": max(wall),
                 "ms_per_step": max(wall) / args.steps * 1e3,
                 "peak_rss_mb": max(peak_rss_mb),
+                "window_unix_s": [clock.start_unix, clock.end_unix],  # rank 0's timed steps
                 "num_params": model.count_params(),
                 "wait_fraction": float(np.mean(wait)) if wait is not None else None,
                 "mean_wait_per_step_s": float(np.mean(waits)) if waits is not None else None,
@@ -137,9 +138,11 @@ class Clock(keras.callbacks.Callback):
     def on_train_batch_begin(self, batch, logs=None):
         if batch == self.warmup_steps:
             self.start = time.perf_counter()
+            self.start_unix = time.time()  # (the bench's link sampler keeps the time of day)
 
     def on_train_end(self, logs=None):
         self.end = time.perf_counter()
+        self.end_unix = time.time()
 
     def elapsed_s(self):
         return self.end - self.start

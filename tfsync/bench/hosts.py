@@ -229,6 +229,12 @@ class Hosts:
             sys.executable, *map(str, argv),
         ]  # fmt: skip
 
+    def sample_sent(self, i, period_s=0.1):
+        """A sampler of what host ``i`` sends over ``eth1``: a context manager whose value, once it
+        exits, holds ``samples``, a list of ``(time.time(), tx_bytes)`` every ``period_s``
+        (:class:`LinkSampler`)."""
+        return LinkSampler(self, i, period_s)
+
     def _as_host(self, i, argv):
         quoted = " ".join(shlex.quote(str(a)) for a in argv)
         return ["ip", "netns", "exec", self.namespace(i), "unshare", "--uts", "sh", "-c",
@@ -257,3 +263,43 @@ def _exit_on_sigterm(signum, _frame):
 def kill(p):
     with contextlib.suppress(ProcessLookupError):
         os.killpg(p.pid, signal.SIGKILL)
+
+
+class LinkSampler:
+    """``eth1``'s transmitted bytes of one host, read from its namespace every ``period_s`` by a
+    small process there while the ``with`` block runs (:meth:`Hosts.sample_sent`)."""
+
+    _SCRIPT = (
+        "import sys, time\n"
+        "path, period = sys.argv[1], float(sys.argv[2])\n"
+        "while True:\n"
+        "    with open(path) as f:\n"
+        "        print(time.time(), f.read().strip(), flush=True)\n"
+        "    time.sleep(period)\n"
+    )
+
+    def __init__(self, hosts, i, period_s):
+        self.hosts, self.i, self.period_s = hosts, i, period_s
+        self.samples = []
+
+    def __enter__(self):
+        path = f"/sys/class/net/{IFACE}/statistics/tx_bytes"
+        argv = ["ip", "netns", "exec", self.hosts.namespace(self.i), sys.executable, "-c", self._SCRIPT]
+        self._p = subprocess.Popen([*argv, path, str(self.period_s)], stdout=subprocess.PIPE, text=True)
+        return self
+
+    def __exit__(self, *exc):
+        self._p.terminate()
+        out, _ = self._p.communicate(timeout=COMMAND_TIMEOUT_S)
+        for line in out.splitlines():
+            t, sent = line.split()
+            self.samples.append((float(t), int(sent)))
+
+    def within(self, start, end) -> dict:
+        """What the samples between ``start`` and ``end`` (``time.time()``) say: the bytes sent
+        then, and the most sent in one sampling period (``peak_bytes_per_period``)."""
+        inside = [(t, b) for t, b in self.samples if start <= t <= end]
+        if len(inside) < 2:
+            return {"bytes": None, "peak_bytes_per_period": None}
+        steps = [b1 - b0 for (_, b0), (_, b1) in zip(inside, inside[1:])]
+        return {"bytes": inside[-1][1] - inside[0][1], "peak_bytes_per_period": max(steps)}

@@ -49,6 +49,9 @@ DEFAULT_DIGITS_MODES = ("horovod", "localsgd", "diloco")
 _RATE = re.compile(r"^[0-9]+(\.[0-9]+)?(bit|kbit|mbit|gbit)$")
 
 
+LINK_SAMPLE_S = 0.1  # how often the link's bytes are read: the peak is per this period
+
+
 def rate(raw):
     """An argparse ``type``: a ``tc`` rate such as ``1gbit`` or ``500mbit``."""
     if not _RATE.match(raw) or float(re.sub(r"[a-z]+$", "", raw)) <= 0:
@@ -129,13 +132,22 @@ def run(hosts, args, log=print):
 
 
 def _launch(hosts, argv, args, what):
-    """One bounded ``horovodrun`` of ``argv`` from host 1 across the hosts; the worker's result."""
-    code, out = hosts.run(1, hosts.horovodrun(args.per_host, argv), timeout_s=args.timeout_s)
+    """One bounded ``horovodrun`` of ``argv`` from host 1 across the hosts; the worker's result,
+    with what host 1 sent over the link during its timed steps (``window_unix_s``, when the
+    worker reports it): ``link_bytes_per_step`` and ``link_peak_bytes_per_100ms``."""
+    with hosts.sample_sent(1, LINK_SAMPLE_S) as link:
+        code, out = hosts.run(1, hosts.horovodrun(args.per_host, argv), timeout_s=args.timeout_s)
     results = results_in(out)
     hosts.kill_all()  # (what ssh started on the other host, should the launch have left it)
     if code != 0 or not results:
         raise RuntimeError(f"{what} failed (exit {code}); output tail:\n{out[-4000:]}")
-    return results[-1]
+    result = results[-1]
+    if "window_unix_s" in result:
+        sent = link.within(*result["window_unix_s"])
+        steps = float(args.steps)
+        result["link_bytes_per_step"] = None if sent["bytes"] is None else sent["bytes"] / steps
+        result["link_peak_bytes_per_100ms"] = sent["peak_bytes_per_period"]
+    return result
 
 
 def _median(runs, key):
@@ -250,16 +262,21 @@ def format_digits_table(records):
 def format_table(records):
     lines = [
         "| link | model | mode | ms/step | samples/s | effective samples/s | compute floor ms | "
-        "overlap limit ms | step rate vs plain Horovod |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|",
+        "overlap limit ms | step rate vs plain Horovod | link MB/step | link peak MB/100 ms |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
+
+    def mb(value):
+        return "—" if value is None else f"{value / 1e6:.2f}"
+
     for r in records:
         floor, limit, ratio = r.get("compute_floor_ms"), r.get("overlap_limit_ms"), r.get("vs_horovod")
         lines.append(
             f"| {r['link']} | {r['model']} | {r['mode']} | {r['ms_per_step']:.1f} | {r['samples_per_s']:.0f} | "
             f"{r['effective_samples_per_s']:.0f} | {'—' if floor is None else f'{floor:.1f}'} | "
             f"{'—' if limit is None else f'{limit:.1f}'} | "
-            f"{'—' if ratio is None else f'{ratio:.2f}×'} |"
+            f"{'—' if ratio is None else f'{ratio:.2f}×'} | {mb(r.get('link_bytes_per_step'))} | "
+            f"{mb(r.get('link_peak_bytes_per_100ms'))} |"
         )
     return "\n".join(lines)
 
