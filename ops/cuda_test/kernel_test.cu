@@ -51,6 +51,7 @@
 #include <vector>
 
 #include "../cc/kernels/cuda/elementwise.cuh"
+#include "../cc/kernels/cuda/quantize.cuh"
 #include "../cc/kernels/cuda/tfsync_cuda.h"
 #include "reference.h"
 
@@ -269,6 +270,17 @@ struct Gpu {
   cudaError_t ScaleAllFinite(const T* x, T* out, int64_t n, double scale, bool* finite) {
     return tfsync::cuda::ScaleAllFinite(x, out, n, scale, finite, stream);
   }
+  cudaError_t Quantize(const float* x, int64_t rows, int64_t length, int bits, int64_t block, uint8_t* packed,
+                       float* residual) {
+    return tfsync::cuda::QuantizeBlocks(x, rows, length, bits, block, packed, residual, stream);
+  }
+  cudaError_t Dequantize(const uint8_t* packed, int64_t rows, int64_t length, int bits, int64_t block, float* out) {
+    return tfsync::cuda::DequantizeBlocks(packed, rows, length, bits, block, out, stream);
+  }
+  cudaError_t DequantizeSum(const uint8_t* packed, int64_t rows, int64_t length, int bits, int64_t block,
+                            float factor, float* out) {
+    return tfsync::cuda::DequantizeSum(packed, rows, length, bits, block, factor, out, stream);
+  }
 };
 
 // Runs a launch's bodies on the CPU: every thread of the grid, one after the other.
@@ -326,6 +338,17 @@ struct Host {
   template <typename T>
   cudaError_t ScaleAllFinite(const T* x, T* out, int64_t n, double scale, bool* finite) {
     return detail::ScaleAllFinite(HostExec{}, x, out, n, scale, finite);
+  }
+  cudaError_t Quantize(const float* x, int64_t rows, int64_t length, int bits, int64_t block, uint8_t* packed,
+                       float* residual) {
+    return detail::QuantizeBlocks(HostExec{}, x, detail::QuantizeLayout{rows, length, block, bits}, packed, residual);
+  }
+  cudaError_t Dequantize(const uint8_t* packed, int64_t rows, int64_t length, int bits, int64_t block, float* out) {
+    return detail::DequantizeBlocks(HostExec{}, packed, detail::QuantizeLayout{rows, length, block, bits}, out);
+  }
+  cudaError_t DequantizeSum(const uint8_t* packed, int64_t rows, int64_t length, int bits, int64_t block,
+                            float factor, float* out) {
+    return detail::DequantizeSum(HostExec{}, packed, detail::QuantizeLayout{rows, length, block, bits}, factor, out);
   }
 };
 
@@ -627,6 +650,61 @@ void CheckDtype(M& mem, Results& results, const std::vector<int64_t>& sizes) {
   }
 }
 
+// Block quantization (float32 only): codes and scales byte for byte, the residual, the
+// decoded rows and their sum value for value, against the reference; `length` values per
+// row in blocks of `block`, with a block of zeros and values at the codes' ties among them.
+template <typename M>
+void CheckQuantize(M& mem, Results& results, int64_t rows, int64_t length, int bits, int64_t block, uint64_t seed) {
+  const std::string kernel = bits == 8 ? "quantize_blocks int8" : "quantize_blocks 4-bit";
+  Row& row = results.For(kernel, "float32");
+  Rng rng{seed};
+  const int64_t n = rows * length, row_bytes = length * bits / 8 + 4 * (length / block);
+  auto x = Values<float>(rng, n, -3, 3, 1 << 30, 0, false);
+  for (int64_t i = 0; i < std::min<int64_t>(block, n); ++i) x[i] = 0.0f;  // a block of zeros
+  if (n >= 2 * block) {  // ties: halves of the 4-bit step at scale 1
+    for (int64_t i = 0; i < block; ++i) x[block + i] = static_cast<float>(i % 15) - 7.0f + (i % 2 ? 0.5f : 0.0f);
+    x[block] = 7.0f;
+  }
+  std::vector<uint8_t> want_packed(static_cast<size_t>(rows * row_bytes));
+  std::vector<float> want_residual(n), want_values(n), want_sum(length);
+  reference::QuantizeBlocks(x.data(), rows, length, bits, block, want_packed.data(), want_residual.data());
+  reference::DequantizeBlocks(want_packed.data(), rows, length, bits, block, want_values.data());
+  reference::DequantizeSum(want_packed.data(), rows, length, bits, block, 0.25f, want_sum.data());
+  Buffer<M, float> bx(mem, n), bres(mem, n), bvalues(mem, n), bsum(mem, length);
+  Buffer<M, uint8_t> bpacked(mem, rows * row_bytes);
+  bx.Put(x, 0);
+  CheckCuda(mem.Quantize(bx.at(0), rows, length, bits, block, bpacked.at(0), bres.at(0)), "launching QuantizeBlocks");
+  CheckCuda(mem.Dequantize(bpacked.at(0), rows, length, bits, block, bvalues.at(0)), "launching DequantizeBlocks");
+  CheckCuda(mem.DequantizeSum(bpacked.at(0), rows, length, bits, block, 0.25f, bsum.at(0)), "launching DequantizeSum");
+  mem.Sync("QuantizeBlocks, DequantizeBlocks, DequantizeSum");
+  const std::string where = kernel + " rows=" + std::to_string(rows) + " length=" + std::to_string(length) +
+                            " block=" + std::to_string(block);
+  const auto packed = bpacked.Get(0, rows * row_bytes);
+  int64_t bad = 0;
+  for (size_t i = 0; i < packed.size(); ++i) bad += packed[i] != want_packed[i];
+  if (bad) results.Fail(where + ": " + std::to_string(bad) + " packed bytes differ");
+  row.mismatches += bad;
+  const auto residual = bres.Get(0, n), values = bvalues.Get(0, n), sum = bsum.Get(0, length);
+  Compare(results, row, where, "residual", residual.data(), want_residual.data(), n, 0);
+  Compare(results, row, where, "values", values.data(), want_values.data(), n, 0);
+  Compare(results, row, where, "sum", sum.data(), want_sum.data(), length, 0);
+  ++row.cases;
+}
+
+template <typename M>
+void CheckQuantizeShapes(M& mem, Results& results, int64_t largest) {
+  uint64_t seed = 1000;
+  for (int bits : {8, 4}) {
+    for (int64_t block : {int64_t{2}, int64_t{8}, int64_t{256}}) {
+      for (int64_t rows : {int64_t{1}, int64_t{3}}) {
+        for (int64_t blocks : {int64_t{1}, int64_t{5}, int64_t{4099}}) {
+          if (rows * blocks * block <= largest) CheckQuantize(mem, results, rows, blocks * block, bits, block, seed++);
+        }
+      }
+    }
+  }
+}
+
 std::vector<int64_t> Sizes(int64_t largest) {
   const int64_t full_grid = detail::kMaxBlocks * detail::kThreads;
   std::vector<int64_t> all = {0,    1,    2,    3,    4,    5,    7,     8,         9,        15,
@@ -894,6 +972,7 @@ int RunChecks(M& mem, int64_t largest) {
   CheckDtype<M, BFloat16>(mem, results, sizes);
   CheckDtype<M, float>(mem, results, sizes);
   CheckDtype<M, double>(mem, results, sizes);
+  CheckQuantizeShapes(mem, results, largest);
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count();
   std::printf("\n%-26s %-9s %6s %14s %11s %9s %s\n", "kernel", "dtype", "cases", "elements", "mismatches", "max ulp",
               "result");

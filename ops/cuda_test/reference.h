@@ -12,9 +12,11 @@
 #ifndef TFSYNC_OPS_CUDA_TEST_REFERENCE_H_
 #define TFSYNC_OPS_CUDA_TEST_REFERENCE_H_
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 namespace reference {
 
@@ -173,6 +175,63 @@ bool ScaleAllFinite(const T* x, T* out, int64_t n, double scale) {
     out[i] = FromAcc<T>(s * ToAcc(x[i]));
   }
   return finite;
+}
+
+// QuantizeBlocks (quantize_kernels.cc): per block of `block` values of each row, scale =
+// max|x| / qmax and codes nearest(x / scale) (ties to even) in [-qmax, qmax]; a packed row is
+// the codes (int8, or 4-bit offset by 8, the even element low) then the scales.
+inline void QuantizeBlocks(const float* x, int64_t rows, int64_t length, int bits, int64_t block,
+                           uint8_t* packed, float* residual) {
+  const float qmax = bits == 8 ? 127.0f : 7.0f;
+  const int64_t code_bytes = length * bits / 8, row_bytes = code_bytes + 4 * (length / block);
+  for (int64_t r = 0; r < rows; ++r) {
+    uint8_t* row = packed + r * row_bytes;
+    std::memset(row, 0, static_cast<size_t>(code_bytes));
+    for (int64_t k = 0; k < length / block; ++k) {
+      const float* v = x + r * length + k * block;
+      float amax = 0.0f;
+      for (int64_t i = 0; i < block; ++i) amax = std::max(amax, std::fabs(v[i]));
+      const float scale = amax / qmax;
+      std::memcpy(row + code_bytes + 4 * k, &scale, sizeof(scale));
+      for (int64_t i = 0; i < block; ++i) {
+        const float q = std::min(std::max(std::nearbyint(v[i] / (scale > 0.0f ? scale : 1.0f)), -qmax), qmax);
+        const int64_t at = k * block + i;
+        if (bits == 8) {
+          row[at] = static_cast<uint8_t>(static_cast<int8_t>(q));
+        } else {
+          row[at / 2] |= static_cast<uint8_t>((static_cast<int>(q) + 8) << (at % 2 ? 4 : 0));
+        }
+        if (residual != nullptr) residual[r * length + at] = v[i] - q * scale;
+      }
+    }
+  }
+}
+
+// DequantizeBlocks: codes * scale; DequantizeSum: factor * the sum over rows in row order.
+inline void DequantizeBlocks(const uint8_t* packed, int64_t rows, int64_t length, int bits, int64_t block,
+                             float* out) {
+  const int64_t code_bytes = length * bits / 8, row_bytes = code_bytes + 4 * (length / block);
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint8_t* row = packed + r * row_bytes;
+    for (int64_t i = 0; i < length; ++i) {
+      float scale;
+      std::memcpy(&scale, row + code_bytes + 4 * (i / block), sizeof(scale));
+      const float code = bits == 8 ? static_cast<float>(static_cast<int8_t>(row[i]))
+                                   : static_cast<float>((row[i / 2] >> (i % 2 ? 4 : 0)) & 15) - 8.0f;
+      out[r * length + i] = code * scale;
+    }
+  }
+}
+
+inline void DequantizeSum(const uint8_t* packed, int64_t rows, int64_t length, int bits, int64_t block,
+                          float factor, float* out) {
+  std::vector<float> values(static_cast<size_t>(rows * length));
+  DequantizeBlocks(packed, rows, length, bits, block, values.data());
+  for (int64_t i = 0; i < length; ++i) {
+    float total = 0.0f;
+    for (int64_t r = 0; r < rows; ++r) total += values[r * length + i];
+    out[i] = total * factor;
+  }
 }
 
 }  // namespace reference

@@ -26,8 +26,24 @@ from _build_tools import cuobjdump, nvcc_targets, require_nvcc, run
 from tfsync.launch import REPO_ROOT
 
 # every op with a GPU kernel, and the kernels' names in the device code
-CUDA_OPS = ("TfSync>DelayCompensate", "TfSync>DelayCompensateAdaptive", "TfSync>AllFinite", "TfSync>ScaleAllFinite")
-DEVICE_KERNELS = ("DelayCompensateOp", "AdaptiveOp", "AllFiniteOp", "ScaleAllFiniteOp")
+CUDA_OPS = (
+    "TfSync>DelayCompensate",
+    "TfSync>DelayCompensateAdaptive",
+    "TfSync>AllFinite",
+    "TfSync>ScaleAllFinite",
+    "TfSync>QuantizeBlocks",
+    "TfSync>DequantizeBlocks",
+    "TfSync>DequantizeSum",
+)
+DEVICE_KERNELS = (
+    "DelayCompensateOp",
+    "AdaptiveOp",
+    "AllFiniteOp",
+    "ScaleAllFiniteOp",
+    "QuantizeBlocksKernel",
+    "DequantizeBlocksKernel",
+    "DequantizeSumKernel",
+)
 
 pytestmark = [
     pytest.mark.skipif(

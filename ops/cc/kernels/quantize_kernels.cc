@@ -15,7 +15,12 @@
 // sent it, decoded and summed in float32 in row order, times the round's scale, in one
 // pass (no decoded copy of every row). Blocks (and, for the sum, blocks of the output)
 // are split over TensorFlow's intra-op threads; each block is written by one thread.
+// On a GPU (GOOGLE_CUDA builds) the same checks run and the plain CUDA kernels of
+// kernels/cuda/quantize.cu fill the outputs on the op's stream.
 #define EIGEN_USE_THREADS
+#if GOOGLE_CUDA
+#define EIGEN_USE_GPU
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -23,6 +28,7 @@
 #include <cstring>
 
 #include "kernels/cpu_parallel.h"
+#include "kernels/tfsync_kernels.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/tensor.h"
 #include "tensorflow/core/framework/tensor_shape.h"
@@ -73,6 +79,7 @@ inline float Code(const uint8_t* codes, int64_t i, int64_t bits) {
   return static_cast<float>((i & 1) ? (byte >> 4) : (byte & 15)) - 8.0f;
 }
 
+// The checks and outputs of TfSync>QuantizeBlocks; Run fills them on the op's device.
 class QuantizeBlocksOp : public OpKernel {
  public:
   explicit QuantizeBlocksOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
@@ -92,10 +99,13 @@ class QuantizeBlocksOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({rows, layout_.row_bytes(length)}), &packed));
     Tensor* residual = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(1, with_residual_ ? x.shape() : TensorShape({0}), &residual));
-    const float* in = x.flat<float>().data();
-    uint8_t* out = packed->flat<uint8_t>().data();
-    float* rest = with_residual_ ? residual->flat<float>().data() : nullptr;
-    const int64_t blocks_per_row = length / block, row_bytes = layout_.row_bytes(length);
+    Run(ctx, x.flat<float>().data(), rows, length, packed->flat<uint8_t>().data(),
+        with_residual_ ? residual->flat<float>().data() : nullptr);
+  }
+
+ protected:
+  virtual void Run(OpKernelContext* ctx, const float* in, int64_t rows, int64_t length, uint8_t* out, float* rest) {
+    const int64_t block = layout_.block, blocks_per_row = length / block, row_bytes = layout_.row_bytes(length);
     const int64_t code_bytes = layout_.code_bytes(length), bits = layout_.bits;
     const float qmax = layout_.qmax();
     ParallelElementwise(ctx, rows * blocks_per_row, block * 4, [&](int64_t begin, int64_t end) {
@@ -125,7 +135,6 @@ class QuantizeBlocksOp : public OpKernel {
     });
   }
 
- private:
   Layout layout_;
   bool with_residual_ = false;
 };
@@ -162,11 +171,14 @@ class DequantizeBlocksOp : public DequantizeOp {
   void Compute(OpKernelContext* ctx) override {
     const Tensor& packed = ctx->input(0);
     if (!CheckPacked(ctx, packed)) return;
-    const int64_t rows = packed.dim_size(0), length = length_, block = layout_.block, bits = layout_.bits;
     Tensor* values = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({rows, length}), &values));
-    const uint8_t* in = packed.flat<uint8_t>().data();
-    float* out = values->flat<float>().data();
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({packed.dim_size(0), length_}), &values));
+    Run(ctx, packed.flat<uint8_t>().data(), packed.dim_size(0), values->flat<float>().data());
+  }
+
+ protected:
+  virtual void Run(OpKernelContext* ctx, const uint8_t* in, int64_t rows, float* out) {
+    const int64_t length = length_, block = layout_.block, bits = layout_.bits;
     const int64_t blocks_per_row = length / block, row_bytes = layout_.row_bytes(length);
     const int64_t code_bytes = layout_.code_bytes(length);
     ParallelElementwise(ctx, rows * blocks_per_row, block * 4, [&](int64_t begin, int64_t end) {
@@ -194,11 +206,14 @@ class DequantizeSumOp : public DequantizeOp {
                 errors::InvalidArgument("scale must be a scalar, got shape ", scale_t.shape().DebugString()));
     const float factor = scale_t.scalar<float>()();
     OP_REQUIRES(ctx, std::isfinite(factor), errors::InvalidArgument("scale must be finite, got ", factor));
-    const int64_t rows = packed.dim_size(0), length = length_, block = layout_.block, bits = layout_.bits;
     Tensor* total = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({length}), &total));
-    const uint8_t* in = packed.flat<uint8_t>().data();
-    float* out = total->flat<float>().data();
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({length_}), &total));
+    Run(ctx, packed.flat<uint8_t>().data(), packed.dim_size(0), factor, total->flat<float>().data());
+  }
+
+ protected:
+  virtual void Run(OpKernelContext* ctx, const uint8_t* in, int64_t rows, float factor, float* out) {
+    const int64_t length = length_, block = layout_.block, bits = layout_.bits;
     const int64_t row_bytes = layout_.row_bytes(length), code_bytes = layout_.code_bytes(length);
     ParallelElementwise(ctx, length / block, block * 4 * std::max<int64_t>(rows, 1), [&](int64_t begin, int64_t end) {
       for (int64_t k = begin; k < end; ++k) {
@@ -219,6 +234,57 @@ class DequantizeSumOp : public DequantizeOp {
 REGISTER_KERNEL_BUILDER(Name("TfSync>QuantizeBlocks").Device(tensorflow::DEVICE_CPU), QuantizeBlocksOp);
 REGISTER_KERNEL_BUILDER(Name("TfSync>DequantizeBlocks").Device(tensorflow::DEVICE_CPU), DequantizeBlocksOp);
 REGISTER_KERNEL_BUILDER(Name("TfSync>DequantizeSum").Device(tensorflow::DEVICE_CPU), DequantizeSumOp);
+
+#if GOOGLE_CUDA
+// The GPU kernels: the same checks and outputs, the plain CUDA launchers of
+// kernels/cuda/quantize.cu on the op's stream.
+using GPUDevice = Eigen::GpuDevice;
+
+class QuantizeBlocksGpuOp : public QuantizeBlocksOp {
+ public:
+  using QuantizeBlocksOp::QuantizeBlocksOp;
+
+ protected:
+  void Run(OpKernelContext* ctx, const float* in, int64_t rows, int64_t length, uint8_t* out, float* rest) override {
+    const auto stream = ctx->eigen_device<GPUDevice>().stream();
+    OP_REQUIRES_OK(ctx, CudaLaunchStatus(cuda::QuantizeBlocks(in, rows, length, static_cast<int>(layout_.bits),
+                                                              layout_.block, out, rest, stream),
+                                         "TfSync>QuantizeBlocks"));
+  }
+};
+
+class DequantizeBlocksGpuOp : public DequantizeBlocksOp {
+ public:
+  using DequantizeBlocksOp::DequantizeBlocksOp;
+
+ protected:
+  void Run(OpKernelContext* ctx, const uint8_t* in, int64_t rows, float* out) override {
+    const auto stream = ctx->eigen_device<GPUDevice>().stream();
+    OP_REQUIRES_OK(ctx, CudaLaunchStatus(cuda::DequantizeBlocks(in, rows, length_, static_cast<int>(layout_.bits),
+                                                                layout_.block, out, stream),
+                                         "TfSync>DequantizeBlocks"));
+  }
+};
+
+class DequantizeSumGpuOp : public DequantizeSumOp {
+ public:
+  using DequantizeSumOp::DequantizeSumOp;
+
+ protected:
+  void Run(OpKernelContext* ctx, const uint8_t* in, int64_t rows, float factor, float* out) override {
+    const auto stream = ctx->eigen_device<GPUDevice>().stream();
+    OP_REQUIRES_OK(ctx, CudaLaunchStatus(cuda::DequantizeSum(in, rows, length_, static_cast<int>(layout_.bits),
+                                                             layout_.block, factor, out, stream),
+                                         "TfSync>DequantizeSum"));
+  }
+};
+
+REGISTER_KERNEL_BUILDER(Name("TfSync>QuantizeBlocks").Device(tensorflow::DEVICE_GPU), QuantizeBlocksGpuOp);
+REGISTER_KERNEL_BUILDER(Name("TfSync>DequantizeBlocks").Device(tensorflow::DEVICE_GPU), DequantizeBlocksGpuOp);
+// the scale is read on the host, to check it and pass it to the launch
+REGISTER_KERNEL_BUILDER(Name("TfSync>DequantizeSum").Device(tensorflow::DEVICE_GPU).HostMemory("scale"),
+                        DequantizeSumGpuOp);
+#endif  // GOOGLE_CUDA
 
 }  // namespace
 }  // namespace tfsync

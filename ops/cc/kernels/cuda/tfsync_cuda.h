@@ -12,7 +12,7 @@
 // finite_kernels.cc): the same operations in the same order, each rounded as IEEE
 // prescribes (no fused multiply-add, no fast math), and __half / __nv_bfloat16
 // computed in float and rounded to nearest even once per stored value.
-// Instantiated for __half, __nv_bfloat16, float and double.
+// The elementwise launchers are instantiated for __half, __nv_bfloat16, float and double.
 #ifndef TFSYNC_OPS_CC_KERNELS_CUDA_TFSYNC_CUDA_H_
 #define TFSYNC_OPS_CC_KERNELS_CUDA_TFSYNC_CUDA_H_
 
@@ -73,6 +73,19 @@ cudaError_t AllFinite(const T* x, int64_t n, bool* finite, cudaStream_t stream);
 template <typename T>
 cudaError_t ScaleAllFinite(const T* x, T* out, int64_t n, double scale, bool* finite,
                            cudaStream_t stream);
+
+// Block quantization (the float32 only ops; ../quantize_kernels.cc): x is `rows` rows of
+// `length` values (length a multiple of `block`, an even number; bits 8 or 4); packed is
+// rows of length * bits / 8 code bytes then length / block float32 scales. residual (may
+// be null) gets x minus what the codes decode to.
+cudaError_t QuantizeBlocks(const float* x, int64_t rows, int64_t length, int bits, int64_t block, uint8_t* packed,
+                           float* residual, cudaStream_t stream);
+// out (rows x length) = what each packed row stands for.
+cudaError_t DequantizeBlocks(const uint8_t* packed, int64_t rows, int64_t length, int bits, int64_t block,
+                             float* out, cudaStream_t stream);
+// out (length) = factor * the sum over the rows, in row order, of what they stand for.
+cudaError_t DequantizeSum(const uint8_t* packed, int64_t rows, int64_t length, int bits, int64_t block, float factor,
+                          float* out, cudaStream_t stream);
 
 }  // namespace cuda
 }  // namespace tfsync
