@@ -172,6 +172,15 @@ def test_diloco_with_outer_sgd_at_1_and_no_momentum_trains_as_localsgd(frontend)
         assert_close(diloco[r]["weights"], local[r]["weights"])
 
 
+def local_step(models, shards, k, loss):
+    """Each replica's own optimizer step on batch ``k`` of its own shard."""
+    for m, (x, y) in zip(models, shards):
+        xb, yb = x[k * BATCH : (k + 1) * BATCH], y[k * BATCH : (k + 1) * BATCH]
+        with tf.GradientTape() as tape:
+            value = loss(yb, m(xb))
+        m.optimizer.apply(tape.gradient(value, m.trainable_variables), m.trainable_variables)
+
+
 def reference(initial, period, outer=None, overlap=0, mixing=0.0, accumulate=None):
     """Two replicas from ``initial``, each with its own Adam on its own shard (accumulating
     ``accumulate`` batches per update, when given).  Every ``period`` updates (and at the end) an
@@ -207,11 +216,7 @@ def reference(initial, period, outer=None, overlap=0, mixing=0.0, accumulate=Non
     done, batches, in_flight = 0, 0, None
     for _ in range(EPOCHS):
         for k in range(STEPS):
-            for m, (x, y) in zip(models, shards):
-                xb, yb = x[k * BATCH : (k + 1) * BATCH], y[k * BATCH : (k + 1) * BATCH]
-                with tf.GradientTape() as tape:
-                    value = loss(yb, m(xb))
-                m.optimizer.apply(tape.gradient(value, m.trainable_variables), m.trainable_variables)
+            local_step(models, shards, k, loss)
             batches += 1
             if batches % (accumulate or 1):  # (a batch that only accumulated: no update to count)
                 continue
@@ -519,11 +524,7 @@ def fragment_reference(initial, period, fragments):
     done = 0
     for _ in range(EPOCHS):
         for k in range(STEPS):
-            for m, (x, y) in zip(models, shards):
-                xb, yb = x[k * BATCH : (k + 1) * BATCH], y[k * BATCH : (k + 1) * BATCH]
-                with tf.GradientTape() as tape:
-                    value = loss(yb, m(xb))
-                m.optimizer.apply(tape.gradient(value, m.trainable_variables), m.trainable_variables)
+            local_step(models, shards, k, loss)
             done += 1
             for p in range(fragments):
                 if done % period == ((p + 1) * period // fragments) % period:
