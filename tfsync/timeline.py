@@ -379,7 +379,10 @@ def mode_label(policy) -> str:
             return f"{value['class_name']}(lr={rate if isinstance(rate, int | float) else 'schedule'})"
         return value
 
-    params = ", ".join(f"{k}={short(v)}" for k, v in policy.items() if k != "mode")
+    # (no compression, the default, is not named)
+    params = ", ".join(
+        f"{k}={short(v)}" for k, v in policy.items() if k != "mode" and not (k == "compression" and v is None)
+    )
     return policy["mode"].upper() + (f" ({params})" if params else "")
 
 

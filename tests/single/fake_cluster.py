@@ -18,7 +18,11 @@ metadata row appended to the float32 group as :func:`encode_meta` digits,
 ``grouped_allreduce``, which reduces as Horovod does: the element-wise sum
 over ranks in float32, then ``Average`` times ``1 / size`` and
 ``postscale_factor`` applied to it, both in float64 and rounded to float32
-(Horovod's ``ScaleBuffer``).
+(Horovod's ``ScaleBuffer``); float16 is summed one rank at a time, each
+addition rounded to float16, as Horovod's own float16 sum does, so a
+compressed round (``compression="fp16"``) rounds and overflows here as it
+does in production.  ``allgather`` (bf16's wire) concatenates the ranks'
+tensors in rank order.
 """
 
 import collections
@@ -187,8 +191,8 @@ class FakeRank:
     def average(self, tensors, name):
         return self.grouped_allreduce(tensors, self.Average, name)
 
-    def collective(self, average):
-        return rounds.horovod_collective(average, hvd=self)
+    def collective(self, average, compression=None):
+        return rounds.horovod_collective(average, hvd=self, compression=compression)
 
     def barrier(self, name):
         return lambda: self._cluster.meet(self._rank, "barrier", name, None, lambda objs: [None] * len(objs))
@@ -220,14 +224,34 @@ class FakeRank:
             return sorted(set(range(self._cluster.size)) - self._cluster.arrivals.get(key, set()))
 
     # what horovod_collective needs from Horovod
+    def allgather(self, tensor, name):
+        value = np.asarray(tensor)
+        out = self._cluster.meet(
+            self._rank,
+            "allgather",
+            name,
+            value,
+            lambda vs: [np.concatenate(vs, axis=0)] * len(vs),
+            detail=(str(value.dtype), value.shape[1:]),
+        )
+        return tf.constant(out)
+
     def grouped_allreduce(self, tensors, op, name, postscale_factor=1.0):
         arrays = [np.asarray(t) for t in tensors]
         dtypes = tuple(str(a.dtype) for a in arrays)
         shapes = tuple(a.shape for a in arrays)
         size = self._cluster.size
 
+        def summed(parts):
+            if parts[0].dtype != np.float16:
+                return np.sum(parts, axis=0, dtype=parts[0].dtype)
+            total = parts[0]
+            for p in parts[1:]:  # (each addition in float32, rounded to float16)
+                total = (total.astype(np.float32) + p.astype(np.float32)).astype(np.float16)
+            return total
+
         def reduce(per_rank):
-            totals = [np.sum([p[i] for p in per_rank], axis=0, dtype=arrays[i].dtype) for i in range(len(arrays))]
+            totals = [summed([p[i] for p in per_rank]) for i in range(len(arrays))]
             factor = postscale_factor / size if op == self.Average else postscale_factor
             if factor != 1.0:
                 totals = [_scale(t, factor) for t in totals]

@@ -51,14 +51,17 @@ import numpy as np
 from tfsync import _env
 from tfsync.engine import bindings, lifecycle, protocols
 from tfsync.engine.cluster import HorovodCluster
+from tfsync.engine.compression import WireBytes, WireFormat, counted
 from tfsync.engine.control import ControlClient
 from tfsync.engine.diagnosis import Diagnosis
 from tfsync.engine.entry import CoordinatedRounds, OpenRounds
 from tfsync.engine.exchange import RoundExchange
 from tfsync.engine.nonfinite import NonFinite
+from tfsync.engine.rounds import META_WIDTH
 from tfsync.engine.settings import EngineSettings
 from tfsync.engine.tally import COUNTS, Tally, Trace, round_stamps, settled_fields
 from tfsync.policies import Policy
+from tfsync.policies.base import check_compression
 
 WAIT_TIMEOUT_ENV = _env.WAIT_TIMEOUT_S.name
 WAIT_POLL_S = 1.0  # a waiting worker checks the control path (losses, stops, its deadline) this often
@@ -146,16 +149,28 @@ class SyncEngine:
         options = {**protocol_cls.exchange_options(), **self.entry.exchange_options()}
         for c in self.components:
             options.update(c.exchange_options())
+        # compression (tfsync.engine.compression): the rounds' wire type, the range a
+        # contribution must keep to, and every round's bytes on the wire
+        self.compression = compression = check_compression(type(policy).__name__, policy.compression)
+        dtypes = [getattr(t, "dtype", None) for t in tensors]
+        self.wire_bytes = WireBytes(self.shapes, dtypes, self.size, compression, META_WIDTH)
+        per_rank = 2 if policy.compensate is not None else 1  # (a late contribution rides beside a fresh one)
+        self.wire_format = WireFormat(compression, self.size, per_rank) if compression else None
+        # (a cluster is asked for compression only when the mode sets one: a stand-in may not take it)
+        wire = {"compression": compression} if compression else {}
+        collective = cluster.collective(options["averages"], **wire)
         # the exchange first: a frontend may route the protocol's variable creation
         # (SyncStrategy broadcasts initial values) through it
         self.exchange = RoundExchange(
-            cluster.collective(options["averages"]),
+            counted(collective, self.wire_bytes),
             self.rank,
             self.size,
             self.t0,
             abort=getattr(cluster, "abort", None),
             **options,
         )
+        if self.wire_format is not None:  # (BSP's checked sum: a redone round checks the range too)
+            self.exchange.in_range = self.wire_format.in_range
         self.protocol = protocol_cls(tensors, self.size, policy)
         self.protocol.bind(self)
         self.control = ControlClient(address, self.rank, token, on_close=self.entry.on_close(), fallback=fallback)
@@ -195,6 +210,12 @@ class SyncEngine:
         return self.tally.counts
 
     @property
+    def bytes(self) -> dict:
+        """This engine's bytes on the wire so far (:data:`tfsync.engine.compression.BYTES`: sent and
+        received, compressed and not; the model is :mod:`tfsync.engine.compression`'s)."""
+        return self.wire_bytes.total
+
+    @property
     def totals(self) -> dict:
         """This epoch's counts, steps, compute and wait seconds."""
         return self.tally.totals
@@ -221,13 +242,18 @@ class SyncEngine:
             if self.tracing:
                 settled = settled_fields(applied, self.step - 1, self.applied_through, drops, compensated)
                 self.trace({"event": "finish", "rank": self.rank, "t": t, "wait_s": wait_s, **settled})
+        sent = self.tally.add_bytes(self.wire_bytes.take())  # (the rounds since the last step's record)
         drained = False
         for c in self.components:
             drained = c.finish(apply_mean) or drained
         drained = self.entry.drain() or drained
         drops = self.tally.settle(self.exchange)  # (and what the components counted: a final round's rejection)
+        drained_bytes = self.tally.add_bytes(self.wire_bytes.take())  # (a final round's)
+        sent = {k: sent[k] + drained_bytes[k] for k in sent}
         if drained:
             self.trace({"event": "drain", "rank": self.rank, "t": self.now(), "drops": drops, "dropped": len(drops)})
+        if any(sent.values()):
+            self.trace({"event": "bytes", "rank": self.rank, "t": self.now(), **sent})
         self.protocol.finish()
         self.tally.check(self.rank)
 
@@ -432,6 +458,8 @@ class SyncEngine:
             "compensated": compensated,
             "skipped": int(skipped),
         }
+        sent = self.tally.add_bytes(self.wire_bytes.take())
+        self.last.update(sent)
         tot = self.tally.totals
         tot["steps"] += 1
         tot["compute_s"] += compute_s
@@ -442,7 +470,7 @@ class SyncEngine:
         if self.tracing:  # (the record is built only for a trace: every step runs this)
             times = {"t_start": t_start, "t_push": t_push, "t_end": t_end, "compute_s": compute_s, "wait_s": wait_s}
             settled = settled_fields(applied, step, self.applied_through, drops, compensated)
-            self.trace({"rank": self.rank, "step": step, **times, **settled, "skipped": skipped, **extra})
+            self.trace({"rank": self.rank, "step": step, **times, **settled, "skipped": skipped, **sent, **extra})
         self.step = step + 1
         self._t_step_start = t_end
 

@@ -143,6 +143,7 @@ class DCS3GD(Policy):
     payload = "compensated_updates"
 
     def __post_init__(self):
+        super().__post_init__()
         if not isinstance(self.compensation, DelayCompensation):
             raise TypeError(
                 f"DCS3GD(compensation={self.compensation!r}): compensation must be a "

@@ -103,6 +103,7 @@ class DSSP(Policy):
     payload = "updates"
 
     def __post_init__(self):
+        super().__post_init__()
         hint = "e.g. tfsync.DSSP(low=3, high=15)"
         _check_int("DSSP", "low", self.low, 0, hint)
         _check_int("DSSP", "high", self.high, 0, hint)
@@ -313,6 +314,7 @@ class ElasticBSP(Policy):
     skips = True
 
     def __post_init__(self):
+        super().__post_init__()
         from tfsync.scheduler import ALGORITHMS
 
         _check_int("ElasticBSP", "lookahead", self.lookahead, 1, "e.g. tfsync.ElasticBSP(lookahead=15)")

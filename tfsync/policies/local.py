@@ -154,6 +154,7 @@ class LocalSGD(Policy):
     mixing = 0.0
 
     def __post_init__(self):
+        super().__post_init__()
         _check_steps("LocalSGD", "period", self.period, "tfsync.LocalSGD(period=8)")
 
     @property
@@ -248,6 +249,7 @@ class DiLoCo(Policy):
     payload = "pseudo_gradients"
 
     def __post_init__(self):
+        super().__post_init__()
         _check_steps("DiLoCo", "inner_steps", self.inner_steps, "tfsync.DiLoCo(inner_steps=8)")
         example = "e.g. tfsync.DiLoCo(inner_steps=8, overlap_steps=2)"
         tau = self.overlap_steps
@@ -315,6 +317,7 @@ class DiLoCo(Policy):
             "outer_optimizer": self.outer_optimizer_config,
             "overlap_steps": self.overlap_steps,
             "mixing": self.mixing,
+            "compression": self.compression,
         }
 
 

@@ -186,6 +186,7 @@ class PSP(Policy):
     enters_when_ready = True  # ... and every one ready when its worker enters: no answer to wait for
 
     def __post_init__(self):
+        super().__post_init__()
         hint = "e.g. tfsync.PSP(min_contributions=3, push_timeout_s=0.0)"
         check_compensate("PSP", self.compensate)
         if self.min_contributions is not None:
@@ -300,6 +301,7 @@ class BackupWorkers(Policy):
     accepts_ready = True  # every ready rank when it closes (PSP); the first N close it at the N-th (backup)
 
     def __post_init__(self):
+        super().__post_init__()
         _check_int("BackupWorkers", "backups", self.backups, 0, "e.g. tfsync.BackupWorkers(backups=1)")
         check_compensate("BackupWorkers", self.compensate)
 

@@ -53,6 +53,7 @@ class SSP(Policy):
     payload = "updates"
 
     def __post_init__(self):
+        super().__post_init__()
         if isinstance(self.staleness, bool) or not isinstance(self.staleness, int):
             raise TypeError(
                 f"SSP(staleness={self.staleness!r}): staleness must be an int >= 0 "

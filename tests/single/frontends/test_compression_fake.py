@@ -1,0 +1,69 @@
+"""``compression=`` through ``model.fit``: two ranks on threads of one process (:mod:`fake_cluster`,
+whose float16 sum rounds as Horovod's does), both frontends, and the bytes in the epoch logs."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from fake_cluster import assert_no_errors
+from training_fake import EPOCHS, SIZE, STEPS, assert_identical, job, layers, optimizer, train_on_shards
+
+import tfsync
+from tfsync.engine import rounds
+
+pytestmark = pytest.mark.usefixtures("engines_on_localhost")
+
+PARAMS = 3 * 4 + 4 + 4 * 1 + 1  # the two Dense layers of training_fake.layers()
+
+
+def fp16_mean(grads):
+    """What BSP under fp16 applies: each rank's share g / 2 in float16, their float16 sum, back."""
+    out = []
+    for per_rank in zip(*grads):
+        shares = [tf.cast(tf.cast(g / SIZE, tf.float16), tf.float32) for g in per_rank]
+        total = shares[0]
+        for s in shares[1:]:
+            total = tf.cast(tf.cast(total + s, tf.float16), tf.float32)
+        out.append(total)
+    return out
+
+
+def reference(initial, aggregate):
+    model = keras.Sequential(layers())
+    model.compile(optimizer=optimizer("adam"), loss="mse")
+    model.set_weights(initial)
+    return train_on_shards(model, aggregate)
+
+
+@pytest.mark.parametrize("frontend", ["callback", "strategy"])
+def test_bsp_with_fp16_trains_as_one_model_on_the_rounded_mean_with_identical_replicas(frontend):
+    initial = keras.Sequential(layers()).get_weights()
+    results, errors = job(frontend, tfsync.BSP(compression="fp16"), initial=initial)
+    assert_no_errors(errors)
+    assert_identical(results)
+    weights = results[0][0][: len(initial)]
+    rounded = reference(initial, fp16_mean)
+    exact = reference(initial, lambda grads: [tf.reduce_mean(tf.stack(g), axis=0) for g in zip(*grads)])
+    for w, r in zip(weights, rounded):
+        np.testing.assert_allclose(w, r, rtol=1e-4, atol=1e-6)
+    assert any(not np.array_equal(r, e) for r, e in zip(rounded, exact))  # (the rounding shows: not vacuous)
+
+
+def test_the_epoch_logs_count_the_bytes_on_the_wire_before_and_after_compression():
+    seen = {}
+
+    def after_fit(sync, rank):
+        seen[rank] = (dict(sync.engine.bytes), sync.model.history.history)
+
+    results, errors = job("callback", tfsync.BSP(compression="fp16"), after_fit=after_fit)
+    assert_no_errors(errors)
+    meta = SIZE * rounds.META_WIDTH * 4
+    ring = 2 * (SIZE - 1) / SIZE
+    per_round = {"before": ring * (PARAMS * 4 + meta), "after": ring * (PARAMS * 2 + meta)}
+    for rank in range(SIZE):
+        total, history = seen[rank]
+        assert total["bytes_sent"] == total["bytes_received"] == STEPS * EPOCHS * per_round["after"]
+        assert total["uncompressed_bytes_sent"] == STEPS * EPOCHS * per_round["before"]
+        for epoch in range(EPOCHS):  # every epoch's rounds in its logs (one round a step)
+            assert history["tfsync_bytes_sent"][epoch] == STEPS * per_round["after"]
+            assert history["tfsync_uncompressed_bytes_received"][epoch] == STEPS * per_round["before"]

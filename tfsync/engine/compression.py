@@ -1,0 +1,204 @@
+"""A round's payload on the wire in 16 bits (``compression="fp16" | "bf16"``), and its bytes.
+
+Horovod's meaning (``horovod.tensorflow.compression``): each floating tensor
+of 32 or 64 bits is cast to the wire type for the exchange and the result is
+cast back to its own dtype; integer and 16-bit tensors go as they are.  The
+round's metadata (:mod:`tfsync.engine.rounds`) is not compressed: it goes in
+a float32 call of its own, exact as ever, so a compressed round is two
+grouped allreduces (one more negotiation; its bytes are counted).
+
+* ``"fp16"``: ``hvd.grouped_allreduce`` of float16 tensors; Horovod sums
+  them in float16 (each addition rounded to float16).  float16's largest
+  value is 65504: a sum can overflow where float32's would not.  So each
+  contribution is divided by the number of workers ``n`` before the cast
+  (in its own dtype) and the result multiplied back after it (a mean is the
+  sum of those shares as it is), and a contribution with an element above
+  :attr:`WireFormat.limit` in magnitude (65504 over the rounding the sum can
+  add, ``(1 + 2^-11)^n``, and over 2 where a rank's row may carry a late,
+  compensated contribution besides its fresh one) is rejected before it is
+  sent: counted as ``rejected``, traced and logged
+  (:mod:`tfsync.engine.nonfinite`), never clipped or sent as an infinity.
+  Then no round's sum can overflow on the wire.  Under BSP, whose
+  contributions are not checked one by one (the round's sum is), an
+  overflow shows in the sum, which is redone without the contribution that
+  is out of range, and a redone sum still not finite rejects the round
+  whole, counted as such (:mod:`tfsync.engine.exchange`).  The division by
+  ``n`` costs ``log2(n)`` bits at the small end of float16's range:
+  elements below about ``6e-8 · n`` are sent as zero, as below ``6e-8``
+  they are under Horovod's ``Compression.fp16``.
+* ``"bf16"``: Horovod's allreduce takes no bfloat16, so each worker's
+  bfloat16 tensors (concatenated, as 16-bit words) go out in one
+  ``hvd.allgather`` and every worker sums the ``n`` rows in float32, in rank
+  order (the same sum on every worker).  bfloat16 has float32's range
+  (8 exponent bits) and 8 bits of mantissa: it rounds more than float16 and
+  does not overflow where float32 would not; a contribution beyond its
+  largest value is rejected as above.  An allgather moves ``n - 1`` rows
+  each way per worker against an allreduce's ``2·(n-1)/n``: at 2 workers
+  the bytes equal fp16's, beyond that they grow with ``n`` (see the bytes
+  model below); prefer fp16 on more than 2 workers unless its range is the
+  problem.
+
+Bytes on the wire (:class:`WireBytes`), counted by the engine for every
+collective a round runs (a redone BSP round counts twice) and for nothing
+else (broadcasts, the control path and the epoch logs' averages are not
+counted).  The model is a ring: an allreduce of ``B`` bytes over ``n``
+workers sends and receives ``2·(n-1)/n·B`` bytes on each worker
+(reduce-scatter then all-gather: NCCL's ring and Gloo's ring algorithms); an
+allgather of ``B`` bytes from each worker sends and receives ``(n-1)·B``.
+``bytes_sent``/``bytes_received``: what went on the wire (the payload in its
+wire dtype plus the float32 metadata, ``META_WIDTH`` per worker);
+``uncompressed_bytes_sent``/``uncompressed_bytes_received``: the same rounds
+with the payload in its own dtype (what they cost without compression).
+With one worker nothing crosses a wire: all are 0.
+"""
+
+import threading
+
+import numpy as np
+
+from tfsync.engine.tally import BYTES
+from tfsync.policies.base import COMPRESSIONS, check_compression
+
+# the wire type's largest finite value and its unit roundoff (half an ulp at 1)
+_WIRE = {"fp16": ("float16", 65504.0, 2.0**-11), "bf16": ("bfloat16", 3.3895313892515355e38, 2.0**-8)}
+
+
+def wire_dtype(compression):
+    """The TensorFlow dtype ``compression`` sends floating tensors in (None: none)."""
+    if compression is None:
+        return None
+    import tensorflow as tf
+
+    return tf.as_dtype(_WIRE[check_compression("compression", compression)][0])
+
+
+def compresses(dtype, compression) -> bool:
+    """Whether a tensor of ``dtype`` is cast for the wire under ``compression``: floating and wider
+    than 16 bits."""
+    import tensorflow as tf
+
+    dtype = tf.as_dtype(dtype)
+    return compression is not None and dtype.is_floating and dtype.size > 2
+
+
+class WireFormat:
+    """What ``compression`` means for one job: the range a contribution must stay in.
+
+    Args:
+        compression: ``"fp16"`` or ``"bf16"``.
+        size: the number of workers.
+        per_rank: contributions a rank's row may carry in one round (2 where a late,
+            compensated contribution rides beside a fresh one: ``compensate=``).
+    """
+
+    def __init__(self, compression, size: int, per_rank: int = 1):
+        if compression not in COMPRESSIONS:
+            check_compression("WireFormat", compression)
+            raise ValueError(f"tfsync: WireFormat needs a compression, one of {list(COMPRESSIONS)}")
+        self.compression, self.size = compression, size
+        dtype, largest, roundoff = _WIRE[compression]
+        self.dtype_name = dtype
+        # every element of the sum of n shares x_i / n, each |x_i| <= limit, is at most
+        # limit * per_rank before rounding; each of the share's cast and the n - 1 additions
+        # may add a relative (1 + u)
+        self.limit = largest / (per_rank * (1.0 + roundoff) ** (size + 1))
+        self._check = None
+
+    def describe(self) -> str:
+        return f"{self.dtype_name} (compression={self.compression!r})"
+
+    def in_range(self, payload) -> np.ndarray:
+        """Whether each tensor of ``payload`` stays within :attr:`limit` (a bool per tensor;
+        tensors that go uncompressed are in range).  One compiled pass over the compressed ones,
+        built at the first call."""
+        import tensorflow as tf
+
+        if self._check is None:
+            from tfsync.engine.protocols._tf import compile_flat
+
+            specs = [tf.TensorSpec(t.shape, t.dtype) for t in payload]
+            limit = self.limit
+
+            def check(*tensors):
+                flags = []
+                for t in tensors:
+                    if compresses(t.dtype, self.compression):
+                        # (a NaN compares False: it is not in range either)
+                        flags.append(tf.reduce_all(tf.abs(t) <= tf.cast(limit, t.dtype)))
+                    else:
+                        flags.append(tf.constant(True))
+                return tf.stack(flags)
+
+            self._check = compile_flat(check, specs)
+        return np.asarray(self._check(*payload), bool)
+
+
+class WireBytes:
+    """The bytes this worker's rounds put on the wire (module docstring), counted per collective
+    call from the exchange thread and taken per step from the training thread.
+
+    Args:
+        shapes, dtypes: the payload's tensors.
+        size: the number of workers.
+        compression: None, ``"fp16"`` or ``"bf16"``.
+        meta_width: the metadata's float32 values per worker.
+    """
+
+    def __init__(self, shapes, dtypes, size: int, compression=None, meta_width: int = 0):
+        import tensorflow as tf
+
+        counts = [int(np.prod(s, dtype=np.int64)) for s in shapes]
+        dtypes = [tf.as_dtype(d) for d in dtypes]
+        meta = size * meta_width * 4
+        ring = 2.0 * (size - 1) / size if size > 1 else 0.0
+        raw = sum(n * d.size for n, d in zip(counts, dtypes))
+        if compression is None:
+            wire = ring * (raw + meta)
+        else:
+            squeezed = sum(n * 2 for n, d in zip(counts, dtypes) if compresses(d, compression))
+            kept = sum(n * d.size for n, d in zip(counts, dtypes) if not compresses(d, compression))
+            # bf16's floating tensors go by allgather: n - 1 rows of them each way
+            gathered = float(size - 1) if compression == "bf16" else ring
+            wire = gathered * squeezed + ring * (kept + meta)
+        self.per_call = {
+            "bytes_sent": wire,
+            "bytes_received": wire,
+            "uncompressed_bytes_sent": ring * (raw + meta),
+            "uncompressed_bytes_received": ring * (raw + meta),
+        }
+        self.meta_per_call = ring * meta  # (each way)
+        self._lock = threading.Lock()
+        self._calls = 0
+        self._taken = 0
+
+    def count(self):
+        """One collective call of a round ran."""
+        with self._lock:
+            self._calls += 1
+
+    @property
+    def total(self) -> dict:
+        """Every call so far (this engine's run)."""
+        with self._lock:
+            calls = self._calls
+        return {k: v * calls for k, v in self.per_call.items()}
+
+    def take(self) -> dict:
+        """The bytes of the calls since the last :meth:`take`."""
+        with self._lock:
+            calls, self._taken = self._calls - self._taken, self._calls
+        return {k: v * calls for k, v in self.per_call.items()}
+
+
+def counted(collective, wire_bytes):
+    """``collective`` that counts each call in ``wire_bytes``."""
+
+    def run(payload, meta, divisor=None):
+        out = collective(payload, meta, divisor=divisor)
+        wire_bytes.count()
+        return out
+
+    return run
+
+
+__all__ = ["BYTES", "WireBytes", "WireFormat", "compresses", "counted", "wire_dtype"]
