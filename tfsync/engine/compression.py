@@ -138,7 +138,8 @@ class WireBytes:
     call from the exchange thread and taken per step from the training thread.
 
     Args:
-        shapes, dtypes: the payload's tensors.
+        shapes: the payload's tensors' shapes.
+        dtypes: their dtypes.
         size: the number of workers.
         compression: None, ``"fp16"`` or ``"bf16"``.
         meta_width: the metadata's float32 values per worker.

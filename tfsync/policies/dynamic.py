@@ -91,6 +91,8 @@ class DSSP(Policy):
         low: ``s_L`` (int, ``>= 0``). Default 3, the paper's.
         high: ``s_U`` (int, ``>= low``). Default 15: the paper's range of
             extra iterations ``[0, 12]``.
+        compression: None (default), ``"fp16"`` or ``"bf16"``, keyword only: the rounds' floating
+            tensors in 16 bits on the wire (:mod:`tfsync.engine.compression`).
 
     Example:
 
@@ -301,6 +303,8 @@ class ElasticBSP(Policy):
         algorithm: the ZipLine variant, one of
             :data:`tfsync.scheduler.ALGORITHMS`. Default ``"optbs"``
             (ZipLineOptBS).
+        compression: None (default), ``"fp16"`` or ``"bf16"``, keyword only: the rounds' floating
+            tensors in 16 bits on the wire (:mod:`tfsync.engine.compression`).
 
     Example:
 

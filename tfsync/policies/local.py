@@ -141,6 +141,8 @@ class LocalSGD(Policy):
 
     Args:
         period: ``H``, local steps between two averagings (int ``>= 1``). Default 8.
+        compression: None (default), ``"fp16"`` or ``"bf16"``, keyword only: the rounds' floating
+            tensors in 16 bits on the wire (:mod:`tfsync.engine.compression`).
 
     Example:
 
@@ -235,6 +237,8 @@ class DiLoCo(Policy):
             round lands (default 0: the ``τ`` steps made meanwhile are dropped, and the replicas
             are identical after every outer step; above 0 they keep part of that progress and
             differ by it; only with ``overlap_steps > 0``).
+        compression: None (default), ``"fp16"`` or ``"bf16"``, keyword only: the rounds' floating
+            tensors in 16 bits on the wire (:mod:`tfsync.engine.compression`).
 
     Example:
 

@@ -165,6 +165,8 @@ class PSP(Policy):
         pull_blocks: ``B``, the number of blocks (consecutive weight tensors,
             balanced by size); at most the number of weight tensors.  Default
             ``None``: one block per weight tensor.
+        compression: None (default), ``"fp16"`` or ``"bf16"``, keyword only: the rounds' floating
+            tensors in 16 bits on the wire (:mod:`tfsync.engine.compression`).
 
     Example:
 
@@ -286,6 +288,8 @@ class BackupWorkers(Policy):
             A :class:`tfsync.DelayCompensation`: each is corrected and applied
             in the next round its worker computes for (counted as
             ``compensated``), so no worker's computation is wasted.
+        compression: None (default), ``"fp16"`` or ``"bf16"``, keyword only: the rounds' floating
+            tensors in 16 bits on the wire (:mod:`tfsync.engine.compression`).
 
     Example:
 
