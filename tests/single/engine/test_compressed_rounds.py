@@ -15,6 +15,7 @@ import pytest
 import tensorflow as tf
 from fake_cluster import FakeCluster, assert_no_errors, on_threads
 
+from tfsync import timeline
 from tfsync.engine import SyncEngine, rounds
 from tfsync.engine.compression import WireBytes, WireFormat
 from tfsync.engine.settings import EngineSettings
@@ -116,7 +117,7 @@ def test_the_bytes_model_is_a_ring_and_fp16_halves_the_float_payload():
     assert WireBytes(shapes, dtypes, 1, "fp16", rounds.META_WIDTH).per_call["bytes_sent"] == 0
 
 
-def train(policy, size=2, steps=6, bad=None, width=5):
+def train(policy, size=2, steps=6, bad=None, width=5, trace_dir=None):
     """``size`` real engines on threads, each pushing ``grad(rank, step)`` (``bad``: {(rank, step):
     value} put in its first element) and applying what comes back as plain SGD; per rank:
     ``(weights, counts, bytes, means)``."""
@@ -132,7 +133,9 @@ def train(policy, size=2, steps=6, bad=None, width=5):
 
     def run(rank):
         engine = SyncEngine(
-            policy, EngineSettings(stragglers=Stragglers(), wait_timeout_s=20.0), cluster=fake.rank(rank)
+            policy,
+            EngineSettings(stragglers=Stragglers(), wait_timeout_s=20.0, trace_dir=trace_dir),
+            cluster=fake.rank(rank),
         )
         var = tf.Variable(tf.zeros([width]))
         engine.start([var])
@@ -221,3 +224,11 @@ def test_a_contribution_near_float16s_largest_value_goes_through_where_a_plain_f
     assert_identical_and_counted(results)
     assert all(counts["rejected"] == 0 for _, counts, *_ in results)
     assert all(means[1][0] == 60000.0 for *_, means, _ in results)
+
+
+def test_the_trace_carries_every_rounds_bytes_and_the_timeline_adds_them_up(tmp_path):
+    results = train(SSP(staleness=2, compression="fp16"), steps=5, trace_dir=str(tmp_path))
+    summary = timeline.summarize(timeline.load_trace(str(tmp_path)))
+    for rank, (_, _, sent, _, _) in enumerate(results):
+        for key in ("bytes_sent", "bytes_received", "uncompressed_bytes_sent"):
+            assert summary["ranks"][rank][key] == sent[key] > 0

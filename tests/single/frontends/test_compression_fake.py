@@ -67,3 +67,35 @@ def test_the_epoch_logs_count_the_bytes_on_the_wire_before_and_after_compression
         for epoch in range(EPOCHS):  # every epoch's rounds in its logs (one round a step)
             assert history["tfsync_bytes_sent"][epoch] == STEPS * per_round["after"]
             assert history["tfsync_uncompressed_bytes_received"][epoch] == STEPS * per_round["before"]
+
+
+@pytest.mark.parametrize(
+    "mode",
+    [
+        tfsync.SSP(staleness=2, compression="fp16"),
+        tfsync.PSP(min_contributions=2, compression="fp16"),
+        tfsync.DCS3GD(compression="bf16"),
+        tfsync.LocalSGD(period=3, compression="fp16"),
+        tfsync.DiLoCo(inner_steps=3, compression="bf16"),
+    ],
+    ids=lambda m: f"{m.name}-{m.compression}",
+)
+def test_every_protocol_ends_with_identical_replicas_and_counts_its_rounds_bytes(mode):
+    seen = {}
+
+    def after_fit(sync, rank):
+        seen[rank] = (dict(sync.counts), dict(sync.engine.bytes), sync.engine.step)
+
+    results, errors = job("callback", mode, after_fit=after_fit)
+    assert_no_errors(errors)
+    assert_identical(results, optimizer_too=False)  # (an inner optimizer's state is each worker's own)
+    meta = SIZE * rounds.META_WIDTH * 4
+    ring = 2 * (SIZE - 1) / SIZE
+    for counts, sent, rounds_run in seen.values():
+        assert counts["produced"] == counts["applied"] + counts["compensated"] + counts["dropped"] + counts["rejected"]
+        assert rounds_run > 0
+        # every round (one per H steps under Local SGD and DiLoCo) one call of the payload in 16 bits (at
+        # 2 workers bf16's allgather moves what a ring does) and one of the metadata
+        per_round = ring * (PARAMS * 2 + meta)
+        assert sent["bytes_sent"] == rounds_run * per_round, (sent, rounds_run)
+        assert sent["uncompressed_bytes_sent"] / (ring * (PARAMS * 4 + meta)) == sent["bytes_sent"] / per_round
