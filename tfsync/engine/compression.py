@@ -7,32 +7,32 @@ round's metadata (:mod:`tfsync.engine.rounds`) is not compressed: it goes in
 a float32 call of its own, exact as ever, so a compressed round is two
 grouped allreduces (one more negotiation; its bytes are counted).
 
-* ``"fp16"``: ``hvd.grouped_allreduce`` of float16 tensors; Horovod sums
-  them in float16 (each addition rounded to float16).  float16's largest
-  value is 65504: a sum can overflow where float32's would not.  So each
-  contribution is divided by the number of workers ``n`` before the cast
-  (in its own dtype) and the result multiplied back after it (a mean is the
-  sum of those shares as it is), and a contribution with an element above
-  :attr:`WireFormat.limit` in magnitude (65504 over the rounding the sum can
-  add, ``(1 + 2^-11)^n``, and over 2 where a rank's row may carry a late,
-  compensated contribution besides its fresh one) is rejected before it is
-  sent: counted as ``rejected``, traced and logged
+* ``"fp16"``: ``hvd.grouped_allreduce`` of float16 tensors with the round's
+  own reduction; Horovod sums them in float16 (each addition rounded to
+  float16) and post-scales there, exactly as under its ``Compression.fp16``.
+  float16's largest value is 65504: ``n`` finite contributions can sum to an
+  infinity.  Horovod lets that infinity through; here a contribution with an
+  element above :attr:`WireFormat.limit` in magnitude (65504 over ``n``, over
+  the rounding the sum can add, ``(1 + 2^-11)^n``, and over 2 where a rank's
+  row may carry a late, compensated contribution besides its fresh one) is
+  rejected before it is sent: counted as ``rejected``, traced and logged
   (:mod:`tfsync.engine.nonfinite`), never clipped or sent as an infinity.
   Then no round's sum can overflow on the wire.  Under BSP, whose
   contributions are not checked one by one (the round's sum is), an
-  overflow shows in the sum, which is redone without the contribution that
-  is out of range, and a redone sum still not finite rejects the round
-  whole, counted as such (:mod:`tfsync.engine.exchange`).  The division by
-  ``n`` costs ``log2(n)`` bits at the small end of float16's range:
-  elements below about ``6e-8 · n`` are sent as zero, as below ``6e-8``
-  they are under Horovod's ``Compression.fp16``.
+  overflow shows in the sum, which is redone without the contributions
+  beyond that bound, and a redone sum still not finite rejects the round
+  whole, counted as such (:mod:`tfsync.engine.exchange`).  Rejecting rather
+  than scaling: dividing each contribution by ``n`` before the cast would
+  lift the bound to 65504 but send every value below about ``6e-8·n`` as
+  zero, and gradients live at the small end of the range; rejecting keeps
+  Horovod's numerics and makes the rare large value visible and counted.
 * ``"bf16"``: Horovod's allreduce takes no bfloat16, so each worker's
   bfloat16 tensors (concatenated, as 16-bit words) go out in one
   ``hvd.allgather`` and every worker sums the ``n`` rows in float32, in rank
   order (the same sum on every worker).  bfloat16 has float32's range
   (8 exponent bits) and 8 bits of mantissa: it rounds more than float16 and
-  does not overflow where float32 would not; a contribution beyond its
-  largest value is rejected as above.  An allgather moves ``n - 1`` rows
+  overflows only where float32 would; the bound is bfloat16's largest value
+  over ``n`` as above.  An allgather moves ``n - 1`` rows
   each way per worker against an allreduce's ``2·(n-1)/n``: at 2 workers
   the bytes equal fp16's, beyond that they grow with ``n`` (see the bytes
   model below); prefer fp16 on more than 2 workers unless its range is the
@@ -98,10 +98,10 @@ class WireFormat:
         self.compression, self.size = compression, size
         dtype, largest, roundoff = _WIRE[compression]
         self.dtype_name = dtype
-        # every element of the sum of n shares x_i / n, each |x_i| <= limit, is at most
-        # limit * per_rank before rounding; each of the share's cast and the n - 1 additions
-        # may add a relative (1 + u)
-        self.limit = largest / (per_rank * (1.0 + roundoff) ** (size + 1))
+        # the sum of n rows, each of per_rank contributions with every |x| <= limit, is at most
+        # n * per_rank * limit before rounding; each cast and each of the n - 1 additions may add
+        # a relative (1 + u)
+        self.limit = largest / (size * per_rank * (1.0 + roundoff) ** (size + 1))
         self._check = None
 
     def describe(self) -> str:

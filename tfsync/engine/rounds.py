@@ -110,13 +110,12 @@ def horovod_collective(average: bool, hvd=None, compression=None):
     per dtype (the metadata joins the float32 one).
 
     ``compression`` (``"fp16"``, ``"bf16"``; :mod:`tfsync.engine.compression`):
-    the floating tensors wider than 16 bits go in the wire type, each divided
-    by the number of workers first (so that their sum cannot overflow it) and
-    the result cast back and multiplied by what undoes that and applies the
-    round's scale, in the tensor's own dtype; fp16 in one grouped allreduce
-    (Horovod sums in float16), bf16 in one allgather summed in float32 in rank
-    order (Horovod's allreduce takes no bfloat16).  The metadata then goes
-    alone in its float32 call, exact as ever.
+    the floating tensors wider than 16 bits are cast to the wire type and the
+    result back to their own dtype, as Horovod's ``Compression.fp16`` does;
+    fp16 in one grouped allreduce with the round's own reduction (Horovod sums
+    and post-scales in float16), bf16 in one allgather summed in float32 in
+    rank order and scaled there (Horovod's allreduce takes no bfloat16).  The
+    metadata then goes alone in its float32 call, exact as ever.
 
     ``hvd``: ``horovod.tensorflow`` (default: as checked by
     :func:`tfsync._horovod.horovod`), or a stand-in with ``size()``, ``Sum``,
@@ -132,10 +131,11 @@ def horovod_collective(average: bool, hvd=None, compression=None):
     size = hvd.size()
     wire = wire_dtype(compression)
 
-    def squeezed_sum(tensors):
-        """The element-wise sum over the ranks of ``tensors`` (already in the wire type)."""
+    def squeezed(tensors, op, scale, factor):
+        """The round's reduction of ``tensors`` (in the wire type) over the ranks: ``op`` and
+        ``scale`` Horovod's (fp16), or the sum times ``factor`` (bf16, in float32)."""
         if compression == "fp16":
-            return hvd.grouped_allreduce(tensors, op=hvd.Sum, name="tfsync.round.wire")
+            return hvd.grouped_allreduce(tensors, op=op, name="tfsync.round.wire", **scale)
         shapes = [t.shape for t in tensors]
         flat = tf.concat([tf.reshape(t, [-1]) for t in tensors], 0)
         rows = hvd.allgather(tf.bitcast(flat, tf.uint16), name="tfsync.round.wire")
@@ -143,6 +143,8 @@ def horovod_collective(average: bool, hvd=None, compression=None):
         summed = rows[0]
         for r in range(1, size):  # (in rank order, one add at a time: the same sum on every rank)
             summed = summed + rows[r]
+        if factor != 1.0:
+            summed = summed * factor
         parts = tf.split(summed, [int(np.prod(s, dtype=np.int64)) for s in shapes])
         return [tf.reshape(p, s) for p, s in zip(parts, shapes)]
 
@@ -153,22 +155,19 @@ def horovod_collective(average: bool, hvd=None, compression=None):
         mean = average and divisor is None
         op = hvd.Average if mean else hvd.Sum
         scale = {} if divisor in (None, 1) else {"postscale_factor": 1.0 / divisor}  # (1: a plain sum)
-        groups, squeezed = {}, []
+        groups, to_wire = {}, []
         for i, t in enumerate(payload):
             if wire is not None and compresses(t.dtype, compression):
-                squeezed.append(i)
+                to_wire.append(i)
             else:
                 groups.setdefault(t.dtype, []).append(i)
         groups.setdefault(tf.float32, [])
         total = [None] * len(payload)
-        if squeezed:
-            # the shares x / size: their sum is the mean, times size the sum, times size / d the
-            # sum over d; the cast back and this factor in the tensor's own dtype
-            back = 1.0 if mean else size / (divisor or 1)
-            shares = [tf.cast(tf.convert_to_tensor(payload[i]) * (1.0 / size), wire) for i in squeezed]
-            for i, out in zip(squeezed, squeezed_sum(shares)):
-                out = tf.cast(out, tf.as_dtype(payload[i].dtype))
-                total[i] = out if back == 1.0 else out * back
+        if to_wire:
+            factor = 1.0 / size if mean else 1.0 / (divisor or 1)
+            wire_tensors = [tf.cast(payload[i], wire) for i in to_wire]
+            for i, out in zip(to_wire, squeezed(wire_tensors, op, scale, factor)):
+                total[i] = tf.cast(out, tf.as_dtype(payload[i].dtype))
         for k, (dtype, index) in enumerate(groups.items()):
             tensors = [payload[i] for i in index]
             if dtype == tf.float32:  # (NumPy: the op converts it itself)

@@ -17,14 +17,15 @@ PARAMS = 3 * 4 + 4 + 4 * 1 + 1  # the two Dense layers of training_fake.layers()
 
 
 def fp16_mean(grads):
-    """What BSP under fp16 applies: each rank's share g / 2 in float16, their float16 sum, back."""
+    """What BSP under fp16 applies: each rank's gradient in float16, their float16 sum, cast back
+    and divided by the number of workers (BSP checks and divides the plain sum itself)."""
     out = []
     for per_rank in zip(*grads):
-        shares = [tf.cast(tf.cast(g / SIZE, tf.float16), tf.float32) for g in per_rank]
-        total = shares[0]
-        for s in shares[1:]:
-            total = tf.cast(tf.cast(total + s, tf.float16), tf.float32)
-        out.append(total)
+        values = [tf.cast(tf.cast(g, tf.float16), tf.float32) for g in per_rank]
+        total = values[0]
+        for v in values[1:]:
+            total = tf.cast(tf.cast(total + v, tf.float16), tf.float32)
+        out.append(total * (1.0 / SIZE))
     return out
 
 
