@@ -100,3 +100,18 @@ def test_every_protocol_ends_with_identical_replicas_and_counts_its_rounds_bytes
         per_round = ring * (PARAMS * 2 + meta)
         assert sent["bytes_sent"] == rounds_run * per_round, (sent, rounds_run)
         assert sent["uncompressed_bytes_sent"] / (ring * (PARAMS * 4 + meta)) == sent["bytes_sent"] / per_round
+
+
+def test_auto_mode_runs_its_modes_compressed():
+    seen = {}
+
+    def after_fit(sync, rank):
+        seen[rank] = (sync.engine.policy.compression, dict(sync.engine.bytes), dict(sync.counts))
+
+    results, errors = job("callback", tfsync.Auto(compression="fp16", window_steps=4), after_fit=after_fit)
+    assert_no_errors(errors)
+    assert_identical(results, optimizer_too=False)
+    for compression, sent, counts in seen.values():
+        assert compression == "fp16"
+        assert 0 < sent["bytes_sent"] < sent["uncompressed_bytes_sent"]
+        assert counts["produced"] == counts["applied"] + counts["compensated"] + counts["dropped"]
