@@ -152,8 +152,7 @@ class SyncEngine:
         # compression (tfsync.engine.compression): the rounds' wire type, the range a
         # contribution must keep to, and every round's bytes on the wire
         self.compression = compression = check_compression(type(policy).__name__, policy.compression)
-        dtypes = [getattr(t, "dtype", None) for t in tensors]
-        self.wire_bytes = WireBytes(self.shapes, dtypes, self.size, compression, META_WIDTH)
+        self.wire_bytes = WireBytes(self.shapes, [t.dtype for t in tensors], self.size, compression, META_WIDTH)
         per_rank = 2 if policy.compensate is not None else 1  # (a late contribution rides beside a fresh one)
         self.wire_format = WireFormat(compression, self.size, per_rank) if compression else None
         # (a cluster is asked for compression only when the mode sets one: a stand-in may not take it)

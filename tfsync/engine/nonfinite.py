@@ -44,9 +44,11 @@ once corrected, before it is offered: one that is not finite is rejected the
 same way and never offered.
 
 Under ``compression=`` (:mod:`tfsync.engine.compression`) a contribution that
-is finite but has an element beyond the wire type's range (float16: about
-65504, less the headroom the sum needs) would arrive as an infinity: it is
-rejected the same way, before it is sent, and the warning or error says so.
+is finite but has an element beyond what the wire type's sum can carry
+(float16: 65504 over the number of workers, less rounding room) could make
+the round's sum an infinity: it is rejected the same way, before it is sent,
+and the warning or error says so.  Under BSP the round's sum shows it, and
+the redone round rejects such a contribution with the ones that are not finite.
 """
 
 import logging
@@ -66,9 +68,7 @@ FIX = (
     "(lower the learning rate, clip gradients)"
 )
 OUTCOME = "have a NaN or an infinity; the round goes on without it"
-WIRE_FIX = (
-    "lower the learning rate or clip gradients, or use compression='bf16' (float32's range) or " "compression=None"
-)
+WIRE_FIX = "lower the learning rate or clip gradients, or use compression='bf16' (float32's range) or compression=None"
 
 
 class NonFiniteError(FloatingPointError):
@@ -153,15 +153,16 @@ class NonFinite(StepComponent):
             step = int(res.steps[self.engine.rank])
             what = "gradients" if kind == "own" else "gradients (finite, but the round's sum of them overflowed)"
             wire = self.engine.wire_format
-            beyond = "" if wire is None else f" or exceed {wire.describe()}'s range"
+            beyond = "" if wire is None else f" or exceed what {wire.describe()} carries (|x| > {wire.limit:.6g})"
             outcome = (
                 f"have a NaN or an infinity{beyond}; the round went on without it"
                 if kind == "own"
                 else "summed over the workers to a NaN or an infinity; the round was rejected on every worker"
             )
-            self._reject(step, bad, what, {"round": res.round}, outcome)
+            fix = FIX if wire is None else f"{FIX}; if it is finite, {WIRE_FIX}"
+            self._reject(step, bad, what, {"round": res.round}, outcome, fix)
             if kind == "own" and self.on_nonfinite == "raise":
-                raise self.engine.stop(self._own_error(step, bad, what))
+                raise self.engine.stop(self._own_error(step, bad, what, fix))
             if kind == "sum" and self.on_nonfinite == "raise":
                 raise self.engine.stop(
                     NonFiniteError(
@@ -216,7 +217,7 @@ class NonFinite(StepComponent):
     def _own_error(self, step, bad, what, fix=FIX):
         engine = self.engine
         shapes = [engine.shapes[i] for i in bad]
-        problem = "was out of range" if fix is WIRE_FIX else "had a NaN or an infinity"
+        problem = "was beyond the wire type's range" if fix is WIRE_FIX else "had a NaN or an infinity"
         return NonFiniteError(
             f"tfsync: rank {engine.rank}'s {what} at step {step} {problem} (weight tensors "
             f"{bad} of {len(engine.shapes)}, shapes {shapes}), and on_nonfinite='raise' stops the job; {fix}, "

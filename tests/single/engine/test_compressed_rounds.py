@@ -16,7 +16,7 @@ import tensorflow as tf
 from fake_cluster import FakeCluster, assert_no_errors, on_threads
 
 from tfsync import timeline
-from tfsync.engine import SyncEngine, rounds
+from tfsync.engine import NonFiniteError, SyncEngine, rounds
 from tfsync.engine.compression import WireBytes, WireFormat
 from tfsync.engine.settings import EngineSettings
 from tfsync.policies import BSP, PSP, SSP
@@ -120,7 +120,7 @@ def test_the_bytes_model_is_a_ring_and_fp16_halves_the_float_payload():
     assert WireBytes(shapes, dtypes, 1, "fp16", rounds.META_WIDTH).per_call["bytes_sent"] == 0
 
 
-def train(policy, size=2, steps=6, bad=None, width=5, trace_dir=None):
+def train(policy, size=2, steps=6, bad=None, width=5, trace_dir=None, on_nonfinite="reject"):
     """``size`` real engines on threads, each pushing ``grad(rank, step)`` (``bad``: {(rank, step):
     value} put in its first element) and applying what comes back as plain SGD; per rank:
     ``(weights, counts, bytes, means)``."""
@@ -137,7 +137,9 @@ def train(policy, size=2, steps=6, bad=None, width=5, trace_dir=None):
     def run(rank):
         engine = SyncEngine(
             policy,
-            EngineSettings(stragglers=Stragglers(), wait_timeout_s=20.0, trace_dir=trace_dir),
+            EngineSettings(
+                stragglers=Stragglers(), wait_timeout_s=20.0, trace_dir=trace_dir, on_nonfinite=on_nonfinite
+            ),
             cluster=fake.rank(rank),
         )
         var = tf.Variable(tf.zeros([width]))
@@ -163,6 +165,8 @@ def train(policy, size=2, steps=6, bad=None, width=5, trace_dir=None):
         return out
 
     results, errors = on_threads([lambda r=r: run(r) for r in range(size)], JOIN_S)
+    if on_nonfinite == "raise":
+        return errors
     assert_no_errors(errors)
     return results
 
@@ -239,3 +243,11 @@ def test_the_trace_carries_every_rounds_bytes_and_the_timeline_adds_them_up(tmp_
     for rank, (_, _, sent, _, _) in enumerate(results):
         for key in ("bytes_sent", "bytes_received", "uncompressed_bytes_sent"):
             assert summary["ranks"][rank][key] == sent[key] > 0
+
+
+def test_under_on_nonfinite_raise_a_contribution_beyond_the_bound_stops_the_job_saying_what_to_do():
+    errors = train(SSP(staleness=0, compression="fp16"), steps=4, bad={(1, 2): 1e7}, on_nonfinite="raise")
+    assert all(isinstance(e, NonFiniteError) for e in errors), errors
+    message = str(errors[1])
+    assert "rank 1" in message and "step 2" in message and "float16" in message  # what, where
+    assert "compression='bf16'" in message and "on_nonfinite='reject'" in message  # the ways out
