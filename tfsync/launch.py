@@ -227,6 +227,7 @@ def add_mode_arguments(parser, baselines=()):
     plain Horovod); with any, ``--mode`` is required.
     """
     from tfsync.policies import registry
+    from tfsync.policies.base import COMPRESSIONS
 
     if baselines:
         parser.add_argument("--mode", required=True, choices=tuple(baselines) + mode_names())
@@ -237,6 +238,13 @@ def add_mode_arguments(parser, baselines=()):
             parser.add_argument(o.flag, action="store_true", help=o.help)
         else:
             parser.add_argument(o.flag, type=o.type, default=o.default, help=o.help)
+    parser.add_argument(
+        "--compression",
+        choices=COMPRESSIONS,
+        default=None,
+        help="every mode: send the rounds' floating tensors as fp16 or bf16 (half float32's bytes; default: "
+        "their own dtype); see docs/guide/compression.md",
+    )
     return parser
 
 
@@ -247,7 +255,7 @@ def mode_from_args(args):
     from tfsync.policies import registry
 
     if args.mode == "auto":  # the profile's modes with their defaults (tfsync.policies.auto)
-        return tfsync.Auto()
+        return tfsync.Auto(compression=getattr(args, "compression", None))
     mode = registry.get(args.mode)
     taken = {o.flag for o in mode.options}
     stray = [o for o in registry.options() if o.flag not in taken and getattr(args, o.dest) != o.default]

@@ -3,7 +3,8 @@
 The engine (``tfsync/engine/engine.py``) writes one JSON-lines file per worker,
 ``rank<R>.jsonl``, when it is given a ``trace_dir``. This module reads such a
 directory, checks it, summarizes it (compute and wait seconds, wait fraction,
-staleness, the largest clock gap between workers) and draws it the way Fig. 4
+staleness, the largest clock gap between workers, the bytes on the wire) and
+draws it the way Fig. 4
 of the ElasticBSP paper draws iteration intervals: one horizontal lane per
 worker, time on the x axis, so stragglers and the waits they cause are visible
 at a glance.
@@ -38,6 +39,9 @@ _RANK_FILE = re.compile(r"^rank(\d+)\.jsonl$")
 # Times are floats written by the same process; allow rounding slack when
 # checking that t_start <= t_push <= t_end and that steps do not overlap.
 _TIME_SLACK_S = 1e-6
+# the rounds' bytes on the wire a step record carries: tfsync.engine.tally.BYTES (not imported: it
+# would import TensorFlow)
+_BYTES = ("bytes_sent", "bytes_received", "uncompressed_bytes_sent", "uncompressed_bytes_received")
 
 # Colors: two shades of one blue alternate between consecutive steps so step
 # boundaries stay visible; waits are light red with a darker hatch.
@@ -159,6 +163,8 @@ def _check_step(record, path, lineno, file_rank, previous):
         "dropped": record.get("dropped", 0),
         "compensated": record.get("compensated", 0),
         "skipped": bool(record.get("skipped", False)),
+        # the rounds' bytes on the wire settled in this step (tfsync.engine.compression; 0 in older traces)
+        **{k: float(record.get(k, 0.0)) for k in _BYTES},
     }
 
 
@@ -187,6 +193,7 @@ def _check_finish(record, path, lineno, file_rank, previous):
 
 def _load_rank_file(path, file_rank):
     start, steps, finish, drained, final_compensated, lost = None, [], None, 0, 0, 0
+    final_bytes = dict.fromkeys(_BYTES, 0.0)
     rejected = []  # the steps of this rank's contributions rejected as not finite
     barriers, grants = [], []  # ElasticBSP's barrier decisions, DSSP's grant decisions
     with open(path, encoding="utf-8") as handle:
@@ -238,6 +245,9 @@ def _load_rank_file(path, file_rank):
                 final_compensated += int(record.get("compensated", 0))
             elif event == "reset" and _is_int(record.get("lost")):  # in flight when an elastic job reset
                 lost += record["lost"]
+            elif event == "bytes":  # the rounds' bytes on the wire after the last step record
+                for k in _BYTES:
+                    final_bytes[k] += float(record.get(k, 0.0))
             elif event == "rejected" and _is_int(record.get("step")):  # not finite (tfsync.engine.nonfinite)
                 rejected.append(record["step"])
             elif event == "barrier" and _is_number(record.get("t")):
@@ -264,6 +274,7 @@ def _load_rank_file(path, file_rank):
         "rejected": rejected,
         "barriers": barriers,
         "grants": grants,
+        "final_bytes": final_bytes,
     }
 
 
@@ -379,7 +390,10 @@ def mode_label(policy) -> str:
             return f"{value['class_name']}(lr={rate if isinstance(rate, int | float) else 'schedule'})"
         return value
 
-    params = ", ".join(f"{k}={short(v)}" for k, v in policy.items() if k != "mode")
+    # (no compression, the default, is not named)
+    params = ", ".join(
+        f"{k}={short(v)}" for k, v in policy.items() if k != "mode" and not (k == "compression" and v is None)
+    )
     return policy["mode"].upper() + (f" ({params})" if params else "")
 
 
@@ -403,7 +417,9 @@ def summarize(trace, start_step=None, end_step=None) -> dict:
         contributions computed for a step in the range that had a NaN or an
         infinity and went into no round), ``lost`` (with no ``end_step``: in flight
         when an elastic job reset, its ``reset`` event) and ``skipped`` (steps that computed
-        nothing because their round had closed: PSP, backup workers).
+        nothing because their round had closed: PSP, backup workers), ``bytes_sent``,
+        ``bytes_received`` and their ``uncompressed_`` twins (what its rounds put on the wire,
+        :mod:`tfsync.engine.compression`; with no ``end_step`` also the rounds after its last step).
         Overall: the same sums over all ranks and ``max_clock_gap``, in SSP's
         sense (a worker's clock is the number of steps it has pushed, so SSP(s)
         keeps it <= s and BSP at 0): at each step's t_end a worker moves to
@@ -426,6 +442,7 @@ def summarize(trace, start_step=None, end_step=None) -> dict:
         wait_s = sum(rec["t_end"] - rec["t_push"] for rec in steps) + (finish["wait_s"] if finish else 0.0)
         total = compute_s + wait_s
         staleness = [s for rec in steps for _, s, _ in rec["applied"]]
+        final_bytes = trace["ranks"][rank].get("final_bytes", {})  # (the rounds after the last step)
         per_rank[rank] = {
             "steps": len(steps),
             "compute_s": compute_s,
@@ -440,6 +457,7 @@ def summarize(trace, start_step=None, end_step=None) -> dict:
             "rejected": sum(_in_range(step, start_step, end_step) for step in trace["ranks"][rank].get("rejected", [])),
             "lost": trace["ranks"][rank].get("lost", 0) if end_step is None else 0,
             "skipped": sum(rec["skipped"] for rec in steps),
+            **{k: sum(r[k] for r in steps) + (final_bytes.get(k, 0.0) if end_step is None else 0.0) for k in _BYTES},
         }
         for rec in steps:
             for peer, (push_times, push_steps) in pushes.items():
@@ -470,6 +488,7 @@ def summarize(trace, start_step=None, end_step=None) -> dict:
         "rejected": sum(r["rejected"] for r in per_rank.values()),
         "lost": sum(r["lost"] for r in per_rank.values()),
         "skipped": sum(r["skipped"] for r in per_rank.values()),
+        **{k: sum(r[k] for r in per_rank.values()) for k in _BYTES},
         "max_clock_gap": max_gap if max_gap is not None else 0,
         "max_clock_gap_at": max_gap_at,
     }
@@ -486,7 +505,8 @@ def format_summary(summary) -> str:
     """The summary as a plain-text table (what the command prints)."""
     header = (
         f"{'rank':>6} {'steps':>7} {'compute_s':>11} {'wait_s':>11} {'wait %':>7} {'max stale':>9} "
-        f"{'compensated':>11} {'dropped':>8} {'rejected':>8} {'lost':>6} {'skipped':>8}"
+        f"{'compensated':>11} {'dropped':>8} {'rejected':>8} {'lost':>6} {'skipped':>8} {'sent MB':>9} "
+        f"{'recv MB':>9}"
     )
     lines = [f"mode: {summary['mode']}, {summary['size']} workers", header, "-" * len(header)]
 
@@ -494,7 +514,8 @@ def format_summary(summary) -> str:
         return (
             f"{label:>6} {r['steps']:>7d} {r['compute_s']:>11.3f} {r['wait_s']:>11.3f} "
             f"{100 * r['wait_fraction']:>6.1f}% {r['max_staleness']:>9d} {r['compensated']:>11d} "
-            f"{r['dropped']:>8d} {r['rejected']:>8d} {r['lost']:>6d} {r['skipped']:>8d}"
+            f"{r['dropped']:>8d} {r['rejected']:>8d} {r['lost']:>6d} {r['skipped']:>8d} "
+            f"{r['bytes_sent'] / 1e6:>9.3f} {r['bytes_received'] / 1e6:>9.3f}"
         )
 
     for rank, r in sorted(summary["ranks"].items()):

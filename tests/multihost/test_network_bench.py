@@ -74,3 +74,18 @@ def test_each_task_takes_its_own_modes():
     )
     assert out.returncode == 2, out
     assert "--task digits runs the modes horovod, " in out.stderr and "got local" in out.stderr, out.stderr
+
+
+def test_compression_runs_each_mode_once_per_wire_format_against_uncompressed_plain_horovod():
+    args = network.parse_args(["--modes", "local", "horovod", "bsp", "diloco", "--compression", "fp16", "bf16"])
+    runs = network.variants(args.modes, args.compression)
+    assert [key for key, _, _ in runs] == [
+        "local",
+        "horovod",  # (the reference: uncompressed always)
+        "horovod+fp16",  # (Horovod's own Compression.fp16; it has no bf16)
+        "bsp+fp16",
+        "bsp+bf16",
+        "diloco+fp16",
+        "diloco+bf16",
+    ]
+    assert network.parse_args([]).compression == ["none"]

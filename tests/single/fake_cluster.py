@@ -18,7 +18,11 @@ metadata row appended to the float32 group as :func:`encode_meta` digits,
 ``grouped_allreduce``, which reduces as Horovod does: the element-wise sum
 over ranks in float32, then ``Average`` times ``1 / size`` and
 ``postscale_factor`` applied to it, both in float64 and rounded to float32
-(Horovod's ``ScaleBuffer``).
+(Horovod's ``ScaleBuffer``); float16 is summed one rank at a time, each
+addition rounded to float16, as Horovod's own float16 sum does, so a
+compressed round (``compression="fp16"``) rounds and overflows here as it
+does in production.  ``allgather`` (bf16's wire) concatenates the ranks'
+tensors in rank order.
 """
 
 import collections
@@ -187,8 +191,8 @@ class FakeRank:
     def average(self, tensors, name):
         return self.grouped_allreduce(tensors, self.Average, name)
 
-    def collective(self, average):
-        return rounds.horovod_collective(average, hvd=self)
+    def collective(self, average, compression=None):
+        return rounds.horovod_collective(average, hvd=self, compression=compression)
 
     def quantized_collective(self, quantize, average):
         return quantized.quantized_collective(quantize, average, hvd=self)
@@ -237,12 +241,15 @@ class FakeRank:
 
     def allgather(self, tensor, name):
         value = np.asarray(tensor)
-
-        def gather(per_rank):
-            return [tf.constant(np.concatenate(per_rank)) for _ in per_rank]
-
-        detail = (str(value.dtype), value.shape[1:])
-        return self._cluster.meet(self._rank, "allgather", name, value, gather, detail=detail)
+        out = self._cluster.meet(
+            self._rank,
+            "allgather",
+            name,
+            value,
+            lambda vs: [np.concatenate(vs, axis=0)] * len(vs),
+            detail=(str(value.dtype), value.shape[1:]),
+        )
+        return tf.constant(out)
 
     def grouped_allreduce(self, tensors, op, name, postscale_factor=1.0):
         arrays = [np.asarray(t) for t in tensors]
@@ -250,8 +257,16 @@ class FakeRank:
         shapes = tuple(a.shape for a in arrays)
         size = self._cluster.size
 
+        def summed(parts):
+            if parts[0].dtype != np.float16:
+                return np.sum(parts, axis=0, dtype=parts[0].dtype)
+            total = parts[0]
+            for p in parts[1:]:  # (each addition in float32, rounded to float16)
+                total = (total.astype(np.float32) + p.astype(np.float32)).astype(np.float16)
+            return total
+
         def reduce(per_rank):
-            totals = [np.sum([p[i] for p in per_rank], axis=0, dtype=arrays[i].dtype) for i in range(len(arrays))]
+            totals = [summed([p[i] for p in per_rank]) for i in range(len(arrays))]
             factor = postscale_factor / size if op == self.Average else postscale_factor
             if factor != 1.0:
                 totals = [_scale(t, factor) for t in totals]

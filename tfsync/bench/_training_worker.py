@@ -46,7 +46,7 @@ def main():
 
     hvd.init()
     import tfsync
-    from tfsync.bench.baseline import SleepEachStep, broadcast_model, use_horovod_allreduce
+    from tfsync.bench.baseline import SleepEachStep, broadcast_model, ring_bytes, use_horovod_allreduce
     from tfsync.launch import mode_from_args, print_result
 
     rank, size = hvd.rank(), hvd.size()
@@ -63,9 +63,11 @@ def main():
     clock = Clock(args.warmup_steps)
     sync = None
     if args.mode in ("local", "horovod"):
+        if args.mode == "local" and args.compression:
+            p.error("--mode local exchanges nothing: leave --compression out")
         broadcast_model(model, hvd)
         if args.mode == "horovod":
-            use_horovod_allreduce(model, hvd)
+            use_horovod_allreduce(model, hvd, compression=args.compression)
         callbacks = [SleepEachStep(stragglers.for_rank(rank)), clock]
     else:
         sync = tfsync.keras.SyncCallback(
@@ -77,7 +79,13 @@ def main():
     peak_rss_mb = hvd.allgather_object(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
     wait = waits = barriers = None
     counts = {"produced": total * size, "applied": total * size, "compensated": 0, "dropped": 0, "skipped": 0}
+    # bytes on the wire per training step, one worker's (the ring model: tfsync.engine.compression)
+    per_step = ring_bytes(model, size, args.compression) if args.mode == "horovod" else None
+    if args.mode == "local":
+        per_step = dict.fromkeys(ring_bytes(model, size), 0.0)
     if sync is not None:
+        sent = hvd.allgather_object(dict(sync.engine.bytes))
+        per_step = {k: float(np.mean([b[k] for b in sent])) / total for k in sent[0]}
         totals = sync.engine.totals
         wait = hvd.allgather_object(totals["wait_s"] / (totals["wait_s"] + totals["compute_s"]))
         every = hvd.allgather_object(dict(sync.engine.counts))
@@ -105,6 +113,8 @@ def main():
                 "peak_rss_mb": max(peak_rss_mb),
                 "window_unix_s": [clock.start_unix, clock.end_unix],  # rank 0's timed steps
                 "num_params": model.count_params(),
+                "compression": args.compression,
+                **{f"{k}_per_step": v for k, v in per_step.items()},
                 "wait_fraction": float(np.mean(wait)) if wait is not None else None,
                 "mean_wait_per_step_s": float(np.mean(waits)) if waits is not None else None,
                 **barrier_summary(barriers),

@@ -29,6 +29,14 @@ Example:
     python -m tfsync.bench network --rates 20gbit 3gbit --models large \\
         --modes local horovod bsp ssp dcs3gd psp localsgd diloco --json network.json
     python -m tfsync.bench network --task digits --rates 3gbit --modes horovod diloco --json digits.json
+
+``--compression none fp16`` runs every mode but ``local`` once per listed wire
+format (``compression=``; plain Horovod's fp16 is its own
+``hvd.Compression.fp16``, and Horovod has no bf16, so ``horovod`` skips bf16),
+each labelled with it (``tfsync BSP+fp16``), against the plain-Horovod
+float32 reference; every record carries the bytes one worker sends and
+receives per step (``bytes_sent_per_step``, ...; the ring model of
+:mod:`tfsync.engine.compression`, plain Horovod's counted the same way).
 """
 
 import argparse
@@ -97,6 +105,14 @@ def parse_args(argv):
     p.add_argument(
         "--target-accuracy", type=number(above=0, maximum=1), default=0.95, help="(--task digits) test accuracy"
     )
+    p.add_argument(
+        "--compression",
+        nargs="+",
+        default=["none"],
+        choices=("none", "fp16", "bf16"),
+        help="run every mode but local once per wire format listed (default: none, the payload's own dtype); "
+        "plain Horovod runs uncompressed always (the reference) and with its own fp16 if listed (it has no bf16)",
+    )
     p.add_argument("--per-host", type=integer(1), default=1, help="workers on each of the two hosts")
     p.add_argument("--staleness", type=integer(0), default=3, help="SSP's bound s")
     p.add_argument("--steps", type=integer(1), default=30, help="timed steps per worker (after 10 warm-up)")
@@ -109,7 +125,22 @@ def parse_args(argv):
     if unknown:
         p.error(f"--task {args.task} runs the modes {', '.join(known)}; got {', '.join(unknown)}")
     args.modes = list(args.modes or default)
+    args.compression = list(dict.fromkeys(args.compression))
     return args
+
+
+def variants(modes, compressions):
+    """``(key, mode, compression)`` for every mode and wire format asked for: ``local`` once, uncompressed;
+    ``horovod`` uncompressed always (the reference every record is compared with) and without bf16
+    (Horovod's Compression has none); a compressed run's key ``mode+fp16``."""
+    out, seen = [], set()
+    for mode in modes:
+        for c in ("none", *compressions) if mode in ("local", "horovod") else compressions:
+            if (mode == "local" and c != "none") or (mode == "horovod" and c == "bf16") or (mode, c) in seen:
+                continue
+            seen.add((mode, c))
+            out.append((mode if c == "none" else f"{mode}+{c}", mode, None if c == "none" else c))
+    return out
 
 
 def run(hosts, args, log=print):
@@ -157,16 +188,18 @@ def _median(runs, key):
 
 def _configuration(hosts, worker, link, model, args, log):
     flags = {**MODE_FLAGS, **registry.configurations(staleness=args.staleness)}
-    labels = {mode: MODE_LABELS[mode].format(s=args.staleness) for mode in args.modes}
-    runs = {mode: [] for mode in args.modes}
+    runs_of = variants(args.modes, args.compression)
+    labels = {key: MODE_LABELS[mode].format(s=args.staleness) + (f"+{c}" if c else "") for key, mode, c in runs_of}
+    runs = {key: [] for key, _, _ in runs_of}
     for repeat in range(args.repeats):
-        for mode in args.modes:  # round-robin, so a slow spell of the machine hits every mode
+        for key, mode, c in runs_of:  # round-robin, so a slow spell of the machine hits every mode
             argv = [worker, *flags[mode], "--model", model, "--stragglers", "base=0.0", "--steps", args.steps]
-            runs[mode].append(_launch(hosts, argv, args, f"{labels[mode]} on {model} at {link}"))
-            ms = runs[mode][-1]["ms_per_step"]
-            log(f"  {link:>8s} {model:6s} {labels[mode]:20s} run {repeat + 1}: {ms:8.1f} ms/step")
+            argv += ["--compression", c] if c else []
+            runs[key].append(_launch(hosts, argv, args, f"{labels[key]} on {model} at {link}"))
+            ms = runs[key][-1]["ms_per_step"]
+            log(f"  {link:>8s} {model:6s} {labels[key]:20s} run {repeat + 1}: {ms:8.1f} ms/step")
     records = []
-    for mode in args.modes:
+    for mode, _, _ in runs_of:
         median = _median(runs[mode], "ms_per_step")
         records.append(
             {
@@ -197,16 +230,20 @@ def _configuration(hosts, worker, link, model, args, log):
 def _digits(hosts, link, args, log):
     """keras_examples/digits.py under every mode at one link rate; records with the time to the
     target and the final accuracy against plain Horovod's (when it ran)."""
-    runs = {mode: [] for mode in args.modes}
+    # (plain Horovod in the digits example has no compression of its own: it runs float32 only)
+    runs_of = [(k, m, c) for k, m, c in variants(args.modes, args.compression) if not (m == "horovod" and c)]
+    runs = {key: [] for key, _, _ in runs_of}
     target = str(args.target_accuracy)  # (the key of the result's time_to_accuracy_s)
     for repeat in range(args.repeats):
-        for mode in args.modes:
+        for key, mode, c in runs_of:
             argv = [
                 digits.EXAMPLE,
                 *digits.MODES[mode],
                 *("--hidden", *args.hidden, "--epochs", args.epochs, "--lr", args.lr),
                 *("--target-accuracy", args.target_accuracy, "--stragglers", "base=0.0"),
+                *(("--compression", c) if c else ()),
             ]
+            mode = key
             result = _launch(hosts, argv, args, f"{mode} (digits) at {link}")
             runs[mode].append(result)
             reached = result["time_to_accuracy_s"][target]
@@ -216,7 +253,7 @@ def _digits(hosts, link, args, log):
                 f"{result['wall_s']:.1f} s in all"
             )
     records = []
-    for mode in args.modes:
+    for mode, _, _ in runs_of:
         median = _median(runs[mode], "wall_s")
         records.append(
             {
@@ -262,8 +299,9 @@ def format_digits_table(records):
 def format_table(records):
     lines = [
         "| link | model | mode | ms/step | samples/s | effective samples/s | compute floor ms | "
-        "overlap limit ms | step rate vs plain Horovod | link MB/step | link peak MB/100 ms |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "overlap limit ms | step rate vs plain Horovod | MB sent/step (counted) | link MB/step | "
+        "link peak MB/100 ms |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
 
     def mb(value):
@@ -271,11 +309,12 @@ def format_table(records):
 
     for r in records:
         floor, limit, ratio = r.get("compute_floor_ms"), r.get("overlap_limit_ms"), r.get("vs_horovod")
+        sent = r.get("bytes_sent_per_step")
         lines.append(
             f"| {r['link']} | {r['model']} | {r['mode']} | {r['ms_per_step']:.1f} | {r['samples_per_s']:.0f} | "
             f"{r['effective_samples_per_s']:.0f} | {'—' if floor is None else f'{floor:.1f}'} | "
             f"{'—' if limit is None else f'{limit:.1f}'} | "
-            f"{'—' if ratio is None else f'{ratio:.2f}×'} | {mb(r.get('link_bytes_per_step'))} | "
+            f"{'—' if ratio is None else f'{ratio:.2f}×'} | {mb(sent)} | {mb(r.get('link_bytes_per_step'))} | "
             f"{mb(r.get('link_peak_bytes_per_100ms'))} |"
         )
     return "\n".join(lines)

@@ -27,7 +27,12 @@ against.  Scenarios:
 ``effective_samples_per_s`` counts only the samples whose gradients were
 applied, as they were or delay-compensated (PSP and backup workers drop some
 and skip steps); ``compensated``, ``dropped`` and ``skipped`` are summed over
-the workers.
+the workers.  ``bytes_sent_per_step`` and ``bytes_received_per_step`` (and
+``uncompressed_...``: without ``compression=``) are one worker's bytes on the
+wire per training step, the mean over the workers, as the engine counts them
+(:mod:`tfsync.engine.compression`: a ring allreduce moves ``2·(n-1)/n`` of its
+bytes each way); plain Horovod's are counted the same way (its one gradient
+allreduce per step, no metadata).
 
 Each configuration is launched ``--repeats`` times, round-robin across the
 modes, and its median run is reported (the machine is shared and noisy).
@@ -208,8 +213,8 @@ def run_configuration(worker, model, scenario, args):
 def format_table(records):
     lines = [
         "| model | scenario | mode | samples/s | effective samples/s | compensated | dropped | skipped | ms/step "
-        "| sync overhead ms/step | wait fraction | vs plain Horovod | vs tfsync BSP | peak RSS MiB |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| sync overhead ms/step | wait fraction | vs plain Horovod | vs tfsync BSP | peak RSS MiB | MB sent/step |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in records:
         same = {
@@ -223,12 +228,14 @@ def format_table(records):
         overhead = "—" if "sync_overhead_ms" not in r else f"{r['sync_overhead_ms']:.1f}"
         vs_hvd = "—" if "vs_horovod" not in r else f"{r['vs_horovod']:.2f}×"
         vs_bsp = "—" if not bsp else f"{r['samples_per_s'] / bsp:.2f}×"
+        # one worker's bytes per step (tfsync.engine.compression's ring model; plain Horovod's counted alike)
+        sent = "—" if r.get("bytes_sent_per_step") is None else f"{r['bytes_sent_per_step'] / 1e6:.3f}"
         lines.append(
             f"| {r.get('model', 'small')} | {r['scenario']} | {r['mode']} | {r['samples_per_s']:.0f} | "
             f"{effective:.0f} | {r.get('compensated', 0)} | {r.get('dropped', 0)} | {r.get('skipped', 0)} | "
             f"{r['ms_per_step']:.1f} | "
             f"{overhead} | {wait} | {vs_hvd} | {vs_bsp} | "
-            f"{r['peak_rss_mb']:.0f} |"
+            f"{r['peak_rss_mb']:.0f} | {sent} |"
         )
     lines += barrier_table(records)
     return "\n".join(lines)

@@ -7,9 +7,11 @@ of everything that talks to the outside world:
 * ``rank()``, ``size()``: this worker's rank and the number of workers;
 * ``allgather_object(obj, name)``: every rank's ``obj``, in rank order;
 * ``broadcast_object(obj, root_rank, name)``: ``root_rank``'s ``obj`` on every rank;
-* ``collective(average)``: the round collective the
+* ``collective(average, compression=None)``: the round collective the
   :class:`~tfsync.engine.exchange.RoundExchange` runs,
-  ``collective(payload, meta, divisor=None) -> (total, meta)``;
+  ``collective(payload, meta, divisor=None) -> (total, meta)``, its floating
+  tensors sent in ``compression``'s wire type (:mod:`tfsync.engine.compression`;
+  the engine passes ``compression`` only when the mode sets one);
 * ``local_rank()``: this worker's index among the workers of its host;
 * ``broadcast(tensor, root_rank, name)``: ``root_rank``'s tensor on every rank;
 * ``broadcast_variables(variables, root_rank, name)``: set every rank's
@@ -211,9 +213,9 @@ class HorovodCluster:
     def broadcast_object(self, obj, root_rank, name):
         return self.hvd.broadcast_object(obj, root_rank=root_rank, name=name)
 
-    def collective(self, average: bool):
+    def collective(self, average: bool, compression=None):
         """One ``hvd.grouped_allreduce`` per round: :func:`tfsync.engine.rounds.horovod_collective`."""
-        return horovod_collective(average)
+        return horovod_collective(average, compression=compression)
 
     def quantized_collective(self, quantize, average: bool):
         """A round whose payload travels quantized, over an alltoall and an all-gather

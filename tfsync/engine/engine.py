@@ -54,7 +54,6 @@ from tfsync.engine.cluster import HorovodCluster
 from tfsync.engine.control import ControlClient
 from tfsync.engine.diagnosis import Diagnosis
 from tfsync.engine.entry import CoordinatedRounds, OpenRounds
-from tfsync.engine.exchange import RoundExchange
 from tfsync.engine.nonfinite import NonFinite
 from tfsync.engine.settings import EngineSettings
 from tfsync.engine.tally import COUNTS, Tally, Trace, round_stamps, settled_fields
@@ -143,19 +142,9 @@ class SyncEngine:
         self.hosts = lifecycle.agree_config(cluster, config, self.wait_timeout_s)
         self.t0 = lifecycle.agree_t0(cluster, self.wait_timeout_s)
         address, fallback, token = lifecycle.open_control(self, cluster)  # (sets self._server, self._relay)
-        options = {**protocol_cls.exchange_options(), **self.entry.exchange_options()}
-        for c in self.components:
-            options.update(c.exchange_options())
         # the exchange first: a frontend may route the protocol's variable creation
         # (SyncStrategy broadcasts initial values) through it
-        self.exchange = RoundExchange(
-            protocol_cls.collective(cluster, policy, options["averages"]),
-            self.rank,
-            self.size,
-            self.t0,
-            abort=getattr(cluster, "abort", None),
-            **options,
-        )
+        self.exchange = lifecycle.open_exchange(self, cluster, protocol_cls)  # (sets the wire settings)
         self.protocol = protocol_cls(tensors, self.size, policy)
         self.protocol.bind(self)
         self.control = ControlClient(address, self.rank, token, on_close=self.entry.on_close(), fallback=fallback)
@@ -195,6 +184,11 @@ class SyncEngine:
         return self.tally.counts
 
     @property
+    def bytes(self) -> dict:
+        """This engine's bytes on the wire so far (:mod:`tfsync.engine.compression`'s model)."""
+        return self.wire_bytes.total
+
+    @property
     def totals(self) -> dict:
         """This epoch's counts, steps, compute and wait seconds."""
         return self.tally.totals
@@ -226,8 +220,11 @@ class SyncEngine:
             drained = c.finish(apply_mean) or drained
         drained = self.entry.drain() or drained
         drops = self.tally.settle(self.exchange)  # (and what the components counted: a final round's rejection)
+        sent = self.tally.add_bytes(self.wire_bytes.take())  # (the rounds since the last step's, a final one's)
         if drained:
             self.trace({"event": "drain", "rank": self.rank, "t": self.now(), "drops": drops, "dropped": len(drops)})
+        if any(sent.values()):
+            self.trace({"event": "bytes", "rank": self.rank, "t": self.now(), **sent})
         self.protocol.finish()
         self.tally.check(self.rank)
 
@@ -432,6 +429,8 @@ class SyncEngine:
             "compensated": compensated,
             "skipped": int(skipped),
         }
+        sent = self.tally.add_bytes(self.wire_bytes.take())
+        self.last.update(sent)
         tot = self.tally.totals
         tot["steps"] += 1
         tot["compute_s"] += compute_s
@@ -442,7 +441,7 @@ class SyncEngine:
         if self.tracing:  # (the record is built only for a trace: every step runs this)
             times = {"t_start": t_start, "t_push": t_push, "t_end": t_end, "compute_s": compute_s, "wait_s": wait_s}
             settled = settled_fields(applied, step, self.applied_through, drops, compensated)
-            self.trace({"rank": self.rank, "step": step, **times, **settled, "skipped": skipped, **extra})
+            self.trace({"rank": self.rank, "step": step, **times, **settled, "skipped": skipped, **sent, **extra})
         self.step = step + 1
         self._t_step_start = t_end
 

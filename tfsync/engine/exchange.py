@@ -92,6 +92,9 @@ class RoundExchange(CoordinatedOutbox):
         # open rounds whose sum is checked instead of each contribution (set by the engine once its
         # protocol exists): scale_sum(total, d) -> (total / d, finite), finite(payload), absent()
         self.sum_check = None
+        # in_range(payload) -> a bool per tensor: under compression=, whether a contribution fits the
+        # wire type (tfsync.engine.compression; set by the engine); a checked round's redo rejects one that does not
+        self.in_range = None
         # abort(): make the pending collective fail (the cluster's); bounds a round run inline
         self._abort = abort
         self.inline_expired = None  # the inline round whose bound ran out (the collective was aborted)
@@ -306,7 +309,10 @@ class RoundExchange(CoordinatedOutbox):
             return payload, total, meta, None
         after_sum = None
         if sent[self.rank, 0] == 1.0:
-            bad = np.flatnonzero(~np.asarray(self.sum_check.finite(payload), bool)).tolist()
+            ok = np.asarray(self.sum_check.finite(payload), bool)
+            if self.in_range is not None and ok.all():  # (finite, but beyond the wire type's range)
+                ok = ok & self.in_range(payload)
+            bad = np.flatnonzero(~ok).tolist()
             if bad:
                 after_sum = ("own", bad)
                 payload = self.sum_check.absent()

@@ -42,7 +42,7 @@ class LateContributions(StepComponent):
         engine = self.engine
         stamp, payload = self.held
         corrected, finite = engine.protocol.compensate(payload)
-        if engine.nonfinite.screen_late(stamp, step, finite):  # rejected: nothing to offer
+        if engine.nonfinite.screen_late(stamp, step, finite, corrected):  # rejected: nothing to offer
             self.held = None
             return True
         engine.exchange.set_late(step, stamp, corrected)
@@ -79,7 +79,7 @@ class LateContributions(StepComponent):
         if self.held is not None:  # corrected first (w_now: the final weights): a rejected one is not held
             stamp, payload = self.held
             corrected, finite = engine.protocol.compensate(payload)
-            if engine.nonfinite.screen_late(stamp, round_, finite):
+            if engine.nonfinite.screen_late(stamp, round_, finite, corrected):
                 self.held = None
             else:
                 late = (stamp, corrected)

@@ -189,6 +189,29 @@ def open_control(engine, cluster):
     return (relays[leader], address, token) if leader is not None else (address, None, token)
 
 
+def open_exchange(engine, cluster, protocol_cls):
+    """The engine's :class:`~tfsync.engine.exchange.RoundExchange` over the round collective its
+    protocol chooses, each call's bytes counted; sets the engine's ``compression``, ``wire_bytes``
+    and ``wire_format`` (:mod:`tfsync.engine.compression`)."""
+    from tfsync.engine.compression import counted, wire_settings
+    from tfsync.engine.exchange import RoundExchange
+
+    policy = engine.policy
+    options = {**protocol_cls.exchange_options(), **engine.entry.exchange_options()}
+    for c in engine.components:
+        options.update(c.exchange_options())
+    # the rounds' wire type, the range a contribution must keep to, every round's bytes
+    engine.compression, engine.wire_bytes, engine.wire_format = wire_settings(policy, engine.size)
+    collective = protocol_cls.collective(cluster, policy, options["averages"], engine.compression)
+    abort = getattr(cluster, "abort", None)
+    exchange = RoundExchange(
+        counted(collective, engine.wire_bytes), engine.rank, engine.size, engine.t0, abort=abort, **options
+    )
+    if engine.wire_format is not None:  # (BSP's checked sum: a redone round checks the range too)
+        exchange.in_range = engine.wire_format.in_range
+    return exchange
+
+
 def relay_leaders(hosts) -> dict:
     """``{rank: the first rank of its host}`` for the ranks whose host is not rank 0's and holds
     several ranks (``hosts``: every rank's host name, in rank order): those attach through their

@@ -42,6 +42,13 @@ engine's ``on_nonfinite``:
 A late contribution (``compensate=``, :mod:`tfsync.engine.late`) is checked
 once corrected, before it is offered: one that is not finite is rejected the
 same way and never offered.
+
+Under ``compression=`` (:mod:`tfsync.engine.compression`) a contribution that
+is finite but has an element beyond what the wire type's sum can carry
+(float16: 65504 over the number of workers, less rounding room) could make
+the round's sum an infinity: it is rejected the same way, before it is sent,
+and the warning or error says so.  Under BSP the round's sum shows it, and
+the redone round rejects such a contribution with the ones that are not finite.
 """
 
 import logging
@@ -60,6 +67,8 @@ FIX = (
     "look for a NaN or an infinity in that batch's inputs or labels, or an update that overflows "
     "(lower the learning rate, clip gradients)"
 )
+OUTCOME = "have a NaN or an infinity; the round goes on without it"
+WIRE_FIX = "lower the learning rate or clip gradients, or use compression='bf16' (float32's range) or compression=None"
 
 
 class NonFiniteError(FloatingPointError):
@@ -94,16 +103,26 @@ class NonFinite(StepComponent):
         weights (``protocol.reject``) and replaced by zeros."""
         if finite is None:  # not checked here: the round's sum is (open rounds of gradients)
             return payload, False
-        bad = _not_finite(finite)
+        engine = self.engine
+        bad, what, why = _not_finite(finite), engine.protocol.describes, {}
+        if not bad and engine.wire_format is not None:
+            bad = _not_finite(engine.wire_format.in_range(payload))
+            what, why = self._beyond_wire(what)
         if not bad:
             return payload, False
-        engine = self.engine
-        what = engine.protocol.describes
         payload = engine.protocol.reject(payload)
-        self._reject(step, bad, what, {})
+        self._reject(step, bad, what, {}, **why)
         if self.on_nonfinite == "raise":
-            self._error = self._own_error(step, bad, what)
+            self._error = self._own_error(step, bad, what, why.get("fix", FIX))
         return payload, True
+
+    def _beyond_wire(self, what):
+        """``(what, {outcome, fix})`` for a contribution finite but beyond the wire type's range."""
+        wire = self.engine.wire_format
+        return (
+            f"{what} (finite, but beyond what {wire.describe()} carries: |x| > {wire.limit:.6g})",
+            {"outcome": "would overflow on the wire; the round goes on without it", "fix": WIRE_FIX},
+        )
 
     def pushed(self):
         """The step's round is pushed: under ``"raise"``, a rejected contribution now stops the job."""
@@ -111,16 +130,20 @@ class NonFinite(StepComponent):
         if error is not None:
             raise self.engine.stop(error)
 
-    def screen_late(self, stamp: int, offered_at: int, finite) -> bool:
+    def screen_late(self, stamp: int, offered_at: int, finite, payload=None) -> bool:
         """Whether this worker's late contribution computed for step ``stamp``, corrected to be
-        offered at ``offered_at``, is rejected (under ``"raise"``: the job stops)."""
+        offered at ``offered_at``, is rejected (under ``"raise"``: the job stops); ``payload``: the
+        corrected contribution (checked against the wire type's range under ``compression=``)."""
         bad = _not_finite(finite)
+        what, why = "late gradient (corrected for its delay)", {}
+        if not bad and payload is not None and self.engine.wire_format is not None:
+            bad = _not_finite(self.engine.wire_format.in_range(payload))
+            what, why = self._beyond_wire(what)
         if not bad:
             return False
-        what = "late gradient (corrected for its delay)"
-        self._reject(stamp, bad, what, {"offered_at": offered_at})
+        self._reject(stamp, bad, what, {"offered_at": offered_at}, **why)
         if self.on_nonfinite == "raise":
-            raise self.engine.stop(self._own_error(stamp, bad, what))
+            raise self.engine.stop(self._own_error(stamp, bad, what, why.get("fix", FIX)))
         return True
 
     def before_apply(self, res):
@@ -129,14 +152,17 @@ class NonFinite(StepComponent):
             kind, bad = found
             step = int(res.steps[self.engine.rank])
             what = "gradients" if kind == "own" else "gradients (finite, but the round's sum of them overflowed)"
+            wire = self.engine.wire_format
+            beyond = "" if wire is None else f" or exceed what {wire.describe()} carries (|x| > {wire.limit:.6g})"
             outcome = (
-                "have a NaN or an infinity; the round went on without it"
+                f"have a NaN or an infinity{beyond}; the round went on without it"
                 if kind == "own"
                 else "summed over the workers to a NaN or an infinity; the round was rejected on every worker"
             )
-            self._reject(step, bad, what, {"round": res.round}, outcome)
+            fix = FIX if wire is None else f"{FIX}; if it is finite, {WIRE_FIX}"
+            self._reject(step, bad, what, {"round": res.round}, outcome, fix)
             if kind == "own" and self.on_nonfinite == "raise":
-                raise self.engine.stop(self._own_error(step, bad, what))
+                raise self.engine.stop(self._own_error(step, bad, what, fix))
             if kind == "sum" and self.on_nonfinite == "raise":
                 raise self.engine.stop(
                     NonFiniteError(
@@ -164,7 +190,7 @@ class NonFinite(StepComponent):
         return {"rejected": rejected}
 
     # ------------------------------------------------------------------ internals
-    def _reject(self, step, bad, what, extra, outcome="have a NaN or an infinity; the round goes on without it"):
+    def _reject(self, step, bad, what, extra, outcome=OUTCOME, fix=FIX):
         engine = self.engine
         engine.tally.add("rejected")
         self._this_step += 1
@@ -185,15 +211,16 @@ class NonFinite(StepComponent):
             len(engine.shapes),
             outcome,
             since,
-            FIX,
+            fix,
         )
 
-    def _own_error(self, step, bad, what):
+    def _own_error(self, step, bad, what, fix=FIX):
         engine = self.engine
         shapes = [engine.shapes[i] for i in bad]
+        problem = "was beyond the wire type's range" if fix is WIRE_FIX else "had a NaN or an infinity"
         return NonFiniteError(
-            f"tfsync: rank {engine.rank}'s {what} at step {step} had a NaN or an infinity (weight tensors "
-            f"{bad} of {len(engine.shapes)}, shapes {shapes}), and on_nonfinite='raise' stops the job; {FIX}, "
+            f"tfsync: rank {engine.rank}'s {what} at step {step} {problem} (weight tensors "
+            f"{bad} of {len(engine.shapes)}, shapes {shapes}), and on_nonfinite='raise' stops the job; {fix}, "
             f"or pass on_nonfinite='reject' to train on without such contributions"
         )
 

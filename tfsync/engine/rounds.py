@@ -98,7 +98,7 @@ class WorkerLostError(RuntimeError):
     """A peer stopped: raised on every surviving worker, naming the lost rank(s)."""
 
 
-def horovod_collective(average: bool, hvd=None):
+def horovod_collective(average: bool, hvd=None, compression=None):
     """``collective(payload, meta)`` over Horovod: one ``hvd.grouped_allreduce`` per round.
 
     The payload is averaged by Horovod itself with ``average`` (a post-scale
@@ -109,28 +109,65 @@ def horovod_collective(average: bool, hvd=None):
     must share one dtype, so a model with several weight dtypes makes one call
     per dtype (the metadata joins the float32 one).
 
+    ``compression`` (``"fp16"``, ``"bf16"``; :mod:`tfsync.engine.compression`):
+    the floating tensors wider than 16 bits are cast to the wire type and the
+    result back to their own dtype, as Horovod's ``Compression.fp16`` does;
+    fp16 in one grouped allreduce with the round's own reduction (Horovod sums
+    and post-scales in float16), bf16 in one allgather summed in float32 in
+    rank order and scaled there (Horovod's allreduce takes no bfloat16).  The
+    metadata then goes alone in its float32 call, exact as ever.
+
     ``hvd``: ``horovod.tensorflow`` (default: as checked by
     :func:`tfsync._horovod.horovod`), or a stand-in with ``size()``, ``Sum``,
-    ``Average`` and ``grouped_allreduce`` (an in-process fake's ranks run this
-    very function).
+    ``Average``, ``grouped_allreduce`` and (bf16) ``allgather`` (an in-process
+    fake's ranks run this very function).
     """
     import tensorflow as tf  # (here: the round's bookkeeping above runs without TensorFlow)
+
+    from tfsync.engine.compression import compresses, wire_dtype
 
     if hvd is None:
         hvd = _horovod.horovod()
     size = hvd.size()
+    wire = wire_dtype(compression)
+
+    def squeezed(tensors, op, scale, factor):
+        """The round's reduction of ``tensors`` (in the wire type) over the ranks: ``op`` and
+        ``scale`` Horovod's (fp16), or the sum times ``factor`` (bf16, in float32)."""
+        if compression == "fp16":
+            return hvd.grouped_allreduce(tensors, op=op, name="tfsync.round.wire", **scale)
+        shapes = [t.shape for t in tensors]
+        flat = tf.concat([tf.reshape(t, [-1]) for t in tensors], 0)
+        rows = hvd.allgather(tf.bitcast(flat, tf.uint16), name="tfsync.round.wire")
+        rows = tf.cast(tf.bitcast(tf.reshape(rows, [size, -1]), tf.bfloat16), tf.float32)
+        summed = rows[0]
+        for r in range(1, size):  # (in rank order, one add at a time: the same sum on every rank)
+            summed = summed + rows[r]
+        if factor != 1.0:
+            summed = summed * factor
+        parts = tf.split(summed, [int(np.prod(s, dtype=np.int64)) for s in shapes])
+        return [tf.reshape(p, s) for p, s in zip(parts, shapes)]
 
     def collective(payload, meta, divisor=None):
         # ``divisor``: a sum post-scaled by ``1 / divisor`` in Horovod's fusion buffer (a
         # coordinated round's guess of d, rescaled afterwards if wrong; the final round's d),
         # 1 for the plain sum an open round divides and checks itself (RoundExchange.sum_check)
-        op = hvd.Average if average and divisor is None else hvd.Sum
+        mean = average and divisor is None
+        op = hvd.Average if mean else hvd.Sum
         scale = {} if divisor in (None, 1) else {"postscale_factor": 1.0 / divisor}  # (1: a plain sum)
-        groups = {}
+        groups, to_wire = {}, []
         for i, t in enumerate(payload):
-            groups.setdefault(t.dtype, []).append(i)
+            if wire is not None and compresses(t.dtype, compression):
+                to_wire.append(i)
+            else:
+                groups.setdefault(t.dtype, []).append(i)
         groups.setdefault(tf.float32, [])
         total = [None] * len(payload)
+        if to_wire:
+            factor = 1.0 / size if mean else 1.0 / (divisor or 1)
+            wire_tensors = [tf.cast(payload[i], wire) for i in to_wire]
+            for i, out in zip(to_wire, squeezed(wire_tensors, op, scale, factor)):
+                total[i] = tf.cast(out, tf.as_dtype(payload[i].dtype))
         for k, (dtype, index) in enumerate(groups.items()):
             tensors = [payload[i] for i in index]
             if dtype == tf.float32:  # (NumPy: the op converts it itself)
@@ -139,7 +176,7 @@ def horovod_collective(average: bool, hvd=None):
             for i, o in zip(index, outs):
                 total[i] = o
             if dtype == tf.float32:
-                wire = outs[-1].numpy()
-        return total, decode_meta(wire, size, mean=average and divisor is None, divisor=divisor)
+                wire_meta = outs[-1].numpy()
+        return total, decode_meta(wire_meta, size, mean=mean, divisor=divisor)
 
     return collective

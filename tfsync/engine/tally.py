@@ -15,6 +15,7 @@ import os
 
 import numpy as np
 
+BYTES = ("bytes_sent", "bytes_received", "uncompressed_bytes_sent", "uncompressed_bytes_received")
 SETTLED = ("applied", "compensated", "dropped", "rejected", "lost")  # what becomes of a contribution
 COUNTS = ("produced", "applied", "compensated", "dropped", "rejected", "lost", "skipped")
 
@@ -29,7 +30,20 @@ class Tally:
 
     def reset_totals(self):
         """Zero the epoch's totals; ``counts`` keeps the whole run's."""
-        self.totals = {"steps": 0, "compute_s": 0.0, "wait_s": 0.0, **dict.fromkeys(COUNTS, 0)}
+        self.totals = {
+            "steps": 0,
+            "compute_s": 0.0,
+            "wait_s": 0.0,
+            **dict.fromkeys(COUNTS, 0),
+            **dict.fromkeys(BYTES, 0.0),
+        }
+
+    def add_bytes(self, sent: dict) -> dict:
+        """Add the rounds' bytes on the wire (:class:`tfsync.engine.compression.WireBytes`) to the
+        epoch's totals; returns ``sent``."""
+        for key in BYTES:
+            self.totals[key] += sent[key]
+        return sent
 
     def add(self, key: str, n: int = 1):
         """Note ``n`` contributions (or skipped steps) under ``key``, until :meth:`settle`."""

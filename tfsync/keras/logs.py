@@ -3,7 +3,11 @@
 Per epoch: ``tfsync_wait_fraction`` and what happened to this worker's
 contributions (``tfsync_produced`` = ``tfsync_applied`` + ``tfsync_compensated``
 + ``tfsync_dropped`` + ``tfsync_rejected`` + ``tfsync_lost``; ``tfsync_skipped``
-steps), with partial pulling also its block counts since ``fit`` began; then
+steps), the bytes its rounds put on the wire (``tfsync_bytes_sent``,
+``tfsync_bytes_received``, and ``tfsync_uncompressed_bytes_sent`` and
+``_received``: the same rounds without ``compression=``;
+:mod:`tfsync.engine.compression` says how they are counted), with partial
+pulling also its block counts since ``fit`` began; then
 every scalar log averaged over the workers, as Horovod's
 ``MetricAverageCallback`` does (``docs/guide/metrics.md``).
 """
@@ -12,6 +16,7 @@ import numpy as np
 
 from tfsync.engine import COUNTS
 from tfsync.engine.pull import PartialPull
+from tfsync.engine.tally import BYTES
 
 
 def add_epoch_logs(logs, totals, engine, frontend, average):
@@ -21,7 +26,7 @@ def add_epoch_logs(logs, totals, engine, frontend, average):
     epoch end)."""
     busy = totals["wait_s"] + totals["compute_s"]
     logs["tfsync_wait_fraction"] = totals["wait_s"] / busy if busy else 0.0
-    for key in COUNTS:
+    for key in (*COUNTS, *BYTES):
         logs[f"tfsync_{key}"] = float(totals[key])
     pull = engine.find(PartialPull)
     for key, n in (pull.counts if pull is not None else {}).items():

@@ -87,7 +87,18 @@ _COMPENSATE = Option(
     build=_compensate,
 )
 
-register("bsp", BSP, "BSP", simulated=True)
+register(
+    "bsp",
+    BSP,
+    "BSP",
+    # the rounds in 16 bits (compression=; every mode takes --compression): what they cost in accuracy
+    # is measured against these (python -m tfsync.bench convergence --modes horovod bsp bsp+fp16 bsp+bf16)
+    variants={
+        "bsp+fp16": Variant(("--compression", "fp16"), "BSP+fp16", study=False),
+        "bsp+bf16": Variant(("--compression", "bf16"), "BSP+bf16", study=False),
+    },
+    simulated=True,
+)
 register(
     "ssp",
     SSP,

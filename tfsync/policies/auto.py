@@ -49,7 +49,7 @@ import dataclasses
 import statistics
 import time
 
-from tfsync.policies.base import Policy
+from tfsync.policies.base import Policy, check_compression
 from tfsync.policies.compensation import DelayCompensation
 from tfsync.policies.local import DiLoCo, LocalSGD
 from tfsync.policies.partial import BackupWorkers
@@ -194,6 +194,8 @@ class Auto:
             a slowness is measured).  Under BSP every round's metadata carries every worker's
             compute time, the same on every rank, so a persistently slow worker switches the
             mode after ``EARLY_STEPS`` (4) measured steps (:func:`early`), without a gather.
+        compression: None (default), ``"fp16"`` or ``"bf16"``: the wire type of every mode it
+            runs that sets none of its own (:class:`tfsync.policies.Policy`).
 
     Only ``tfsync.keras.SyncCallback`` runs it (it switches between two steps).  Each
     decision is logged on rank 0 (logger ``tfsync.auto``, INFO), written to the trace
@@ -212,8 +214,10 @@ class Auto:
     window_steps: int = 16
     confirm: int = 2
     initial: object = None
+    compression: str = None
 
     def __post_init__(self):
+        check_compression("Auto", self.compression)
         for field, value, low, default in (
             ("window_steps", self.window_steps, 1, 16),
             ("confirm", self.confirm, 1, 2),
@@ -255,6 +259,9 @@ class Auto:
                     f"does not switch to or from (its measurements and decisions are per step, and only "
                     f"every H-th step is a round there); use {type(policy).__name__} on its own"
                 )
+        if self.compression is not None:  # (a mode that sets its own keeps it)
+            chosen = {p: _compressed(m, self.compression) for p, m in chosen.items()}
+            initial = _compressed(initial, self.compression)
         object.__setattr__(self, "modes", chosen)
         object.__setattr__(self, "initial", initial)
 
@@ -265,6 +272,7 @@ class Auto:
             "window_steps": self.window_steps,
             "confirm": self.confirm,
             "initial": self.initial.config(),
+            "compression": self.compression,
         }
 
     def validate(self, size: int) -> None:
@@ -286,6 +294,10 @@ class Auto:
         seen = seen + 1 if observed == name else 1
         confirmed = current is None or (observed != current and seen >= self.confirm)
         return (observed if confirmed else current), (observed, seen)
+
+
+def _compressed(policy, compression):
+    return policy if policy.compression is not None else dataclasses.replace(policy, compression=compression)
 
 
 class AutoController:

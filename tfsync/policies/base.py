@@ -19,13 +19,36 @@ class Closing:
     recheck_s: float = None
 
 
+COMPRESSIONS = ("fp16", "bf16")  # the wire formats of ``compression=`` (None: the payload's own dtype)
+
+
+def check_compression(owner: str, compression):
+    """``compression`` checked: None, ``"fp16"`` or ``"bf16"`` (``owner``: the class, for the message)."""
+    if compression is None or (isinstance(compression, str) and compression in COMPRESSIONS):
+        return compression
+    raise ValueError(
+        f"{owner}(compression={compression!r}): compression must be None (the payload goes on the wire in "
+        f"its own dtype, the default), 'fp16' or 'bf16' (floating tensors are cast to that 16-bit type for "
+        f"the exchange, half the bytes of float32, and cast back after it); e.g. "
+        f"tfsync.{owner}(compression='fp16')"
+    )
+
+
+@dataclasses.dataclass(frozen=True)
 class Policy(abc.ABC):
     """Interface of a synchronization mode.
 
     Subclasses are small frozen dataclasses validated on construction, so that
     a bad configuration fails before any worker starts training; settings that
     depend on the number of workers are checked by :meth:`validate` when the
-    engine starts, before the first step.
+    engine starts, before the first step.  A subclass that defines
+    ``__post_init__`` calls ``super().__post_init__()``.
+
+    Every mode takes the keyword ``compression`` (default None): ``"fp16"`` or
+    ``"bf16"`` sends the floating tensors of each round's exchange in that
+    16-bit type (half float32's bytes) and casts the result back, as Horovod's
+    ``Compression.fp16`` does; what that does to overflow and rounding is in
+    :mod:`tfsync.engine.compression`.  The round's metadata stays float32 and exact.
 
     Class attributes:
         name: the mode's string (``mode="ssp"``).
@@ -63,14 +86,18 @@ class Policy(abc.ABC):
     supplies its own through :meth:`components` and :meth:`service`.
     """
 
-    name: str = ""
-    payload: str = ""
-    coordinated: bool = False
-    skips: bool = False
-    accepts_ready: bool = False
-    enters_when_ready: bool = False
-    pulls_partially: bool = False
+    name = ""
+    payload = ""
+    coordinated = False
+    skips = False
+    accepts_ready = False
+    enters_when_ready = False
+    pulls_partially = False
     compensate = None
+    compression: str = dataclasses.field(default=None, kw_only=True)
+
+    def __post_init__(self):
+        check_compression(type(self).__name__, self.compression)
 
     @abc.abstractmethod
     def required_round(self, step: int) -> int:

@@ -132,6 +132,8 @@ class DCS3GD(Policy):
     Args:
         compensation: a :class:`DelayCompensation`. Default: constant
             ``λ = 0.04``.
+        compression: None (default), ``"fp16"`` or ``"bf16"``, keyword only: the rounds' floating
+            tensors in 16 bits on the wire (:mod:`tfsync.engine.compression`).
 
     Example:
 
@@ -143,6 +145,7 @@ class DCS3GD(Policy):
     payload = "compensated_updates"
 
     def __post_init__(self):
+        super().__post_init__()
         if not isinstance(self.compensation, DelayCompensation):
             raise TypeError(
                 f"DCS3GD(compensation={self.compensation!r}): compensation must be a "

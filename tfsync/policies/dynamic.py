@@ -91,6 +91,8 @@ class DSSP(Policy):
         low: ``s_L`` (int, ``>= 0``). Default 3, the paper's.
         high: ``s_U`` (int, ``>= low``). Default 15: the paper's range of
             extra iterations ``[0, 12]``.
+        compression: None (default), ``"fp16"`` or ``"bf16"``, keyword only: the rounds' floating
+            tensors in 16 bits on the wire (:mod:`tfsync.engine.compression`).
 
     Example:
 
@@ -103,6 +105,7 @@ class DSSP(Policy):
     payload = "updates"
 
     def __post_init__(self):
+        super().__post_init__()
         hint = "e.g. tfsync.DSSP(low=3, high=15)"
         _check_int("DSSP", "low", self.low, 0, hint)
         _check_int("DSSP", "high", self.high, 0, hint)
@@ -300,6 +303,8 @@ class ElasticBSP(Policy):
         algorithm: the ZipLine variant, one of
             :data:`tfsync.scheduler.ALGORITHMS`. Default ``"optbs"``
             (ZipLineOptBS).
+        compression: None (default), ``"fp16"`` or ``"bf16"``, keyword only: the rounds' floating
+            tensors in 16 bits on the wire (:mod:`tfsync.engine.compression`).
 
     Example:
 
@@ -313,6 +318,7 @@ class ElasticBSP(Policy):
     skips = True
 
     def __post_init__(self):
+        super().__post_init__()
         from tfsync.scheduler import ALGORITHMS
 
         _check_int("ElasticBSP", "lookahead", self.lookahead, 1, "e.g. tfsync.ElasticBSP(lookahead=15)")

@@ -108,12 +108,17 @@ def outer_config(optimizer) -> dict:
     return json.loads(json.dumps(config))  # plain data: compared across ranks, written to traces
 
 
-def _check_quantize(who, value, example):
+def _check_quantize(who, value, compression, example):
     if value not in QUANTIZE:
         raise ValueError(
             f"{who}(quantize={value!r}): quantize must be None (float32 outer rounds), 'int8' (int8 codes "
             f"with one scale per block of {QUANTIZE_BLOCK} values) or 'int4' (4-bit codes with error "
             f"feedback); e.g. {example}"
+        )
+    if value is not None and compression is not None:
+        raise ValueError(
+            f"{who}(quantize={value!r}, compression={compression!r}): the outer round travels either "
+            f"quantized or cast to 16 bits; pass one of the two (quantize sends fewer bytes)"
         )
 
 
@@ -162,6 +167,8 @@ class LocalSGD(Policy):
             own chunk and an all-gather of the quantized result, so the bytes fall at any
             worker count and every replica decodes the same bytes
             (:mod:`tfsync.engine.quantized`).
+        compression: None (default), ``"fp16"`` or ``"bf16"``, keyword only: the rounds' floating
+            tensors in 16 bits on the wire (:mod:`tfsync.engine.compression`).
 
     Example:
 
@@ -176,8 +183,9 @@ class LocalSGD(Policy):
     mixing = 0.0
 
     def __post_init__(self):
+        super().__post_init__()
         _check_steps("LocalSGD", "period", self.period, "tfsync.LocalSGD(period=8)")
-        _check_quantize("LocalSGD", self.quantize, "tfsync.LocalSGD(period=8, quantize='int8')")
+        _check_quantize("LocalSGD", self.quantize, self.compression, "tfsync.LocalSGD(period=8, quantize='int8')")
 
     @property
     def inner_steps(self) -> int:
@@ -275,6 +283,8 @@ class DiLoCo(Policy):
             own chunk and an all-gather of the quantized result, so the bytes fall at any
             worker count and every replica decodes the same bytes
             (:mod:`tfsync.engine.quantized`).
+        compression: None (default), ``"fp16"`` or ``"bf16"``, keyword only: the rounds' floating
+            tensors in 16 bits on the wire (:mod:`tfsync.engine.compression`).
 
     Example:
 
@@ -291,8 +301,9 @@ class DiLoCo(Policy):
     payload = "pseudo_gradients"
 
     def __post_init__(self):
+        super().__post_init__()
         _check_steps("DiLoCo", "inner_steps", self.inner_steps, "tfsync.DiLoCo(inner_steps=8)")
-        _check_quantize("DiLoCo", self.quantize, "tfsync.DiLoCo(inner_steps=8, quantize='int4')")
+        _check_quantize("DiLoCo", self.quantize, self.compression, "tfsync.DiLoCo(inner_steps=8, quantize='int4')")
         example = "e.g. tfsync.DiLoCo(inner_steps=8, overlap_steps=2)"
         fragments = self.fragments
         if isinstance(fragments, bool) or not isinstance(fragments, int) or not 1 <= fragments <= self.inner_steps:
@@ -338,7 +349,7 @@ class DiLoCo(Policy):
     def __hash__(self):
         outer = json.dumps(self.outer_optimizer, sort_keys=True)
         settings = (self.inner_steps, outer, self.overlap_steps, self.mixing, self.quantize, self.fragments)
-        return hash((self.name, *settings))
+        return hash((self.name, *settings, self.compression))
 
     @property
     def outer_optimizer_config(self) -> dict:
@@ -372,6 +383,7 @@ class DiLoCo(Policy):
             "mixing": self.mixing,
             "quantize": self.quantize,
             "fragments": self.fragments,
+            "compression": self.compression,
         }
 
 

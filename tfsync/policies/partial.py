@@ -165,6 +165,8 @@ class PSP(Policy):
         pull_blocks: ``B``, the number of blocks (consecutive weight tensors,
             balanced by size); at most the number of weight tensors.  Default
             ``None``: one block per weight tensor.
+        compression: None (default), ``"fp16"`` or ``"bf16"``, keyword only: the rounds' floating
+            tensors in 16 bits on the wire (:mod:`tfsync.engine.compression`).
 
     Example:
 
@@ -186,6 +188,7 @@ class PSP(Policy):
     enters_when_ready = True  # ... and every one ready when its worker enters: no answer to wait for
 
     def __post_init__(self):
+        super().__post_init__()
         hint = "e.g. tfsync.PSP(min_contributions=3, push_timeout_s=0.0)"
         check_compensate("PSP", self.compensate)
         if self.min_contributions is not None:
@@ -285,6 +288,8 @@ class BackupWorkers(Policy):
             A :class:`tfsync.DelayCompensation`: each is corrected and applied
             in the next round its worker computes for (counted as
             ``compensated``), so no worker's computation is wasted.
+        compression: None (default), ``"fp16"`` or ``"bf16"``, keyword only: the rounds' floating
+            tensors in 16 bits on the wire (:mod:`tfsync.engine.compression`).
 
     Example:
 
@@ -300,6 +305,7 @@ class BackupWorkers(Policy):
     accepts_ready = True  # every ready rank when it closes (PSP); the first N close it at the N-th (backup)
 
     def __post_init__(self):
+        super().__post_init__()
         _check_int("BackupWorkers", "backups", self.backups, 0, "e.g. tfsync.BackupWorkers(backups=1)")
         check_compensate("BackupWorkers", self.compensate)
 

@@ -67,11 +67,13 @@ class Mode:
     best_for: dict = dataclasses.field(default_factory=dict)  # situation -> this mode's name or a variant's
 
     def from_args(self, args):
-        """The policy the parsed flags describe."""
+        """The policy the parsed flags describe (``--compression``, every mode's, included)."""
         kwargs = {}
         for o in self.options:
             if o.field is not None:
                 kwargs[o.field] = o.build(args) if o.build is not None else getattr(args, o.dest)
+        if getattr(args, "compression", None) is not None:  # (left out otherwise: a mode of a user's may not take it)
+            kwargs["compression"] = args.compression
         return self.cls(**kwargs)
 
     def build(self, **settings):

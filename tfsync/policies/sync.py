@@ -11,6 +11,10 @@ class BSP(Policy):
     """Bulk-synchronous parallel: every step applies the average of all workers'
     gradients of that step, as ``hvd.allreduce(grad, op=hvd.Average)`` would.
 
+    Args:
+        compression: None (default), ``"fp16"`` or ``"bf16"``, keyword only: the rounds' floating
+            tensors in 16 bits on the wire (:mod:`tfsync.engine.compression`).
+
     Example:
 
         tfsync.keras.SyncCallback(mode=tfsync.BSP())   # or mode="bsp"
@@ -42,6 +46,8 @@ class SSP(Policy):
 
     Args:
         staleness: the bound ``s`` (int, ``>= 0``). Default 3.
+        compression: None (default), ``"fp16"`` or ``"bf16"``, keyword only: the rounds' floating
+            tensors in 16 bits on the wire (:mod:`tfsync.engine.compression`).
 
     Example:
 
@@ -53,6 +59,7 @@ class SSP(Policy):
     payload = "updates"
 
     def __post_init__(self):
+        super().__post_init__()
         if isinstance(self.staleness, bool) or not isinstance(self.staleness, int):
             raise TypeError(
                 f"SSP(staleness={self.staleness!r}): staleness must be an int >= 0 "

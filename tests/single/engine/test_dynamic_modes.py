@@ -332,4 +332,4 @@ def test_ranks_with_different_settings_are_refused_on_every_rank(modes):
 
 
 def test_ssp_is_not_dssp():
-    assert SSP(3) != DSSP(3, 3) and DSSP(3, 3).config() == {"mode": "dssp", "low": 3, "high": 3}
+    assert SSP(3) != DSSP(3, 3) and DSSP(3, 3).config() == {"mode": "dssp", "low": 3, "high": 3, "compression": None}

@@ -201,8 +201,9 @@ def test_partial_policies_describe_themselves():
         "pull_fraction": 1.0,
         "pull_timeout_s": None,
         "pull_blocks": None,
+        "compression": None,
     }
-    assert BackupWorkers().config() == {"mode": "backup", "backups": 1, "compensate": None}
+    assert BackupWorkers().config() == {"mode": "backup", "backups": 1, "compensate": None, "compression": None}
     assert BackupWorkers(compensate=DelayCompensation(lam=0.1)).config()["compensate"] == {
         "lam": 0.1,
         "adaptive": False,

@@ -56,8 +56,8 @@ def test_policies_are_immutable_and_describe_themselves():
     policy = SSP(staleness=2)
     with pytest.raises(dataclasses.FrozenInstanceError):
         policy.staleness = 4
-    assert policy.config() == {"mode": "ssp", "staleness": 2}
-    assert BSP().config() == {"mode": "bsp"}
+    assert policy.config() == {"mode": "ssp", "staleness": 2, "compression": None}
+    assert BSP().config() == {"mode": "bsp", "compression": None}
     assert (BSP().payload, SSP().payload) == ("gradients", "updates")
 
 

@@ -117,6 +117,10 @@ def test_load_trace_reads_every_rank_and_skips_unknown_events(ssp_dir):
 
 
 # ---------------------------------------------------------------------------- summary
+BYTES = ("bytes_sent", "bytes_received", "uncompressed_bytes_sent", "uncompressed_bytes_received")
+NO_BYTES = dict.fromkeys(BYTES, 0.0)
+
+
 def test_summarize_ssp_with_a_straggler(ssp_dir):
     summary = timeline.summarize(timeline.load_trace(ssp_dir))
     assert summary["mode"] == "SSP (staleness=1)"
@@ -134,6 +138,7 @@ def test_summarize_ssp_with_a_straggler(ssp_dir):
         "rejected": 0,
         "lost": 0,
         "skipped": 0,
+        **NO_BYTES,
     }
     assert summary["ranks"][1] == fast
     # The straggler never waits and always applies its own step's round.
@@ -148,6 +153,7 @@ def test_summarize_ssp_with_a_straggler(ssp_dir):
         "rejected": 0,
         "lost": 0,
         "skipped": 0,
+        **NO_BYTES,
     }
     overall = summary["overall"]
     assert overall["steps"] == 30
@@ -219,6 +225,7 @@ def test_summarize_step_range(ssp_dir):
         "rejected": 0,
         "lost": 0,
         "skipped": 0,
+        **NO_BYTES,
     }
     assert summary["ranks"][2]["steps"] == 4 and summary["ranks"][2]["compute_s"] == 8.0
     # Pushes before the range still count, so the gap is not inflated at its edge.
@@ -511,3 +518,25 @@ def test_an_elastic_reset_counts_its_lost_contributions(tmp_path):
     summary = timeline.summarize(timeline.load_trace(str(tmp_path)))
     assert summary["ranks"][0]["lost"] == summary["overall"]["lost"] == 1
     assert summary["ranks"][0]["steps"] == 1
+
+
+def test_the_summary_adds_up_the_bytes_each_rank_put_on_the_wire(tmp_path):
+    directory = write_trace(tmp_path / "bytes", staleness=0, mode="bsp", steps=4)
+    for name in os.listdir(directory):
+        path = os.path.join(directory, name)
+        with open(path) as f:
+            records = [json.loads(line) for line in f if line.strip()]
+        for r in records:
+            if "event" not in r:  # a step record: one round's bytes
+                r.update(bytes_sent=10.0, bytes_received=10.0, uncompressed_bytes_sent=20.0)
+        records.append({"event": "bytes", "rank": records[0]["rank"], "t": 99.0, "bytes_sent": 5.0})
+        with open(path, "w") as f:
+            f.write("".join(json.dumps(r) + "\n" for r in records))
+    summary = timeline.summarize(timeline.load_trace(directory))
+    for r in summary["ranks"].values():
+        assert (r["bytes_sent"], r["bytes_received"], r["uncompressed_bytes_sent"]) == (45.0, 40.0, 80.0)
+    assert summary["overall"]["bytes_sent"] == 45.0 * len(summary["ranks"])
+    # a step range leaves out the rounds after the last step
+    in_range = timeline.summarize(timeline.load_trace(directory), start_step=1, end_step=2)
+    assert in_range["ranks"][0]["bytes_sent"] == 20.0
+    assert "sent MB" in timeline.format_summary(summary)

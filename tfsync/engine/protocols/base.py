@@ -54,10 +54,12 @@ class StepProtocol:
         return {"averages": cls.averages}
 
     @classmethod
-    def collective(cls, cluster, policy, averages: bool):
+    def collective(cls, cluster, policy, averages: bool, compression=None):
         """The round's collective (:class:`~tfsync.engine.exchange.RoundExchange`'s): the
-        cluster's grouped allreduce by default."""
-        return cluster.collective(averages)
+        cluster's grouped allreduce by default, its floating tensors in ``compression``'s wire
+        type when set (:mod:`tfsync.engine.compression`)."""
+        # (a cluster is asked for compression only when the mode sets one: a stand-in may not take it)
+        return cluster.collective(averages, **({"compression": compression} if compression else {}))
 
     @classmethod
     def optimizer_path(cls, policy, engine, optimizer=None, station="apply", shared=False):

@@ -72,11 +72,11 @@ class OuterStepProtocol(StepProtocol):
         return [FinalOuterStep()]
 
     @classmethod
-    def collective(cls, cluster, policy, averages):
+    def collective(cls, cluster, policy, averages, compression=None):
         """With ``quantize`` set, the quantized round (:mod:`tfsync.engine.quantized`)."""
         quantize = getattr(policy, "quantize", None)
         if quantize is None:
-            return cluster.collective(averages)
+            return super().collective(cluster, policy, averages, compression)
         return cluster.quantized_collective(quantize, averages)
 
     @classmethod
