@@ -240,6 +240,27 @@ class SyncEngine:
         engine still running when the interpreter exits (see :func:`tfsync.engine.lifecycle.abandon`)."""
         lifecycle.abandon(self)
 
+    def at_rest(self) -> bool:
+        """Whether this worker's weights hold every round it pushed and nothing else (no round in
+        flight, no late contribution or block of a round still to come, no outer period under
+        way): where every worker is at rest after the same step, the replicas are identical
+        (an elastic job's mid-epoch commits are made there, :mod:`tfsync.keras.commits`)."""
+        return (
+            self.applied_through >= self.step - 1
+            and self.protocol.at_rest()
+            and all(c.at_rest() for c in self.components)
+        )
+
+    @staticmethod
+    def rest_steps(policy):
+        """How often every worker of ``policy``'s engine is sure to be at rest (:meth:`at_rest`):
+        every that many steps (1: after every step), or None (no step is sure to be)."""
+        protocol = protocols.for_policy(policy)
+        period = protocol.rest_steps(policy)
+        if period is None or not all(c.rests for c in [*protocol.components(policy), *bindings.components(policy)]):
+            return None
+        return period
+
     def lose_in_flight(self, reason: str) -> int:
         """After a failure that ends this engine unfinished (elastic training resets): count this
         worker's contributions that were produced and never settled (in flight in a round that

@@ -80,9 +80,11 @@ class SyncCallback(keras.callbacks.Callback):
             ``tfsync_rejected``); ``"raise"``: the job stops with
             ``tfsync.engine.NonFiniteError`` naming the rank and the step.
         elastic: a :class:`tfsync.elastic.KerasState` (default None): elastic training under
-            ``tfsync.elastic.run``; the state is committed at every epoch end, contributions in
-            flight at a reset are counted ``tfsync_lost``, and ``counts`` and the logs cover the
-            whole training across resets (:class:`tfsync.keras.commits.ElasticCommits`,
+            ``tfsync.elastic.run``; the state is committed at every epoch end and, as the state's
+            ``commit_every_steps`` says, within epochs; contributions in flight at a reset are
+            counted ``tfsync_lost``, the steps since the last commit ``tfsync_steps_redone`` (and
+            their rows ``tfsync_samples_redone``), and ``counts`` and the logs cover the whole
+            training across resets (:class:`tfsync.keras.commits.ElasticCommits`,
             ``docs/guide/elastic.md``).
 
     Logs added: per batch ``tfsync_wait_s``, ``tfsync_staleness``; per epoch
@@ -147,8 +149,9 @@ class SyncCallback(keras.callbacks.Callback):
     @property
     def counts(self):
         """This worker's contributions over the whole ``fit`` (every engine auto mode ran); with
-        ``elastic=``, over this process's whole elastic training, through every reset."""
-        return self.run_counts.counts(self.engine)
+        ``elastic=``, over this process's whole elastic training, through every reset, and the
+        steps and samples its resets redid (``steps_redone``, ``samples_redone``)."""
+        return self.run_counts.counts(self.engine, redone=self.elastic is not None)
 
     @property
     def auto_decisions(self):
@@ -174,7 +177,7 @@ class SyncCallback(keras.callbacks.Callback):
             frontend.engine.abandon()
         policies = self.auto.modes if self.auto is not None else (self.policy,)
         if self.elastic is not None:
-            self.elastic.begin(model, self.mode)
+            self.elastic.begin(model, self.mode, self.params, policies)
             self.run_counts.fold(self.engine, epoch_totals=False)
         else:
             self.run_counts.restart()
@@ -221,6 +224,10 @@ class SyncCallback(keras.callbacks.Callback):
         if self.engine is not None:
             self.engine.reset_totals()
 
+    def on_train_batch_begin(self, batch, logs=None):
+        if self.elastic is not None:
+            self.elastic.batch_begin()
+
     def on_train_batch_end(self, batch, logs=None):
         if self.engine is None:
             return
@@ -230,6 +237,8 @@ class SyncCallback(keras.callbacks.Callback):
             logs["tfsync_staleness"] = last.get("staleness", 0)
         if self.auto is not None:
             self.auto.batch_end(self._epoch, batch, last)
+        if self.elastic is not None:
+            self.elastic.batch_end(batch)
 
     def on_epoch_end(self, epoch, logs=None):
         if logs is None or self.engine is None:
@@ -240,7 +249,7 @@ class SyncCallback(keras.callbacks.Callback):
             self.frontend.finish(apply_mean=self._apply_mean)
         if self.auto is not None:
             self.auto.epoch_end(epoch, self._steps - 1)
-        totals = self.run_counts.epoch_totals(self.engine)
+        totals = self.run_counts.epoch_totals(self.engine, redone=self.elastic is not None)
         add_epoch_logs(logs, totals, self.engine, self.frontend, self.average_epoch_logs)
         if self.auto is not None:
             logs.update(self.auto.epoch_logs())
