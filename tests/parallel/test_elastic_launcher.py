@@ -38,6 +38,7 @@ def _launch(
     options=(),
     env=None,
     workers=2,
+    worker_options=(),
 ):
     out = tmp_path / f"{mode}-{victim}"
     out.mkdir()
@@ -47,6 +48,7 @@ def _launch(
     if changes is not None:
         hosts_file = str(out / "hosts")
         args += [hosts_file, changes]
+    args += list(worker_options)
     code, output = run_elastic_workers(
         WORKER,
         workers,
@@ -136,6 +138,46 @@ def test_four_workers_lose_a_host_and_go_on_with_two(tmp_path):
         _check_counts(res["counts"])
     assert results[0]["checksum"] == results[1]["checksum"]
     _check_counts(results[0]["state_counts"])
+
+
+COMMIT_EVERY = 4  # steps: the kill after step KILL_AT[1] + 1 = 11 of its epoch comes 3 after the commit at 8
+
+
+def test_a_worker_killed_mid_epoch_costs_at_most_the_steps_since_the_last_commit(tmp_path, undisturbed):
+    """Commits every COMMIT_EVERY steps, one fit per epoch on data resumed at the committed sample:
+    the survivor goes on alone from the commit at step 8 of the interrupted epoch, not its start."""
+    _, _, results, killed = _launch(tmp_path, "bsp", 1, worker_options=["--commit-every", str(COMMIT_EVERY)])
+    assert killed is not None and sorted(results) == [0], results
+    res = results[0]
+    assert res["resets"] == 1 and res["size"] == 1 and res["state_epoch"] == EPOCHS, res
+    committed_steps = KILL_AT[1] + 1 - (KILL_AT[1] + 1) % COMMIT_EVERY  # 8: the last commit before the kill
+    resumed_at = committed_steps * 2 * 16  # samples: every step of both workers (_elastic_worker.BATCH)
+    assert res["memberships"] == [
+        {"rank": 0, "size": 2, "epoch": 0, "sample": 0},
+        {"rank": 0, "size": 1, "epoch": KILL_AT[0], "sample": resumed_at},  # not the epoch's start
+    ], res
+    assert res["epochs"] == list(range(EPOCHS)), res  # the interrupted epoch finished once, resumed
+    counts, job = res["counts"], res["state_counts"]
+    # the survivor redid the steps after the commit that it had finished (its next one never completed)
+    redone = KILL_AT[1] + 1 - committed_steps
+    assert counts["steps_redone"] == redone <= COMMIT_EVERY, counts
+    assert counts["samples_redone"] == redone * 16, counts
+    assert (job["steps_redone"], job["samples_redone"]) == (counts["steps_redone"], counts["samples_redone"])
+    _check_counts(counts)
+    _check_counts(job)
+    # what it produced: epoch 0, the interrupted epoch's steps up to the one lost, the rest of that
+    # epoch alone from the committed sample (whole batches of 16), and the later epochs alone
+    train = 1437  # the digits training split
+    rest = (train - resumed_at) // 16
+    assert counts["lost"] == 1, counts
+    assert counts["produced"] == 44 * KILL_AT[0] + KILL_AT[1] + 2 + rest + (EPOCHS - KILL_AT[0] - 1) * (
+        train // 16
+    ), counts
+    assert res["accuracy"] >= undisturbed - 0.02, (res["accuracy"], undisturbed)
+    assert res["first_step_after_reset_t"] - killed["t"] < RESET_BOUND_S, res
+    trace = [json.loads(line) for line in open(tmp_path / "bsp-1" / "trace" / "reset0" / "rank0.jsonl")]
+    commits = [(r["epoch"], r["steps"], r["sample"]) for r in trace if r.get("event") == "commit"]
+    assert (KILL_AT[0], committed_steps, resumed_at) in commits, commits
 
 
 @pytest.mark.parametrize("mode", ["dssp", "elasticbsp", "dcs3gd"])
