@@ -76,10 +76,11 @@ ELASTIC_ENV = "HOROVOD_ELASTIC"  # set to 1 by horovodrun for an elastic launch 
 # a TensorFlow op error from a Horovod collective or its Gloo transport (not a user's own error)
 HOROVOD_OP_ERROR = re.compile(r"horovod|gloo", re.IGNORECASE)
 RESERVED = ("resets", "counts", "sample")  # KerasState's own attributes
-# Commits between epoch ends, every this many steps, where the mode and the data allow
-# (KerasState's commit_every_steps="auto"): a commit copies the model and the optimizer to host
-# memory and runs one small allreduce; see docs/guide/elastic.md, "Choosing the interval"
 DEFAULT_COMMIT_EVERY_STEPS = 100
+"""Commits within an epoch every this many steps where the mode and the data allow
+(``KerasState``'s ``commit_every_steps="auto"``): a commit copies the model and the optimizer
+to host memory and runs one small allreduce and one small broadcast (``docs/guide/elastic.md``,
+"Choosing the interval"; ``python -m tfsync.bench elastic --commit-cost`` measures it)."""
 
 
 class ElasticResetError(RuntimeError):

@@ -226,3 +226,11 @@ def test_data_that_does_not_start_at_the_committed_sample_is_refused(one_worker)
     tfsync.shard(X, Y, batch_size=BATCH, resume=state)
     with pytest.raises(ValueError, match="fit one epoch per data"):
         model.fit(*whole, batch_size=BATCH, epochs=3, verbose=0, callbacks=[sync])
+
+
+def test_the_commit_cost_bench_measures_the_default_interval():
+    from tfsync.bench import elastic as bench
+
+    assert bench.DEFAULT_COMMIT_EVERY_STEPS == elastic.DEFAULT_COMMIT_EVERY_STEPS
+    args = bench.parse_args(["--commit-cost", "--model", "small"])
+    assert (args.commit_every, args.steps) == (elastic.DEFAULT_COMMIT_EVERY_STEPS, 501)
