@@ -154,7 +154,8 @@ class ElasticCommits:
                 f"of workers the mode takes, or choose settings that rescale (PSP's min_contributions=None "
                 f"waits for size - 1)"
             ) from exc
-        self._hosts_check_due = False  # (the state was just synchronized: nothing older to check)
+        # (a check due from the last fit's final commit stays due: with one fit per epoch, every
+        # epoch end is a fit's last, and the next fit's first epoch begin checks; a reset clears it)
         self.plan = state.take_plan()
         self.schedule = self._schedule(mode, params, policies)
         self.steps = self.committed_steps = self.since_commit = 0

@@ -234,3 +234,30 @@ def test_the_commit_cost_bench_measures_the_default_interval():
     assert bench.DEFAULT_COMMIT_EVERY_STEPS == elastic.DEFAULT_COMMIT_EVERY_STEPS
     args = bench.parse_args(["--commit-cost", "--model", "small"])
     assert (args.commit_every, args.steps) == (elastic.DEFAULT_COMMIT_EVERY_STEPS, 501)
+
+
+def test_local_sgd_commits_after_its_outer_steps(one_worker, monkeypatch):
+    model = _model()
+    state = elastic.KerasState(model, epoch=0, commit_every_steps=3)  # rounded up to 4: 2 outer steps
+    sync = _callback(state, tfsync.LocalSGD(period=2))
+    saves = []
+    real_save = state.save
+    monkeypatch.setattr(state, "save", lambda: (saves.append(state.sample), real_save()))
+    rest = []
+    real_at_rest = SyncEngine.at_rest
+    monkeypatch.setattr(SyncEngine, "at_rest", lambda engine: rest.append(real_at_rest(engine)) or rest[-1])
+    _fit(model, state, sync)
+    assert rest == [True] and sync.elastic.deferred == 0  # asked once, after step 4: at rest
+    assert saves == [4 * BATCH, 0]  # step 4's sample; the epoch end (step 8)
+
+
+def test_a_host_check_due_from_a_fits_last_commit_is_made_when_the_next_fit_begins(one_worker, monkeypatch):
+    model = _model()
+    state = elastic.KerasState(model, epoch=0, commit_every_steps="epoch")
+    sync = _callback(state)
+    checks = []
+    monkeypatch.setattr(state, "check_host_updates", lambda: checks.append(state.epoch))
+    _fit(model, state, sync)
+    assert checks == []  # (due after the epoch-end commit: checked when the next epoch begins)
+    _fit(model, state, sync)
+    assert checks == [1]
