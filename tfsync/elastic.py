@@ -8,11 +8,14 @@ on Keras 3 (their Keras state calls ``optimizer.variables()``, a list in Keras
 worker cannot match), and its ``run`` wrapper resets on Horovod's own op errors
 only.  This module is the Keras 3 way, with tfsync's engine:
 
-* :class:`KerasState`: the model's and the optimizer's variables, the epoch
-  and tfsync's job-wide contribution counts, committed in host memory
-  (NumPy copies) at every epoch end by the :class:`tfsync.keras.SyncCallback`
-  given ``elastic=state``; restored from that commit after a failure, and
-  broadcast from rank 0 to every member (joiners included) at every reset.
+* :class:`KerasState`: the model's and the optimizer's variables, the data
+  position (the epoch, and the samples of it trained on) and tfsync's job-wide
+  contribution counts, committed in host memory (NumPy copies) by the
+  :class:`tfsync.keras.SyncCallback` given ``elastic=state`` at every epoch end
+  and every ``commit_every_steps`` steps within an epoch where the mode and the
+  data allow (:mod:`tfsync.keras.commits`); restored from the last commit after
+  a failure, and broadcast from rank 0 to every member (joiners included) at
+  every reset.
 * :func:`run`: calls the training function, and on a failure that a
   membership change explains (a lost peer: tfsync's
   :class:`~tfsync.engine.WorkerLostError`, a wait past its bound:
@@ -22,7 +25,9 @@ only.  This module is the Keras 3 way, with tfsync's engine:
   in flight as ``lost`` and abandons the running engine, re-forms Horovod
   (``hvd.shutdown(); hvd.init()``: the new ranks, rank 0 possibly another
   process), restores the last commit, broadcasts rank 0's state and calls the
-  function again, which starts ``fit`` at ``state.epoch``.  The callback's
+  function again, which starts ``fit`` at ``state.epoch``, on data from the
+  committed sample ``state.sample`` (:func:`tfsync.shard` or
+  :func:`tfsync.shard_dataset` given ``resume=state``).  The callback's
   ``on_train_begin`` starts a new engine and control path on the new members.
 
 How many resets a job may take is Horovod's launcher's bound
@@ -40,8 +45,10 @@ Example:
 
     @tfsync.elastic.run
     def train(state):                               # re-entered after every reset
-        x, y = tfsync.shard(x_all, y_all, batch_size=32)   # this membership's shard
-        model.fit(x, y, batch_size=32, epochs=10, initial_epoch=state.epoch, callbacks=[sync])
+        while state.epoch < 10:                     # one fit per epoch, from the committed sample
+            x, y = tfsync.shard(x_all, y_all, batch_size=32, resume=state, seed=0)
+            model.fit(x, y, batch_size=32, epochs=state.epoch + 1, initial_epoch=state.epoch,
+                      shuffle=False, callbacks=[sync])
 
     train(state)
 """
