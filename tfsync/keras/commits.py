@@ -228,12 +228,12 @@ class ElasticCommits:
 
     def batch_begin(self):
         """After a commit within the epoch: the launcher's notices (as at an epoch's begin)."""
-        self.epoch_begin()
+        self._check_hosts()
 
     def batch_end(self, batch: int):
         """Step ``batch`` of the epoch is done: commit if one is due and every worker is at rest."""
+        self.since_commit += batch + 1 - self.steps  # (Keras' batch index: steps of the epoch, less one)
         self.steps = batch + 1
-        self.since_commit += 1
         schedule, plan = self.schedule, self.plan
         if schedule is None or self.steps >= plan.steps or not schedule.is_due(self.steps):
             return  # (the epoch's last step: its epoch end commits)
@@ -276,6 +276,11 @@ class ElasticCommits:
             self.state.counts[k] += int(round(float(m) * size))
 
     def epoch_begin(self):
+        """An epoch begins: its steps count from 0; the launcher's notices (:meth:`_check_hosts`)."""
+        self.steps = self.committed_steps = 0  # (the last commit: the previous epoch's end, or the restore)
+        self._check_hosts()
+
+    def _check_hosts(self):
         """The launcher's notices since the last commit (collective: rank 0's, broadcast): if it
         changed the hosts, Horovod's ``HostsUpdatedInterrupt`` (:func:`tfsync.elastic.run` resets,
         the state just committed)."""
@@ -295,7 +300,7 @@ class ElasticCommits:
         self._add_counts(keys, mean)
         self.state.epoch, self.state.sample = epoch + 1, 0
         self.state.save()
-        self.committed_steps, self.since_commit, self._t_commit = 0, 0, time.monotonic()
+        self.committed_steps, self.since_commit, self._t_commit = self.steps, 0, time.monotonic()
         self._hosts_check_due = True
 
     def reset(self, reason: str) -> int:

@@ -261,3 +261,12 @@ def test_a_host_check_due_from_a_fits_last_commit_is_made_when_the_next_fit_begi
     assert checks == []  # (due after the epoch-end commit: checked when the next epoch begins)
     _fit(model, state, sync)
     assert checks == [1]
+
+
+def test_a_reset_just_after_an_epoch_end_commit_redoes_nothing(one_worker):
+    model = _model()
+    state = elastic.KerasState(model, epoch=0, commit_every_steps=3)
+    sync = _callback(state)
+    _fit(model, state, sync)
+    sync.elastic.reset("a test")
+    assert (sync.counts["steps_redone"], sync.counts["samples_redone"]) == (0, 0)
