@@ -143,6 +143,37 @@ def test_four_workers_lose_a_host_and_go_on_with_two(tmp_path):
 COMMIT_EVERY = 4  # steps: the kill after step KILL_AT[1] + 1 = 11 of its epoch comes 3 after the commit at 8
 
 
+def test_four_workers_lose_a_host_mid_epoch_and_the_two_left_resume_at_the_committed_sample(tmp_path):
+    """As above, with commits every COMMIT_EVERY steps and the data resumed: the two survivors
+    share the rest of the interrupted epoch from step 8's sample (of four workers), redo at most
+    COMMIT_EVERY steps each, and end with identical weights."""
+    gloo_s = 5
+    _, _, results, killed = _launch(
+        tmp_path,
+        "bsp",
+        3,
+        workers=4,
+        env={"HOROVOD_GLOO_TIMEOUT_SECONDS": str(gloo_s)},
+        worker_options=["--commit-every", str(COMMIT_EVERY)],
+    )
+    assert killed is not None and sorted(results) == [0, 1], results
+    resumed_at = 8 * 4 * 16  # step 8 of four workers, batches of 16
+    for res in results.values():
+        assert res["resets"] == 1 and res["size"] == 2 and res["epochs"] == list(range(EPOCHS)), res
+        assert [(m["size"], m["epoch"], m["sample"]) for m in res["memberships"]] == [
+            (4, 0, 0),
+            (2, KILL_AT[0], resumed_at),
+        ], res
+        counts = res["counts"]
+        assert 1 <= counts["steps_redone"] <= COMMIT_EVERY and counts["samples_redone"] == 16 * counts["steps_redone"]
+        _check_counts(counts)
+    assert results[0]["checksum"] == results[1]["checksum"]
+    job = results[0]["state_counts"]
+    _check_counts(job)
+    # the job's redone work: the survivors' (the lost host's went with it)
+    assert job["steps_redone"] == sum(r["counts"]["steps_redone"] for r in results.values()), job
+
+
 @pytest.mark.parametrize(
     "mode,victim,interval",
     [
