@@ -270,3 +270,20 @@ def test_a_reset_just_after_an_epoch_end_commit_redoes_nothing(one_worker):
     _fit(model, state, sync)
     sync.elastic.reset("a test")
     assert (sync.counts["steps_redone"], sync.counts["samples_redone"]) == (0, 0)
+
+
+@pytest.mark.parametrize("every_s,sampled_steps", [(1e-9, [2, 3, 4, 5, 6, 7]), (1e9, [2])])
+def test_the_callback_commits_by_time_from_the_step_the_workers_mean_step_time_gives(
+    one_worker, monkeypatch, every_s, sampled_steps
+):
+    # the extremes make the step independent of this machine's speed: a bound far below one
+    # step commits at every step after the first, one far above none again this epoch
+    monkeypatch.setattr("tfsync.keras.commits.FIRST_TIMED_COMMIT_STEPS", 2)
+    model = _model()
+    state = elastic.KerasState(model, epoch=0, commit_every_steps="auto", commit_every_s=every_s)
+    sync = _callback(state)
+    saves = []
+    real_save = state.save
+    monkeypatch.setattr(state, "save", lambda: (saves.append(state.sample), real_save()))
+    _fit(model, state, sync)
+    assert saves == [s * BATCH for s in sampled_steps] + [0]  # then the epoch end (step 8)
