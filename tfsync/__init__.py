@@ -14,6 +14,7 @@ Public API::
     tfsync.distribute.SyncStrategy(mode=...)     # with strategy.scope(): ...
     tfsync.elastic.KerasState, tfsync.elastic.run # elastic training (horovodrun --min-np/--max-np)
     tfsync.shard(x, y)                           # this rank's equal share of arrays
+    tfsync.shard_dataset(ds, batch_size)         # ... of a tf.data dataset (elastic: resume=state)
     tfsync.register_mode(name, PolicyClass)      # a mode of your own (tfsync.policies.registry)
 """
 
@@ -45,10 +46,10 @@ def __getattr__(name):
     # Submodules that import TensorFlow load on first use, so `import tfsync` stays light.
     if name in _LAZY:
         return importlib.import_module(f"tfsync.{name}")
-    if name == "shard":
-        from tfsync._data import shard
+    if name in ("shard", "shard_dataset"):
+        from tfsync import _data
 
-        return shard
+        return getattr(_data, name)
     raise AttributeError(f"module 'tfsync' has no attribute {name!r}")
 
 
@@ -68,6 +69,7 @@ __all__ = [
     "register_mode",
     "Stragglers",
     "shard",
+    "shard_dataset",
     "keras",
     "distribute",
     "elastic",

@@ -8,11 +8,14 @@ on Keras 3 (their Keras state calls ``optimizer.variables()``, a list in Keras
 worker cannot match), and its ``run`` wrapper resets on Horovod's own op errors
 only.  This module is the Keras 3 way, with tfsync's engine:
 
-* :class:`KerasState`: the model's and the optimizer's variables, the epoch
-  and tfsync's job-wide contribution counts, committed in host memory
-  (NumPy copies) at every epoch end by the :class:`tfsync.keras.SyncCallback`
-  given ``elastic=state``; restored from that commit after a failure, and
-  broadcast from rank 0 to every member (joiners included) at every reset.
+* :class:`KerasState`: the model's and the optimizer's variables, the data
+  position (the epoch, and the samples of it trained on) and tfsync's job-wide
+  contribution counts, committed in host memory (NumPy copies) by the
+  :class:`tfsync.keras.SyncCallback` given ``elastic=state`` at every epoch end
+  and every ``commit_every_steps`` steps within an epoch where the mode and the
+  data allow (:mod:`tfsync.keras.commits`); restored from the last commit after
+  a failure, and broadcast from rank 0 to every member (joiners included) at
+  every reset.
 * :func:`run`: calls the training function, and on a failure that a
   membership change explains (a lost peer: tfsync's
   :class:`~tfsync.engine.WorkerLostError`, a wait past its bound:
@@ -22,7 +25,9 @@ only.  This module is the Keras 3 way, with tfsync's engine:
   in flight as ``lost`` and abandons the running engine, re-forms Horovod
   (``hvd.shutdown(); hvd.init()``: the new ranks, rank 0 possibly another
   process), restores the last commit, broadcasts rank 0's state and calls the
-  function again, which starts ``fit`` at ``state.epoch``.  The callback's
+  function again, which starts ``fit`` at ``state.epoch``, on data from the
+  committed sample ``state.sample`` (:func:`tfsync.shard` or
+  :func:`tfsync.shard_dataset` given ``resume=state``).  The callback's
   ``on_train_begin`` starts a new engine and control path on the new members.
 
 How many resets a job may take is Horovod's launcher's bound
@@ -40,8 +45,10 @@ Example:
 
     @tfsync.elastic.run
     def train(state):                               # re-entered after every reset
-        x, y = tfsync.shard(x_all, y_all, batch_size=32)   # this membership's shard
-        model.fit(x, y, batch_size=32, epochs=10, initial_epoch=state.epoch, callbacks=[sync])
+        while state.epoch < 10:                     # one fit per epoch, from the committed sample
+            x, y = tfsync.shard(x_all, y_all, batch_size=32, resume=state, seed=0)
+            model.fit(x, y, batch_size=32, epochs=state.epoch + 1, initial_epoch=state.epoch,
+                      shuffle=False, callbacks=[sync])
 
     train(state)
 """
@@ -54,6 +61,7 @@ import re
 import time
 
 from tfsync import _env, _horovod
+from tfsync._data import REDONE
 from tfsync.engine import lifecycle
 from tfsync.engine.bounded import run_bounded
 from tfsync.engine.cluster import HorovodCluster
@@ -74,7 +82,12 @@ log = logging.getLogger("tfsync.elastic")
 ELASTIC_ENV = "HOROVOD_ELASTIC"  # set to 1 by horovodrun for an elastic launch (--min-np/--max-np/discovery)
 # a TensorFlow op error from a Horovod collective or its Gloo transport (not a user's own error)
 HOROVOD_OP_ERROR = re.compile(r"horovod|gloo", re.IGNORECASE)
-RESERVED = ("resets", "counts")  # KerasState's own attributes
+RESERVED = ("resets", "counts", "sample")  # KerasState's own attributes
+DEFAULT_COMMIT_EVERY_STEPS = 100
+"""Commits within an epoch every this many steps where the mode and the data allow
+(``KerasState``'s ``commit_every_steps="auto"``): a commit copies the model and the optimizer
+to host memory and runs one small allreduce and one small broadcast (``docs/guide/elastic.md``,
+"Choosing the interval"; ``python -m tfsync.bench elastic --commit-cost`` measures it)."""
 
 
 class ElasticResetError(RuntimeError):
@@ -87,8 +100,9 @@ class KerasState(ObjectState):
     the progress of training.
 
     Building it runs no collective (a worker that joins a running job builds it while the
-    others wait in their reset).  Committed (``commit()``) at every epoch end by the
-    :class:`tfsync.keras.SyncCallback` given ``elastic=state``, after that epoch's rounds:
+    others wait in their reset).  Committed by the :class:`tfsync.keras.SyncCallback` given
+    ``elastic=state`` (:class:`tfsync.keras.commits.ElasticCommits`) at every epoch end and,
+    where the mode and the data allow, every ``commit_every_steps`` steps within an epoch:
     NumPy copies of every model and optimizer variable (weights, non-trainable statistics,
     iterations, slots, learning rate) and of the attributes.  Restored (``restore()``) after
     a failure; synchronized (``sync()``: rank 0's variables and attributes broadcast to every
@@ -100,18 +114,40 @@ class KerasState(ObjectState):
         optimizer: default ``model.optimizer``; built now (its slots) if it is not.
         wait_timeout_s: bound on each collective of ``sync()`` and ``commit()`` (default
             120 s, or ``TFSYNC_WAIT_TIMEOUT_S``).
+        commit_every_steps: ``"auto"`` (default): every ``DEFAULT_COMMIT_EVERY_STEPS`` (100)
+            steps within an epoch where mid-epoch commits can run (the mode comes to rest
+            between steps and ``fit``'s data comes from ``tfsync.shard(..., resume=state)`` or
+            ``tfsync.shard_dataset(..., resume=state)``), at epoch ends only elsewhere; an
+            integer ``N >= 1``: every ``N`` steps, and a ``fit`` where that cannot run is refused
+            before its first step, saying why; ``"epoch"``: at epoch ends only.  Local SGD and
+            DiLoCo commit at outer steps: ``N`` is rounded up to a multiple of ``inner_steps``.
+        commit_every_s: also commit once this many seconds of training have passed since the
+            last commit (default None: no time bound), measured as the workers' mean step time
+            at each commit, so every worker picks the same step; with ``commit_every_steps`` an
+            integer or ``"auto"``, whichever comes first.  Refused with ``"epoch"``.
         **attributes: values kept and restored with the model, as attributes of the state
-            (``epoch=0`` by default; any other picklable value: a learning-rate scale, a
-            data position).  ``resets`` (the resets so far) and ``counts`` (the job's
-            contributions as of the last commit, summed over the workers) are the state's own.
+            (``epoch=0`` by default; any other picklable value: a learning-rate scale).
+            ``resets`` (the resets so far), ``counts`` (the job's contributions as of the last
+            commit, summed over the workers, and the steps and samples resets redid) and
+            ``sample`` (the committed data position: the samples of ``epoch``'s order trained
+            on, :mod:`tfsync._data`) are the state's own.
 
     Example:
 
-        state = tfsync.elastic.KerasState(model, epoch=0)
+        state = tfsync.elastic.KerasState(model, epoch=0, commit_every_steps=200)
         sync = tfsync.keras.SyncCallback("bsp", elastic=state)
     """
 
-    def __init__(self, model, optimizer=None, *, wait_timeout_s=None, **attributes):
+    def __init__(
+        self,
+        model,
+        optimizer=None,
+        *,
+        wait_timeout_s=None,
+        commit_every_steps="auto",
+        commit_every_s=None,
+        **attributes,
+    ):
         optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
         if optimizer is None:
             raise ValueError(
@@ -127,16 +163,20 @@ class KerasState(ObjectState):
             if name in attributes:
                 raise ValueError(
                     f"tfsync.elastic.KerasState: {name!r} is the state's own attribute (resets: the resets "
-                    f"so far; counts: the job's committed contribution counts); name yours differently"
+                    f"so far; counts: the job's committed contribution counts; sample: the committed data "
+                    f"position); name yours differently"
                 )
+        self.commit_every_steps, self.commit_every_s = _check_interval(commit_every_steps, commit_every_s)
         if not optimizer.built:  # its slots exist before the first commit and every broadcast
             optimizer.build(model.trainable_variables)
         self.model, self.optimizer = model, optimizer
         self.wait_timeout_s = _env.wait_timeout_s(wait_timeout_s)
         self._commits = []  # the committers (a SyncCallback's tfsync.keras.commits.ElasticCommits) of this state
+        self.plan = None  # the epoch's data plan (tfsync._data.EpochPlan) of the next fit, not committed
         attributes.setdefault("epoch", 0)
+        attributes["sample"] = 0
         attributes["resets"] = 0
-        attributes["counts"] = dict.fromkeys(COUNTS, 0)
+        attributes["counts"] = dict.fromkeys(COUNTS + REDONE, 0)
         super().__init__(bcast_object=self._broadcast_object, get_rank=self._rank, **attributes)
         self._saved_values = self._values()
 
@@ -192,6 +232,18 @@ class KerasState(ObjectState):
         cluster = HorovodCluster()
         return run_bounded(cluster, lambda: fn(cluster), name=name, purpose=purpose, timeout_s=self.wait_timeout_s)
 
+    def use_data(self, plan):
+        """``plan`` (a :class:`tfsync._data.EpochPlan`) says how the next ``fit``'s data shares
+        the rest of the epoch from the committed position: ``tfsync.shard(..., resume=state)``
+        and ``tfsync.shard_dataset(..., resume=state)`` call this; the callback takes it when
+        ``fit`` begins."""
+        self.plan = plan
+
+    def take_plan(self):
+        """The plan of the ``fit`` beginning (None: its data is not positioned), used once."""
+        plan, self.plan = self.plan, None
+        return plan
+
     def register(self, commits):
         """Commit this state from ``commits`` (a :class:`tfsync.keras.commits.ElasticCommits`, which a
         ``SyncCallback(elastic=state)`` builds): at a reset :func:`run` calls its ``reset(reason)``,
@@ -203,6 +255,30 @@ class KerasState(ObjectState):
     def committers(self) -> tuple:
         """The registered committers (:meth:`register`)."""
         return tuple(self._commits)
+
+
+def _check_interval(every_steps, every_s):
+    """``commit_every_steps`` and ``commit_every_s`` of a :class:`KerasState`, checked."""
+    if every_steps not in ("auto", "epoch") and (
+        isinstance(every_steps, bool) or not isinstance(every_steps, int) or every_steps < 1
+    ):
+        raise ValueError(
+            f"tfsync.elastic.KerasState: commit_every_steps={every_steps!r}; expected an integer >= 1, "
+            f'"auto" (every {DEFAULT_COMMIT_EVERY_STEPS} steps where mid-epoch commits can run) or "epoch" '
+            f"(at epoch ends only)"
+        )
+    if every_s is not None:
+        if isinstance(every_s, bool) or not isinstance(every_s, int | float) or not every_s > 0:
+            raise ValueError(
+                f"tfsync.elastic.KerasState: commit_every_s={every_s!r}; expected seconds > 0, or None (no time bound)"
+            )
+        if every_steps == "epoch":
+            raise ValueError(
+                f'tfsync.elastic.KerasState: commit_every_s={every_s} with commit_every_steps="epoch" asks for '
+                f'commits within an epoch and at epoch ends only; pass commit_every_steps="auto" or an integer'
+            )
+        every_s = float(every_s)
+    return every_steps, every_s
 
 
 def is_reset_error(exc) -> bool:
@@ -333,4 +409,4 @@ def _size_or(hvd):
         return "?"
 
 
-__all__ = ["ElasticResetError", "KerasState", "is_reset_error", "run"]
+__all__ = ["DEFAULT_COMMIT_EVERY_STEPS", "ElasticResetError", "KerasState", "is_reset_error", "run"]

@@ -38,6 +38,7 @@ def _launch(
     options=(),
     env=None,
     workers=2,
+    worker_options=(),
 ):
     out = tmp_path / f"{mode}-{victim}"
     out.mkdir()
@@ -47,6 +48,7 @@ def _launch(
     if changes is not None:
         hosts_file = str(out / "hosts")
         args += [hosts_file, changes]
+    args += list(worker_options)
     code, output = run_elastic_workers(
         WORKER,
         workers,
@@ -136,6 +138,92 @@ def test_four_workers_lose_a_host_and_go_on_with_two(tmp_path):
         _check_counts(res["counts"])
     assert results[0]["checksum"] == results[1]["checksum"]
     _check_counts(results[0]["state_counts"])
+
+
+COMMIT_EVERY = 4  # steps: the kill after step KILL_AT[1] + 1 = 11 of its epoch comes 3 after the commit at 8
+
+
+def test_four_workers_lose_a_host_mid_epoch_and_the_two_left_resume_at_the_committed_sample(tmp_path):
+    """As above, with commits every COMMIT_EVERY steps and the data resumed: the two survivors
+    share the rest of the interrupted epoch from step 8's sample (of four workers), redo at most
+    COMMIT_EVERY steps each, and end with identical weights."""
+    gloo_s = 5
+    _, _, results, killed = _launch(
+        tmp_path,
+        "bsp",
+        3,
+        workers=4,
+        env={"HOROVOD_GLOO_TIMEOUT_SECONDS": str(gloo_s)},
+        worker_options=["--commit-every", str(COMMIT_EVERY)],
+    )
+    assert killed is not None and sorted(results) == [0, 1], results
+    resumed_at = 8 * 4 * 16  # step 8 of four workers, batches of 16
+    for res in results.values():
+        assert res["resets"] == 1 and res["size"] == 2 and res["epochs"] == list(range(EPOCHS)), res
+        assert [(m["size"], m["epoch"], m["sample"]) for m in res["memberships"]] == [
+            (4, 0, 0),
+            (2, KILL_AT[0], resumed_at),
+        ], res
+        counts = res["counts"]
+        assert 1 <= counts["steps_redone"] <= COMMIT_EVERY and counts["samples_redone"] == 16 * counts["steps_redone"]
+        _check_counts(counts)
+    assert results[0]["checksum"] == results[1]["checksum"]
+    job = results[0]["state_counts"]
+    _check_counts(job)
+    # the job's redone work: the survivors' (the lost host's went with it)
+    assert job["steps_redone"] == sum(r["counts"]["steps_redone"] for r in results.values()), job
+
+
+@pytest.mark.parametrize(
+    "mode,victim,interval",
+    [
+        ("bsp", 1, COMMIT_EVERY),
+        # rank 0's process (PSP's coordinator) dies; with min_contributions 1 the survivor may be
+        # a step ahead, waiting in the next commit, when it notices
+        ("psp", 0, COMMIT_EVERY),
+        ("localsgd", 1, 8),  # commits at outer steps: COMMIT_EVERY rounded up to period 8
+    ],
+)
+def test_a_worker_killed_mid_epoch_costs_at_most_the_steps_since_the_last_commit(
+    tmp_path, undisturbed, mode, victim, interval
+):
+    """Commits every COMMIT_EVERY steps, one fit per epoch on data resumed at the committed sample:
+    the survivor goes on alone from the commit at step 8 of the interrupted epoch, not its start."""
+    options = ["--commit-every", str(COMMIT_EVERY)]
+    _, _, results, killed = _launch(tmp_path, mode, victim, worker_options=options)
+    assert killed is not None and killed["rank"] == victim and sorted(results) == [0], results
+    res = results[0]
+    assert res["resets"] == 1 and res["size"] == 1 and res["state_epoch"] == EPOCHS, res
+    committed_steps = 8  # the last commit before the kill after step 11, every 4 steps (or every outer step of 8)
+    resumed_at = committed_steps * 2 * 16  # samples: every step of both workers (_elastic_worker.BATCH)
+    assert res["memberships"] == [
+        {"rank": 1 - victim, "size": 2, "epoch": 0, "sample": 0},
+        {"rank": 0, "size": 1, "epoch": KILL_AT[0], "sample": resumed_at},  # not the epoch's start
+    ], res
+    assert res["epochs"] == list(range(EPOCHS)), res  # the interrupted epoch finished once, resumed
+    counts, job = res["counts"], res["state_counts"]
+    # the survivor redid its steps after the commit (at most to the next commit, where it waited)
+    assert 1 <= counts["steps_redone"] <= interval, counts
+    assert counts["samples_redone"] == counts["steps_redone"] * 16, counts
+    assert (job["steps_redone"], job["samples_redone"]) == (counts["steps_redone"], counts["samples_redone"])
+    _check_counts(counts)
+    _check_counts(job)
+    if mode == "bsp":
+        # it had finished step 11 and its round 12 was lost; it produced epoch 0, those 12, the
+        # rest of the interrupted epoch alone from the committed sample (whole batches of 16) and
+        # the later epochs alone: none of the epoch's first 8 steps again
+        assert counts["steps_redone"] == KILL_AT[1] + 1 - committed_steps and counts["lost"] == 1, counts
+        train = 1437  # the digits training split
+        alone = (train - resumed_at) // 16 + (EPOCHS - KILL_AT[0] - 1) * (train // 16)
+        assert counts["produced"] == 44 * KILL_AT[0] + KILL_AT[1] + 2 + alone, counts
+        assert res["accuracy"] >= undisturbed - 0.02, (res["accuracy"], undisturbed)
+    else:
+        assert res["accuracy"] >= 0.9, res
+    assert res["first_step_after_reset_t"] - killed["t"] < RESET_BOUND_S, res
+    trace_file = tmp_path / f"{mode}-{victim}" / "trace" / "reset0" / f"rank{1 - victim}.jsonl"
+    trace = [json.loads(line) for line in open(trace_file)]
+    commits = [(r["epoch"], r["steps"], r["sample"]) for r in trace if r.get("event") == "commit"]
+    assert (KILL_AT[0], committed_steps, resumed_at) in commits, commits
 
 
 @pytest.mark.parametrize("mode", ["dssp", "elasticbsp", "dcs3gd"])

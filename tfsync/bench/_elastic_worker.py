@@ -12,6 +12,10 @@ in ``kill_epochs`` (``2,6,10``: several kills), once per epoch number.  ``change
 hosts to ``hosts_file``, which the launcher's discovery script prints, and waits for the launcher
 to see it.
 
+``--commit-every N``: commits every ``N`` steps within an epoch too, and the data resumes at
+the committed sample (one ``fit`` per epoch on ``tfsync.shard(..., resume=state, seed=0)``);
+each membership record then says the sample the call resumed at.
+
 Options for a kill loop: ``--kill-every-s S`` kills (as above, at ``kill_batch``) in the first
 epoch that begins ``S`` seconds or more after the previous kill (or ``--start-t``), instead of at
 ``kill_epochs``; ``--deadline-t T`` (a Unix time): no kill starts later than ``S / 2`` before
@@ -56,6 +60,7 @@ def parse_args(argv=None):
     p.add_argument("--kill-every-s", type=float, default=None)
     p.add_argument("--start-t", type=float, default=None)
     p.add_argument("--deadline-t", type=float, default=None)
+    p.add_argument("--commit-every", type=int, default=None)
     args = p.parse_args(argv)
     args.kill_epochs = {int(e) for e in args.kill_epochs.split(",") if e}
     changes = {}
@@ -96,9 +101,11 @@ def main(argv=None):
     mode = args.mode
     if mode.startswith("psp:"):
         mode = tfsync.PSP(min_contributions=int(mode.split(":")[1]))
-    state = tfsync.elastic.KerasState(model, epoch=0)
+    resume = args.commit_every is not None
+    state = tfsync.elastic.KerasState(model, epoch=0, commit_every_steps=args.commit_every or "auto")
     sync = tfsync.keras.SyncCallback(mode, elastic=state, wait_timeout_s=30, trace_dir=os.path.join(out_dir, "trace"))
     seen = {"epochs": [], "first_step_after_reset_t": None, "memberships": []}
+    stopped = []  # the deadline passed (a fit per epoch: stop_training ends only the one)
     steps_log = os.path.join(out_dir, f"steps_{os.getpid()}.jsonl")
 
     class Victim(keras.callbacks.Callback):
@@ -110,6 +117,7 @@ def main(argv=None):
         logged_resets = 0
         logged_start = False
         rolled_back = 0  # batches of the epoch a reset restarted, finished before it
+        redone_before = 0  # (--commit-every) the steps redone counted before this reset
 
         def on_epoch_begin(self, epoch, logs=None):
             self.epoch = epoch
@@ -170,6 +178,7 @@ def main(argv=None):
                 stop = hvd.broadcast_object(time.time() >= args.deadline_t, root_rank=0, name="bench.elastic.stop")
                 if stop:
                     self.model.stop_training = True
+                    stopped.append(epoch)
 
     victim = Victim()
 
@@ -177,7 +186,25 @@ def main(argv=None):
     def train(state):
         # a reset restarts the epoch state.epoch: the batches of it this process had finished are redone
         victim.rolled_back = victim.batches_done if victim.epoch == state.epoch else 0
-        seen["memberships"].append({"rank": hvd.rank(), "size": hvd.size(), "epoch": state.epoch})
+        if resume:  # from the last commit, within the epoch: the callback counted them
+            redone = sync.counts["steps_redone"]
+            victim.rolled_back, victim.redone_before = redone - victim.redone_before, redone
+        membership = {"rank": hvd.rank(), "size": hvd.size(), "epoch": state.epoch}
+        seen["memberships"].append({**membership, "sample": state.sample} if resume else membership)
+        if resume:  # one fit per epoch, from the committed sample of the committed epoch
+            while state.epoch < args.epochs and not stopped:
+                x_local, y_local = tfsync.shard(x_train, y_train, batch_size=BATCH, resume=state, seed=0)
+                model.fit(
+                    x_local,
+                    y_local,
+                    batch_size=BATCH,
+                    epochs=state.epoch + 1,
+                    initial_epoch=state.epoch,
+                    shuffle=False,
+                    verbose=0,
+                    callbacks=[sync, victim],
+                )
+            return
         x_local, y_local = tfsync.shard(x_train, y_train, batch_size=BATCH)
         model.fit(
             x_local,

@@ -20,9 +20,17 @@ machine under horovodrun's elastic launcher, the machine listed as two host name
 Every launch is bounded (``--timeout-s``; the loop's by its length plus that).  One run on a
 shared machine is one sample.
 
+``--commit-cost`` measures instead what a commit within an epoch costs
+(:mod:`tfsync.bench._commit_worker`): the training bench's MLP (``--model large``: 17.9M
+parameters) under BSP on ``--workers`` workers, committing every ``--commit-every`` steps
+(default: ``tfsync.elastic.DEFAULT_COMMIT_EVERY_STEPS``) for ``--steps`` steps; one record with
+the median commit, ``state.save()`` and step seconds and the share of training time the commits
+take (``overhead_fraction``).
+
 Example:
 
     python -m tfsync.bench elastic --loop-minutes 4 --json elastic.json
+    python -m tfsync.bench elastic --commit-cost --model large --json commit_cost.json
 """
 
 import argparse
@@ -34,10 +42,12 @@ import sys
 import tempfile
 import time
 
-from tfsync.launch import integer, number, run_elastic_job
+from tfsync.launch import integer, number, results_in, run_elastic_job, run_local_job
 from tfsync.policies import registry
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_elastic_worker.py")
+COMMIT_WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_commit_worker.py")
+DEFAULT_COMMIT_EVERY_STEPS = 100  # tfsync.elastic's (not imported here: it loads Horovod and TensorFlow)
 COOLDOWN_S = (1, 3)  # horovodrun --blacklist-cooldown-range: a killed worker's host comes back after 1-3 s
 SETTLED = ("applied", "compensated", "dropped", "rejected", "lost")
 LOOP_EPOCHS = 100000  # the kill loop stops at its deadline's epoch end, long before
@@ -74,7 +84,20 @@ def parse_args(argv):
     p.add_argument("--gloo-timeout-s", type=integer(1), default=10, help="HOROVOD_GLOO_TIMEOUT_SECONDS")
     p.add_argument("--timeout-s", type=number(above=0), default=300.0, help="bound of one launch")
     p.add_argument("--json", help="write the records here")
+    cost = p.add_argument_group("--commit-cost: what a commit within an epoch costs, instead of the kills")
+    cost.add_argument("--commit-cost", action="store_true", help="measure the commit's cost (no kill)")
+    cost.add_argument("--model", default="large", choices=("small", "medium", "large"), help="the MLP (large: 17.9M)")
+    cost.add_argument("--optimizer", default="sgd", choices=("sgd", "adam"), help="its optimizer (adam: 2 slots)")
+    cost.add_argument("--commit-every", type=integer(1), default=DEFAULT_COMMIT_EVERY_STEPS, help="steps")
+    cost.add_argument("--steps", type=integer(2), default=None, help="steps of the run (default: 5 commits' worth)")
+    cost.add_argument("--workers", type=integer(1), default=2, help="workers of the run")
     args = p.parse_args(argv)
+    if args.commit_cost:
+        args.steps = args.steps or 5 * args.commit_every + 1
+        if args.steps <= args.commit_every:
+            p.error(f"--steps {args.steps} makes no commit within the epoch; pass more than --commit-every")
+        args.refused = refused
+        return args
     for mode in [*args.modes, args.loop_mode]:
         if mode in refused:
             p.error(f"mode {mode!r} cannot go on with one worker ({refused[mode]}); choose among {names}")
@@ -301,8 +324,27 @@ def format_table(out):
     return "\n".join(lines)
 
 
+def commit_cost(args, log=print):
+    """One launch of :mod:`tfsync.bench._commit_worker`; its rank 0's record."""
+    argv = ["--model", args.model, "--optimizer", args.optimizer, "--commit-every", args.commit_every]
+    argv += ["--steps", args.steps]
+    log(f"commit cost: {args.model} MLP, {args.workers} workers, a commit every {args.commit_every} steps")
+    code, output = run_local_job(COMMIT_WORKER, argv, workers=args.workers, timeout_s=args.timeout_s)
+    results = results_in(output)
+    if code != 0 or not results:
+        raise RuntimeError(f"the commit-cost run failed (exit {code}); output tail:\n{output[-4000:]}")
+    return results[-1]
+
+
 def main(argv=None):
     args = parse_args(argv)
+    if args.commit_cost:
+        record = commit_cost(args, log=lambda line: print(line, file=sys.stderr, flush=True))
+        print(json.dumps(record, indent=1))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(record, f, indent=1)
+        return 0
     out = run(args, log=lambda line: print(line, file=sys.stderr, flush=True))
     print(format_table(out))
     if args.json:

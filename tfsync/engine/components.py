@@ -43,6 +43,9 @@ class StepComponent:
     """
 
     engine = None
+    # whether the component keeps a worker's rounds waiting for its own step (False: it may let a
+    # worker go on before its round completes, so no step is sure to leave every replica at rest)
+    rests = True
 
     def plan(self, shapes: list, num_params: int) -> None:
         """Check the model (its weights' ``shapes``) against the mode's settings; called before
@@ -113,6 +116,11 @@ class StepComponent:
     def end_step(self, step: int, wait_s: float, skipped: bool) -> dict:
         """The step is over: extra fields for its trace record."""
         return {}
+
+    def at_rest(self) -> bool:
+        """Whether this component holds nothing that the weights will still take (a late
+        contribution, a block of a round still arriving): default True."""
+        return True
 
     def finish(self, apply_mean) -> bool:
         """Training ended and every pushed round is applied: settle what this component still

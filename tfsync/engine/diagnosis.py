@@ -30,6 +30,12 @@ class SyncTimeoutError(RuntimeError):
 class Diagnosis:
     """One worker's fault diagnosis over its control client."""
 
+    @classmethod
+    def of(cls, engine, timeout_env):
+        """The diagnosis of a started engine's waits (its control client, rank, hosts, bound)."""
+        args = (engine.control, engine.rank, engine.policy.name, engine.wait_timeout_s, timeout_env)
+        return cls(*args, hosts=engine.hosts, elastic=engine.elastic)
+
     def __init__(self, control, rank, mode_name, wait_timeout_s, timeout_env, hosts=None, elastic=False):
         self.control, self.rank, self.mode_name = control, rank, mode_name
         self.wait_timeout_s, self.timeout_env = wait_timeout_s, timeout_env

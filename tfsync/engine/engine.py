@@ -153,15 +153,7 @@ class SyncEngine:
         # rounds run inline (on the training thread) only on one host: across hosts a collective can
         # hang in a Gloo transfer to a cut-off or frozen host, which the watchdog's abort cannot end
         self._inline_rounds = len(set(self.hosts)) == 1
-        self._diagnosis = Diagnosis(
-            self.control,
-            self.rank,
-            policy.name,
-            self.wait_timeout_s,
-            WAIT_TIMEOUT_ENV,
-            hosts=self.hosts,
-            elastic=self.elastic,
-        )
+        self._diagnosis = Diagnosis.of(self, WAIT_TIMEOUT_ENV)
         self.delays = self.stragglers.for_rank(self.rank)
         self.step, self.last_pushed, self.applied_through = 0, -1, -1
         self.tally = Tally()
@@ -236,6 +228,14 @@ class SyncEngine:
         """Leave without :meth:`close`'s handshake with the other ranks (local, bounded): for an
         engine still running when the interpreter exits (see :func:`tfsync.engine.lifecycle.abandon`)."""
         lifecycle.abandon(self)
+
+    def at_rest(self) -> bool:
+        """Whether this worker's weights hold every round it pushed and nothing else: where every
+        worker is at rest after the same step the replicas are identical (:mod:`tfsync.keras.commits`)."""
+        done = self.applied_through >= self.step - 1 and self.protocol.at_rest()
+        return done and all(c.at_rest() for c in self.components)
+
+    rest_steps = staticmethod(lifecycle.rest_steps)
 
     def lose_in_flight(self, reason: str) -> int:
         """After a failure that ends this engine unfinished (elastic training resets): count this

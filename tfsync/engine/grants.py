@@ -22,6 +22,8 @@ from tfsync.policies.dynamic import PushTable
 class Grants(StepComponent):
     """DSSP's grants on a worker: ask past the lower bound, spend what is granted."""
 
+    rests = False  # a grant lets a worker go on past its round
+
     def __init__(self, policy):
         self.policy = policy
         self.left = 0  # extra steps granted past the lower bound and not yet used

@@ -52,6 +52,9 @@ class LateContributions(StepComponent):
         self.held = None
         return True
 
+    def at_rest(self):
+        return self.held is None
+
     def finish(self, apply_mean):
         if apply_mean is not None:
             self._final_round(apply_mean)

@@ -212,6 +212,19 @@ def open_exchange(engine, cluster, protocol_cls):
     return exchange
 
 
+def rest_steps(policy):
+    """How often every worker of ``policy``'s engine is sure to be at rest
+    (:meth:`SyncEngine.at_rest <tfsync.engine.SyncEngine.at_rest>`): every that many steps (1:
+    after every step), or None (no step is sure to be)."""
+    from tfsync.engine import protocols
+
+    protocol = protocols.for_policy(policy)
+    period = protocol.rest_steps(policy)
+    if period is None or not all(c.rests for c in [*protocol.components(policy), *bindings.components(policy)]):
+        return None
+    return period
+
+
 def relay_leaders(hosts) -> dict:
     """``{rank: the first rank of its host}`` for the ranks whose host is not rank 0's and holds
     several ranks (``hosts``: every rank's host name, in rank order): those attach through their

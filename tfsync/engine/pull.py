@@ -287,6 +287,9 @@ class PartialPull(StepComponent):
     def end_step(self, step, wait_s, skipped):
         return {"queued_blocks": self.blocks.queued, **self.blocks.counts}
 
+    def at_rest(self):
+        return not self.blocks.queued
+
     def finish(self, apply_mean):
         self.blocks.drain(self.engine.now, time.monotonic() + self.engine.wait_timeout_s)
         return False

@@ -26,6 +26,8 @@ POST_PUSH_SMOOTHING = 0.2  # weight of the newest step in the post-push time's a
 class Supersteps(StepComponent):
     """The current superstep, its barrier and this worker's measured interval."""
 
+    rests = False  # a superstep's workers go on before their rounds complete
+
     def __init__(self, policy):
         self.policy = policy
         self.schedule = None

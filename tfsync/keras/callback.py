@@ -1,17 +1,14 @@
 """``SyncCallback``: tfsync's synchronization for an ordinary compiled Keras 3 model.
 
-Horovod's own Keras layer does not work on Keras 3 (upstream issue 4290), so
-this is written against Keras 3's public hooks.  The callback has one job:
-it checks that every rank starts alike, starts the engine, and installs the
-optimizer path the mode's step protocol builds
-(:mod:`tfsync.engine.protocols.path`) on the model optimizer's ``apply``
-(Keras 3's one entry for updates: ``apply_gradients`` calls it) for the
-duration of ``fit``, retracing the train function so the exchange runs inside
-the compiled step for any Keras optimizer and any ``train_step`` that applies
-its gradients through it.  Auto mode's switches (:mod:`tfsync.keras.auto`)
-and elastic commits (:mod:`tfsync.keras.commits`) are collaborators of their
-own, which reach the callback through :meth:`SyncCallback.switch_mode` and
-:meth:`SyncCallback.abandon_engine`.
+Written against Keras 3's public hooks (Horovod's Keras layer does not work on
+Keras 3, upstream issue 4290).  One job: check that every rank starts alike,
+start the engine, and install the optimizer path the mode's step protocol
+builds (:mod:`tfsync.engine.protocols.path`) on the model optimizer's ``apply``
+(Keras 3's one entry for updates) for ``fit``, retracing the train function so
+the exchange runs inside the compiled step.  Auto mode's switches
+(:mod:`tfsync.keras.auto`) and elastic commits (:mod:`tfsync.keras.commits`)
+are collaborators, reaching the callback through
+:meth:`SyncCallback.switch_mode` and :meth:`SyncCallback.abandon_engine`.
 """
 
 import keras
@@ -28,8 +25,7 @@ from tfsync.policies import Auto, resolve_mode
 class SyncCallback(keras.callbacks.Callback):
     """Synchronize data-parallel training across Horovod workers.
 
-    Put it first in ``callbacks`` so the tfsync metrics it adds to the logs
-    reach later callbacks (``TensorBoard``, ``EarlyStopping``, the progress bar).
+    Put it first in ``callbacks``: later ones (``TensorBoard``, ``EarlyStopping``) see its metrics.
 
     On ``on_train_begin`` it checks that every rank runs the same number of
     steps, mode, model (each variable's path, dtype, shape and trainability;
@@ -80,10 +76,9 @@ class SyncCallback(keras.callbacks.Callback):
             ``tfsync_rejected``); ``"raise"``: the job stops with
             ``tfsync.engine.NonFiniteError`` naming the rank and the step.
         elastic: a :class:`tfsync.elastic.KerasState` (default None): elastic training under
-            ``tfsync.elastic.run``; the state is committed at every epoch end, contributions in
-            flight at a reset are counted ``tfsync_lost``, and ``counts`` and the logs cover the
-            whole training across resets (:class:`tfsync.keras.commits.ElasticCommits`,
-            ``docs/guide/elastic.md``).
+            ``tfsync.elastic.run``, committed at epoch ends and as ``commit_every_steps`` says;
+            a reset counts ``tfsync_lost``, ``tfsync_steps_redone``, ``tfsync_samples_redone``
+            (:class:`tfsync.keras.commits.ElasticCommits`, ``docs/guide/elastic.md``).
 
     Logs added: per batch ``tfsync_wait_s``, ``tfsync_staleness``; per epoch
     ``tfsync_wait_fraction`` and what happened to this worker's contributions
@@ -147,8 +142,8 @@ class SyncCallback(keras.callbacks.Callback):
     @property
     def counts(self):
         """This worker's contributions over the whole ``fit`` (every engine auto mode ran); with
-        ``elastic=``, over this process's whole elastic training, through every reset."""
-        return self.run_counts.counts(self.engine)
+        ``elastic=``, over its whole elastic training, with what its resets redid."""
+        return self.run_counts.counts(self.engine, redone=self.elastic is not None)
 
     @property
     def auto_decisions(self):
@@ -157,8 +152,7 @@ class SyncCallback(keras.callbacks.Callback):
 
     @property
     def auto_deferred(self):
-        """Auto mode's decisions put off in this ``fit``, because a worker computed no step in
-        the window: ``{"epoch", "batch", "ranks_without_steps"}`` each."""
+        """Auto mode's decisions put off (a worker computed no step): ``{"epoch", "batch", "ranks_without_steps"}``."""
         return self.auto.deferred if self.auto is not None else []
 
     # -------------------------------------------------------------------- train
@@ -174,7 +168,7 @@ class SyncCallback(keras.callbacks.Callback):
             frontend.engine.abandon()
         policies = self.auto.modes if self.auto is not None else (self.policy,)
         if self.elastic is not None:
-            self.elastic.begin(model, self.mode)
+            self.elastic.begin(model, self.mode, self.params, policies)
             self.run_counts.fold(self.engine, epoch_totals=False)
         else:
             self.run_counts.restart()
@@ -221,6 +215,10 @@ class SyncCallback(keras.callbacks.Callback):
         if self.engine is not None:
             self.engine.reset_totals()
 
+    def on_train_batch_begin(self, batch, logs=None):
+        if self.elastic is not None:
+            self.elastic.batch_begin()
+
     def on_train_batch_end(self, batch, logs=None):
         if self.engine is None:
             return
@@ -230,6 +228,8 @@ class SyncCallback(keras.callbacks.Callback):
             logs["tfsync_staleness"] = last.get("staleness", 0)
         if self.auto is not None:
             self.auto.batch_end(self._epoch, batch, last)
+        if self.elastic is not None:
+            self.elastic.batch_end(batch)
 
     def on_epoch_end(self, epoch, logs=None):
         if logs is None or self.engine is None:
@@ -240,7 +240,7 @@ class SyncCallback(keras.callbacks.Callback):
             self.frontend.finish(apply_mean=self._apply_mean)
         if self.auto is not None:
             self.auto.epoch_end(epoch, self._steps - 1)
-        totals = self.run_counts.epoch_totals(self.engine)
+        totals = self.run_counts.epoch_totals(self.engine, redone=self.elastic is not None)
         add_epoch_logs(logs, totals, self.engine, self.frontend, self.average_epoch_logs)
         if self.auto is not None:
             logs.update(self.auto.epoch_logs())

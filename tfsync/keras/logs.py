@@ -14,6 +14,7 @@ every scalar log averaged over the workers, as Horovod's
 
 import numpy as np
 
+from tfsync._data import REDONE
 from tfsync.engine import COUNTS
 from tfsync.engine.pull import PartialPull
 from tfsync.engine.tally import BYTES
@@ -26,7 +27,7 @@ def add_epoch_logs(logs, totals, engine, frontend, average):
     epoch end)."""
     busy = totals["wait_s"] + totals["compute_s"]
     logs["tfsync_wait_fraction"] = totals["wait_s"] / busy if busy else 0.0
-    for key in (*COUNTS, *BYTES):
+    for key in (*COUNTS, *BYTES, *(k for k in REDONE if k in totals)):  # (redone: an elastic job's)
         logs[f"tfsync_{key}"] = float(totals[key])
     pull = engine.find(PartialPull)
     for key, n in (pull.counts if pull is not None else {}).items():

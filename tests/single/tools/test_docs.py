@@ -33,7 +33,7 @@ PUBLIC = [
 # names in tfsync.__all__ that are modules or metadata, documented by their own members
 NOT_OBJECTS = {"tfsync": {"keras", "distribute", "elastic", "__version__"}}
 # tfsync.shard is loaded on first use (tfsync.__getattr__), which static analysis cannot follow
-DOCUMENTED_AT = {"tfsync.shard": "tfsync._data.shard"}
+DOCUMENTED_AT = {"tfsync.shard": "tfsync._data.shard", "tfsync.shard_dataset": "tfsync._data.shard_dataset"}
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
 
 

@@ -26,7 +26,7 @@ import pytest
 from fake_cluster import FakeCluster
 
 import tfsync
-from tfsync import _env, _horovod, demo, launch
+from tfsync import _data, _env, _horovod, demo, launch
 from tfsync.bench import __main__ as bench_main
 from tfsync.bench import training as bench_training
 from tfsync.launch import REPO_ROOT
@@ -104,6 +104,43 @@ def _elastic_state(model, compile_):
     if compile_:
         model.compile(optimizer="sgd", loss="mse")
     return tfsync.elastic.KerasState(model)
+
+
+def _elastic_interval(**interval):
+    import tfsync.elastic
+
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    return lambda: tfsync.elastic.KerasState(model, **interval)
+
+
+def _one_worker(fn):
+    """``fn()`` as rank 0 of one worker for the data helpers (no Horovod needed)."""
+
+    def trigger():
+        with mock.patch.object(_data, "_membership", lambda: (0, 1)):
+            return fn()
+
+    return trigger
+
+
+def _elastic_fit(mode, resume=True, **interval):
+    """A fit that the state's commits within an epoch cannot run under (one in-process rank), on
+    data from the state's position (``resume``) or not."""
+
+    def trigger():
+        import tfsync.elastic
+
+        model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+        model.compile(optimizer="sgd", loss="mse")
+        state = tfsync.elastic.KerasState(model, **interval)
+        callback = tfsync.keras.SyncCallback(mode, cluster=FakeCluster(1).rank(0), elastic=state, wait_timeout_s=10)
+        x = np.zeros((16, 2), np.float32)
+        with mock.patch.object(_data, "_membership", lambda: (0, 1)):
+            x_local, y_local = tfsync.shard(x, x[:, :1], batch_size=4, resume=state if resume else None)
+        model.fit(x_local, y_local, batch_size=4, epochs=1, verbose=0, shuffle=False, callbacks=[callback])
+
+    return trigger
 
 
 def _strategy(mode):
@@ -232,6 +269,39 @@ BAD_INPUTS = [
         r"steps per epoch is 0",
         r"expected an integer >= 1",
         r"Give every worker at least one batch",
+    ),
+    Bad(
+        "elastic-commit-interval",
+        A,
+        '`KerasState(commit_every_steps=..., commit_every_s=...)`: not an integer >= 1, `"auto"` or '
+        '`"epoch"`; seconds not > 0, or with `"epoch"`',
+        _elastic_interval(commit_every_steps=0),
+        ValueError,
+        r"commit_every_steps=0",
+        r"expected an integer >= 1",
+        r'"auto" \(every 100 steps where mid-epoch commits can run\) or "epoch"',
+    ),
+    Bad(
+        "elastic-commits-cannot-run",
+        A,
+        "commits within an epoch asked of a `fit` that cannot make them (a mode without rest points, data "
+        "without a position), or data not from the committed sample (checked when `fit` starts)",
+        _elastic_fit("ssp", commit_every_steps=2),
+        ValueError,
+        r"commit_every_steps=2",
+        r"lets a worker go on before its round completes",
+        r'commit_every_steps="epoch"\) to commit at epoch ends only',
+    ),
+    Bad(
+        "data-position",
+        A,
+        "`tfsync.shard(resume=...)` without `batch_size`, or `seed=` without `resume=`; "
+        "`tfsync.shard_dataset` of unknown size without `samples=`",
+        _one_worker(lambda: tfsync.shard(np.zeros(8), resume=object())),
+        ValueError,
+        r"resume= needs batch_size=",
+        r"the data position advances by every worker's batch",
+        r"pass the batch_size you give model\.fit",
     ),
     # ------------------------------------------------------------------- policies
     Bad(
@@ -871,6 +941,27 @@ def test_a_bad_input_is_refused_naming_the_value_what_was_expected_and_a_fix(cas
 
 # The other values a README line names, each refused as well (same line, another trigger).
 VARIANTS = [
+    ("elastic-commit-every-type", _elastic_interval(commit_every_steps="often"), ValueError, r"'often'; expected"),
+    ("elastic-commit-every-s", _elastic_interval(commit_every_s=0), ValueError, r"commit_every_s=0; expected seconds"),
+    (
+        "elastic-commit-s-epoch",
+        _elastic_interval(commit_every_steps="epoch", commit_every_s=5),
+        ValueError,
+        r"epoch ends only; pass commit_every_steps=\"auto\" or an integer",
+    ),
+    ("elastic-fit-no-position", _elastic_fit("bsp", False, commit_every_steps=2), ValueError, r"has no position"),
+    (
+        "data-seed-alone",
+        _one_worker(lambda: tfsync.shard(np.zeros(8), batch_size=2, seed=0)),
+        ValueError,
+        r"seed= shuffles the epoch of the elastic state given as resume=",
+    ),
+    (
+        "data-unknown-size",
+        _one_worker(lambda: tfsync.shard_dataset(tf_dataset_of_unknown_size(), 2)),
+        ValueError,
+        r"number of samples is unknown .* pass samples=",
+    ),
     (
         "elastic-state-no-optimizer",
         lambda: _elastic_state(keras.Sequential([keras.Input((2,)), keras.layers.Dense(2)]), compile_=False),
@@ -980,6 +1071,12 @@ def test_the_other_values_a_line_names_are_refused_too(trigger, error, pattern, 
         trigger()
     message = f"{info.value}\n{capsys.readouterr().err}"
     assert re.search(pattern, message, re.DOTALL), message
+
+
+def tf_dataset_of_unknown_size():
+    import tensorflow as tf
+
+    return tf.data.Dataset.range(8).filter(lambda v: True)
 
 
 def render(cases=BAD_INPUTS) -> str:

@@ -16,6 +16,8 @@ A new protocol is one module with a subclass of :class:`StepProtocol` (and its
 path) and one :func:`tfsync.engine.protocols.register` call.
 """
 
+REST_PROBE_STEPS = 64  # the steps rest_steps asks a policy's sync_round about (its rule is periodic or fixed)
+
 
 class StepProtocol:
     """One step's contribution and a round's application (base class: documents every hook).
@@ -72,6 +74,15 @@ class StepProtocol:
         compiled train step built on this path serves later engines too (auto mode)."""
         raise NotImplementedError(f"{cls.__name__} does not say what the optimizer's update becomes")
 
+    @classmethod
+    def rest_steps(cls, policy):
+        """How often every worker is at rest under ``policy`` (:meth:`SyncEngine.at_rest
+        <tfsync.engine.SyncEngine.at_rest>`: its weights hold every round it pushed and nothing
+        else, the same on every replica): 1, after every step, when each step waits for its own
+        round; None when a worker goes on before it (then no step is sure to be one: an elastic
+        job commits at epoch ends only)."""
+        return 1 if all(policy.sync_round(s) >= s for s in range(REST_PROBE_STEPS)) else None
+
     # ------------------------------------------------------------- the engine's
     def __init__(self, tensors, size: int, policy):
         """The protocol's state for ``tensors`` (the model's trainable variables, or the gradients'
@@ -109,6 +120,12 @@ class StepProtocol:
 
     def finish(self) -> None:
         """Every round is applied: leave the weights identical on every replica."""
+
+    def at_rest(self) -> bool:
+        """Whether the weights hold nothing beyond the rounds applied (the engine checks that every
+        round pushed is): True unless the protocol keeps a worker's own work aside (an outer period
+        under way)."""
+        return True
 
 
 __all__ = ["StepProtocol"]

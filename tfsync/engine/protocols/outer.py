@@ -83,6 +83,19 @@ class OuterStepProtocol(StepProtocol):
     def optimizer_path(cls, policy, engine, optimizer=None, station="apply", shared=False):
         return PeriodicAfter(policy, engine, optimizer, station, shared)
 
+    @classmethod
+    def rest_steps(cls, policy):
+        """Every outer step (``inner_steps``), where the weights are ``w_outer`` on every replica;
+        None when an overlapped round lands with ``mixing`` (each replica keeps a share of its own)
+        or with fragments (each fragment has trained on since its own outer step)."""
+        if (policy.overlap_steps and policy.mixing) or getattr(policy, "fragments", 1) > 1:
+            return None
+        return int(policy.inner_steps)
+
+    def at_rest(self):
+        mixed = self.overlap and self.mixing
+        return self.inner_done == 0 and not self.pushed and not mixed and self.fragments == 1
+
     PUSH, LAND = "push", "land"  # what a step does besides the worker's own (end_inner_step)
 
     def __init__(self, variables, size, policy):
