@@ -38,20 +38,10 @@ import numpy as np
 
 from tfsync import _horovod, ops
 from tfsync.engine.rounds import decode_meta, encode_meta
+from tfsync.policies.local import QUANTIZE
+from tfsync.policies.local import QUANTIZE_BLOCK as BLOCK  # values per float32 scale
 
-QUANTIZE = (None, "int8", "int4")
 BITS = {"int8": 8, "int4": 4}
-BLOCK = 256  # values per float32 scale: 1.6% (int8) and 3.1% (4-bit) on top of the codes
-
-
-def check_quantize(value, who: str, example: str) -> None:
-    """Refuse a ``quantize`` other than None, ``"int8"`` or ``"int4"``, saying what to pass."""
-    if value is not None and value not in BITS:
-        raise ValueError(
-            f"{who}(quantize={value!r}): quantize must be None (float32 outer rounds), 'int8' (int8 codes "
-            f"with one scale per block of {BLOCK} values) or 'int4' (4-bit codes with error feedback); "
-            f"e.g. {example}"
-        )
 
 
 def chunk_length(values: int, size: int) -> int:
@@ -83,7 +73,8 @@ def quantized_collective(quantize: str, average: bool, hvd=None):
     """
     import tensorflow as tf  # (here: the module's arithmetic above runs without TensorFlow)
 
-    check_quantize(quantize, "tfsync", "quantize='int8'")
+    if quantize not in BITS:
+        raise ValueError(f"tfsync: quantize={quantize!r}; expected one of {[q for q in QUANTIZE if q]}")
     if hvd is None:
         hvd = _horovod.horovod()
     size, rank, bits = hvd.size(), hvd.rank(), BITS[quantize]
@@ -121,4 +112,4 @@ def quantized_collective(quantize: str, average: bool, hvd=None):
     return collective
 
 
-__all__ = ["BITS", "BLOCK", "QUANTIZE", "check_quantize", "chunk_length", "quantized_collective", "wire_bytes"]
+__all__ = ["BITS", "BLOCK", "QUANTIZE", "chunk_length", "quantized_collective", "wire_bytes"]
