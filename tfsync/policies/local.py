@@ -275,14 +275,8 @@ class DiLoCo(Policy):
             outer step per period (one round each: a period counts ``P`` contributions); the outer
             optimizer's iterations count periods.  Training that ends mid-period ends with one
             round of the whole model.
-        quantize: ``None`` (default: the outer round in float32), ``"int8"`` (int8 codes with
-            one float32 scale per block of 256 values: about 0.25 of the bytes) or ``"int4"``
-            (4-bit codes with error feedback: each worker keeps the error of its last
-            contribution's codes and adds it to its next one; about 0.13 of the bytes).  The
-            round is then an alltoall of each worker's quantized chunks, a float32 sum of its
-            own chunk and an all-gather of the quantized result, so the bytes fall at any
-            worker count and every replica decodes the same bytes
-            (:mod:`tfsync.engine.quantized`).
+        quantize: ``None`` (default), ``"int8"`` or ``"int4"``: the outer round's codes, as
+            :class:`LocalSGD`'s (:mod:`tfsync.engine.quantized`).
         compression: None (default), ``"fp16"`` or ``"bf16"``, keyword only: the rounds' floating
             tensors in 16 bits on the wire (:mod:`tfsync.engine.compression`).
 
