@@ -46,8 +46,9 @@ CONTROL_PORT = Var(
 CONTROL_RELAYS = Var(
     "TFSYNC_CONTROL_RELAYS",
     "auto",
-    "auto | off: auto, the workers of each host but rank 0's reach rank 0's control service through "
-    "one relay on their host (tfsync.engine.control.relay); off, each worker holds its own link to rank 0",
+    "auto | hosts | off: auto, the workers of each host but rank 0's reach rank 0's control service "
+    "through one relay on their host, and past 8 such hosts the relays of 8 hosts through a group relay "
+    "(tfsync.engine.control.relay); hosts, the host relays only; off, each worker holds its own link to rank 0",
 )
 SINGLE_PROCESS = Var("TFSYNC_SINGLE_PROCESS", "0", "1: train one worker without horovodrun, on purpose")
 OPS_IMPL = Var("TFSYNC_OPS_IMPL", "compiled", "compiled | reference: the kernels tfsync.ops runs")
@@ -93,16 +94,18 @@ def control_port(environ=None) -> int:
     return port
 
 
-def control_relays(environ=None) -> bool:
-    """Whether the hosts relay their workers' control traffic (``TFSYNC_CONTROL_RELAYS``); checked."""
+def control_relays(environ=None) -> str:
+    """How the hosts relay their workers' control traffic (``TFSYNC_CONTROL_RELAYS``): ``auto``,
+    ``hosts`` or ``off``; checked."""
     raw = CONTROL_RELAYS.get(environ)
-    if raw not in ("auto", "off"):
+    if raw not in ("auto", "hosts", "off"):
         raise ValueError(
             f"{CONTROL_RELAYS.name}={raw!r}: expected auto (the default: one relay per host of several "
-            f"workers carries their control traffic to rank 0) or off (each worker links to rank 0 itself); "
-            f"set it to auto or off, or unset it"
+            f"workers carries their control traffic to rank 0, and a group relay the traffic of 8 such "
+            f"hosts), hosts (the host relays only) or off (each worker links to rank 0 itself); "
+            f"set it to one of them, or unset it"
         )
-    return raw == "auto"
+    return raw
 
 
 def single_process() -> bool:

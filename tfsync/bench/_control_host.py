@@ -2,11 +2,14 @@
 
 argv: ``ADDRESS TOKEN POLICY SIZE FIRST_RANK RANKS ROUNDS REPORTS_HZ RELAY OUT_PATH``.  The
 host's ``RANKS`` workers (ranks ``FIRST_RANK`` on) each open a link with the job's token and
-attach, as a real worker's control client does: through the host's relay (``RELAY`` 1: the real
-:class:`HostRelay` in this process, as it runs in the host's first worker), or to rank 0's
-service at ``ADDRESS``.  The host prints ``ATTACHED`` and waits for a line on stdin (every host
-attached: the harness's start); then its workers run ``ROUNDS`` rounds of their policy's control
-traffic:
+attach, as a real worker's control client does: through the host's relay (the real
+:class:`HostRelay` in this process, as it runs in the host's first worker; ``RELAY`` 1: the relay
+attaches to rank 0's service at ``ADDRESS``; ``group``: this host also runs its group's relay,
+attached to ``ADDRESS``, prints ``GROUP host:port`` and its host relay attaches there;
+``via:host:port``: the relay attaches to that group relay, rank 0 its fallback), or to rank 0's
+service (``RELAY`` 0; rank 0 itself always does).  The host prints ``ATTACHED`` and waits for a
+line on stdin (every host attached: the harness's start); then its workers run ``ROUNDS`` rounds
+of their policy's control traffic:
 
 * ``backup``, ``psp``: ``["ready", rank, id, r]``, then wait (bounded) until the closing of round
   ``r`` reaches its link; the next round right after (no computation: the service sets the pace);
@@ -125,7 +128,8 @@ class Worker:
 async def run_host(address, token, policy, first, count, rounds, reports_hz, relay, records, cpu_at, errors):
     process = psutil.Process()
     here = relay.address if relay is not None else address
-    workers = [Worker(here, token, first + k) for k in range(count)]
+    # (rank 0 attaches to its own service, its host's other ranks through their relay)
+    workers = [Worker(address if first + k == 0 else here, token, first + k) for k in range(count)]
     await asyncio.gather(*(w.attach() for w in workers))
     loop = asyncio.get_running_loop()
     print("ATTACHED", flush=True)
@@ -179,14 +183,26 @@ async def run_host(address, token, policy, first, count, rounds, reports_hz, rel
 def main(argv):
     address, token, policy = argv[0], argv[1], argv[2]  # (argv[3], the job's size: rank 0's business)
     first, count, rounds, reports_hz = int(argv[4]), int(argv[5]), int(argv[6]), float(argv[7])
-    relay, out_path = HostRelay(address, token, time.time()) if argv[8] == "1" else None, argv[9]
+    out_path, relays = argv[9], []
+    if argv[8] == "group":  # (started first: the group's other hosts attach to it)
+        relays.append(HostRelay(address, token, time.time()))
+        print("GROUP", relays[0].address, flush=True)
+        relays.insert(0, HostRelay(relays[0].address, token, time.time(), fallback=address))
+    elif argv[8].startswith("via:"):
+        relays.append(HostRelay(argv[8][4:], token, time.time(), fallback=address))
+    elif argv[8] == "1":
+        relays.append(HostRelay(address, token, time.time()))
+    relay = relays[0] if relays else None
     records = {first + k: {"sent": [], "known": [], "asks_s": []} for k in range(count)}
     cpu_at, errors = [], []  # (time, this process's CPU seconds) at each round end of its first worker
     reports = asyncio.run(
         run_host(address, token, policy, first, count, rounds, reports_hz, relay, records, cpu_at, errors)
     )
-    if relay is not None:
-        relay.stop()
+    # (a job's workers close together, after a barrier: a group relay outlives its group's workers)
+    print("DONE", flush=True)
+    sys.stdin.readline()
+    for r in relays:  # (the host relay before its group relay)
+        r.stop()
     with open(out_path, "w") as f:
         json.dump({"records": records, "cpu_at": cpu_at, "reports": reports, "errors": errors}, f)
     return 1 if errors else 0

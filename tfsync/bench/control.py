@@ -1,14 +1,15 @@
 """Rank 0's control service under N simulated workers: rounds per second, latency, its cost.
 
 ``python -m tfsync.bench control --workers N [N ...] --policy backup|psp|dssp [--reports-hz H]
-[--rounds R] [--ranks-per-host K] [--relays auto|off] --json FILE [--plot PNG]``
+[--rounds R] [--ranks-per-host K] [--relays auto|hosts|off] --json FILE [--plot PNG]``
 
 For each N: the real control service (:mod:`tfsync.bench._control_rank0`, its own process, as
 rank 0's is in a job) and N simulated workers deployed as a job's are, hosts of ``K`` ranks
 (default 8), each host its own process (:mod:`tfsync.bench._control_host`).  Every worker
 attaches with the job's token, as a job's do (``--relays auto``, the default: the workers of
-each host but the first, rank 0's, through their host's relay; ``off``: each its own link to
-rank 0), and runs ``R`` rounds of its policy's control traffic, while its host reports every
+each host but the first, rank 0's, through their host's relay, and past 8 such hosts the relays
+of each 8 through their group's relay; ``hosts``: the host relays only; ``off``: each worker its
+own link to rank 0), and runs ``R`` rounds of its policy's control traffic, while its host reports every
 worker's clock ``H`` times a second (default 4, what a waiting worker does):
 
 * ``backup``: backup workers with ``b = 0`` (every round closes when every worker's ``Ready``
@@ -75,7 +76,7 @@ def parse_args(argv):
     p.add_argument("--rounds", type=integer(2), default=None, help="rounds per run (default: by N, about 20 s)")
     p.add_argument("--warmup", type=integer(1), default=5, help="rounds left out of the figures")
     p.add_argument("--ranks-per-host", type=integer(1), default=8, help="simulated workers per host process")
-    p.add_argument("--relays", choices=("auto", "off"), default="auto", help="as TFSYNC_CONTROL_RELAYS")
+    p.add_argument("--relays", choices=("auto", "hosts", "off"), default="auto", help="as TFSYNC_CONTROL_RELAYS")
     p.add_argument("--json", required=True, help="write the records here")
     p.add_argument("--plot", metavar="PNG", help="also plot rank 0's CPU per round and the rounds per second here")
     args = p.parse_args(argv)
@@ -106,6 +107,10 @@ def run_one(workers, args, log):
             hosts = _start_hosts(address, token, workers, rounds, args, tmp)
             _start_rounds(hosts)
             deadline = time.monotonic() + LAUNCH_MARGIN_S + rounds
+            _expect(hosts, "DONE", deadline, "finish its rounds")  # (then they stop their relays)
+            for proc, _ in hosts:
+                proc.stdin.write("exit\n")
+                proc.stdin.flush()
             for proc, _ in hosts:
                 proc.wait(max(1.0, deadline - time.monotonic()))
             rank0.stdin.write("stop\n")
@@ -149,33 +154,69 @@ def _address_of(rank0):
 
 
 def _start_hosts(address, token, workers, rounds, args, tmp):
-    hosts = []
+    """Start the simulated hosts, relayed as a job's would be (``lifecycle.relay_leaders`` and
+    ``relay_groups``): a group's first host before the others, which attach to its group relay."""
+    from tfsync.engine.lifecycle import relay_groups, relay_leaders
+
     per_host = args.ranks_per_host
-    for h, first in enumerate(range(0, workers, per_host)):
+    firsts = list(range(0, workers, per_host))
+    names = [f"host{first // per_host}" for first in range(workers)]
+    leaders = relay_leaders(names) if args.relays != "off" else {}
+    groups = relay_groups(leaders) if args.relays == "auto" else {}
+    if groups:
+        leaders = relay_leaders(names, home=True)
+    heads = {first: None for first in firsts if groups.get(first) == first}  # first rank -> its group relay
+
+    def start(h, first, relay):
         count = min(per_host, workers - first)
         path = os.path.join(tmp, f"host{h}.json")
-        relay = int(args.relays == "auto" and h > 0 and count > 1)  # (host 0 is rank 0's)
         argv = [address, token, args.policy, workers, first, count, rounds, args.reports_hz, relay, path]
         cmd = [sys.executable, "-m", "tfsync.bench._control_host", *map(str, argv)]
-        hosts.append((subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True), path))
-    return hosts
+        return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True), path
+
+    hosts = {}
+    for h, first in enumerate(firsts):
+        if first in heads:
+            hosts[h] = start(h, first, "group")
+            heads[first] = _group_address_of(hosts[h][0])
+    for h, first in enumerate(firsts):
+        if h in hosts:
+            continue
+        if first in groups:
+            relay = f"via:{heads[groups[first]]}"
+        else:
+            relay = int(first in leaders or first + 1 in leaders)  # (host 0: rank 0 attaches directly)
+        hosts[h] = start(h, first, relay)
+    return [hosts[h] for h in range(len(firsts))]
+
+
+def _group_address_of(proc):
+    ready, _, _ = select.select([proc.stdout], [], [], START_TIMEOUT_S)
+    line = proc.stdout.readline() if ready else ""
+    if not line.startswith("GROUP "):
+        raise RuntimeError(
+            f"a simulated host did not start its group relay within {START_TIMEOUT_S:.0f} s "
+            f"(exit status {proc.poll()}, said {line!r})"
+        )
+    return line.split(None, 1)[1].strip()
 
 
 def _start_rounds(hosts):
     """Wait until every host has attached its workers, then let them all start (the rounds measure
     the service, not a thousand workers' start-up on a small machine)."""
-    deadline = time.monotonic() + ATTACH_TIMEOUT_S
-    for proc, _ in hosts:
-        ready, _, _ = select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
-        line = proc.stdout.readline() if ready else ""
-        if line.strip() != "ATTACHED":
-            raise RuntimeError(
-                f"a simulated host did not attach its workers within {ATTACH_TIMEOUT_S:.0f} s "
-                f"(exit status {proc.poll()}, said {line!r})"
-            )
+    _expect(hosts, "ATTACHED", time.monotonic() + ATTACH_TIMEOUT_S, "attach its workers")
     for proc, _ in hosts:
         proc.stdin.write("go\n")
         proc.stdin.flush()
+
+
+def _expect(hosts, word, deadline, what):
+    """Every host says ``word`` by ``deadline`` (monotonic), or the run fails saying which did not."""
+    for proc, _ in hosts:
+        ready, _, _ = select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
+        line = proc.stdout.readline() if ready else ""
+        if line.strip() != word:
+            raise RuntimeError(f"a simulated host did not {what} in time (exit status {proc.poll()}, said {line!r})")
 
 
 def summarize(workers, rounds, args, outputs, stats):

@@ -83,11 +83,23 @@ def choose(environ=None, hostname=None, interfaces=interface_addresses, resolver
     return dataclasses.replace(_choose_host(environ, hostname, interfaces, resolver), port=port)
 
 
-def _choose_host(environ, hostname, interfaces, resolver):
-    explicit = _env.CONTROL_HOST.get(environ)
-    if explicit:
-        return ControlAddress(explicit, explicit, f"{_env.CONTROL_HOST.name}={explicit}")
-    tried = [f"{_env.CONTROL_HOST.name} is not set"]
+def choose_relay(environ=None, hostname=None, interfaces=interface_addresses, resolver=resolve):
+    """Where a control group relay (:mod:`tfsync.engine.control.relay`) on this host listens:
+    rules 2 and 3 of the module docstring (``TFSYNC_CONTROL_HOST`` names rank 0's host, not
+    this one), on a free port.
+
+    Raises:
+      RuntimeError: no rule gave an address; the message lists what was tried.
+    """
+    environ = os.environ if environ is None else environ
+    return _choose_host(environ, hostname, interfaces, resolver, explicit=False, who="this host's control group relay")
+
+
+def _choose_host(environ, hostname, interfaces, resolver, explicit=True, who="rank 0's control service"):
+    chosen = _env.CONTROL_HOST.get(environ) if explicit else None
+    if chosen:
+        return ControlAddress(chosen, chosen, f"{_env.CONTROL_HOST.name}={chosen}")
+    tried = [f"{_env.CONTROL_HOST.name} is not set"] if explicit else []
 
     iface = environ.get(GLOO_IFACE_ENV, "").strip()
     if iface:
@@ -113,8 +125,12 @@ def _choose_host(environ, hostname, interfaces, resolver):
             return ControlAddress(chosen, chosen, f"host name {hostname!r}")
         tried.append(f"the host name {hostname!r} resolves to {addresses}, none of which other hosts can dial")
     raise RuntimeError(
-        "tfsync: rank 0 found no address for its control service: "
+        f"tfsync: no address for {who}: "
         + "; ".join(tried)
-        + f". Set {_env.CONTROL_HOST.name} to an address of rank 0's host that every worker can reach "
-        f"(or launch with horovodrun --network-interfaces IFACE)"
+        + (
+            f". Set {_env.CONTROL_HOST.name} to an address of rank 0's host that every worker can reach "
+            if explicit
+            else ". Let this host's name resolve to an address the other hosts reach "
+        )
+        + "(or launch with horovodrun --network-interfaces IFACE)"
     )

@@ -102,7 +102,7 @@ class SyncEngine:
         self._cluster = cluster
         self.started = False
         self.error = None
-        self._server = self._relay = None
+        self._server, self._relays = None, []
         self._trace = Trace(None, None)
 
     # ----------------------------------------------------------------- lifecycle
@@ -141,7 +141,7 @@ class SyncEngine:
         }
         self.hosts = lifecycle.agree_config(cluster, config, self.wait_timeout_s)
         self.t0 = lifecycle.agree_t0(cluster, self.wait_timeout_s)
-        address, fallback, token = lifecycle.open_control(self, cluster)  # (sets self._server, self._relay)
+        address, fallback, token = lifecycle.open_control(self, cluster)  # (sets self._server, self._relays)
         # the exchange first: a frontend may route the protocol's variable creation
         # (SyncStrategy broadcasts initial values) through it
         self.exchange = lifecycle.open_exchange(self, cluster, protocol_cls)  # (sets the wire settings)

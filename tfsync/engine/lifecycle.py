@@ -14,6 +14,7 @@ so a failed ``fit`` cannot leave the process hanging on the control path's
 threads.
 """
 
+import logging
 import secrets
 import socket
 import threading
@@ -23,9 +24,12 @@ import weakref
 from tfsync import _env
 from tfsync.engine import bindings
 from tfsync.engine.address import choose as choose_control_address
+from tfsync.engine.address import choose_relay as choose_relay_address
 from tfsync.engine.bounded import run_bounded
 from tfsync.engine.control import ControlServer
-from tfsync.engine.control.relay import HostRelay
+from tfsync.engine.control.relay import GROUP_HOSTS, HostRelay
+
+log = logging.getLogger("tfsync.control")
 
 ABANDON_JOIN_S = 2.0  # at exit, how long an unclosed engine waits for its communication thread
 
@@ -138,11 +142,13 @@ def open_control(engine, cluster):
     """Rank 0 starts the control service; every rank learns its address and the job's token;
     the first rank of each host but rank 0's with several ranks starts the host's relay
     (:mod:`tfsync.engine.control.relay`; ``TFSYNC_CONTROL_RELAYS``), and its host's ranks learn
-    its address.
+    its address; past ``GROUP_HOSTS`` relaying hosts, the first of each group of them also
+    starts the group's relay, which the group's host relays attach to (:func:`relay_groups`),
+    and rank 0's host's other ranks attach through a relay too (in rank 1's process).
 
     Returns ``(address, fallback, token)``: where this rank attaches (its host's relay, or rank
     0's service) and where it re-attaches if that is gone (collective, bounded by the engine's
-    wait bound); rank 0's server is ``engine._server`` and a relay ``engine._relay`` (set before
+    wait bound); rank 0's server is ``engine._server`` and the relays ``engine._relays`` (set before
     anything can fail, so :func:`abandon` stops them).  From here on the engine is abandoned at
     interpreter exit unless closed (:func:`leave_at_exit`).
     """
@@ -173,20 +179,53 @@ def open_control(engine, cluster):
         purpose="the address and token of rank 0's control service, broadcast when the engine starts",
         timeout_s=engine.wait_timeout_s,
     )
-    leaders = relay_leaders(engine.hosts) if _env.control_relays() else {}
+    relaying = _env.control_relays()
+    leaders = relay_leaders(engine.hosts) if relaying != "off" else {}
     if not leaders:
         return address, None, token
+    upstream, fallback = address, None
+    groups = relay_groups(leaders) if relaying == "auto" else {}
+    if groups:  # (a job this large: rank 0's host's other workers through a relay too)
+        leaders = relay_leaders(engine.hosts, home=True)
+        group = None
+        if groups.get(engine.rank) == engine.rank:
+            group = _group_relay(address, token, engine.t0)
+            if group is not None:
+                engine._relays.append(group)
+        heads = run_bounded(
+            cluster,
+            lambda: cluster.allgather_object(group.address if group else None, name="tfsync.group_relays"),
+            name="tfsync.group_relays",
+            purpose="the addresses of the control group relays, gathered when the engine starts",
+            timeout_s=engine.wait_timeout_s,
+        )
+        if engine.rank in groups and heads[groups[engine.rank]] is not None:
+            upstream, fallback = heads[groups[engine.rank]], address
+    relay = None
     if leaders.get(engine.rank) == engine.rank:
-        engine._relay = HostRelay(address, token, engine.t0)
+        relay = HostRelay(upstream, token, engine.t0, fallback=fallback)
+        engine._relays.insert(0, relay)  # (stopped before its group relay)
     relays = run_bounded(
         cluster,
-        lambda: cluster.allgather_object(engine._relay.address if engine._relay else None, name="tfsync.relays"),
+        lambda: cluster.allgather_object(relay.address if relay else None, name="tfsync.relays"),
         name="tfsync.relays",
         purpose="the addresses of the hosts' control relays, gathered when the engine starts",
         timeout_s=engine.wait_timeout_s,
     )
     leader = leaders.get(engine.rank)
     return (relays[leader], address, token) if leader is not None else (address, None, token)
+
+
+def _group_relay(address, token, t0):
+    """A group relay (:mod:`tfsync.engine.control.relay`) listening where the other hosts reach
+    this one (as rank 0's service would, :func:`tfsync.engine.address.choose_relay`); None, with a
+    warning, where this host has no such address or it cannot listen there: its group's host
+    relays then attach to rank 0 themselves."""
+    try:
+        return HostRelay(address, token, t0, host=choose_relay_address().bind)
+    except RuntimeError as exc:
+        log.warning("tfsync: no control group relay on this host (its group's relays go to rank 0): %s", exc)
+        return None
 
 
 def open_exchange(engine, cluster, protocol_cls):
@@ -225,14 +264,32 @@ def rest_steps(policy):
     return period
 
 
-def relay_leaders(hosts) -> dict:
+def relay_leaders(hosts, home=False) -> dict:
     """``{rank: the first rank of its host}`` for the ranks whose host is not rank 0's and holds
     several ranks (``hosts``: every rank's host name, in rank order): those attach through their
-    host's relay."""
+    host's relay.  ``home``: rank 0's host's other ranks too, if there are several (their relay
+    runs in rank 1's process; rank 0 attaches to its own service directly)."""
     ranks_of = {}
     for rank, host in enumerate(hosts):
-        ranks_of.setdefault(host, []).append(rank)
-    return {rank: ranks[0] for host, ranks in ranks_of.items() if host != hosts[0] and len(ranks) > 1 for rank in ranks}
+        if rank > 0 and (home or host != hosts[0]):
+            ranks_of.setdefault(host, []).append(rank)
+    return {rank: ranks[0] for ranks in ranks_of.values() if len(ranks) > 1 for rank in ranks}
+
+
+def relay_groups(leaders) -> dict:
+    """``{host relay's rank: the rank of its group relay}`` (``leaders`` as :func:`relay_leaders`
+    gives them): past :data:`~tfsync.engine.control.relay.GROUP_HOSTS` relaying hosts, the relays
+    of each ``GROUP_HOSTS`` consecutive hosts attach to the group relay of the first of them
+    (a host left alone attaches to rank 0); ``{}`` for fewer."""
+    heads = sorted(set(leaders.values()))
+    if len(heads) <= GROUP_HOSTS:
+        return {}
+    groups = {}
+    for start in range(0, len(heads), GROUP_HOSTS):
+        chunk = heads[start : start + GROUP_HOSTS]
+        if len(chunk) > 1:
+            groups.update(dict.fromkeys(chunk, chunk[0]))
+    return groups
 
 
 def leave_at_exit(engine):
@@ -331,8 +388,8 @@ def abandon(engine):
 
 def _release(engine):
     try:
-        if engine._relay is not None:
-            engine._relay.stop()
+        for relay in engine._relays:  # (a host relay before its group relay)
+            relay.stop()
     finally:
         if engine._server is not None:
             engine._server.stop()

@@ -591,12 +591,12 @@ BAD_INPUTS = [
     Bad(
         "env-control-relays",
         E,
-        "`TFSYNC_CONTROL_RELAYS` not `auto` or `off`",
+        "`TFSYNC_CONTROL_RELAYS` not `auto`, `hosts` or `off`",
         _env_var(_env.CONTROL_RELAYS.name, "on", _env.control_relays),
         ValueError,
         r"TFSYNC_CONTROL_RELAYS='on'",
-        r"expected auto .* or off",
-        r"set it to auto or off, or unset it",
+        r"expected auto .* hosts .* or off",
+        r"set it to one of them, or unset it",
     ),
     Bad(
         "env-single-process",

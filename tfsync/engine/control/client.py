@@ -34,6 +34,7 @@ import grpc
 
 from tfsync.engine.control.stop import STOP_CALL_TIMEOUT_S
 from tfsync.engine.control.transport import (
+    ATTEMPT_S,
     CHANNEL_OPTIONS,
     LINK_METHOD,
     RECONNECT_BACKOFF_MS,
@@ -45,7 +46,6 @@ from tfsync.engine.control.transport import (
 )
 
 REPORT_INTERVAL_S = 0.25  # at most one clock report per this
-ATTEMPT_S = 1.0  # a re-attach to one of two addresses (a relay, rank 0) gives up on it after this
 CONNECT_TIMEOUT_S = 30.0  # how long a worker waits for rank 0's control service
 CALL_TIMEOUT_S = 2.0  # how long leave and table wait for rank 0's answer
 WATCHER_JOIN_S = 2.0  # how long ControlClient.close waits for its link's reader to end

@@ -33,6 +33,21 @@ it crosses the network.  The relay
 A worker's link to the relay carries the token too; a worker whose relay is
 gone (the relay's process ended) re-attaches to rank 0 directly
 (:class:`~tfsync.engine.control.client.ControlClient`'s ``fallback``).
+
+Relays of relays: in a job of more than :data:`GROUP_HOSTS` relaying hosts, the
+host relays of each :data:`GROUP_HOSTS` hosts attach to a *group relay* (the same
+class, run by the group's first host, listening where other hosts reach it),
+which relays them to rank 0 as a host relay does its workers: rank 0 holds one
+link per group, and a round of 1024 workers on hosts of 8 costs it about 16
+links' messages, not 128.  A host relay speaks to its group relay as a worker
+does to its host relay, with what differs between the two: its items carry
+many ranks (``["relay"]`` says so; its clocks come as one ``reports`` item);
+a host relay's link ending is not its workers' end (its host may only have
+lost the network): the group relay tells rank 0 they are ``detached``, and
+rank 0 names them lost only if they do not re-attach within the grace.  A host
+relay whose group relay is gone (its process ended, or it gave up on rank 0)
+re-attaches to rank 0 itself (``fallback``), each attempt bounded by
+:data:`~tfsync.engine.control.transport.ATTEMPT_S`, well within the grace.
 """
 
 import asyncio
@@ -45,8 +60,9 @@ import time
 import grpc
 import grpc.aio
 
-from tfsync.engine.control.streams import LINK_DRAIN_S
+from tfsync.engine.control.streams import LINK_DRAIN_S, REPORTS
 from tfsync.engine.control.transport import (
+    ATTEMPT_S,
     CHANNEL_OPTIONS,
     LINK_METHOD,
     RECONNECT_BACKOFF_MS,
@@ -65,6 +81,7 @@ REPORT_FLUSH_S = 0.25  # a host's clocks go to rank 0 on their own at most this 
 READY_HOLD_S = 0.002  # a ready notice waits at most this for the host's other workers' notices
 RELAY_START_S = 30.0  # the relay starts (binds its port) within this
 RELAY_STOP_S = 2.0  # how long HostRelay.stop waits for its server and link to end
+GROUP_HOSTS = 8  # host relays per group relay, once a job has more relaying hosts than this
 BROADCAST = ("notices", "closed")  # what rank 0 tells every worker: passed on as it came
 
 log = logging.getLogger("tfsync.control")
@@ -78,6 +95,7 @@ class _Local:
     def __init__(self):
         self.id = next(_Local._ids)
         self.out = asyncio.Queue()
+        self.relay = False  # a host relay's link (to a group relay), not a worker's
         self.ranks = set()
         self.received = 0  # its messages received
         self.acked = 0  # the newest of them rank 0 has acknowledged everything of
@@ -88,14 +106,18 @@ class HostRelay(TokenGate):
     """The relay of one host (see the module docstring).
 
     Args:
-        upstream: rank 0's service (``host:port``).
+        upstream: where it attaches: rank 0's service, or its group relay (``host:port``).
         token: the job's token.
         t0: the job's t0 (refusals are recorded in seconds since it).
-        host: where its workers reach it (default the loopback address: they run on its host).
+        host: where its workers (or, for a group relay, the host relays) reach it (default the
+            loopback address: a host relay's workers run on its host).
+        fallback: rank 0's service, where it re-attaches when ``upstream`` (a group relay) is gone.
     """
 
-    def __init__(self, upstream: str, token: str, t0: float, host: str = "127.0.0.1"):
+    def __init__(self, upstream: str, token: str, t0: float, host: str = "127.0.0.1", fallback: str | None = None):
         self.upstream, self.t0 = upstream, t0
+        self._addresses = [upstream] + ([fallback] if fallback else [])
+        self._upstream_gone = False  # its group relay gave up on rank 0: it tries rank 0 itself
         self._token = _check_token(token).encode("ascii")
         self._metadata = ((TOKEN_METADATA_KEY, token),)
         self._lock = threading.Lock()
@@ -198,28 +220,37 @@ class HostRelay(TokenGate):
             except (asyncio.CancelledError, Exception):  # noqa: BLE001 - a broken link, or one past the bound
                 writer.cancel()
             self._locals.pop(local.id, None)
+            # a worker's link to its host's relay ends with its process; a host relay's link to
+            # its group relay may only have lost the network: rank 0 gives its workers the grace
+            end = "detached" if local.relay else "ended"
             for rank in local.ranks:
                 if self._rank_local.get(rank) == local.id:
                     del self._rank_local[rank]
                     self._attached.pop(rank, None)
                     if rank not in self._left and not self._stopping.is_set():
-                        self._forward([["ended", rank]], None)
+                        self._forward([[end, rank]], None)
 
     def _from_local(self, local, items):
-        forwarded, reply, ready = [], [], []
+        forwarded, reply, ready, catch_up = [], [], [], None
         for item in items:
-            kind, rank = item[0], int(item[1])
+            kind = item[0]
+            if kind == "relay":  # (a host relay attaching to this group relay)
+                local.relay = True
+                continue
+            if kind == "reports":  # (a host relay's clocks, together)
+                for rank, clock in item[1].items():
+                    self._clock(int(rank), int(clock))
+                continue
+            rank = int(item[1])
             if kind == "attach":
                 local.ranks.add(rank)
                 self._rank_local[rank] = local.id
                 self._attached[rank] = item
                 forwarded.append(["attach", rank, len(self._closings), _stops(self._notices)])
                 reply.append(["attached", rank, 0])
-                self._catch_up(local, int(item[2]))
+                catch_up = int(item[2]) if catch_up is None else min(catch_up, int(item[2]))
             elif kind == "report":
-                self._clocks[rank] = max(self._clocks.get(rank, -1), int(item[2]))
-                if time.monotonic() - self._flushed >= REPORT_FLUSH_S:  # (a lone report goes at once)
-                    self._send_clocks()
+                self._clock(rank, int(item[2]))
             elif kind == "table":
                 self._ask_table(local, rank, item[2])
             elif kind == "ready":
@@ -227,17 +258,30 @@ class HostRelay(TokenGate):
             else:
                 if kind == "leave":
                     self._left.add(rank)
+                elif kind in ("ended", "detached") and self._rank_local.get(rank) == local.id:
+                    del self._rank_local[rank]  # (a host relay's worker: not re-attached after a break)
+                    self._attached.pop(rank, None)
+                    local.ranks.discard(rank)
                 forwarded.append(item)
         if reply:
             local.out.put_nowait(encode(reply))
+        if catch_up is not None:  # (once for a message: a host relay attaches its workers together)
+            self._catch_up(local, catch_up)
         if ready:
             self._hold(ready, local)
         self._forward(forwarded, local if forwarded else None)
-        if not forwarded and not ready and len(items) > sum(item[0] == "report" for item in items):
+        if not forwarded and not ready and any(item[0] not in REPORTS for item in items):
             # (its table question, which the relay answers: nothing for rank 0 to acknowledge; a
             # message of reports alone needs no acknowledgement, its sender keeps nothing of it)
             local.acked = local.received
             local.out.put_nowait(encode([["acked", local.received]]))
+
+    def _clock(self, rank, clock):
+        """A worker's clock, sent with the next message to rank 0 (at once when none went for
+        ``REPORT_FLUSH_S``: a lone report goes at once)."""
+        self._clocks[rank] = max(self._clocks.get(rank, -1), clock)
+        if time.monotonic() - self._flushed >= REPORT_FLUSH_S:
+            self._send_clocks()
 
     def _catch_up(self, local, closings):
         """A worker attaching with the first ``closings`` closings: the notices and the closings
@@ -299,20 +343,38 @@ class HostRelay(TokenGate):
 
     # --------------------------------------------------------------- its link to rank 0
     async def _follow_upstream(self):
-        """Keep one link to rank 0: re-attach within the grace when it breaks; past the grace,
-        rank 0 is unreachable."""
+        """Keep one link to rank 0 (or to its group relay): re-attach within the grace when it
+        breaks; past the grace, rank 0 is unreachable.  With two addresses (its group relay, then
+        rank 0), an attempt that did not get through moves to the other, each attempt bounded by
+        ``ATTEMPT_S``; once its group relay gave up on rank 0, it tries rank 0 itself, once."""
         deadline = None
         while not self._stopping.is_set():
             call = self._channel.stream_stream(LINK_METHOD)(metadata=self._metadata, wait_for_ready=True)
-            attached = await self._run_upstream(call, deadline)
+            attempt_end = deadline
+            if deadline is not None and len(self._addresses) > 1:
+                attempt_end = min(deadline, time.monotonic() + ATTEMPT_S)
+            attached = await self._run_upstream(call, attempt_end)
             if self._stopping.is_set():
                 return
             if attached or deadline is None:
                 deadline = time.monotonic() + RECONNECT_GRACE_S
-                log.warning("tfsync: the host relay's link to rank 0 at %s broke; re-attaching", self.upstream)
+                log.warning("tfsync: the relay's link to %s broke; re-attaching", self.upstream)
+            if self._upstream_gone:
+                self._upstream_gone = False
+                if len(self._addresses) > 1:  # (its group relay gave up: rank 0 itself, once)
+                    self._addresses = self._addresses[1:]
+                    deadline = min(deadline, time.monotonic() + ATTEMPT_S)
+                else:
+                    deadline = time.monotonic()
+            elif len(self._addresses) > 1 and not attached:
+                self._addresses.append(self._addresses.pop(0))
+            if self._addresses[0] != self.upstream:
+                await self._channel.close()
+                self.upstream = self._addresses[0]
+                self._channel = grpc.aio.insecure_channel(self.upstream, options=CHANNEL_OPTIONS)
             if time.monotonic() >= deadline:
                 self.host_lost = time.time()
-                log.warning("tfsync: the host relay could not re-attach to rank 0 within %g s", RECONNECT_GRACE_S)
+                log.warning("tfsync: the relay could not re-attach to rank 0 within %g s", RECONNECT_GRACE_S)
                 for local in list(self._locals.values()):
                     local.out.put_nowait(encode([["host_lost"]]))
                     local.task.cancel()  # (its link ends once the notice is written)
@@ -326,6 +388,8 @@ class HostRelay(TokenGate):
         acks = [ack for _, _, carried in self._unacked for ack in carried]
         self._unacked = []
         attach = [["attach", rank, len(self._closings), _stops(self._notices)] for rank in self._attached]
+        if self._table_waiters is not None:  # (asked on the link that broke: its answer may never come)
+            resend.append(["table", -1, self._table_waiters[0]])
         self._pending.insert(0, ([["relay"], *attach, *resend], acks))
         self._wake.set()
         sender = asyncio.ensure_future(self._send_upstream(call))
@@ -341,7 +405,7 @@ class HostRelay(TokenGate):
                         timer.cancel()
                     if deadline is not None:
                         self.reattached += 1
-                        log.warning("tfsync: the host relay re-attached to rank 0 at %s", self.upstream)
+                        log.warning("tfsync: the relay re-attached to %s", self.upstream)
                 self._from_upstream(data)
         except (asyncio.CancelledError, grpc.RpcError):
             pass
@@ -381,7 +445,9 @@ class HostRelay(TokenGate):
         replies = {}  # local link id -> items
         for item in items:
             kind = item[0]
-            if kind == "acked":
+            if kind == "host_lost":  # (its group relay could not re-attach to rank 0 within the grace)
+                self._upstream_gone = True
+            elif kind == "acked":
                 self._acked(item[1], replies)
             elif kind == "answer":
                 rank, request = int(item[1]), item[2]

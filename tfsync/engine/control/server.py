@@ -101,6 +101,7 @@ class ControlServer(TokenGate, Streams, StopHandshake, RoundCoordinator, Service
             "attach": self._attach_item,
             "relay": self._relay_item,
             "ended": self._ended_item,
+            "detached": self._detached_item,
             "leave": self._leave_item,
             "report": self._report_item,
             "reports": self._reports_item,

@@ -23,7 +23,8 @@ only if it has not re-attached within
 and came back (a worker or a relay re-attaches with the same rank and token,
 and resumes after what it has, so nothing is delivered twice or skipped), or
 its relay died and it attached to rank 0 directly.  A flap that heals within
-the grace costs nothing.
+the grace costs nothing.  A group relay tells rank 0 the same of the workers of a
+host relay whose link to it ended (``["detached", rank]``).
 """
 
 import asyncio
@@ -152,6 +153,15 @@ class Streams:
             if rank not in self._left and not self._stopping.is_set():
                 self._record_lost(rank, now, "its process or connection ended")
 
+    def _detached_item(self, link, item, now):
+        """``["detached", rank]`` from a group relay: the link of the rank's host relay to it ended
+        without ``Leave``; as a link across hosts that ends, the rank has the grace to re-attach
+        (lock held)."""
+        rank = int(item[1])
+        if self._rank_link.get(rank) == link.id:
+            link.ranks.discard(rank)
+            self._detach(rank, link, now)
+
     def _leave_item(self, link, item, now):
         self._left.add(int(item[1]))
 
@@ -164,16 +174,24 @@ class Streams:
             for rank in sorted(link.ranks):
                 if self._rank_link.get(rank) != link.id:  # re-attached elsewhere meanwhile
                     continue
-                del self._rank_link[rank]
-                self._stops_seen.pop(rank, None)
-                if rank in self._left or self._stopping.is_set():
-                    continue
                 if own:  # nothing between it and this host could have dropped: its process ended
-                    self._record_lost(rank, now, "its process or connection ended")
+                    del self._rank_link[rank]
+                    self._stops_seen.pop(rank, None)
+                    if rank not in self._left and not self._stopping.is_set():
+                        self._record_lost(rank, now, "its process or connection ended")
                     continue
-                timer = self._loop.call_later(RECONNECT_GRACE_S, self._grace_over, rank, link.id)
-                self._detached[rank] = (link.id, now, timer)
+                self._detach(rank, link, now)
         self._broadcast_soon()
+
+    def _detach(self, rank, link, now):
+        """``rank``'s way to rank 0 through ``link`` ended: lost unless it re-attaches within the
+        grace (lock held)."""
+        del self._rank_link[rank]
+        self._stops_seen.pop(rank, None)
+        if rank in self._left or self._stopping.is_set():
+            return
+        timer = self._loop.call_later(RECONNECT_GRACE_S, self._grace_over, rank, link.id)
+        self._detached[rank] = (link.id, now, timer)
 
     def _record_lost(self, rank, at_s, reason):
         """Record ``rank`` lost (lock held); every link is told."""

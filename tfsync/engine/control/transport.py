@@ -53,6 +53,7 @@ REJECTIONS_KEPT = 100  # ControlServer.rejected keeps the first this many
 # still named before a survivor's failed collective stops waiting for the name
 # (diagnosis.LOSS_SETTLE_S, the grace + 3 s; tests/single/control/test_control_link.py checks the order)
 RECONNECT_GRACE_S = 4.0
+ATTEMPT_S = 1.0  # a re-attach to one of two addresses (a relay, rank 0) gives up on it after this
 # Both ends ping each connection this often (gRPC has no keepalive by default: a link that
 # went down silently was never noticed) ...
 KEEPALIVE_TIME_MS = 1000
