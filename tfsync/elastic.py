@@ -30,6 +30,16 @@ only.  This module is the Keras 3 way, with tfsync's engine:
   :func:`tfsync.shard_dataset` given ``resume=state``).  The callback's
   ``on_train_begin`` starts a new engine and control path on the new members.
 
+Elastic training runs through the Keras callback only: a model that trains under
+:class:`tfsync.distribute.SyncStrategy` is refused when the state is built (or when the
+function of :func:`run` is called in the strategy's scope), before any work, because the
+strategy cannot re-form: it starts its engine while Keras traces the train step, and Keras
+reuses that traced step in every later ``fit``, so after a reset the step
+would call the engine of the old membership, which the reset abandoned; the strategy sees no
+epoch ends, so nothing would commit the state; and Keras 3 binds a model to the strategy it
+was built under (``model.distribute_strategy`` has no setter), so a strategy for the re-formed
+job cannot take its place (``docs/guide/elastic.md``, "Limits").
+
 How many resets a job may take is Horovod's launcher's bound
 (``horovodrun --reset-limit``): past it the launcher stops the job, ends its
 workers and says so ("number of resets during elastic job exceeded limit");
@@ -110,7 +120,10 @@ class KerasState(ObjectState):
     reset.
 
     Args:
-        model: a built, compiled Keras 3 model, the same on every worker.
+        model: a built, compiled Keras 3 model, the same on every worker, trained by ``fit``
+            with ``tfsync.keras.SyncCallback(..., elastic=state)``; one built under
+            :class:`tfsync.distribute.SyncStrategy` is refused (``ValueError``, saying why:
+            the strategy cannot re-form the job).
         optimizer: default ``model.optimizer``; built now (its slots) if it is not.
         wait_timeout_s: bound on each collective of ``sync()`` and ``commit()`` (default
             120 s, or ``TFSYNC_WAIT_TIMEOUT_S``).
@@ -148,6 +161,7 @@ class KerasState(ObjectState):
         commit_every_s=None,
         **attributes,
     ):
+        _refuse_strategy(model, "tfsync.elastic.KerasState")
         optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
         if optimizer is None:
             raise ValueError(
@@ -257,6 +271,30 @@ class KerasState(ObjectState):
         return tuple(self._commits)
 
 
+def _refuse_strategy(model, who):
+    """Refuse ``model`` when it trains under :class:`tfsync.distribute.SyncStrategy` (built in its
+    scope, or read in it: Keras' ``distribute_strategy`` is the strategy of the model's creation,
+    else the one of the current scope), before any work: the strategy cannot re-form the job."""
+    strategy = getattr(model, "distribute_strategy", None)
+    if strategy is None:
+        return
+    from tfsync.distribute.strategy import SyncStrategy
+
+    if isinstance(strategy, SyncStrategy):
+        raise ValueError(
+            f"{who}: the model trains under tfsync.distribute.SyncStrategy (built in strategy.scope(), or "
+            f"used in it), which cannot train elastically. Expected a model built without a strategy and "
+            f"trained by model.fit with callbacks=[tfsync.keras.SyncCallback(mode, elastic=state)]: build the "
+            f"model and the state outside strategy.scope() and pass that callback to fit, or keep SyncStrategy "
+            f"and train without tfsync.elastic. Why: SyncStrategy starts its engine while Keras traces the "
+            f"train step, and Keras reuses that traced step in every later fit, so after a reset "
+            f"the step would call the engine of the old membership, which the reset abandoned; the "
+            f"strategy sees no epoch ends, so nothing would commit the state; and Keras 3 binds a model to the "
+            f"strategy it was built under, so a strategy for the re-formed job cannot replace it "
+            f"(docs/guide/elastic.md, Limits)"
+        )
+
+
 def _check_interval(every_steps, every_s):
     """``commit_every_steps`` and ``commit_every_s`` of a :class:`KerasState`, checked."""
     if every_steps not in ("auto", "epoch") and (
@@ -316,10 +354,12 @@ def run(func):
     4. ``state`` is restored from its last commit and ``state.resets`` counted, then synchronized
        from the new rank 0 (a joining worker gets the whole state), and ``func`` is called again.
 
-    Any other error is raised as it is.  Without an elastic launch (``horovodrun`` without
-    ``--min-np``/``--max-np``/``--host-discovery-script``: no ``HOROVOD_ELASTIC=1``) Horovod
-    cannot re-form the job: ``func`` runs once after the sync, and a failure stops the job
-    as it would without this wrapper.  Returns what ``func`` returns.
+    Any other error is raised as it is.  A state whose model trains under
+    :class:`tfsync.distribute.SyncStrategy` (``func`` called in the strategy's scope) is refused
+    before the sync, as :class:`KerasState` refuses one built under it.  Without an elastic
+    launch (``horovodrun`` without ``--min-np``/``--max-np``/``--host-discovery-script``: no
+    ``HOROVOD_ELASTIC=1``) Horovod cannot re-form the job: ``func`` runs once after the sync,
+    and a failure stops the job as it would without this wrapper.  Returns what ``func`` returns.
     """
 
     @functools.wraps(func)
@@ -329,6 +369,8 @@ def run(func):
                 f"tfsync.elastic.run: the first argument of {func.__name__} must be the elastic state "
                 f"(tfsync.elastic.KerasState), got {type(state).__name__}; call {func.__name__}(state, ...)"
             )
+        if isinstance(state, KerasState):  # (called in a SyncStrategy's scope: refused before the sync)
+            _refuse_strategy(state.model, f"tfsync.elastic.run ({func.__name__})")
         hvd = _horovod.horovod()
         if os.environ.get(ELASTIC_ENV) != "1":
             state.sync()

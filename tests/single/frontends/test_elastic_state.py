@@ -1,10 +1,11 @@
-"""tfsync.elastic in one process: the state's commit and restore, which failures reset, and the
+"""tfsync.elastic in one process: the state's commit and restore, the models it refuses, which failures reset, and the
 reset loop of ``run`` against a stand-in for Horovod (the launches are tests/parallel/test_elastic_launcher.py)."""
 
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from fake_cluster import FakeCluster
 from horovod.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
 
 import tfsync
@@ -64,6 +65,23 @@ def test_the_state_refuses_a_model_it_cannot_keep(build, message):
 def test_the_state_keeps_its_own_attribute_names():
     with pytest.raises(ValueError, match="'resets' is the state's own attribute"):
         elastic.KerasState(_model(), resets=2)
+
+
+def _strategy():
+    return tfsync.distribute.SyncStrategy("bsp", cluster=FakeCluster(1).rank(0), wait_timeout_s=10)
+
+
+def test_a_model_built_under_sync_strategy_is_refused_saying_why():
+    # the strategy's traced step would call the engine a reset abandoned; refused before any work
+    with _strategy().scope():
+        model = _model()
+    with pytest.raises(ValueError) as info:
+        elastic.KerasState(model, epoch=0)
+    message = str(info.value)
+    assert message.startswith("tfsync.elastic.KerasState: the model trains under tfsync.distribute.SyncStrategy")
+    assert "callbacks=[tfsync.keras.SyncCallback(mode, elastic=state)]" in message  # what is expected
+    assert "build the model and the state outside strategy.scope()" in message  # the fix
+    assert "Keras reuses that traced step in every later fit" in message  # why it cannot re-form
 
 
 def test_the_callback_takes_only_a_keras_state():
@@ -203,6 +221,19 @@ def test_run_wants_the_state_first():
 
     with pytest.raises(TypeError, match="must be the elastic state"):
         train(42)
+
+
+def test_run_called_in_sync_strategys_scope_is_refused_before_the_sync():
+    state = LocalState(_model(), epoch=0)
+    calls = []
+
+    @elastic.run
+    def train(state):
+        calls.append(state.epoch)
+
+    with _strategy().scope(), pytest.raises(ValueError, match=r"tfsync\.elastic\.run \(train\): the model trains"):
+        train(state)
+    assert calls == [] and state.syncs == 0
 
 
 def test_the_callback_commits_at_epoch_ends_and_counts_what_a_reset_lost():

@@ -106,6 +106,28 @@ def _elastic_state(model, compile_):
     return tfsync.elastic.KerasState(model)
 
 
+def _elastic_under_strategy():
+    """``KerasState`` of a model built in ``SyncStrategy``'s scope (one in-process rank)."""
+    import tfsync.elastic
+
+    with tfsync.distribute.SyncStrategy("bsp", cluster=FakeCluster(1).rank(0), wait_timeout_s=10).scope():
+        model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+        model.compile(optimizer="sgd", loss="mse")
+    return tfsync.elastic.KerasState(model)
+
+
+def _elastic_run_in_strategy_scope():
+    """``tfsync.elastic.run``'s function called in ``SyncStrategy``'s scope, its model built outside."""
+    import tfsync.elastic
+
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    state = tfsync.elastic.KerasState(model)
+    train = tfsync.elastic.run(lambda state: None)
+    with tfsync.distribute.SyncStrategy("bsp", cluster=FakeCluster(1).rank(0), wait_timeout_s=10).scope():
+        train(state)
+
+
 def _elastic_interval(**interval):
     import tfsync.elastic
 
@@ -233,7 +255,8 @@ BAD_INPUTS = [
     Bad(
         "elastic-state-model",
         A,
-        "`tfsync.elastic.KerasState(model)` on a model not built, or without an optimizer",
+        "`tfsync.elastic.KerasState(model)` on a model not built, without an optimizer, or trained under "
+        "`SyncStrategy` (which cannot re-form the job; `tfsync.elastic.run` refuses it too)",
         lambda: _elastic_state(keras.Sequential([keras.layers.Dense(2)]), compile_=True),
         ValueError,
         r"the model is not built",
@@ -948,6 +971,20 @@ VARIANTS = [
         _elastic_interval(commit_every_steps="epoch", commit_every_s=5),
         ValueError,
         r"epoch ends only; pass commit_every_steps=\"auto\" or an integer",
+    ),
+    (
+        "elastic-state-strategy",
+        _elastic_under_strategy,
+        ValueError,
+        r"the model trains under tfsync\.distribute\.SyncStrategy.*Expected a model built without a strategy and "
+        r"trained by model\.fit with callbacks=\[tfsync\.keras\.SyncCallback\(mode, elastic=state\)\]: build the "
+        r"model and the state outside strategy\.scope\(\).*or keep SyncStrategy and train without tfsync\.elastic",
+    ),
+    (
+        "elastic-run-in-strategy-scope",
+        _elastic_run_in_strategy_scope,
+        ValueError,
+        r"tfsync\.elastic\.run \(<lambda>\): the model trains under tfsync\.distribute\.SyncStrategy",
     ),
     ("elastic-fit-no-position", _elastic_fit("bsp", False, commit_every_steps=2), ValueError, r"has no position"),
     (
