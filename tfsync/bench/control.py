@@ -1,7 +1,8 @@
 """Rank 0's control service under N simulated workers: rounds per second, latency, its cost.
 
 ``python -m tfsync.bench control --workers N [N ...] --policy backup|psp|dssp [--reports-hz H]
-[--rounds R] [--ranks-per-host K] [--relays auto|hosts|off] --json FILE [--plot PNG]``
+[--rounds R] [--ranks-per-host K] [--relays auto|hosts|off] [--simulate hosts|links] --json FILE
+[--plot PNG]``
 
 For each N: the real control service (:mod:`tfsync.bench._control_rank0`, its own process, as
 rank 0's is in a job) and N simulated workers deployed as a job's are, hosts of ``K`` ranks
@@ -18,6 +19,12 @@ worker's clock ``H`` times a second (default 4, what a waiting worker does):
   and its closing goes to every worker, the last one's notice dropped);
 * ``dssp``: DSSP's controller: a ``pushed`` notice per worker per step, a ``grant`` question
   every 4th.
+
+``--simulate links`` leaves the workers and relays out and sends rank 0 only what its links
+would carry (:mod:`tfsync.bench._control_links`: a group relay's link, every ready notice of its
+ranks in one message a round, their clocks every 0.25 s): one process of a few coroutines, so
+rank 0, not a thousand simulated workers on two cores, sets the pace, and its CPU per round is
+the cost of a round rather than of a slow simulation's seconds (``backup`` and ``psp``).
 
 One record per N, in a JSON list: ``workers``, ``policy``, ``rounds_per_s`` (rounds completed
 per second after ``--warmup`` rounds; dssp: steps per worker per second), ``latency_p50_ms``
@@ -77,9 +84,17 @@ def parse_args(argv):
     p.add_argument("--warmup", type=integer(1), default=5, help="rounds left out of the figures")
     p.add_argument("--ranks-per-host", type=integer(1), default=8, help="simulated workers per host process")
     p.add_argument("--relays", choices=("auto", "hosts", "off"), default="auto", help="as TFSYNC_CONTROL_RELAYS")
+    p.add_argument(
+        "--simulate",
+        choices=("hosts", "links"),
+        default="hosts",
+        help="hosts: every worker and relay (a process per host); links: only what rank 0's links send it",
+    )
     p.add_argument("--json", required=True, help="write the records here")
     p.add_argument("--plot", metavar="PNG", help="also plot rank 0's CPU per round and the rounds per second here")
     args = p.parse_args(argv)
+    if args.simulate == "links" and args.policy == "dssp":
+        p.error("--simulate links runs the rounds of backup and psp; run dssp with --simulate hosts")
     if args.rounds is not None and args.rounds <= args.warmup:
         p.error(f"--rounds {args.rounds} must exceed --warmup {args.warmup}: the figures need measured rounds")
     return args
@@ -104,7 +119,8 @@ def run_one(workers, args, log):
         )
         try:
             address = _address_of(rank0)
-            hosts = _start_hosts(address, token, workers, rounds, args, tmp)
+            start = _start_links if args.simulate == "links" else _start_hosts
+            hosts = start(address, token, workers, rounds, args, tmp)
             _start_rounds(hosts)
             deadline = time.monotonic() + LAUNCH_MARGIN_S + rounds
             _expect(hosts, "DONE", deadline, "finish its rounds")  # (then they stop their relays)
@@ -190,6 +206,33 @@ def _start_hosts(address, token, workers, rounds, args, tmp):
     return [hosts[h] for h in range(len(firsts))]
 
 
+def rank0_links(workers, per_host, relays):
+    """The ranks each of rank 0's links carries in a job of ``workers`` on hosts of ``per_host``
+    relayed as ``relays`` (``TFSYNC_CONTROL_RELAYS``) says: a worker's own link, a host relay's
+    or a group relay's."""
+    from tfsync.engine.lifecycle import relay_groups, relay_leaders
+
+    names = [f"host{rank // per_host}" for rank in range(workers)]
+    leaders = relay_leaders(names) if relays != "off" else {}
+    groups = relay_groups(leaders) if relays == "auto" else {}
+    if groups:
+        leaders = relay_leaders(names, home=True)
+    links = {}
+    for rank in range(workers):
+        lead = leaders.get(rank)
+        links.setdefault(("rank", rank) if lead is None else ("relay", groups.get(lead, lead)), []).append(rank)
+    return list(links.values())
+
+
+def _start_links(address, token, workers, rounds, args, tmp):
+    """``--simulate links``: one process sends what rank 0's links would (:mod:`_control_links`)."""
+    path = os.path.join(tmp, "links.json")
+    spec = json.dumps(rank0_links(workers, args.ranks_per_host, args.relays))
+    cmd = [sys.executable, "-m", "tfsync.bench._control_links", address, token, args.policy, str(rounds)]
+    cmd += [str(args.reports_hz), spec, path]
+    return [(subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True), path)]
+
+
 def _group_address_of(proc):
     ready, _, _ = select.select([proc.stdout], [], [], START_TIMEOUT_S)
     line = proc.stdout.readline() if ready else ""
@@ -264,6 +307,8 @@ def summarize(workers, rounds, args, outputs, stats):
         "hosts": math.ceil(workers / args.ranks_per_host),
         "ranks_per_host": args.ranks_per_host,
         "relays": args.relays,
+        "simulate": args.simulate,
+        "rank0_links": len(rank0_links(workers, args.ranks_per_host, args.relays)),
         "reports_hz": args.reports_hz,
         "window_s": window_s,
         "served": served,

@@ -32,6 +32,7 @@ import logging
 from tfsync.policies.base import decide_round
 
 COORDINATOR_WAKE_S = 0.5  # a timeout the policy asked for is checked at least this often
+ACCEPTED = ({"accepted": 0}, {"accepted": 1})  # a ready notice's answers (encoded, never changed)
 
 log = logging.getLogger("tfsync.control")
 
@@ -42,36 +43,57 @@ class RoundCoordinator:
 
     def _ready_item(self, link, item, now):
         """``["ready", rank, id, round]``: a worker's contribution to a round is in its outbox
-        (coordinated policies; lock held).
+        (coordinated policies; lock held).  Kept until the message's every item is read, then
+        recorded, decided and answered together (:meth:`_answer_ready`): a relay's message
+        carries its workers' notices, and they arrived together."""
+        self._answers_due.append((link, item))
 
-        The answer's ``accepted`` is 1 when the round will aggregate it for
-        certain: the notice closed the round with this rank in it, or the
-        round is the oldest open one and the policy accepts every ready rank
-        when it closes (``Policy.accepts_ready``).  The worker then enters the
-        round's allreduce at once, without waiting for the closing on its link
+    def _answer_ready(self, now):
+        """After a message's items: record its ready notices, let the policy decide once on them
+        (they may close the oldest open round), then answer each (lock held).
+
+        A notice for a round already closed is late (that worker drops the contribution); a
+        repeated notice (resent after a re-attach) counts once.  The answer's ``accepted`` is 1
+        when the round will aggregate it for certain: the notice closed the round with this rank
+        in it, or the round is the oldest open one and the policy accepts every ready rank when
+        it closes (``Policy.accepts_ready``).  The worker then enters the round's allreduce at
+        once, without waiting for the closing on its link
         (:meth:`RoundExchange.enter_accepted <tfsync.engine.exchange.RoundExchange.enter_accepted>`);
-        0 means "follow the closing" (a round not yet the oldest open, or one
-        closed without it).  A repeated notice (resent after a re-attach) counts once.
+        0 means "follow the closing" (a round not yet the oldest open when the notice came, or
+        one closed without it).
         """
-        rank, request, round_ = int(item[1]), item[2], int(item[3])
-        self._served["ready"] += 1
-        accepted = 0
-        next_open = self._closed[-1][0] + 1 if self._closed else 0
-        # a notice for a round already closed is late: that worker drops the contribution
-        if self._policy is not None and round_ >= next_open:
-            ready = self._ready.setdefault(round_, [])
-            if rank not in self._ready_ranks.setdefault(round_, set()):
-                self._ready_ranks[round_].add(rank)
-                ready.append((rank, now))
-                if round_ == next_open:  # decide here: the notice may close it
-                    self._decide(now)
-        if round_ == next_open and self._policy is not None and not self._policy_failed:
-            if round_ < len(self._closed):  # this notice closed it (rounds close in order from 0)
-                accepted = int(rank in self._closed[round_][1])
-            elif self._policy.accepts_ready:  # (its notice is in ``ready`` now)
-                self._early.setdefault(round_, set()).add(rank)
-                accepted = 1
-        link.reply.append(["answer", rank, request, {"accepted": accepted}])
+        due, self._answers_due = self._answers_due, []
+        self._served["ready"] += len(due)
+        policy = self._policy
+        oldest = self._closed[-1][0] + 1 if self._closed else 0  # the oldest open round, before these
+        notices = [(link, int(item[1]), item[2], int(item[3])) for link, item in due]
+        if policy is not None:
+            ready, ready_ranks, decide = self._ready, self._ready_ranks, False
+            for _, rank, _, round_ in notices:
+                if round_ >= oldest:
+                    ranks = ready_ranks.get(round_)
+                    if ranks is None:
+                        ranks = ready_ranks[round_] = set()
+                        ready[round_] = []
+                    if rank not in ranks:
+                        ranks.add(rank)
+                        ready[round_].append((rank, now))
+                        decide = decide or round_ == oldest
+            if decide:
+                self._decide(now)
+        closed = len(self._closed) > oldest  # (rounds close in order from 0)
+        took = set(self._closed[oldest][1]) if closed else ()
+        early = policy is not None and not self._policy_failed and not closed and policy.accepts_ready
+        told = self._early.setdefault(oldest, set()) if early else None
+        for link, rank, request, round_ in notices:
+            accepted = 0
+            if round_ == oldest and policy is not None and not self._policy_failed:
+                if closed:
+                    accepted = int(rank in took)
+                elif early:  # (its notice is in ``ready``)
+                    told.add(rank)
+                    accepted = 1
+            link.reply.append(["answer", rank, request, ACCEPTED[accepted]])
 
     def _late_item(self, link, item, now):
         """``["late", rank, id, round]``: a worker offers a delay-compensated contribution to the

@@ -90,6 +90,7 @@ class ControlServer(TokenGate, Streams, StopHandshake, RoundCoordinator, Service
         self._enters_when_ready = self._policy is not None and self._policy.enters_when_ready
         self._late = {}  # round -> ranks whose late, compensated contribution it takes
         self._early = {}  # open round -> ranks told at their ready notice that it takes them
+        self._answers_due = []  # (link, item) of the ready notices of the message being read
         self._opened_s = time.time() - t0  # when the oldest open round opened (the previous close)
         self._recheck_s = None  # when the policy asked to be asked again (a timeout), if it did
         self._recheck_timer = None

@@ -107,11 +107,15 @@ class Streams:
             self._served["messages_in"] += 1
             if any(item[0] not in REPORTS for item in items):  # (clocks alone: acknowledged with the next reply)
                 self._answering[link.id] = link
-            for item in items:
-                handle = self._handlers.get(item[0])
-                if handle is None:
-                    raise ValueError(f"tfsync: a link sent an item of unknown kind {item[0]!r}")
-                handle(link, item, now)
+            try:
+                for item in items:
+                    handle = self._handlers.get(item[0])
+                    if handle is None:
+                        raise ValueError(f"tfsync: a link sent an item of unknown kind {item[0]!r}")
+                    handle(link, item, now)
+            finally:
+                if self._answers_due:  # (its ready notices: decided once, answered)
+                    self._answer_ready(now)
         self._broadcast_soon()
 
     # ------------------------------------------------------------------ attach and end
