@@ -100,14 +100,17 @@ def parse_args(argv):
     return args
 
 
-def default_rounds(workers):
-    """Rounds enough for a figure and few enough for a slow service: about 20 s at today's rate."""
+def default_rounds(workers, simulate="hosts"):
+    """Rounds enough for a figure and few enough for a slow service: about 20 s at the rate this
+    machine simulates hosts at, some seconds at the rate rank 0 closes rounds for links."""
+    if simulate == "links":
+        return max(200, min(4000, int(400000 / workers)))
     return max(20, min(400, int(4000 / workers)))
 
 
 def run_one(workers, args, log):
     """One N: start rank 0, the hosts, wait for them, stop rank 0; the record."""
-    rounds = args.rounds or default_rounds(workers)
+    rounds = args.rounds or default_rounds(workers, args.simulate)
     token = secrets.token_hex(16)
     with tempfile.TemporaryDirectory(prefix="tfsync-control-") as tmp:
         stats_path = os.path.join(tmp, "rank0.json")
@@ -201,7 +204,8 @@ def _start_hosts(address, token, workers, rounds, args, tmp):
         if first in groups:
             relay = f"via:{heads[groups[first]]}"
         else:
-            relay = int(first in leaders or first + 1 in leaders)  # (host 0: rank 0 attaches directly)
+            # (a relay where a rank of the host has one; on host 0, rank 0 attaches directly)
+            relay = int(any(rank in leaders for rank in range(first, min(first + per_host, workers))))
         hosts[h] = start(h, first, relay)
     return [hosts[h] for h in range(len(firsts))]
 
