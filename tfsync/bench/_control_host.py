@@ -13,6 +13,8 @@ of their policy's control traffic:
 
 * ``backup``, ``psp``: ``["ready", rank, id, r]``, then wait (bounded) until the closing of round
   ``r`` reaches its link; the next round right after (no computation: the service sets the pace);
+  under ``psp`` the last rank is the straggler: it sends its notice once the closing came (the
+  round closed without it: its notice is late, and dropped);
 * ``dssp``: per step, ``["tell", rank, "pushed", ...]``, and every ``ASK_EVERY`` steps
   ``["ask", rank, id, "grant", ...]``, timed.
 
@@ -125,7 +127,7 @@ class Worker:
         await self._channel.close()
 
 
-async def run_host(address, token, policy, first, count, rounds, reports_hz, relay, records, cpu_at, errors):
+async def run_host(address, token, policy, size, first, count, rounds, reports_hz, relay, records, cpu_at, errors):
     process = psutil.Process()
     here = relay.address if relay is not None else address
     # (rank 0 attaches to its own service, its host's other ranks through their relay)
@@ -157,6 +159,10 @@ async def run_host(address, token, policy, first, count, rounds, reports_hz, rel
                         await worker.request("ask", "grant", {"step": r, "room": 1})
                         rec["asks_s"].append((r, time.time() - t))
                     rec["known"].append(time.time())
+                elif policy == "psp" and worker.rank == size - 1:  # (the straggler: its notice comes late)
+                    rec["known"].append(await worker.wait_closed(r))
+                    rec["sent"].append(time.time())
+                    await worker.ready(r)
                 else:
                     rec["sent"].append(time.time())
                     await worker.ready(r)
@@ -181,7 +187,7 @@ async def run_host(address, token, policy, first, count, rounds, reports_hz, rel
 
 
 def main(argv):
-    address, token, policy = argv[0], argv[1], argv[2]  # (argv[3], the job's size: rank 0's business)
+    address, token, policy, size = argv[0], argv[1], argv[2], int(argv[3])
     first, count, rounds, reports_hz = int(argv[4]), int(argv[5]), int(argv[6]), float(argv[7])
     out_path, relays = argv[9], []
     if argv[8] == "group":  # (started first: the group's other hosts attach to it)
@@ -196,7 +202,7 @@ def main(argv):
     records = {first + k: {"sent": [], "known": [], "asks_s": []} for k in range(count)}
     cpu_at, errors = [], []  # (time, this process's CPU seconds) at each round end of its first worker
     reports = asyncio.run(
-        run_host(address, token, policy, first, count, rounds, reports_hz, relay, records, cpu_at, errors)
+        run_host(address, token, policy, size, first, count, rounds, reports_hz, relay, records, cpu_at, errors)
     )
     # (a job's workers close together, after a barrier: a group relay outlives its group's workers)
     print("DONE", flush=True)

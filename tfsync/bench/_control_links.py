@@ -6,7 +6,8 @@ each the list of the ranks it carries.  Each link attaches its ranks as a relay 
 and an ``attach`` per rank, in one message), prints ``ATTACHED`` once all have, waits for a line
 on stdin, then runs ``ROUNDS`` rounds: every rank's ``ready`` in one message (what a relay sends
 when its workers' notices come within its hold, as data-parallel workers' do), then waits
-(bounded) for the round's closing; meanwhile every rank's clock goes up ``REPORTS_HZ`` times a
+(bounded) for the round's closing (under ``psp`` the last rank is the straggler: its notice goes
+once the round closed without it, late); meanwhile every rank's clock goes up ``REPORTS_HZ`` times a
 second, in one ``reports`` item per link every
 :data:`~tfsync.engine.control.relay.REPORT_FLUSH_S` (as a relay batches them).  The links are
 coroutines of this one process: rank 0 sees a large job's traffic, while the simulation costs a
@@ -70,9 +71,9 @@ class Link:
         async with self._writing:
             await self._call.write(encode(list(items)))
 
-    async def ready(self, round_):
+    async def ready(self, round_, ranks):
         self._ids += 1
-        await self.send(*(["ready", rank, self._ids, round_] for rank in self.ranks))
+        await self.send(*(["ready", rank, self._ids, round_] for rank in ranks))
 
     async def wait_closed(self, round_):
         async with self._changed:
@@ -87,7 +88,7 @@ class Link:
         await self._channel.close()
 
 
-async def run_links(address, token, rounds, reports_hz, spec, records, cpu_at, errors):
+async def run_links(address, token, policy, rounds, reports_hz, spec, records, cpu_at, errors):
     process = psutil.Process()
     links = [Link(address, token, ranks) for ranks in spec]
     await asyncio.gather(*(link.attach() for link in links))
@@ -104,15 +105,23 @@ async def run_links(address, token, rounds, reports_hz, spec, records, cpu_at, e
             await link.send(["reports", {str(rank): clock for rank in link.ranks}])
             reports["sent"] += len(link.ranks) * reports_hz * REPORT_FLUSH_S
 
+    size = max(rank for ranks in spec for rank in ranks) + 1
+    straggler = size - 1 if policy == "psp" else None  # (its notice comes once the round closed)
+
     async def run(link):
+        prompt = [rank for rank in link.ranks if rank != straggler]
         try:
             for r in range(rounds):
                 sent = time.time()
-                await link.ready(r)
+                await link.ready(r, prompt)
                 known = await link.wait_closed(r)
-                for rank in link.ranks:
+                for rank in prompt:
                     records[rank]["sent"].append(sent)
                     records[rank]["known"].append(known)
+                if len(prompt) < len(link.ranks):
+                    records[straggler]["known"].append(known)
+                    records[straggler]["sent"].append(time.time())
+                    await link.ready(r, [straggler])
                 if link is links[0]:
                     cpu = process.cpu_times()
                     cpu_at.append((time.time(), cpu.user + cpu.system))
@@ -132,11 +141,11 @@ async def run_links(address, token, rounds, reports_hz, spec, records, cpu_at, e
 
 
 def main(argv):
-    address, token = argv[0], argv[1]
+    address, token, policy = argv[0], argv[1], argv[2]
     rounds, reports_hz, spec, out_path = int(argv[3]), float(argv[4]), json.loads(argv[5]), argv[6]
     records = {rank: {"sent": [], "known": [], "asks_s": []} for ranks in spec for rank in ranks}
     cpu_at, errors = [], []
-    reports = asyncio.run(run_links(address, token, rounds, reports_hz, spec, records, cpu_at, errors))
+    reports = asyncio.run(run_links(address, token, policy, rounds, reports_hz, spec, records, cpu_at, errors))
     print("DONE", flush=True)
     sys.stdin.readline()
     with open(out_path, "w") as f:

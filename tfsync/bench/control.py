@@ -15,8 +15,10 @@ worker's clock ``H`` times a second (default 4, what a waiting worker does):
 
 * ``backup``: backup workers with ``b = 0`` (every round closes when every worker's ``Ready``
   came, and its closing goes to every worker);
-* ``psp``: PSP with ``c = N - 1`` and no timeout (every round closes at the ``N - 1``-th notice,
-  and its closing goes to every worker, the last one's notice dropped);
+* ``psp``: PSP with ``c = N - 1`` and no timeout, the last rank a straggler that sends its
+  notice once the round closed (every round closes at the other ``N - 1`` notices, its closing
+  goes to every worker, the straggler's notice comes late and is dropped; the latency counts
+  from the last of the ``N - 1``);
 * ``dssp``: DSSP's controller: a ``pushed`` notice per worker per step, a ``grant`` question
   every 4th.
 
@@ -281,7 +283,9 @@ def summarize(workers, rounds, args, outputs, stats):
         measured_rounds = rounds_per_s * window_s
     else:
         sent = np.array([rec["sent"] for out in outputs for rec in out["records"].values()])
-        latencies = list(known[:, warm:].max(axis=0) - sent[:, warm:].max(axis=0))
+        ranks = [int(rank) for out in outputs for rank in out["records"]]
+        counted = [i for i, rank in enumerate(ranks) if not (args.policy == "psp" and rank == workers - 1)]
+        latencies = list(known[:, warm:].max(axis=0) - sent[counted, warm:].max(axis=0))
         measured_rounds = rounds - warm
         rounds_per_s = measured_rounds / window_s
     samples = np.array(stats["samples"])  # (time, cpu_s, threads, rss, reports, messages in, out so far)
