@@ -239,7 +239,8 @@ class HostRelay(TokenGate):
                 continue
             if kind == "reports":  # (a host relay's clocks, together)
                 for rank, clock in item[1].items():
-                    self._clock(int(rank), int(clock))
+                    self._clocks[int(rank)] = max(self._clocks.get(int(rank), -1), int(clock))
+                self._clock_due()
                 continue
             rank = int(item[1])
             if kind == "attach":
@@ -250,7 +251,8 @@ class HostRelay(TokenGate):
                 reply.append(["attached", rank, 0])
                 catch_up = int(item[2]) if catch_up is None else min(catch_up, int(item[2]))
             elif kind == "report":
-                self._clock(rank, int(item[2]))
+                self._clocks[rank] = max(self._clocks.get(rank, -1), int(item[2]))
+                self._clock_due()
             elif kind == "table":
                 self._ask_table(local, rank, item[2])
             elif kind == "ready":
@@ -276,10 +278,9 @@ class HostRelay(TokenGate):
             local.acked = local.received
             local.out.put_nowait(encode([["acked", local.received]]))
 
-    def _clock(self, rank, clock):
-        """A worker's clock, sent with the next message to rank 0 (at once when none went for
-        ``REPORT_FLUSH_S``: a lone report goes at once)."""
-        self._clocks[rank] = max(self._clocks.get(rank, -1), clock)
+    def _clock_due(self):
+        """Clocks just came: they go with the next message to rank 0, or at once when none went
+        for ``REPORT_FLUSH_S`` (a lone report goes at once)."""
         if time.monotonic() - self._flushed >= REPORT_FLUSH_S:
             self._send_clocks()
 
