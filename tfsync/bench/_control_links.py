@@ -98,9 +98,11 @@ async def run_links(address, token, policy, rounds, reports_hz, spec, records, c
     done = asyncio.Event()
 
     async def report(link):
-        clock = 0
+        clock, loop = 0, asyncio.get_running_loop()
+        due = loop.time()
         while not done.is_set():
-            await asyncio.sleep(REPORT_FLUSH_S)
+            due += REPORT_FLUSH_S  # (on a fixed schedule: a slow write does not drift the rate)
+            await asyncio.sleep(max(0.0, due - loop.time()))
             clock += max(1, round(reports_hz * REPORT_FLUSH_S))  # (the newest of the clocks since the last)
             await link.send(["reports", {str(rank): clock for rank in link.ranks}])
             reports["sent"] += len(link.ranks) * reports_hz * REPORT_FLUSH_S

@@ -278,6 +278,11 @@ class ControlClient:
             future = self._requests.pop(item[2], None)
             if future is not None and not future.done():
                 future.set_result(item[3])
+        elif kind == "accepted":  # (the answers to ready notices: [rank, id, accepted] each)
+            for _, request, accepted in item[1]:
+                future = self._requests.pop(request, None)
+                if future is not None and not future.done():
+                    future.set_result({"accepted": accepted})
         elif kind == "notices":
             stops_before = len(self.known_stopped)
             self.known_lost, self.known_stopped = item[1], item[2]

@@ -32,7 +32,6 @@ import logging
 from tfsync.policies.base import decide_round
 
 COORDINATOR_WAKE_S = 0.5  # a timeout the policy asked for is checked at least this often
-ACCEPTED = ({"accepted": 0}, {"accepted": 1})  # a ready notice's answers (encoded, never changed)
 
 log = logging.getLogger("tfsync.control")
 
@@ -45,7 +44,9 @@ class RoundCoordinator:
         """``["ready", rank, id, round]``: a worker's contribution to a round is in its outbox
         (coordinated policies; lock held).  Kept until the message's every item is read, then
         recorded, decided and answered together (:meth:`_answer_ready`): a relay's message
-        carries its workers' notices, and they arrived together."""
+        carries its workers' notices, and they arrived together.  The answers go as one item,
+        ``["accepted", [[rank, id, accepted], ...]]``, not one ``answer`` each: 1024 notices a
+        round cost rank 0 their encoding."""
         self._answers_due.append((link, item))
 
     def _answer_ready(self, now):
@@ -85,7 +86,8 @@ class RoundCoordinator:
         took = set(self._closed[oldest][1]) if closed else ()
         early = policy is not None and not self._policy_failed and not closed and policy.accepts_ready
         told = self._early.setdefault(oldest, set()) if early else None
-        for link, rank, request, round_ in notices:
+        answers = []
+        for _, rank, request, round_ in notices:
             accepted = 0
             if round_ == oldest and policy is not None and not self._policy_failed:
                 if closed:
@@ -93,7 +95,8 @@ class RoundCoordinator:
                 elif early:  # (its notice is in ``ready``)
                     told.add(rank)
                     accepted = 1
-            link.reply.append(["answer", rank, request, ACCEPTED[accepted]])
+            answers.append([rank, request, accepted])
+        due[0][0].reply.append(["accepted", answers])  # (a message's notices came on one link)
 
     def _late_item(self, link, item, now):
         """``["late", rank, id, round]``: a worker offers a delay-compensated contribution to the

@@ -458,6 +458,14 @@ class HostRelay(TokenGate):
                         replies.setdefault(local_id, []).append(["answer", asker, asked, item[3]])
                 elif rank in self._rank_local:
                     replies.setdefault(self._rank_local[rank], []).append(item)
+            elif kind == "accepted":  # (answers to ready notices, to each worker's link its own)
+                own = {}
+                for entry in item[1]:
+                    local_id = self._rank_local.get(int(entry[0]))
+                    if local_id is not None:
+                        own.setdefault(local_id, []).append(entry)
+                for local_id, entries in own.items():
+                    replies.setdefault(local_id, []).append(["accepted", entries])
         shared = b""
         if broadcast:
             for item in broadcast:
