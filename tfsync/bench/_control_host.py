@@ -47,15 +47,14 @@ CONNECT_TIMEOUT_S = 300.0  # a thousand workers attach at once on a loaded machi
 ASK_EVERY = 4  # dssp: a worker asks for a grant every this many steps (at its lower bound)
 
 
-class Worker:
-    """One simulated worker: its link, its open requests, when each round's closing reached it."""
+class Stream:
+    """A simulated link to rank 0 (or to a relay): its call, one write at a time, and when each
+    round's closing reached it.  Subclasses say what they attach and read the rest."""
 
-    def __init__(self, address, token, rank):
-        self.rank = rank
+    def __init__(self, address, token, name):
+        self.name = name  # (for errors)
         self.closed = {}  # round -> time its closing arrived
         self._changed = asyncio.Condition()
-        self._answers = {}  # request id -> Future
-        self._ids = itertools.count(1)
         self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
         self._call = self._channel.stream_stream(LINK_METHOD)(
             metadata=((TOKEN_METADATA_KEY, token),), wait_for_ready=True
@@ -63,35 +62,66 @@ class Worker:
         self._reader = None
         self._writing = asyncio.Lock()  # (one write at a time on a call: its rounds and its host's reports)
 
-    async def attach(self):
+    async def attach(self, *items):
         attached = asyncio.get_running_loop().create_future()
         self._reader = asyncio.ensure_future(self._read(attached))
-        await self._call.write(encode([["attach", self.rank, 0, 0]]))
+        await self.send(*items)
         await asyncio.wait_for(attached, CONNECT_TIMEOUT_S)
 
     async def _read(self, attached):
         async for data in self._call:
             closed = False
             for item in decode(data):
-                kind = item[0]
-                if kind == "attached" and not attached.done():
-                    attached.set_result(True)
-                elif kind == "answer":
-                    future = self._answers.pop(item[2], None)
-                    if future is not None and not future.done():
-                        future.set_result(item[3])
-                elif kind == "closed":
+                if item[0] == "closed":
                     now = time.time()
                     for entry in item[2]:
                         self.closed.setdefault(int(entry[0]), now)
                     closed = True
+                else:
+                    self._take(item, attached)
             if closed:
                 async with self._changed:
                     self._changed.notify_all()
 
+    def _take(self, item, attached):
+        """An item other than a closing."""
+        raise NotImplementedError
+
     async def send(self, *items):
         async with self._writing:
             await self._call.write(encode(list(items)))
+
+    async def wait_closed(self, round_):
+        async with self._changed:
+            try:
+                await asyncio.wait_for(self._changed.wait_for(lambda: round_ in self.closed), ROUND_TIMEOUT_S)
+            except TimeoutError:
+                raise TimeoutError(
+                    f"{self.name}: round {round_}'s closing did not come within {ROUND_TIMEOUT_S} s"
+                ) from None
+        return self.closed[round_]
+
+
+class Worker(Stream):
+    """One simulated worker: its link, its open requests, when each round's closing reached it."""
+
+    def __init__(self, address, token, rank):
+        super().__init__(address, token, f"rank {rank}")
+        self.rank = rank
+        self._answers = {}  # request id -> Future
+        self._ids = itertools.count(1)
+
+    async def attach(self):
+        await super().attach(["attach", self.rank, 0, 0])
+
+    def _take(self, item, attached):
+        kind = item[0]
+        if kind == "attached" and not attached.done():
+            attached.set_result(True)
+        elif kind == "answer":
+            future = self._answers.pop(item[2], None)
+            if future is not None and not future.done():
+                future.set_result(item[3])
 
     async def request(self, kind, *args):
         """Send a request; its answer (bounded)."""
@@ -103,16 +133,6 @@ class Worker:
     async def ready(self, round_):
         request = next(self._ids)
         await self.send(["ready", self.rank, request, round_])
-
-    async def wait_closed(self, round_):
-        async with self._changed:
-            try:
-                await asyncio.wait_for(self._changed.wait_for(lambda: round_ in self.closed), ROUND_TIMEOUT_S)
-            except TimeoutError:
-                raise TimeoutError(
-                    f"rank {self.rank}: round {round_}'s closing did not come within {ROUND_TIMEOUT_S} s"
-                ) from None
-        return self.closed[round_]
 
     async def leave(self):
         await self.send(["leave", self.rank])

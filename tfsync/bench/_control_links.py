@@ -21,64 +21,33 @@ import json
 import sys
 import time
 
-import grpc.aio
 import psutil
 
-from tfsync.bench._control_host import CONNECT_TIMEOUT_S, ROUND_TIMEOUT_S
+from tfsync.bench._control_host import ROUND_TIMEOUT_S, Stream
 from tfsync.engine.control.relay import REPORT_FLUSH_S
-from tfsync.engine.control.transport import CHANNEL_OPTIONS, LINK_METHOD, TOKEN_METADATA_KEY, decode, encode
 
 
-class Link:
+class Link(Stream):
     """One of rank 0's links, carrying ``ranks``."""
 
     def __init__(self, address, token, ranks):
+        super().__init__(address, token, f"the link of ranks {ranks[0]}-{ranks[-1]}")
         self.ranks = ranks
-        self.closed = {}  # round -> when its closing arrived
-        self._changed = asyncio.Condition()
-        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
-        self._call = self._channel.stream_stream(LINK_METHOD)(
-            metadata=((TOKEN_METADATA_KEY, token),), wait_for_ready=True
-        )
-        self._writing = asyncio.Lock()
         self._ids = 0
+        self._seen = set()  # the ranks rank 0 said attached
 
     async def attach(self):
-        attached = asyncio.get_running_loop().create_future()
-        self._reader = asyncio.ensure_future(self._read(attached))
-        await self.send(["relay"], *(["attach", rank, 0, 0] for rank in self.ranks))
-        await asyncio.wait_for(attached, CONNECT_TIMEOUT_S)
+        await super().attach(["relay"], *(["attach", rank, 0, 0] for rank in self.ranks))
 
-    async def _read(self, attached):
-        seen = set()
-        async for data in self._call:
-            closed = False
-            for item in decode(data):
-                if item[0] == "attached" and not attached.done():
-                    seen.add(int(item[1]))
-                    if len(seen) == len(self.ranks):
-                        attached.set_result(True)
-                elif item[0] == "closed":
-                    now = time.time()
-                    for entry in item[2]:
-                        self.closed.setdefault(int(entry[0]), now)
-                    closed = True
-            if closed:
-                async with self._changed:
-                    self._changed.notify_all()
-
-    async def send(self, *items):
-        async with self._writing:
-            await self._call.write(encode(list(items)))
+    def _take(self, item, attached):
+        if item[0] == "attached" and not attached.done():
+            self._seen.add(int(item[1]))
+            if len(self._seen) == len(self.ranks):
+                attached.set_result(True)
 
     async def ready(self, round_, ranks):
         self._ids += 1
         await self.send(*(["ready", rank, self._ids, round_] for rank in ranks))
-
-    async def wait_closed(self, round_):
-        async with self._changed:
-            await asyncio.wait_for(self._changed.wait_for(lambda: round_ in self.closed), ROUND_TIMEOUT_S)
-        return self.closed[round_]
 
     async def leave(self):
         await self.send(*(["leave", rank] for rank in self.ranks))

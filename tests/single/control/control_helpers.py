@@ -138,3 +138,18 @@ def wait_until(predicate, timeout_s):
     while not predicate() and time.monotonic() < deadline:
         time.sleep(0.02)
     return predicate()
+
+
+def rounds(clients, rounds_):
+    """Every client sends its ready notice for each of ``rounds_`` and has its answer (bounded)."""
+    for round_ in rounds_:
+        for client in clients:
+            client.ready(round_)
+        for client in clients:
+            client._ready_calls[-1].result(timeout=5)
+
+
+def vanish(client):
+    """The client's process ends without a word: its link closes, no leave."""
+    client._closing = True
+    client._stream.cancel()

@@ -11,7 +11,7 @@ import time
 import types
 
 import pytest
-from control_helpers import Closes, TcpProxy, wait_until
+from control_helpers import Closes, TcpProxy, rounds, vanish, wait_until
 
 from tfsync.engine import bindings
 from tfsync.engine.control import RECONNECT_GRACE_S, ControlClient, ControlServer
@@ -59,19 +59,6 @@ def job():
     server.stop()
 
 
-def _rounds(clients, rounds):
-    for round_ in rounds:
-        for client in clients:
-            client.ready(round_)
-        for client in clients:
-            client._ready_calls[-1].result(timeout=5)
-
-
-def _vanish(client):
-    client._closing = True
-    client._stream.cancel()
-
-
 def test_the_relays_of_each_eight_hosts_share_a_group_relay_past_eight_hosts():
     hosts = [f"h{rank // 2}" for rank in range(2 * (2 * GROUP_HOSTS + 2))]  # rank 0's host and 17 others
     leaders = relay_leaders(hosts)
@@ -87,7 +74,7 @@ def test_the_relays_of_each_eight_hosts_share_a_group_relay_past_eight_hosts():
 
 
 def test_the_hosts_of_a_group_reach_rank_0_on_one_link(job):
-    _rounds(job.clients, range(4))
+    rounds(job.clients, range(4))
     expected = [(r, tuple(range(SIZE))) for r in range(4)]
     for closes in job.closes:
         assert closes.wait_for(4) == expected
@@ -101,22 +88,22 @@ def test_the_hosts_of_a_group_reach_rank_0_on_one_link(job):
 
 
 def test_a_worker_that_ends_behind_a_group_relay_is_named_at_once(job):
-    _rounds(job.clients, range(1))
+    rounds(job.clients, range(1))
     start = time.monotonic()
-    _vanish(job.clients[4])
+    vanish(job.clients[4])
     assert wait_until(lambda: job.clients[0].known_lost, RECONNECT_GRACE_S / 2)
     assert time.monotonic() - start < RECONNECT_GRACE_S / 2  # its host relay saw its process end
     assert [(d["rank"], d["reason"]) for d in job.clients[0].known_lost] == [(4, "its process or connection ended")]
 
 
 def test_when_the_group_relays_process_ends_its_hosts_relays_go_to_rank_0_and_nothing_is_lost(job):
-    _rounds(job.clients, range(2))
+    rounds(job.clients, range(2))
     start = time.monotonic()
     job.group.stop()
     # each host relay tries its group relay once more (ATTEMPT_S), then rank 0, within the grace
     assert wait_until(lambda: all(r.upstream == job.server.address and r.reattached for r in job.relays.values()), 4.0)
     assert time.monotonic() - start < ATTEMPT_S + 2.0
-    _rounds(job.clients, range(2, 4))
+    rounds(job.clients, range(2, 4))
     expected = [(r, tuple(range(SIZE))) for r in range(4)]
     for closes in job.closes:
         assert closes.wait_for(4) == expected
@@ -128,7 +115,7 @@ def test_when_the_group_relays_process_ends_its_hosts_relays_go_to_rank_0_and_no
 def test_a_host_whose_relays_link_to_the_group_relay_ends_is_named_after_the_grace(job):
     # host 3's relay and workers end together (the host went away): across hosts, rank 0 cannot
     # tell that from a flap, so its ranks are named lost once the grace passes, not at once
-    _rounds(job.clients, range(1))
+    rounds(job.clients, range(1))
     for client in job.clients[3:]:
         client._closing = True  # (they go with their host: no leave, no re-attach)
     start = time.monotonic()
@@ -142,11 +129,11 @@ def test_a_host_whose_relays_link_to_the_group_relay_ends_is_named_after_the_gra
 
 
 def test_a_group_relays_link_down_for_two_seconds_loses_nothing(job):
-    _rounds(job.clients, range(2))
+    rounds(job.clients, range(2))
     job.proxy.cut("drop")
     time.sleep(2.0)
     job.proxy.restore()
-    _rounds(job.clients, range(2, 4))
+    rounds(job.clients, range(2, 4))
     expected = [(r, tuple(range(SIZE))) for r in range(4)]
     for closes in job.closes:
         assert closes.wait_for(4) == expected
@@ -199,7 +186,7 @@ def test_a_large_jobs_ranks_start_group_relays_and_attach_through_them(monkeypat
             assert address == (server.address if rank < 2 else engines[leader]._relays[0].address)
             assert fallback == (None if rank < 2 else server.address)
             clients.append(ControlClient(address, rank, token, connect_timeout_s=10, fallback=fallback))
-        _rounds(clients, range(2))
+        rounds(clients, range(2))
         assert server.closed == [[r, list(range(len(hosts)))] for r in range(2)]
         assert len(server._links) == 4  # ranks 0 and 1, the group relay, host 9's relay
     finally:

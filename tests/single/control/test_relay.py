@@ -11,7 +11,7 @@ import time
 import types
 
 import pytest
-from control_helpers import Closes, TcpProxy, wait_until
+from control_helpers import Closes, TcpProxy, rounds, vanish, wait_until
 
 from tfsync.engine import bindings
 from tfsync.engine.control import (
@@ -65,27 +65,13 @@ def _end(job):
     job.server.stop()
 
 
-def _rounds(clients, rounds):
-    for round_ in rounds:
-        for client in clients:
-            client.ready(round_)
-        for client in clients:
-            client._ready_calls[-1].result(timeout=5)
-
-
-def _vanish(client):
-    """The client's process ends without a word: its link closes, no leave."""
-    client._closing = True
-    client._stream.cancel()
-
-
 def test_the_ranks_that_attach_through_a_relay_are_the_other_hosts_with_several():
     assert relay_leaders(["a", "a", "b", "b", "b", "c", "d", "d"]) == {2: 2, 3: 2, 4: 2, 6: 6, 7: 6}
     assert relay_leaders(["a"] * 4) == {}  # one host, rank 0's: every rank attaches directly
 
 
 def test_the_workers_of_a_host_reach_rank_0_on_one_link(job):
-    _rounds(job.clients, range(5))
+    rounds(job.clients, range(5))
     expected = [(r, (0, 1, 2, 3)) for r in range(5)]
     for closes in job.closes:
         assert closes.wait_for(5) == expected
@@ -106,7 +92,7 @@ def test_a_hosts_ready_notices_reach_rank_0_in_one_message(monkeypatch):
     monkeypatch.setattr(relay_module, "READY_HOLD_S", 30.0)  # (held until the host's last notice)
     made = _job()
     try:
-        _rounds(made.clients, [0])  # (every link attached and used)
+        rounds(made.clients, [0])  # (every link attached and used)
         before = made.server.served()
         for client in made.clients[:3]:  # rank 0 (direct) and two of the relay's three
             client.ready(1)
@@ -138,7 +124,7 @@ def test_a_held_ready_notice_goes_after_the_hold_without_the_hosts_last_worker(m
 
 def test_a_worker_that_ends_on_the_relays_host_is_named_at_once(job):
     start = time.monotonic()
-    _vanish(job.clients[2])
+    vanish(job.clients[2])
     assert wait_until(lambda: job.clients[0].known_lost, RECONNECT_GRACE_S / 2)
     assert time.monotonic() - start < RECONNECT_GRACE_S / 2  # its host's relay saw its process end
     assert [(d["rank"], d["reason"]) for d in job.clients[0].known_lost] == [(2, "its process or connection ended")]
@@ -146,10 +132,10 @@ def test_a_worker_that_ends_on_the_relays_host_is_named_at_once(job):
 
 
 def test_when_the_relays_process_ends_its_workers_re_attach_to_rank_0_and_it_alone_is_lost(job):
-    _rounds(job.clients, range(2))
+    rounds(job.clients, range(2))
     start = time.monotonic()
     job.relay.stop()  # rank 1's process ends: its relay and its own link with it
-    _vanish(job.clients[1])
+    vanish(job.clients[1])
     assert wait_until(lambda: job.clients[2].reattached and job.clients[3].reattached, RECONNECT_GRACE_S)
     assert job.clients[2].address == job.clients[3].address == job.server.address
     assert wait_until(lambda: job.clients[0].known_lost, RECONNECT_GRACE_S + 2.0)
@@ -157,7 +143,7 @@ def test_when_the_relays_process_ends_its_workers_re_attach_to_rank_0_and_it_alo
     assert [d["rank"] for d in job.clients[0].known_lost] == [1]
     survivors = [job.clients[0], job.clients[2], job.clients[3]]
     job.server._policy = BackupWorkers(backups=1)  # (three live ranks of four: the rounds close without rank 1)
-    _rounds(survivors, range(2, 4))
+    rounds(survivors, range(2, 4))
     for rank in (0, 2, 3):
         assert [c[0] for c in job.closes[rank].wait_for(4)] == [0, 1, 2, 3]
     assert job.clients[2].host_lost is None and job.clients[3].host_lost is None
@@ -165,7 +151,7 @@ def test_when_the_relays_process_ends_its_workers_re_attach_to_rank_0_and_it_alo
 
 @pytest.mark.parametrize("how", ["drop", "stall"])
 def test_a_relays_link_down_for_two_seconds_loses_nothing(job, how):
-    _rounds(job.clients, range(2))
+    rounds(job.clients, range(2))
     job.proxy.cut(how)
     # what rank 0 tells every worker while the relay's link is down (its workers' notices
     # reach rank 0 once it is back: the rounds close then)
@@ -174,7 +160,7 @@ def test_a_relays_link_down_for_two_seconds_loses_nothing(job, how):
     time.sleep(2.0)
     job.proxy.restore()
     stop.join(5.0)
-    _rounds(job.clients, range(2, 4))
+    rounds(job.clients, range(2, 4))
     expected = [(r, (0, 1, 2, 3)) for r in range(4)]
     for closes in job.closes:
         assert closes.wait_for(4) == expected
@@ -189,7 +175,7 @@ def test_a_host_whose_link_to_rank_0_stays_down_is_named_after_the_grace(job):
     # the relay's link to rank 0 stays down: rank 0 names every worker of its host lost once
     # the grace passes without a re-attach, as it would each worker's own link; the relay gives
     # up then too, and tells its workers (each then tries rank 0 itself, once)
-    _rounds(job.clients, range(1))
+    rounds(job.clients, range(1))
     cut = time.monotonic()
     job.proxy.cut("drop")
     assert wait_until(lambda: len(job.clients[0].known_lost) == 3, RECONNECT_GRACE_S + 2.0)
