@@ -3,7 +3,8 @@
 Rank 0 runs one gRPC service (:class:`ControlServer`, asyncio: one event loop,
 no thread per worker); every worker holds a :class:`ControlClient`, one
 long-lived link to it, or to its host's relay (:class:`HostRelay`), which
-carries the host's workers to rank 0 on one link.  It names lost and lagging
+carries the host's workers to rank 0 on one link (in a job of more than 8
+relaying hosts, through a group relay that carries 8 hosts' relays on one).  It names lost and lagging
 ranks for every mode, and for some it is on the step path: PSP and backup
 workers send one ready notice per step and get the coordinator's round
 closings on their link; DSSP's workers tell the coordinator of each push and
@@ -11,7 +12,7 @@ ask it for grants.  One module per concern:
 
 * :mod:`~tfsync.engine.control.transport`: gRPC with keepalive, the wire (batches of items), the job's token;
 * :mod:`~tfsync.engine.control.streams`: rank 0's links, the broadcast, losses, re-attach;
-* :mod:`~tfsync.engine.control.relay`: a host's relay;
+* :mod:`~tfsync.engine.control.relay`: a host's relay, and a group of hosts' relay;
 * :mod:`~tfsync.engine.control.stop`: the stop handshake;
 * :mod:`~tfsync.engine.control.coordinator`: the rounds rank 0 closes;
 * :mod:`~tfsync.engine.control.services`: the clock table, the policy's service;
