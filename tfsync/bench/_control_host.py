@@ -49,10 +49,12 @@ ASK_EVERY = 4  # dssp: a worker asks for a grant every this many steps (at its l
 
 class Stream:
     """A simulated link to rank 0 (or to a relay): its call, one write at a time, and when each
-    round's closing reached it.  Subclasses say what they attach and read the rest."""
+    round's closing reached it; attached once rank 0 said so of every rank it carries.
+    Subclasses say what they send to attach, and may read more (:meth:`_take`)."""
 
-    def __init__(self, address, token, name):
+    def __init__(self, address, token, name, ranks):
         self.name = name  # (for errors)
+        self._unattached = set(ranks)  # the ranks it attaches that rank 0 has not said attached
         self.closed = {}  # round -> time its closing arrived
         self._changed = asyncio.Condition()
         self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
@@ -84,8 +86,11 @@ class Stream:
                     self._changed.notify_all()
 
     def _take(self, item, attached):
-        """An item other than a closing."""
-        raise NotImplementedError
+        """An item other than a closing: the link has attached once every rank it carries has."""
+        if item[0] == "attached" and not attached.done():
+            self._unattached.discard(int(item[1]))
+            if not self._unattached:
+                attached.set_result(True)
 
     async def send(self, *items):
         async with self._writing:
@@ -106,7 +111,7 @@ class Worker(Stream):
     """One simulated worker: its link, its open requests, when each round's closing reached it."""
 
     def __init__(self, address, token, rank):
-        super().__init__(address, token, f"rank {rank}")
+        super().__init__(address, token, f"rank {rank}", [rank])
         self.rank = rank
         self._answers = {}  # request id -> Future
         self._ids = itertools.count(1)
@@ -115,10 +120,8 @@ class Worker(Stream):
         await super().attach(["attach", self.rank, 0, 0])
 
     def _take(self, item, attached):
-        kind = item[0]
-        if kind == "attached" and not attached.done():
-            attached.set_result(True)
-        elif kind == "answer":
+        super()._take(item, attached)
+        if item[0] == "answer":
             future = self._answers.pop(item[2], None)
             if future is not None and not future.done():
                 future.set_result(item[3])

@@ -31,19 +31,12 @@ class Link(Stream):
     """One of rank 0's links, carrying ``ranks``."""
 
     def __init__(self, address, token, ranks):
-        super().__init__(address, token, f"the link of ranks {ranks[0]}-{ranks[-1]}")
+        super().__init__(address, token, f"the link of ranks {ranks[0]}-{ranks[-1]}", ranks)
         self.ranks = ranks
         self._ids = 0
-        self._seen = set()  # the ranks rank 0 said attached
 
     async def attach(self):
         await super().attach(["relay"], *(["attach", rank, 0, 0] for rank in self.ranks))
-
-    def _take(self, item, attached):
-        if item[0] == "attached" and not attached.done():
-            self._seen.add(int(item[1]))
-            if len(self._seen) == len(self.ranks):
-                attached.set_result(True)
 
     async def ready(self, round_, ranks):
         self._ids += 1

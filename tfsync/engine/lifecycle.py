@@ -192,28 +192,28 @@ def open_control(engine, cluster):
             group = _group_relay(address, token, engine.t0)
             if group is not None:
                 engine._relays.append(group)
-        heads = run_bounded(
-            cluster,
-            lambda: cluster.allgather_object(group.address if group else None, name="tfsync.group_relays"),
-            name="tfsync.group_relays",
-            purpose="the addresses of the control group relays, gathered when the engine starts",
-            timeout_s=engine.wait_timeout_s,
-        )
+        heads = _gather_address(engine, cluster, group, "tfsync.group_relays", "the control group relays")
         if engine.rank in groups and heads[groups[engine.rank]] is not None:
             upstream, fallback = heads[groups[engine.rank]], address
     relay = None
     if leaders.get(engine.rank) == engine.rank:
         relay = HostRelay(upstream, token, engine.t0, fallback=fallback)
         engine._relays.insert(0, relay)  # (stopped before its group relay)
-    relays = run_bounded(
-        cluster,
-        lambda: cluster.allgather_object(relay.address if relay else None, name="tfsync.relays"),
-        name="tfsync.relays",
-        purpose="the addresses of the hosts' control relays, gathered when the engine starts",
-        timeout_s=engine.wait_timeout_s,
-    )
+    relays = _gather_address(engine, cluster, relay, "tfsync.relays", "the hosts' control relays")
     leader = leaders.get(engine.rank)
     return (relays[leader], address, token) if leader is not None else (address, None, token)
+
+
+def _gather_address(engine, cluster, relay, name, what):
+    """Every rank's ``relay``'s address (None where it runs none), gathered (collective, bounded
+    by the engine's wait bound)."""
+    return run_bounded(
+        cluster,
+        lambda: cluster.allgather_object(relay.address if relay else None, name=name),
+        name=name,
+        purpose=f"the addresses of {what}, gathered when the engine starts",
+        timeout_s=engine.wait_timeout_s,
+    )
 
 
 def _group_relay(address, token, t0):
