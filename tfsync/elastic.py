@@ -71,6 +71,7 @@ import re
 import time
 
 from tfsync import _env, _horovod
+from tfsync._hang_guard import HANG_MARGIN_S, HangGuard
 from tfsync._data import REDONE
 from tfsync.engine import lifecycle
 from tfsync.engine.bounded import run_bounded
@@ -93,6 +94,7 @@ ELASTIC_ENV = "HOROVOD_ELASTIC"  # set to 1 by horovodrun for an elastic launch 
 # a TensorFlow op error from a Horovod collective or its Gloo transport (not a user's own error)
 HOROVOD_OP_ERROR = re.compile(r"horovod|gloo", re.IGNORECASE)
 RESERVED = ("resets", "counts", "sample")  # KerasState's own attributes
+GLOO_TIMEOUT_S = 30.0  # Horovod's default HOROVOD_GLOO_TIMEOUT_SECONDS
 DEFAULT_COMMIT_EVERY_STEPS = 100
 """Commits within an epoch every this many steps where the mode and the data allow
 (``KerasState``'s ``commit_every_steps="auto"``): a commit copies the model and the optimizer
@@ -138,6 +140,15 @@ class KerasState(ObjectState):
             last commit (default None: no time bound), measured as the workers' mean step time
             at each commit, so every worker picks the same step; with ``commit_every_steps`` an
             integer or ``"auto"``, whichever comes first.  Refused with ``"epoch"``.
+        hang_timeout_s: under an elastic launch, a guard process beside the worker ends it
+            (SIGKILL, saying why on its standard error) once it has been frozen (SIGSTOP, a
+            paused VM) or in one training step (a deadlock, a stuck kernel) this long, so that
+            the launcher, which waits for every worker's exit, re-forms the job without it
+            (``docs/guide/elastic.md``, "Hung workers").  ``"auto"`` (default): the longest
+            wait on peers (this state's and each committing callback's wait bound, Gloo's
+            ``HOROVOD_GLOO_TIMEOUT_SECONDS``, default 30) plus 2 s, so a worker waiting on a
+            hung peer gets its own bounded error first; seconds; or None (no guard).  A fit's
+            first step (the model's trace) is not bounded.
         **attributes: values kept and restored with the model, as attributes of the state
             (``epoch=0`` by default; any other picklable value: a learning-rate scale).
             ``resets`` (the resets so far), ``counts`` (the job's contributions as of the last
@@ -159,6 +170,7 @@ class KerasState(ObjectState):
         wait_timeout_s=None,
         commit_every_steps="auto",
         commit_every_s=None,
+        hang_timeout_s="auto",
         **attributes,
     ):
         _refuse_strategy(model, "tfsync.elastic.KerasState")
@@ -185,6 +197,8 @@ class KerasState(ObjectState):
             optimizer.build(model.trainable_variables)
         self.model, self.optimizer = model, optimizer
         self.wait_timeout_s = _env.wait_timeout_s(wait_timeout_s)
+        self.hang_timeout_s = _check_hang_timeout(hang_timeout_s)
+        self.hang_guard = None  # the process's HangGuard while tfsync.elastic.run runs
         self._commits = []  # the committers (a SyncCallback's tfsync.keras.commits.ElasticCommits) of this state
         self.plan = None  # the epoch's data plan (tfsync._data.EpochPlan) of the next fit, not committed
         attributes.setdefault("epoch", 0)
@@ -295,6 +309,29 @@ def _refuse_strategy(model, who):
         )
 
 
+def _check_hang_timeout(value):
+    if value is None or value == "auto":
+        return value
+    if isinstance(value, bool) or not isinstance(value, int | float) or not (0 < value < float("inf")):
+        raise ValueError(
+            f"tfsync.elastic.KerasState: hang_timeout_s must be \"auto\", a positive number of seconds or None, "
+            f"got {value!r}; pass hang_timeout_s=\"auto\" (the longest wait on peers plus 2 s), e.g. 60, or None "
+            f"(no hang guard)"
+        )
+    return float(value)
+
+
+def hang_timeout(state) -> float | None:
+    """The seconds after which ``state``'s hang guard ends a frozen or stuck worker (None: no
+    guard): ``state.hang_timeout_s``, or for ``"auto"`` the longest wait on peers (the state's
+    and its committers' wait bounds, Gloo's timeout) plus :data:`~tfsync._hang_guard.HANG_MARGIN_S`."""
+    if state.hang_timeout_s != "auto":
+        return state.hang_timeout_s
+    waits = [state.wait_timeout_s, float(os.environ.get("HOROVOD_GLOO_TIMEOUT_SECONDS") or GLOO_TIMEOUT_S)]
+    waits += [commits.frontend.wait_timeout_s for commits in state.committers]
+    return max(waits) + HANG_MARGIN_S
+
+
 def _check_interval(every_steps, every_s):
     """``commit_every_steps`` and ``commit_every_s`` of a :class:`KerasState`, checked."""
     if every_steps not in ("auto", "epoch") and (
@@ -377,6 +414,7 @@ def run(func):
             return func(state, *args, **kwargs)
         notification_manager.init()
         notification_manager.register_listener(state)
+        guard = _start_guard(hvd, state)
         try:
             while True:
                 try:
@@ -388,11 +426,31 @@ def run(func):
                     if not is_reset_error(exc):
                         raise
                     reason = f"{type(exc).__name__}: {exc}"
+                finally:
+                    if guard is not None:
+                        guard.idle()  # (a failed step never ended)
                 _reset(hvd, state, reason)
+                if guard is not None:
+                    guard.label(f"rank {hvd.rank()} of {hvd.size()}")
         finally:
             notification_manager.remove_listener(state)
+            if guard is not None:
+                state.hang_guard = None
+                guard.stop()
 
     return wrapper
+
+
+def _start_guard(hvd, state):
+    """The process's :class:`~tfsync._hang_guard.HangGuard` for ``state`` (None without one)."""
+    if not isinstance(state, KerasState):
+        return None
+    timeout_s = hang_timeout(state)
+    if timeout_s is None:
+        return None
+    state.hang_guard = HangGuard(timeout_s, f"rank {hvd.rank()} of {hvd.size()}")
+    log.info("tfsync.elastic: a hang guard ends this worker if it is frozen, or in one step, for %.1f s", timeout_s)
+    return state.hang_guard
 
 
 def _reset(hvd, state, reason):

@@ -119,6 +119,7 @@ class ElasticCommits:
         self.steps = 0  # steps of the running fit's epoch
         self.committed_steps = 0  # of them, at the last commit
         self.since_commit = 0  # this worker's steps since the last commit (what a reset redoes)
+        self.fit_steps = 0  # steps of the running fit (its first traces the model: not hang-guarded)
         self.deferred = 0  # due commits put off because a worker was not at rest
         self._t_commit = time.monotonic()
         self._told = False  # the note that mid-epoch commits are off was logged
@@ -158,7 +159,7 @@ class ElasticCommits:
         # epoch end is a fit's last, and the next fit's first epoch begin checks; a reset clears it)
         self.plan = state.take_plan()
         self.schedule = self._schedule(mode, params, policies)
-        self.steps = self.committed_steps = self.since_commit = 0
+        self.steps = self.committed_steps = self.since_commit = self.fit_steps = 0
         self._t_commit = time.monotonic()
 
     def _schedule(self, mode, params, policies):
@@ -227,11 +228,19 @@ class ElasticCommits:
             )
 
     def batch_begin(self):
-        """After a commit within the epoch: the launcher's notices (as at an epoch's begin)."""
+        """After a commit within the epoch: the launcher's notices (as at an epoch's begin); the
+        hang guard bounds the step from here (a fit's first step, its trace, excepted)."""
         self._check_hosts()
+        guard = self.state.hang_guard
+        if guard is not None and self.fit_steps > 0:
+            guard.step_begin()
 
     def batch_end(self, batch: int):
         """Step ``batch`` of the epoch is done: commit if one is due and every worker is at rest."""
+        guard = self.state.hang_guard
+        if guard is not None:
+            guard.idle()
+        self.fit_steps += 1
         self.since_commit += batch + 1 - self.steps  # (Keras' batch index: steps of the epoch, less one)
         self.steps = batch + 1
         schedule, plan = self.schedule, self.plan

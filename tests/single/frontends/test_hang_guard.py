@@ -1,0 +1,131 @@
+"""The hang guard (tfsync._hang_guard) on plain processes: a frozen worker and one stuck in a step are
+ended saying why, a worker that steps on is left alone, and the guard ends with its worker.  Its
+place in an elastic job (the launcher re-forms without the hung worker) is
+tests/parallel/test_elastic_launcher.py's."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+import tfsync.elastic as elastic
+from tfsync._hang_guard import HANG_MARGIN_S
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+BOUND_S = 60  # every process here ends in seconds; this bounds a broken guard
+
+
+def _worker(body, timeout_s=1.0):
+    """A process that starts a guard (timeout ``timeout_s``), prints its guard's pid, then runs ``body``."""
+    code = textwrap.dedent(
+        f"""
+        import os, signal, sys, time
+        sys.path.insert(0, {REPO!r})
+        from tfsync._hang_guard import HangGuard
+        guard = HangGuard({timeout_s}, "rank 1 of 4")
+        print(guard._process.pid, flush=True)
+        """
+    ) + textwrap.dedent(body)
+    return subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+def _finish(process):
+    try:
+        out, err = process.communicate(timeout=BOUND_S)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        out, err = process.communicate()
+        pytest.fail(f"the worker was not ended within {BOUND_S} s: {err[-2000:]}")
+    return process.returncode, out, err
+
+
+def _gone(pid, within_s=10.0):
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        try:  # (a zombie of ours: reap it)
+            if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                return True
+        except ChildProcessError:
+            pass
+        time.sleep(0.05)
+    return False
+
+
+def test_a_frozen_worker_is_ended_saying_why():
+    code, out, err = _finish(_worker("os.kill(os.getpid(), signal.SIGSTOP)\nprint('woke', flush=True)\n"))
+    assert code == -signal.SIGKILL, (code, err)
+    assert "woke" not in out  # ended while stopped: it never ran again
+    assert "hang guard: ended rank 1 of 4 (pid" in err and "frozen: no heartbeat for 1.0 s" in err, err
+    assert _gone(int(out.split()[0]))
+
+
+def test_a_worker_stuck_in_one_step_is_ended_saying_why():
+    body = "guard.step_begin()\ntime.sleep(30)\n"  # (its heartbeat thread runs on: only the step is stuck)
+    code, out, err = _finish(_worker(body))
+    assert code == -signal.SIGKILL, (code, err)
+    assert "its main thread was in one training step for" in err, err
+
+
+def test_a_worker_that_steps_on_is_left_alone_and_its_guard_ends_with_it():
+    body = """
+    for _ in range(30):  # 3 s of 0.1 s steps, three times the bound
+        guard.step_begin()
+        time.sleep(0.1)
+        guard.idle()
+    time.sleep(2.0)  # idle past the bound: no step under way, the heartbeat goes on
+    print("done", flush=True)
+    """
+    code, out, err = _finish(_worker(body))
+    assert code == 0 and out.split()[-1] == "done", (code, err)
+    assert "hang guard" not in err
+    assert _gone(int(out.split()[0]))  # the pipe closed with the worker: the guard ended
+
+
+def test_a_stopped_guard_leaves_the_worker_unguarded():
+    body = "guard.stop()\nos.kill(os.getpid(), signal.SIGSTOP)\n"
+    process = _worker(body)
+    guard_pid = int(process.stdout.readline())
+    assert _gone(guard_pid)
+    time.sleep(1.5)  # past the bound: nothing ends the stopped worker
+    assert process.poll() is None
+    process.send_signal(signal.SIGCONT)
+    code, _, err = _finish(process)
+    assert code == 0 and "hang guard" not in err, err
+
+
+def _state(**kw):
+    import keras
+
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    model.compile(optimizer="sgd", loss="mse")
+    return elastic.KerasState(model, **kw)
+
+
+def test_the_auto_timeout_outlasts_every_wait_on_peers(monkeypatch):
+    monkeypatch.delenv("HOROVOD_GLOO_TIMEOUT_SECONDS", raising=False)
+    assert elastic.hang_timeout(_state(wait_timeout_s=10)) == 30 + HANG_MARGIN_S  # Gloo's default
+    monkeypatch.setenv("HOROVOD_GLOO_TIMEOUT_SECONDS", "5")
+    assert elastic.hang_timeout(_state(wait_timeout_s=10)) == 10 + HANG_MARGIN_S
+    state = _state(wait_timeout_s=10)
+    import tfsync
+
+    tfsync.keras.SyncCallback("bsp", elastic=state, wait_timeout_s=40)  # (its wait bound counts too)
+    assert elastic.hang_timeout(state) == 40 + HANG_MARGIN_S
+    assert elastic.hang_timeout(_state(hang_timeout_s=7)) == 7.0
+    assert elastic.hang_timeout(_state(hang_timeout_s=None)) is None
+
+
+@pytest.mark.parametrize("bad", [0, -1, "soon", True, float("inf")])
+def test_a_bad_hang_timeout_is_refused_saying_what_is_expected(bad):
+    with pytest.raises(ValueError, match=r'hang_timeout_s must be "auto", a positive number of seconds or None'):
+        _state(hang_timeout_s=bad)

@@ -1,0 +1,143 @@
+"""A hung worker of an elastic job is ended, so that the launcher re-forms the job without it.
+
+Horovod's elastic launcher re-forms a job when a worker's process *exits*: every member of the
+last rendezvous must record itself (ready, failed or done) before the launcher assigns new
+ranks.  A worker that hangs (stopped by SIGSTOP, a frozen VM, a deadlock, a GPU stuck in a
+kernel) records nothing, so the survivors, which gave up on it within the wait bound, would
+wait in the launcher for ever.  Neither the survivors (other hosts) nor the hung process itself
+(frozen) can end it; a process beside it can.
+
+:class:`HangGuard` starts that process, this file run as a script (Python's standard library
+only: it starts in tens of milliseconds and holds a few MB), as a child of the worker.  The
+worker's heartbeat thread writes to the guard's standard input every :data:`HEARTBEAT_S`; the
+guard ends the worker (SIGKILL) when
+
+* nothing arrives for ``hang_timeout_s``: the whole process is frozen (its threads stopped), or
+* the heartbeat says the worker has been in one training step for more than ``hang_timeout_s``
+  (the main thread is stuck while the others still run).
+
+``hang_timeout_s`` is longer than every wait on peers (tfsync's wait bound, Gloo's timeout), so
+a healthy worker waiting on a hung peer gets its own bounded error first and is never ended;
+by the time the guard ends a worker, its peers have given up on it.  The launcher then sees the
+exit, blacklists the host (for its cooldown, ``--blacklist-cooldown-range``) and re-forms the job
+from the survivors.  The guard writes why to the worker's standard error (horovodrun prefixes
+it with the rank), so the job's log says which worker was ended and after how long.  The guard
+ends itself when the worker's end closes the pipe.
+"""
+
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+HEARTBEAT_S = 0.25  # the worker's heartbeat period
+HANG_MARGIN_S = 2.0  # hang_timeout_s "auto": the longest wait on peers plus this
+
+
+class HangGuard:
+    """The worker's side: starts the guard process and keeps it fed (see the module docstring).
+
+    Args:
+        hang_timeout_s: how long the process may be frozen, or its main thread in one step,
+            before the guard ends it.
+        label: who this worker is, for the guard's message (:meth:`label` updates it).
+    """
+
+    def __init__(self, hang_timeout_s: float, label: str = ""):
+        self.hang_timeout_s = float(hang_timeout_s)
+        self._label = label
+        self._step_t = None  # when the step under way began (monotonic), None between steps
+        self._lock = threading.Lock()
+        self._process = subprocess.Popen(
+            [sys.executable, "-I", os.path.abspath(__file__), str(os.getpid()), repr(self.hang_timeout_s)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+        )
+        self._send(f"label {label}")
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name="tfsync-hang-guard", daemon=True)
+        self._thread.start()
+
+    def label(self, text: str):
+        """Who this worker is now (its rank and size change at a reset)."""
+        self._send(f"label {text}")
+
+    def step_begin(self):
+        """A training step begins: from now, one that lasts past the bound ends the process."""
+        self._step_t = time.monotonic()
+
+    def idle(self):
+        """No step under way (between steps, in a reset, after training)."""
+        self._step_t = None
+
+    def stop(self):
+        """End the guard (the worker goes on unguarded)."""
+        self._stopped.set()
+        self._thread.join(timeout=2 * HEARTBEAT_S + 1)
+        try:
+            self._process.stdin.close()
+        except OSError:
+            pass
+        try:
+            self._process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+
+    def _send(self, line: str):
+        with self._lock:
+            try:
+                self._process.stdin.write(line.encode("utf-8", "replace") + b"\n")
+                self._process.stdin.flush()
+            except (BrokenPipeError, OSError, ValueError):  # the guard has gone: nothing to feed
+                pass
+
+    def _beat(self):
+        while not self._stopped.wait(HEARTBEAT_S):
+            began = self._step_t
+            in_step = 0.0 if began is None else time.monotonic() - began
+            self._send(f"hung {in_step:.1f}" if in_step > self.hang_timeout_s else ".")
+
+
+def _guard(parent: int, hang_timeout_s: float):
+    """The guard process: read heartbeats until the worker hangs (end it) or ends (return)."""
+    fd = sys.stdin.fileno()
+    label, pending, last = "", b"", time.monotonic()
+    while True:
+        ready, _, _ = select.select([fd], [], [], max(0.0, last + hang_timeout_s - time.monotonic()))
+        if not ready:
+            return _end(parent, label, f"it was frozen: no heartbeat for {hang_timeout_s:.1f} s", hang_timeout_s)
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            return  # the worker ended (its pipe closed)
+        last = time.monotonic()
+        pending += chunk
+        *lines, pending = pending.split(b"\n")
+        for raw in lines:
+            line = raw.decode("utf-8", "replace")
+            if line.startswith("label "):
+                label = line[len("label ") :]
+            elif line.startswith("hung "):
+                why = f"its main thread was in one training step for {line[len('hung ') :]} s"
+                return _end(parent, label, why, hang_timeout_s)
+
+
+def _end(parent: int, label: str, why: str, hang_timeout_s: float):
+    who = f"{label} (pid {parent}, host {os.uname().nodename})" if label else f"pid {parent}"
+    sys.stderr.write(
+        f"tfsync.elastic: hang guard: ended {who}: {why}, past its hang timeout ({hang_timeout_s:.1f} s, longer "
+        f"than any wait of its peers, who have given up on it). The launcher re-forms the job without it and "
+        f"blacklists its host for the cooldown; set KerasState(hang_timeout_s=...) if steps legitimately take "
+        f"longer\n"
+    )
+    sys.stderr.flush()
+    try:
+        os.kill(parent, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+if __name__ == "__main__":
+    _guard(int(sys.argv[1]), float(sys.argv[2]))
