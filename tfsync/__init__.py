@@ -13,6 +13,7 @@ Public API::
     tfsync.keras.SyncCallback(mode=...)          # model.fit(..., callbacks=[...])
     tfsync.distribute.SyncStrategy(mode=...)     # with strategy.scope(): ...
     tfsync.elastic.KerasState, tfsync.elastic.run # elastic training (horovodrun --min-np/--max-np)
+    tfsync.faults.Schedule, tfsync.faults.Injector  # fault injection, to try it
     tfsync.shard(x, y)                           # this rank's equal share of arrays
     tfsync.shard_dataset(ds, batch_size)         # ... of a tf.data dataset (elastic: resume=state)
     tfsync.register_mode(name, PolicyClass)      # a mode of your own (tfsync.policies.registry)
@@ -39,7 +40,7 @@ from tfsync.stragglers import Stragglers
 
 __version__ = "0.1.0"
 
-_LAZY = {"keras", "distribute", "elastic", "engine", "ops", "scheduler", "timeline"}
+_LAZY = {"keras", "distribute", "elastic", "engine", "faults", "ops", "scheduler", "timeline"}
 
 
 def __getattr__(name):

@@ -71,8 +71,8 @@ import re
 import time
 
 from tfsync import _env, _horovod
-from tfsync._hang_guard import HANG_MARGIN_S, HangGuard
 from tfsync._data import REDONE
+from tfsync._hang_guard import HANG_MARGIN_S, HangGuard
 from tfsync.engine import lifecycle
 from tfsync.engine.bounded import run_bounded
 from tfsync.engine.cluster import HorovodCluster
@@ -314,8 +314,8 @@ def _check_hang_timeout(value):
         return value
     if isinstance(value, bool) or not isinstance(value, int | float) or not (0 < value < float("inf")):
         raise ValueError(
-            f"tfsync.elastic.KerasState: hang_timeout_s must be \"auto\", a positive number of seconds or None, "
-            f"got {value!r}; pass hang_timeout_s=\"auto\" (the longest wait on peers plus 2 s), e.g. 60, or None "
+            f'tfsync.elastic.KerasState: hang_timeout_s must be "auto", a positive number of seconds or None, '
+            f'got {value!r}; pass hang_timeout_s="auto" (the longest wait on peers plus 2 s), e.g. 60, or None '
             f"(no hang guard)"
         )
     return float(value)

@@ -30,9 +30,7 @@ def _worker(body, timeout_s=1.0):
         print(guard._process.pid, flush=True)
         """
     ) + textwrap.dedent(body)
-    return subprocess.Popen(
-        [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
+    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def _finish(process):
