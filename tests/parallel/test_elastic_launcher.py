@@ -12,6 +12,7 @@ import os
 import pytest
 
 from tests.parallel.launch import read_results, run_elastic_workers
+from tfsync.faults import Fault, Ledger, Schedule
 from tfsync.launch import REPO_ROOT
 
 pytestmark = pytest.mark.parallel
@@ -313,3 +314,25 @@ def test_a_kill_loop_with_the_host_coming_back_keeps_the_accuracy(tmp_path):
         assert res["accuracy"] >= target - 0.01, (res["accuracy"], target)
         _check_counts(res["counts"])
     _check_counts(first["state_counts"])
+
+
+def test_a_hung_worker_is_ended_by_its_guard_and_the_job_goes_on_without_it(tmp_path):
+    """Rank 1 stops (SIGSTOP) for good mid-epoch: rank 0's round times out within the wait bound
+    and it resets; the launcher would wait for the stopped process for ever, but its hang guard
+    ends it once the longest wait on peers has passed (10 s here, plus 2); the launcher then
+    blacklists its host and re-forms the job from rank 0, which finishes every epoch."""
+    schedule = tmp_path / "faults.json"
+    schedule.write_text(Schedule([Fault("stop", rank=1, step=44 + KILL_AT[1])]).to_json())
+    options = ["--faults", str(schedule), "--wait-timeout-s", "10"]
+    _, output, results, _ = _launch(tmp_path, "bsp", -1, worker_options=options)
+    assert sorted(results) == [0], results
+    res = results[0]
+    assert res["resets"] == 1 and res["size"] == 1 and res["state_epoch"] == EPOCHS, res
+    assert res["epochs"] == list(range(EPOCHS)), res  # (the interrupted epoch: finished once, after the reset)
+    _check_counts(res["counts"])
+    _check_counts(res["state_counts"])
+    stopped = Ledger(str(tmp_path / "bsp--1" / "faults")).records()[0]
+    assert stopped["rank"] == 1 and stopped["kind"] == "stop", stopped
+    ended = f"hang guard: ended rank 1 of 2 (pid {stopped['pid']}"
+    assert ended in output and "it was frozen: no heartbeat for 12.0 s" in output, output[-6000:]
+    assert res["pid"] != stopped["pid"]

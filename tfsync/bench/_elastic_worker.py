@@ -12,6 +12,10 @@ in ``kill_epochs`` (``2,6,10``: several kills), once per epoch number.  ``change
 hosts to ``hosts_file``, which the launcher's discovery script prints, and waits for the launcher
 to see it.
 
+``--faults FILE``: injects the worker faults of that :class:`tfsync.faults.Schedule` (its
+JSON), recorded once each under ``out_dir/faults``; ``--wait-timeout-s S``: the callback's and
+the state's wait bound (default 30 s for the callback, the state's own default for it).
+
 ``--commit-every N``: commits every ``N`` steps within an epoch too, and the data resumes at
 the committed sample (one ``fit`` per epoch on ``tfsync.shard(..., resume=state, seed=0)``);
 each membership record then says the sample the call resumed at.
@@ -61,6 +65,8 @@ def parse_args(argv=None):
     p.add_argument("--start-t", type=float, default=None)
     p.add_argument("--deadline-t", type=float, default=None)
     p.add_argument("--commit-every", type=int, default=None)
+    p.add_argument("--faults", default=None, help="a tfsync.faults.Schedule's JSON file: inject its worker faults")
+    p.add_argument("--wait-timeout-s", type=float, default=None, help="the callback's and the state's wait bound")
     args = p.parse_args(argv)
     args.kill_epochs = {int(e) for e in args.kill_epochs.split(",") if e}
     changes = {}
@@ -92,18 +98,27 @@ def main(argv=None):
     x = (x / 16.0).astype("float32")
     x_train, x_test, y_train, y_test = train_test_split(x, y, test_size=0.2, random_state=0, stratify=y)
 
+    injectors, loss = [], "sparse_categorical_crossentropy"
+    if args.faults is not None:
+        with open(args.faults) as f:
+            schedule = tfsync.faults.Schedule.from_json(f.read())
+        injectors.append(tfsync.faults.Injector(schedule, ledger_dir=os.path.join(out_dir, "faults")))
+        loss = injectors[0].loss(loss)
     keras.utils.set_random_seed(0)
     model = keras.Sequential(
         [keras.Input((64,)), keras.layers.Dense(64, activation="relu"), keras.layers.Dense(10, activation="softmax")]
     )
-    model.compile(optimizer=keras.optimizers.SGD(0.2), loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    model.compile(optimizer=keras.optimizers.SGD(0.2), loss=loss, metrics=["accuracy"])
 
     mode = args.mode
     if mode.startswith("psp:"):
         mode = tfsync.PSP(min_contributions=int(mode.split(":")[1]))
     resume = args.commit_every is not None
-    state = tfsync.elastic.KerasState(model, epoch=0, commit_every_steps=args.commit_every or "auto")
-    sync = tfsync.keras.SyncCallback(mode, elastic=state, wait_timeout_s=30, trace_dir=os.path.join(out_dir, "trace"))
+    state = tfsync.elastic.KerasState(
+        model, epoch=0, commit_every_steps=args.commit_every or "auto", wait_timeout_s=args.wait_timeout_s
+    )  # (the state's default bound: 120 s, which a joiner's start-up may take)
+    trace_dir = os.path.join(out_dir, "trace")
+    sync = tfsync.keras.SyncCallback(mode, elastic=state, wait_timeout_s=args.wait_timeout_s or 30, trace_dir=trace_dir)
     seen = {"epochs": [], "first_step_after_reset_t": None, "memberships": []}
     stopped = []  # the deadline passed (a fit per epoch: stop_training ends only the one)
     steps_log = os.path.join(out_dir, f"steps_{os.getpid()}.jsonl")
@@ -202,7 +217,7 @@ def main(argv=None):
                     initial_epoch=state.epoch,
                     shuffle=False,
                     verbose=0,
-                    callbacks=[sync, victim],
+                    callbacks=[sync, victim, *injectors],
                 )
             return
         x_local, y_local = tfsync.shard(x_train, y_train, batch_size=BATCH)
@@ -214,7 +229,7 @@ def main(argv=None):
             initial_epoch=state.epoch,
             shuffle=True,
             verbose=0,
-            callbacks=[sync, victim],
+            callbacks=[sync, victim, *injectors],
         )
 
     train(state)
