@@ -16,9 +16,10 @@ guard ends the worker (SIGKILL) when
 * the heartbeat says the worker has been in one training step for more than ``hang_timeout_s``
   (the main thread is stuck while the others still run).
 
-``hang_timeout_s`` is longer than every wait on peers (tfsync's wait bound, Gloo's timeout), so
-a healthy worker waiting on a hung peer gets its own bounded error first and is never ended;
-by the time the guard ends a worker, its peers have given up on it.  The launcher then sees the
+``hang_timeout_s`` is longer than a step's waits on peers (the wait bound, whose every wait in a
+step is bounded: the collectives run on the engine's exchange thread), so a healthy worker waiting
+on a hung peer gets its own bounded error first and is never ended, and by the time the guard
+ends a worker, its peers have given up on it.  The launcher then sees the
 exit, blacklists the host (for its cooldown, ``--blacklist-cooldown-range``) and re-forms the job
 from the survivors.  The guard writes why to the worker's standard error (horovodrun prefixes
 it with the rank), so the job's log says which worker was ended and after how long.  The guard
@@ -34,7 +35,7 @@ import threading
 import time
 
 HEARTBEAT_S = 0.25  # the worker's heartbeat period
-HANG_MARGIN_S = 2.0  # hang_timeout_s "auto": the longest wait on peers plus this
+HANG_MARGIN_S = 2.0  # hang_timeout_s "auto": the wait bound plus this
 
 
 class HangGuard:
@@ -128,7 +129,7 @@ def _end(parent: int, label: str, why: str, hang_timeout_s: float):
     who = f"{label} (pid {parent}, host {os.uname().nodename})" if label else f"pid {parent}"
     sys.stderr.write(
         f"tfsync.elastic: hang guard: ended {who}: {why}, past its hang timeout ({hang_timeout_s:.1f} s, longer "
-        f"than any wait of its peers, who have given up on it). The launcher re-forms the job without it and "
+        f"than its peers wait for it: they have given up on it). The launcher re-forms the job without it and "
         f"blacklists its host for the cooldown; set KerasState(hang_timeout_s=...) if steps legitimately take "
         f"longer\n"
     )

@@ -94,7 +94,6 @@ ELASTIC_ENV = "HOROVOD_ELASTIC"  # set to 1 by horovodrun for an elastic launch 
 # a TensorFlow op error from a Horovod collective or its Gloo transport (not a user's own error)
 HOROVOD_OP_ERROR = re.compile(r"horovod|gloo", re.IGNORECASE)
 RESERVED = ("resets", "counts", "sample")  # KerasState's own attributes
-GLOO_TIMEOUT_S = 30.0  # Horovod's default HOROVOD_GLOO_TIMEOUT_SECONDS
 DEFAULT_COMMIT_EVERY_STEPS = 100
 """Commits within an epoch every this many steps where the mode and the data allow
 (``KerasState``'s ``commit_every_steps="auto"``): a commit copies the model and the optimizer
@@ -144,10 +143,10 @@ class KerasState(ObjectState):
             (SIGKILL, saying why on its standard error) once it has been frozen (SIGSTOP, a
             paused VM) or in one training step (a deadlock, a stuck kernel) this long, so that
             the launcher, which waits for every worker's exit, re-forms the job without it
-            (``docs/guide/elastic.md``, "Hung workers").  ``"auto"`` (default): the longest
-            wait on peers (this state's and each committing callback's wait bound, Gloo's
-            ``HOROVOD_GLOO_TIMEOUT_SECONDS``, default 30) plus 2 s, so a worker waiting on a
-            hung peer gets its own bounded error first; seconds; or None (no guard).  A fit's
+            (``docs/guide/elastic.md``, "Hung workers").  ``"auto"`` (default): the wait bound of
+            the callback committing the state plus 2 s: a peer waiting on a hung worker gives up
+            (and resets) within that bound, so a worker stalled that long is already out, and a
+            shorter stall is ridden through; seconds; or None (no guard).  A fit's
             first step (the model's trace) is not bounded.
         **attributes: values kept and restored with the model, as attributes of the state
             (``epoch=0`` by default; any other picklable value: a learning-rate scale).
@@ -323,12 +322,12 @@ def _check_hang_timeout(value):
 
 def hang_timeout(state) -> float | None:
     """The seconds after which ``state``'s hang guard ends a frozen or stuck worker (None: no
-    guard): ``state.hang_timeout_s``, or for ``"auto"`` the longest wait on peers (the state's
-    and its committers' wait bounds, Gloo's timeout) plus :data:`~tfsync._hang_guard.HANG_MARGIN_S`."""
+    guard): ``state.hang_timeout_s``, or for ``"auto"`` the longest wait of a step on peers (the
+    wait bound of each callback committing the state; the state's own without one) plus
+    :data:`~tfsync._hang_guard.HANG_MARGIN_S`."""
     if state.hang_timeout_s != "auto":
         return state.hang_timeout_s
-    waits = [state.wait_timeout_s, float(os.environ.get("HOROVOD_GLOO_TIMEOUT_SECONDS") or GLOO_TIMEOUT_S)]
-    waits += [commits.frontend.wait_timeout_s for commits in state.committers]
+    waits = [commits.frontend.wait_timeout_s for commits in state.committers] or [state.wait_timeout_s]
     return max(waits) + HANG_MARGIN_S
 
 

@@ -336,3 +336,23 @@ def test_a_hung_worker_is_ended_by_its_guard_and_the_job_goes_on_without_it(tmp_
     ended = f"hang guard: ended rank 1 of 2 (pid {stopped['pid']}"
     assert ended in output and "it was frozen: no heartbeat for 12.0 s" in output, output[-6000:]
     assert res["pid"] != stopped["pid"]
+
+
+def test_a_hung_worker_that_wakes_after_its_peers_reset_rejoins_from_the_commit(tmp_path):
+    """Rank 1 stops for 12 s: rank 0 gives up on it at its 5 s wait bound and resets, and waits
+    in the launcher, which waits for every member of the last rendezvous; rank 1 wakes (its guard,
+    at 30 s, has not ended it), finds its collectives shut down, resets too, and both go on from
+    the last commit with identical replicas: nothing it computed while it hung reached rank 0."""
+    schedule = tmp_path / "faults.json"
+    schedule.write_text(Schedule([Fault("stop", rank=1, step=44 + KILL_AT[1], duration_s=12.0)]).to_json())
+    options = ["--faults", str(schedule), "--wait-timeout-s", "5", "--hang-timeout-s", "30"]
+    _, output, results, _ = _launch(tmp_path, "bsp", -1, worker_options=options)
+    assert sorted(results) == [0, 1], results
+    assert "hang guard: ended" not in output
+    for res in results.values():
+        assert res["resets"] == 1 and res["size"] == 2 and res["state_epoch"] == EPOCHS, res
+        _check_counts(res["counts"])
+        _check_counts(res["state_counts"])
+    assert results[0]["checksum"] == results[1]["checksum"], results
+    stopped = Ledger(str(tmp_path / "bsp--1" / "faults")).records()[0]
+    assert {r["pid"] for r in results.values()} >= {stopped["pid"]}  # (the woken process finished)

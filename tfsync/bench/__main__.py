@@ -1,4 +1,4 @@
-"""Dispatch ``python -m tfsync.bench [training|ops|scheduler|convergence|network|elastic|control] [options]``."""
+"""Dispatch ``python -m tfsync.bench [training|ops|scheduler|convergence|network|elastic|control|chaos] [options]``."""
 
 import importlib
 import sys
@@ -11,6 +11,7 @@ SUBCOMMANDS = {
     "network": "tfsync.bench.network",
     "elastic": "tfsync.bench.elastic",
     "control": "tfsync.bench.control",
+    "chaos": "tfsync.bench.chaos",
 }
 
 

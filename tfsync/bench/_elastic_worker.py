@@ -14,7 +14,8 @@ to see it.
 
 ``--faults FILE``: injects the worker faults of that :class:`tfsync.faults.Schedule` (its
 JSON), recorded once each under ``out_dir/faults``; ``--wait-timeout-s S``: the callback's and
-the state's wait bound (default 30 s for the callback, the state's own default for it).
+the state's wait bound (default 30 s for the callback, the state's own default for it);
+``--hang-timeout-s S``: the state's ``hang_timeout_s`` (default ``"auto"``).
 
 ``--commit-every N``: commits every ``N`` steps within an epoch too, and the data resumes at
 the committed sample (one ``fit`` per epoch on ``tfsync.shard(..., resume=state, seed=0)``);
@@ -25,6 +26,10 @@ epoch that begins ``S`` seconds or more after the previous kill (or ``--start-t`
 ``kill_epochs``; ``--deadline-t T`` (a Unix time): no kill starts later than ``S / 2`` before
 ``T``, and the job stops at the first epoch end after ``T`` (rank 0 decides, by a broadcast, so
 that every member stops at the same epoch).
+
+``--repeat R``: the training split R times over (an epoch R times as long); ``--step-log``:
+every step appended to ``every_step_<pid>.jsonl`` (``t``, ``pid``, ``r``: the resets so far,
+``n``: the job's size).
 
 Each process that finishes writes ``result_rank<R>.json`` (its rank at the end): its final test
 accuracy, its counts and the state's.  The victim writes ``killed_<epoch>.json`` and
@@ -66,6 +71,9 @@ def parse_args(argv=None):
     p.add_argument("--deadline-t", type=float, default=None)
     p.add_argument("--commit-every", type=int, default=None)
     p.add_argument("--faults", default=None, help="a tfsync.faults.Schedule's JSON file: inject its worker faults")
+    p.add_argument("--repeat", type=int, default=1, help="the training split this many times over (longer epochs)")
+    p.add_argument("--step-log", action="store_true", help="append every step to steps_<pid>.jsonl, not only resets'")
+    p.add_argument("--hang-timeout-s", type=float, default=None, help="the state's hang_timeout_s (default auto)")
     p.add_argument("--wait-timeout-s", type=float, default=None, help="the callback's and the state's wait bound")
     args = p.parse_args(argv)
     args.kill_epochs = {int(e) for e in args.kill_epochs.split(",") if e}
@@ -97,6 +105,7 @@ def main(argv=None):
     x, y = load_digits(return_X_y=True)
     x = (x / 16.0).astype("float32")
     x_train, x_test, y_train, y_test = train_test_split(x, y, test_size=0.2, random_state=0, stratify=y)
+    x_train, y_train = np.tile(x_train, (args.repeat, 1)), np.tile(y_train, args.repeat)
 
     injectors, loss = [], "sparse_categorical_crossentropy"
     if args.faults is not None:
@@ -115,13 +124,18 @@ def main(argv=None):
         mode = tfsync.PSP(min_contributions=int(mode.split(":")[1]))
     resume = args.commit_every is not None
     state = tfsync.elastic.KerasState(
-        model, epoch=0, commit_every_steps=args.commit_every or "auto", wait_timeout_s=args.wait_timeout_s
+        model,
+        epoch=0,
+        commit_every_steps=args.commit_every or "auto",
+        wait_timeout_s=args.wait_timeout_s,
+        hang_timeout_s=args.hang_timeout_s or "auto",
     )  # (the state's default bound: 120 s, which a joiner's start-up may take)
     trace_dir = os.path.join(out_dir, "trace")
     sync = tfsync.keras.SyncCallback(mode, elastic=state, wait_timeout_s=args.wait_timeout_s or 30, trace_dir=trace_dir)
-    seen = {"epochs": [], "first_step_after_reset_t": None, "memberships": []}
+    seen = {"epochs": [], "first_step_after_reset_t": None, "memberships": [], "counts_after_resets": []}
     stopped = []  # the deadline passed (a fit per epoch: stop_training ends only the one)
     steps_log = os.path.join(out_dir, f"steps_{os.getpid()}.jsonl")
+    every_step_log = os.path.join(out_dir, f"every_step_{os.getpid()}.jsonl")
 
     class Victim(keras.callbacks.Callback):
         """Kills this process when it is due; records the steps after each reset; stops at the deadline."""
@@ -178,6 +192,9 @@ def main(argv=None):
                     f.write(json.dumps(record) + "\n")
                 self.logged_resets, self.logged_start = state.resets, True
             self.last_step_t = now
+            if args.step_log:
+                with open(every_step_log, "a") as f:
+                    f.write(json.dumps({"pid": os.getpid(), "t": now, "r": state.resets, "n": hvd.size()}) + "\n")
 
         def on_epoch_end(self, epoch, logs=None):
             seen["epochs"].append(epoch)
@@ -206,6 +223,7 @@ def main(argv=None):
             victim.rolled_back, victim.redone_before = redone - victim.redone_before, redone
         membership = {"rank": hvd.rank(), "size": hvd.size(), "epoch": state.epoch}
         seen["memberships"].append({**membership, "sample": state.sample} if resume else membership)
+        seen["counts_after_resets"].append([sync.counts, state.counts])  # (each must add up)
         if resume:  # one fit per epoch, from the committed sample of the committed epoch
             while state.epoch < args.epochs and not stopped:
                 x_local, y_local = tfsync.shard(x_train, y_train, batch_size=BATCH, resume=state, seed=0)
@@ -233,6 +251,7 @@ def main(argv=None):
         )
 
     train(state)
+    seen["end_t"] = time.time()
     accuracy = float(model.evaluate(x_test, y_test, verbose=0)[1])
     checksum = float(sum(np.sum(w.astype(np.float64)) for w in model.get_weights()))
     _write_json(

@@ -70,6 +70,13 @@ class Hosts:
     def address(self, i):
         return f"{SUBNET}.{i}"
 
+    def alias(self, i):
+        """Host ``i``'s second address (``198.18.0.<100+i>``, on the same interface, its sshd
+        listening there too): a second name for the launcher, so that a launcher listing each
+        of a host's workers under a name of its own blacklists one worker, not the host, when
+        one fails."""
+        return f"{SUBNET}.{100 + i}"
+
     def name(self, i):
         return f"tfh{i}"
 
@@ -117,6 +124,7 @@ class Hosts:
             _run(*veth, "peer", "name", peer, "netns", BRIDGE_NS)
             _run("ip", "-n", ns, "link", "set", f"tfsync{i}a", "name", IFACE)
             _run("ip", "-n", ns, "addr", "add", f"{self.address(i)}/24", "dev", IFACE)
+            _run("ip", "-n", ns, "addr", "add", f"{self.alias(i)}/24", "dev", IFACE)  # (secondary: listed after)
             _run("ip", "-n", ns, "link", "set", IFACE, "up")
             _run("ip", "-n", ns, "link", "set", "lo", "up")
             _run("ip", "-n", BRIDGE_NS, "link", "set", peer, "master", "br0")
@@ -133,7 +141,7 @@ class Hosts:
         config = os.path.join(self._dir, f"sshd{i}.conf")
         with open(config, "w") as f:
             f.write(
-                f"ListenAddress {self.address(i)}\nPort 22\nHostKey {host_key}\n"
+                f"ListenAddress {self.address(i)}\nListenAddress {self.alias(i)}\nPort 22\nHostKey {host_key}\n"
                 f"PidFile {self._dir}/sshd{i}.pid\nAuthorizedKeysFile {self._dir}/authorized_keys\n"
                 "PermitRootLogin prohibit-password\nPasswordAuthentication no\nStrictModes no\nUsePAM no\n"
                 "AcceptEnv *\n"
@@ -152,6 +160,7 @@ class Hosts:
         self._remove_namespaces()
         for i in range(1, self.n + 1):  # what ssh added to root's known hosts for these addresses
             _run("ssh-keygen", "-R", self.address(i), check=False)
+            _run("ssh-keygen", "-R", self.alias(i), check=False)
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
             self._dir = None

@@ -1,0 +1,36 @@
+"""The chaos soak's measures in one process (tfsync.bench.chaos): the time from a fault to the next
+step past the stall it caused, and its command line's checks."""
+
+import pytest
+
+from tfsync.bench import chaos
+
+
+def _steps(times, pid=1):
+    return [{"t": t, "pid": pid, "r": 0, "n": 4} for t in times]
+
+
+def test_the_next_step_is_past_the_stall_the_fault_caused():
+    steps = _steps([0.0, 0.1, 0.2, 0.3, 5.3, 5.4])  # (a 5 s stall from 0.3)
+    assert chaos.to_next_step(steps, {"t": 0.25}, window_s=10) == pytest.approx(5.05)
+    # a fault that caused no stall: the next step
+    assert chaos.to_next_step(steps, {"t": 5.35}, window_s=10) == pytest.approx(0.05)
+    # a stall that began past the window is not the fault's
+    steady = [i / 10 for i in range(121)]  # (steps every 0.1 s to 12 s, then a stall)
+    assert chaos.to_next_step(_steps([*steady, 20.0]), {"t": 0.05}, window_s=10) == pytest.approx(0.05)
+
+
+def test_the_victims_own_steps_do_not_count():
+    steps = sorted(_steps([0.0, 0.1, 4.0], pid=1) + _steps([0.05, 0.15, 0.2], pid=2), key=lambda s: s["t"])
+    assert chaos.to_next_step(steps, {"t": 0.12, "pid": 2}, window_s=10) == pytest.approx(3.88)
+    assert chaos.to_next_step(steps, {"t": 5.0}, window_s=10) is None
+
+
+def test_the_command_line_wants_its_json_and_known_modes(capsys):
+    with pytest.raises(SystemExit):
+        chaos.parse_args(["--modes", "bsp"])
+    assert "--json" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        chaos.parse_args(["--modes", "ssp", "--json", "x.json"])
+    args = chaos.parse_args(["--minutes", "2", "--json", "x.json"])
+    assert args.modes == ["bsp", "backup", "diloco"] and args.undisturbed_minutes == 2

@@ -1,0 +1,333 @@
+"""A chaos soak: elastic training across two simulated hosts through a fault every 10-20 s.
+
+``python -m tfsync.bench chaos [--modes ...] [--minutes M] [--fault-every S] [--seed K] --json FILE``
+
+Two simulated hosts (:mod:`tfsync.bench.hosts`) with two workers each run the digits MLP
+(:mod:`tfsync.bench._elastic_worker`: ``tfsync.elastic``, commits every ``--commit-every``
+steps, one ``fit`` per epoch resumed at the committed sample, each step's device time simulated
+by a sleep) under ``horovodrun``'s elastic launcher (``--min-np 2 --max-np 4``, a discovery
+script printing a hosts file, ``--blacklist-cooldown-range 1 3`` so that a failed host comes
+back).  For each mode:
+
+1. an undisturbed run (``--undisturbed-minutes``): its rate of useful samples and its accuracy;
+2. the soak: ``--minutes`` of training through a :class:`tfsync.faults.Schedule` drawn from
+   ``--seed``: a fault every ``--fault-every`` S seconds on average (uniform over 2S/3 to 4S/3:
+   10-20 s at the default 15), the kinds in shuffled turns (``--kinds``; default all seven:
+   SIGKILL, SIGSTOP for good (a hung worker, ended by its hang guard), an exception raised in
+   the training step, a NaN loss, a link cut for 3-8 s, a link flapping every second for 4-8
+   s, a host dropped by discovery for 15-25 s), on a random rank or host.  The workers inject
+   theirs (:class:`tfsync.faults.Injector`); the harness the hosts' (:class:`tfsync.faults.HostFaults`).
+
+Each mode's record: ``mode``, ``faults_injected``, ``faults_survived`` (the job applied a step
+after the fault and finished), ``faults_survived_by_kind``, ``resets``, ``steps_redone``,
+``samples_redone`` (the job's, over every worker), ``goodput`` (useful samples per second of
+the soak over the undisturbed run's; useful: the epochs finished times the epoch's samples),
+``final_accuracy``, ``undisturbed_accuracy`` and ``accounting_ok`` (produced = applied +
+compensated + dropped + rejected + lost, for every worker's counts and the job's, after every
+reset and at the end); and what the rest of the time went to: ``to_next_step_s`` per kind
+(from the fault to the next step of the workers it did not take, past the stall it caused if
+it caused one), ``stalled_s`` (no step anywhere for a second or more),
+``reduced_s`` (fewer than four workers), the guard's ends of hung workers, the schedule.
+One run on a shared machine is one sample; never run it beside other work.
+
+Example:
+
+    python -m tfsync.bench chaos --modes bsp backup diloco --minutes 20 --json chaos.json
+"""
+
+import argparse
+import collections
+import glob
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from tfsync.faults import KINDS, HostFaults, Ledger, Schedule
+from tfsync.launch import REPO_ROOT, integer, number
+
+WORKER = os.path.join(REPO_ROOT, "tfsync", "bench", "_elastic_worker.py")
+MODES = ("bsp", "backup", "diloco")
+PER_HOST = 2
+FULL = 2 * PER_HOST
+TRAIN_SAMPLES = 1437  # the digits training split (_elastic_worker)
+STARTUP_S = 45.0  # from the launch to the first fault: four TensorFlow start-ups on two cores
+COOLDOWN_S = (1, 3)  # horovodrun --blacklist-cooldown-range: a failed host is back after 1-3 s
+# Gloo's bound: a survivor whose collective waits on a live peer sees a failure only then, and a
+# joining worker's start-up (TensorFlow's import, while the others wait in the rendezvous) must fit
+GLOO_TIMEOUT_S = 10
+STALL_S = 1.0  # a gap between steps this long counts as stalled
+LOOP_EPOCHS = 100000  # the run stops at the first epoch end after its deadline, long before
+SETTLED = ("applied", "compensated", "dropped", "rejected", "lost")
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="python -m tfsync.bench chaos", description=__doc__.splitlines()[0])
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES, help="modes to soak (default: all)")
+    p.add_argument("--minutes", type=number(above=0), default=20.0, help="the soak's length per mode")
+    p.add_argument("--fault-every", type=number(above=0), default=15.0, help="mean seconds between faults")
+    p.add_argument("--seed", type=integer(0), default=0, help="the schedule's seed")
+    p.add_argument("--json", required=True, help="write the records (a JSON list, one per mode) here")
+    p.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS, help="fault kinds (default: all)")
+    p.add_argument("--undisturbed-minutes", type=number(above=0), default=None, help="default: min(minutes, 4)")
+    p.add_argument("--commit-every", type=integer(1), default=10, help="steps between commits")
+    p.add_argument("--wait-timeout-s", type=number(above=0), default=10.0, help="the workers' wait bound")
+    p.add_argument("--step-delay-s", type=number(minimum=0), default=0.05, help="simulated device time a step")
+    p.add_argument("--work-dir", default=None, help="keep every run's files here (default: a temporary directory)")
+    p.add_argument("--repeat", type=integer(1), default=4, help="the digits training split this many times an epoch")
+    args = p.parse_args(argv)
+    if args.undisturbed_minutes is None:
+        args.undisturbed_minutes = min(args.minutes, 4.0)
+    return args
+
+
+class SimulatedHosts:
+    """What :class:`tfsync.faults.HostFaults` acts on: the simulated hosts' links, and the hosts
+    file the launcher's discovery script prints, which lists each worker of a host under a name
+    of its own (the host's address and its alias): Horovod's launcher blacklists the name of a
+    worker that fails, and would otherwise take out the whole host, and end the job when every
+    host that had workers is out at once (with two hosts, the second fault on the other host
+    while the first is still cooling down)."""
+
+    def __init__(self, hosts, hosts_file):
+        self.hosts, self.hosts_file = hosts, hosts_file
+        self.listed = set(range(1, hosts.n + 1))
+        self.write()
+
+    def write(self):
+        names = [(self.hosts.address(i), self.hosts.alias(i))[:PER_HOST] for i in sorted(self.listed)]
+        lines = "".join(f"{name}:1\n" for pair in names for name in pair)
+        with open(self.hosts_file + ".tmp", "w") as f:
+            f.write(lines)
+        os.replace(self.hosts_file + ".tmp", self.hosts_file)
+
+    def set_link(self, host, up):
+        self.hosts.set_link(host, up)
+
+    def list_host(self, host, listed):
+        (self.listed.add if listed else self.listed.discard)(host)
+        self.write()
+
+
+def _launch(args, hosts, out, mode, minutes, schedule=None):
+    """One elastic job of ``mode`` for ``minutes`` of training (and ``schedule``'s faults);
+    returns ``(exit_code, output_path, wall_s)``."""
+    os.makedirs(out)
+    hosts_file = os.path.join(out, "hosts")
+    actuator = SimulatedHosts(hosts, hosts_file)
+    discovery = os.path.join(out, "discover_hosts.sh")
+    with open(discovery, "w") as f:
+        f.write(f"#!/bin/sh\ncat {hosts_file}\n")
+    os.chmod(discovery, 0o755)
+    launch_t = time.time()
+    deadline = launch_t + STARTUP_S + 60 * minutes
+    argv = [WORKER, out, mode, -1, "", 0, LOOP_EPOCHS, hosts_file, ""]
+    argv += ["--commit-every", args.commit_every, "--wait-timeout-s", args.wait_timeout_s]
+    argv += ["--repeat", args.repeat, "--step-log", "--deadline-t", deadline]
+    if schedule is not None:
+        schedule.start_t = launch_t + STARTUP_S
+        path = os.path.join(out, "faults.json")
+        with open(path, "w") as f:
+            f.write(schedule.to_json())
+        argv += ["--faults", path]
+    elastic = ["--min-np", PER_HOST, "--max-np", FULL, "--host-discovery-script", discovery]
+    elastic += ["--blacklist-cooldown-range", *COOLDOWN_S]
+    env = {"TFSYNC_STRAGGLERS": f"base={args.step_delay_s}"}
+    cmd = hosts.horovodrun(PER_HOST, argv, env=env, gloo_timeout_s=GLOO_TIMEOUT_S, elastic=elastic)
+    output = os.path.join(out, "output.log")
+    bound_s = STARTUP_S + 60 * minutes + 600  # the last epoch, a re-forming job's, and the ends
+    hosts.kill_all()
+    with open(output, "w") as log:
+        process = hosts.popen(1, cmd, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            if schedule is not None:
+                with HostFaults(schedule, actuator, ledger_dir=os.path.join(out, "faults")) as injector:
+                    code = _wait(process, bound_s)
+                if injector.error is not None:
+                    raise RuntimeError(f"the host faults failed: {injector.error!r}")
+            else:
+                code = _wait(process, bound_s)
+        finally:
+            for i in range(1, hosts.n + 1):
+                hosts.set_link(i, True)
+            hosts.kill_all()
+    return code, output, time.time() - launch_t
+
+
+def _wait(process, bound_s):
+    try:
+        return process.wait(timeout=bound_s)
+    except subprocess.TimeoutExpired:
+        from tfsync.bench.hosts import kill
+
+        kill(process)
+        return 124
+
+
+def _results(out):
+    results = {}
+    for path in glob.glob(os.path.join(out, "result_rank*.json")):
+        with open(path) as f:
+            results[int(os.path.basename(path)[len("result_rank") : -len(".json")])] = json.load(f)
+    return results
+
+
+def _steps(out):
+    steps = []
+    for path in glob.glob(os.path.join(out, "every_step_*.jsonl")):
+        with open(path) as f:
+            steps += [json.loads(line) for line in f if line.strip()]
+    return sorted(steps, key=lambda s: s["t"])
+
+
+def adds_up(counts) -> bool:
+    return counts["produced"] == sum(counts[k] for k in SETTLED)
+
+
+def _summary(values):
+    values = [v for v in values if v is not None]
+    if not values:
+        return {"median": None, "max": None, "n": 0}
+    return {"median": round(statistics.median(values), 2), "max": round(max(values), 2), "n": len(values)}
+
+
+def to_next_step(steps, fault, window_s):
+    """Seconds from ``fault`` (a ledger record: ``t``, and ``pid`` for a worker's) to the next step
+    of the workers it did not take, past the stall it caused: the end of the first stall (no
+    step of theirs for ``STALL_S`` or more) that began within ``window_s`` after it, else their
+    next step; None if none followed."""
+    t0, victim = fault["t"], fault.get("pid")
+    times = [s["t"] for s in steps if s["pid"] != victim]
+    last = max([t for t in times if t <= t0], default=t0)
+    after = [t for t in times if t > t0]
+    for a, b in zip([last, *after], after, strict=False):
+        if a > t0 + window_s:
+            break
+        if b - a >= STALL_S:
+            return b - t0
+    return after[0] - t0 if after else None
+
+
+def job_record(out, code, wall_s, steps):
+    """What one run's files say: every finisher's result, rank 0's, the first step's and the end's
+    times, and the epochs the job finished."""
+    results = _results(out)
+    if code != 0 or 0 not in results:
+        with open(os.path.join(out, "output.log"), errors="replace") as f:
+            tail = f.read()[-6000:]
+        raise RuntimeError(f"the job in {out} failed (exit {code}, results of ranks {sorted(results)}):\n{tail}")
+    lead = results[0]
+    start = steps[0]["t"] if steps else None
+    end = max(r["end_t"] for r in results.values())
+    return results, lead, start, end, lead["state_epoch"]
+
+
+def mode_run(args, hosts, mode, work, log):
+    calm_out, soak_out = os.path.join(work, f"{mode}-calm"), os.path.join(work, f"{mode}-soak")
+    log(f"{mode}: undisturbed run, {args.undisturbed_minutes:g} min")
+    code, _, calm_wall = _launch(args, hosts, calm_out, mode, args.undisturbed_minutes)
+    calm_steps = _steps(calm_out)
+    _, calm, calm_start, calm_end, calm_epochs = job_record(calm_out, code, calm_wall, calm_steps)
+    calm_rate = calm_epochs * TRAIN_SAMPLES * args.repeat / (calm_end - calm_start)
+    low, high = 2 * args.fault_every / 3, 4 * args.fault_every / 3
+    schedule = Schedule.random(
+        args.seed, args.minutes - high / 60, every_s=(low, high), kinds=args.kinds, ranks=FULL, hosts=(1, 2)
+    )
+    log(f"{mode}: soak, {args.minutes:g} min, {len(schedule.faults)} faults scheduled")
+    code, output, soak_wall = _launch(args, hosts, soak_out, mode, args.minutes, schedule)
+    steps = _steps(soak_out)
+    results, lead, start, end, epochs = job_record(soak_out, code, soak_wall, steps)
+    rate = epochs * TRAIN_SAMPLES * args.repeat / (end - start)
+    faults = Ledger(os.path.join(soak_out, "faults")).records()
+    hang_timeout_s = args.wait_timeout_s + 2.0
+    survived, injected = collections.Counter(), collections.Counter()
+    next_step = collections.defaultdict(list)
+    for index, record in sorted(faults.items()):
+        kind = schedule.faults[index].kind
+        injected[kind] += 1
+        s = to_next_step(steps, record, hang_timeout_s + 5)
+        next_step[kind].append(s)
+        if s is not None:
+            survived[kind] += 1
+    gaps = [b["t"] - a["t"] for a, b in zip(steps, steps[1:], strict=False)]
+    reduced = sum(b["t"] - a["t"] for a, b in zip(steps, steps[1:], strict=False) if a["n"] < FULL)
+    checks = [c for r in results.values() for pair in r["counts_after_resets"] for c in pair]
+    checks += [c for r in results.values() for c in (r["counts"], r["state_counts"])]
+    with open(output, errors="replace") as f:
+        text = f.read()
+    job = lead["state_counts"]
+    record = {
+        "mode": mode,
+        "minutes": args.minutes,
+        "fault_every_s": args.fault_every,
+        "seed": args.seed,
+        "faults_injected": sum(injected.values()),
+        "faults_survived": sum(survived.values()),
+        "faults_survived_by_kind": dict(sorted(survived.items())),
+        "faults_injected_by_kind": dict(sorted(injected.items())),
+        "resets": max(r["resets"] for r in results.values()),
+        "steps_redone": job["steps_redone"],
+        "samples_redone": job["samples_redone"],
+        "goodput": rate / calm_rate,
+        "final_accuracy": lead["accuracy"],
+        "undisturbed_accuracy": calm["accuracy"],
+        "accounting_ok": all(adds_up(c) for c in checks),
+        "accounting_checks": len(checks),
+        "to_next_step_s": {k: _summary(v) for k, v in sorted(next_step.items())},
+        "useful_samples_per_s": rate,
+        "undisturbed_useful_samples_per_s": calm_rate,
+        "epochs": lead["state_epoch"],
+        "undisturbed_epochs": calm["state_epoch"],
+        "soak_s": end - start,
+        "stalled_s": sum(g for g in gaps if g >= STALL_S),
+        "reduced_s": reduced,
+        "samples_trained": 16 * len(steps),  # (every worker's steps, redone ones included: batches of 16)
+        "hung_workers_ended": text.count("hang guard: ended"),
+        "job_counts": job,
+        "finishers": len(results),
+        "commit_every_steps": args.commit_every,
+        "wait_timeout_s": args.wait_timeout_s,
+        "hang_timeout_s": hang_timeout_s,
+        "step_delay_s": args.step_delay_s,
+        "schedule": json.loads(schedule.to_json()),
+        "faults": {str(k): v for k, v in sorted(faults.items())},
+    }
+    log(
+        f"{mode}: {record['faults_survived']}/{record['faults_injected']} faults survived, {record['resets']} resets, "
+        f"goodput {record['goodput']:.2f}, accuracy {record['final_accuracy']:.4f} (undisturbed "
+        f"{record['undisturbed_accuracy']:.4f}), accounting {'ok' if record['accounting_ok'] else 'BROKEN'}"
+    )
+    return record
+
+
+def run(args, hosts, log=print):
+    """Every mode of ``args`` on ``hosts`` (a :class:`tfsync.bench.hosts.Hosts` of two); the
+    records, written to ``args.json`` after each mode (a long soak keeps what it measured)."""
+    records = []
+    with tempfile.TemporaryDirectory(prefix="tfsync-chaos-") as temporary:
+        work = args.work_dir or temporary
+        for mode in args.modes:
+            try:
+                records.append(mode_run(args, hosts, mode, work, log))
+            except RuntimeError as exc:
+                records.append({"mode": mode, "failed": str(exc)[-6000:]})
+                log(f"{mode}: FAILED\n{str(exc)[-3000:]}")
+            with open(args.json, "w") as f:
+                json.dump(records, f, indent=1)
+    return records
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    from tfsync.bench.hosts import Hosts
+
+    with Hosts(2) as hosts:
+        records = run(args, hosts, log=lambda line: print(line, file=sys.stderr, flush=True))
+    return 1 if any("failed" in r for r in records) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
