@@ -314,7 +314,7 @@ def _check_hang_timeout(value):
     if isinstance(value, bool) or not isinstance(value, int | float) or not (0 < value < float("inf")):
         raise ValueError(
             f'tfsync.elastic.KerasState: hang_timeout_s must be "auto", a positive number of seconds or None, '
-            f'got {value!r}; pass hang_timeout_s="auto" (the longest wait on peers plus 2 s), e.g. 60, or None '
+            f'got {value!r}; pass hang_timeout_s="auto" (the wait bound plus 2 s), e.g. 60, or None '
             f"(no hang guard)"
         )
     return float(value)

@@ -53,9 +53,13 @@ import threading
 import time
 
 WORKER_KINDS = ("kill", "stop", "raise", "nan")
+"""The kinds a worker injects into itself (:class:`tfsync.keras.FaultInjector`)."""
 HOST_KINDS = ("link_cut", "link_flap", "host_removed")
+"""The kinds the harness injects into a host (:class:`HostFaults`)."""
 KINDS = WORKER_KINDS + HOST_KINDS
-FLAP_S = 1.0  # a flapping link changes state this often
+"""Every kind."""
+FLAP_S = 1.0
+"""A flapping link changes state this often (seconds)."""
 
 
 class InjectedFault(RuntimeError):

@@ -75,9 +75,11 @@ class FaultInjector(keras.callbacks.Callback):
         step = int(self.model.optimizer.iterations.numpy())
         elapsed = time.time() - self.schedule.start_t
         for index, fault in enumerate(self.schedule.faults):
-            if fault.kind not in WORKER_KINDS or fault.rank % size != rank or self.ledger.taken(index):
+            if fault.kind not in WORKER_KINDS or fault.rank % size != rank:
                 continue
             if (step < fault.step) if fault.step is not None else (elapsed < fault.at_s):
+                continue
+            if self.ledger.taken(index):  # (after the cheap checks: with a directory, a file's existence)
                 continue
             record = {
                 "kind": fault.kind,
@@ -106,6 +108,7 @@ class FaultInjector(keras.callbacks.Callback):
                     start_new_session=True,
                     stdin=subprocess.DEVNULL,
                     stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,  # (its kill finds no process if the hang guard ended this one)
                 )
             os.kill(os.getpid(), signal.SIGSTOP)
         elif fault.kind == "raise":

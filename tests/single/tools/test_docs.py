@@ -24,6 +24,7 @@ PUBLIC = [
     "tfsync.keras",
     "tfsync.distribute",
     "tfsync.elastic",
+    "tfsync.faults",
     "tfsync.engine",
     "tfsync.policies",
     "tfsync.ops",

@@ -136,6 +136,15 @@ def _elastic_interval(**interval):
     return lambda: tfsync.elastic.KerasState(model, **interval)
 
 
+def _nan_fault_without_wrapped_loss():
+    import tfsync.faults
+
+    injector = tfsync.faults.Injector(tfsync.faults.Schedule([tfsync.faults.Fault("nan", rank=0, step=1)]), rank=0)
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    model.fit(np.zeros((4, 2)), np.zeros((4, 1)), verbose=0, callbacks=[injector])
+
+
 def _one_worker(fn):
     """``fn()`` as rank 0 of one worker for the data helpers (no Horovod needed)."""
 
@@ -303,6 +312,28 @@ BAD_INPUTS = [
         r"commit_every_steps=0",
         r"expected an integer >= 1",
         r'"auto" \(every 100 steps where mid-epoch commits can run\) or "epoch"',
+    ),
+    Bad(
+        "elastic-hang-timeout",
+        A,
+        '`KerasState(hang_timeout_s=...)` not `"auto"`, seconds > 0 or `None`',
+        _elastic_interval(hang_timeout_s=0),
+        ValueError,
+        r"got 0;",
+        r'hang_timeout_s must be "auto", a positive number of seconds or None',
+        r'pass hang_timeout_s="auto" \(the wait bound plus 2 s\), e\.g\. 60, or None \(no hang guard\)',
+    ),
+    Bad(
+        "fault",
+        A,
+        "a `tfsync.faults.Fault` that cannot happen (an unknown kind, neither or both of `step=` and `at_s=`, a "
+        "worker's fault without `rank=`, a host's without `host=` and `duration_s=`); a `\"nan\"` fault with the "
+        "model's loss not wrapped by `injector.loss(...)`",
+        lambda: tfsync.faults.Fault("melt", rank=0, step=1),
+        ValueError,
+        r"unknown kind 'melt'",
+        r"choose among \['kill', 'stop', 'raise', 'nan', 'link_cut', 'link_flap', 'host_removed'\]",
+        r"choose among",
     ),
     Bad(
         "elastic-commits-cannot-run",
@@ -986,6 +1017,10 @@ VARIANTS = [
         ValueError,
         r"tfsync\.elastic\.run \(<lambda>\): the model trains under tfsync\.distribute\.SyncStrategy",
     ),
+    ("fault-when", lambda: tfsync.faults.Fault("kill", rank=0), ValueError, r"give exactly one of step="),
+    ("fault-rank", lambda: tfsync.faults.Fault("kill", step=3), ValueError, r"needs rank= \(an integer >= 0\)"),
+    ("fault-host", lambda: tfsync.faults.Fault("link_cut", host=1, at_s=2), ValueError, r"give duration_s="),
+    ("fault-nan-loss", _nan_fault_without_wrapped_loss, ValueError, r"compile the model with loss=injector\.loss"),
     ("elastic-fit-no-position", _elastic_fit("bsp", False, commit_every_steps=2), ValueError, r"has no position"),
     (
         "data-seed-alone",
