@@ -211,7 +211,7 @@ def to_next_step(steps, fault, window_s):
     return after[0] - t0 if after else None
 
 
-def job_record(out, code, wall_s, steps):
+def job_record(out, code, steps):
     """What one run's files say: every finisher's result, rank 0's, the first step's and the end's
     times, and the epochs the job finished."""
     results = _results(out)
@@ -228,9 +228,9 @@ def job_record(out, code, wall_s, steps):
 def mode_run(args, hosts, mode, work, log):
     calm_out, soak_out = os.path.join(work, f"{mode}-calm"), os.path.join(work, f"{mode}-soak")
     log(f"{mode}: undisturbed run, {args.undisturbed_minutes:g} min")
-    code, _, calm_wall = _launch(args, hosts, calm_out, mode, args.undisturbed_minutes)
+    code, _, _ = _launch(args, hosts, calm_out, mode, args.undisturbed_minutes)
     calm_steps = _steps(calm_out)
-    _, calm, calm_start, calm_end, calm_epochs = job_record(calm_out, code, calm_wall, calm_steps)
+    _, calm, calm_start, calm_end, calm_epochs = job_record(calm_out, code, calm_steps)
     calm_rate = calm_epochs * TRAIN_SAMPLES * args.repeat / (calm_end - calm_start)
     low, high = 2 * args.fault_every / 3, 4 * args.fault_every / 3
     schedule = Schedule.random(
@@ -239,7 +239,7 @@ def mode_run(args, hosts, mode, work, log):
     log(f"{mode}: soak, {args.minutes:g} min, {len(schedule.faults)} faults scheduled")
     code, output, soak_wall = _launch(args, hosts, soak_out, mode, args.minutes, schedule)
     steps = _steps(soak_out)
-    results, lead, start, end, epochs = job_record(soak_out, code, soak_wall, steps)
+    results, lead, start, end, epochs = job_record(soak_out, code, steps)
     rate = epochs * TRAIN_SAMPLES * args.repeat / (end - start)
     faults = Ledger(os.path.join(soak_out, "faults")).records()
     hang_timeout_s = args.wait_timeout_s + 2.0
@@ -264,6 +264,7 @@ def mode_run(args, hosts, mode, work, log):
         "minutes": args.minutes,
         "fault_every_s": args.fault_every,
         "seed": args.seed,
+        "faults_scheduled": len(schedule.faults),  # (one due after the job's last step is never injected)
         "faults_injected": sum(injected.values()),
         "faults_survived": sum(survived.values()),
         "faults_survived_by_kind": dict(sorted(survived.items())),
@@ -282,6 +283,7 @@ def mode_run(args, hosts, mode, work, log):
         "epochs": lead["state_epoch"],
         "undisturbed_epochs": calm["state_epoch"],
         "soak_s": end - start,
+        "launch_s": soak_wall,
         "stalled_s": sum(g for g in gaps if g >= STALL_S),
         "reduced_s": reduced,
         "samples_trained": 16 * len(steps),  # (every worker's steps, redone ones included: batches of 16)

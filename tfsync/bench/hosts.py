@@ -5,11 +5,12 @@ What the multi-host tests (``tests/multihost``) and the network-bound benchmark
 
 Host ``i`` (1-based) is the namespace ``tfsync-h<i>``: one interface ``eth1``
 with the address ``198.18.0.<i>/24`` (RFC 2544's benchmarking range, never
-routed), joined to the others by a veth pair to a bridge in the namespace
-``tfsync-hbr``; its own hostname ``tfh<i>`` (``unshare --uts``), which only
+routed) and a second one, ``198.18.0.<100+i>`` (:meth:`Hosts.alias`), joined
+to the others by a veth pair to a bridge in the namespace ``tfsync-hbr``; its
+own hostname ``tfh<i>`` (``unshare --uts``), which only
 it resolves (``/etc/netns/tfsync-h<i>/hosts``, which ``ip netns exec`` mounts
 over ``/etc/hosts``), as in containers without cluster DNS; and its own sshd
-on port 22 of its address, which takes a key made for this harness, so
+on port 22 of both addresses, which takes a key made for this harness, so
 ``horovodrun -H 198.18.0.1:2,198.18.0.2:2 --ssh-identity-file KEY`` launches
 remote ranks as it would on a cluster.
 
