@@ -28,7 +28,10 @@ reset and at the end); and what the rest of the time went to: ``to_next_step_s``
 (from the fault to the next step of the workers it did not take, past the stall it caused if
 it caused one), ``stalled_s`` (no step anywhere for a second or more),
 ``reduced_s`` (fewer than four workers), the guard's ends of hung workers, the schedule.
-One run on a shared machine is one sample; never run it beside other work.
+``--work-dir`` keeps every run's files (logs, step records, the fault ledger); ``--reanalyze
+WORK_DIR`` rebuilds the records from them (same options) without running; ``--plot`` draws each
+mode's rate, size and faults over the soak.  One run on a shared machine is one sample; never
+run it beside other work.
 
 Example:
 
@@ -60,6 +63,7 @@ COOLDOWN_S = (1, 3)  # horovodrun --blacklist-cooldown-range: a failed host is b
 # joining worker's start-up (TensorFlow's import, while the others wait in the rendezvous) must fit
 GLOO_TIMEOUT_S = 10
 STALL_S = 1.0  # a gap between steps this long counts as stalled
+TIMELINE_BIN_S = 5.0  # the records' timeline: samples per second in bins this long
 LOOP_EPOCHS = 100000  # the run stops at the first epoch end after its deadline, long before
 SETTLED = ("applied", "compensated", "dropped", "rejected", "lost")
 
@@ -77,6 +81,8 @@ def parse_args(argv):
     p.add_argument("--wait-timeout-s", type=number(above=0), default=10.0, help="the workers' wait bound")
     p.add_argument("--step-delay-s", type=number(minimum=0), default=0.05, help="simulated device time a step")
     p.add_argument("--work-dir", default=None, help="keep every run's files here (default: a temporary directory)")
+    p.add_argument("--reanalyze", metavar="WORK_DIR", help="run nothing: the records from a kept --work-dir's files")
+    p.add_argument("--plot", metavar="PNG", help="also plot each mode's rate, size and faults over the soak here")
     p.add_argument("--repeat", type=integer(1), default=4, help="the digits training split this many times an epoch")
     args = p.parse_args(argv)
     if args.undisturbed_minutes is None:
@@ -226,20 +232,58 @@ def job_record(out, code, steps):
 
 
 def mode_run(args, hosts, mode, work, log):
+    """One mode: the undisturbed run, the soak, and their record (:func:`analyze`)."""
     calm_out, soak_out = os.path.join(work, f"{mode}-calm"), os.path.join(work, f"{mode}-soak")
     log(f"{mode}: undisturbed run, {args.undisturbed_minutes:g} min")
     code, _, _ = _launch(args, hosts, calm_out, mode, args.undisturbed_minutes)
-    calm_steps = _steps(calm_out)
-    _, calm, calm_start, calm_end, calm_epochs = job_record(calm_out, code, calm_steps)
-    calm_rate = calm_epochs * TRAIN_SAMPLES * args.repeat / (calm_end - calm_start)
+    job_record(calm_out, code, _steps(calm_out))  # (it failed: say so before the soak)
     low, high = 2 * args.fault_every / 3, 4 * args.fault_every / 3
     schedule = Schedule.random(
         args.seed, args.minutes - high / 60, every_s=(low, high), kinds=args.kinds, ranks=FULL, hosts=(1, 2)
     )
     log(f"{mode}: soak, {args.minutes:g} min, {len(schedule.faults)} faults scheduled")
-    code, output, soak_wall = _launch(args, hosts, soak_out, mode, args.minutes, schedule)
+    code, _, soak_wall = _launch(args, hosts, soak_out, mode, args.minutes, schedule)
+    with open(os.path.join(soak_out, "exit.json"), "w") as f:
+        json.dump({"code": code, "launch_s": soak_wall}, f)
+    record = analyze(args, mode, work)
+    log(
+        f"{mode}: {record['faults_survived']}/{record['faults_injected']} faults survived, {record['resets']} resets, "
+        f"goodput {record['goodput']:.2f}, accuracy {record['final_accuracy']:.4f} (undisturbed "
+        f"{record['undisturbed_accuracy']:.4f}), accounting {'ok' if record['accounting_ok'] else 'BROKEN'}"
+    )
+    return record
+
+
+def timeline(steps, start, bin_s=TIMELINE_BIN_S):
+    """``[[seconds since start, samples trained per second (redone ones too), workers], ...]`` in
+    bins of ``bin_s`` from ``start`` (earlier steps left out)."""
+    if not steps:
+        return []
+    bins = {}
+    for s in steps:
+        b = int((s["t"] - start) // bin_s)
+        count, size = bins.get(b, (0, 0))
+        bins[b] = (count + 1, max(size, s["n"]))
+    out, size = [], 0
+    for b in range(max(bins) + 1):
+        count, seen = bins.get(b, (0, 0))
+        size = seen or size  # (a bin without steps: the size the job last had)
+        out.append([b * bin_s, 16 * count / bin_s, size])
+    return out
+
+
+def analyze(args, mode, work):
+    """``mode``'s record from the files its two runs left under ``work`` (see the module docstring)."""
+    calm_out, soak_out = os.path.join(work, f"{mode}-calm"), os.path.join(work, f"{mode}-soak")
+    calm_steps = _steps(calm_out)
+    _, calm, calm_start, calm_end, calm_epochs = job_record(calm_out, 0, calm_steps)
+    calm_rate = calm_epochs * TRAIN_SAMPLES * args.repeat / (calm_end - calm_start)
+    with open(os.path.join(soak_out, "faults.json")) as f:
+        schedule = Schedule.from_json(f.read())
+    exit_path = os.path.join(soak_out, "exit.json")
+    launched = json.load(open(exit_path)) if os.path.exists(exit_path) else {"code": 0, "launch_s": None}
     steps = _steps(soak_out)
-    results, lead, start, end, epochs = job_record(soak_out, code, steps)
+    results, lead, start, end, epochs = job_record(soak_out, launched["code"], steps)
     rate = epochs * TRAIN_SAMPLES * args.repeat / (end - start)
     faults = Ledger(os.path.join(soak_out, "faults")).records()
     hang_timeout_s = args.wait_timeout_s + 2.0
@@ -256,10 +300,10 @@ def mode_run(args, hosts, mode, work, log):
     reduced = sum(b["t"] - a["t"] for a, b in zip(steps, steps[1:], strict=False) if a["n"] < FULL)
     checks = [c for r in results.values() for pair in r["counts_after_resets"] for c in pair]
     checks += [c for r in results.values() for c in (r["counts"], r["state_counts"])]
-    with open(output, errors="replace") as f:
+    with open(os.path.join(soak_out, "output.log"), errors="replace") as f:
         text = f.read()
     job = lead["state_counts"]
-    record = {
+    return {
         "mode": mode,
         "minutes": args.minutes,
         "fault_every_s": args.fault_every,
@@ -280,10 +324,10 @@ def mode_run(args, hosts, mode, work, log):
         "to_next_step_s": {k: _summary(v) for k, v in sorted(next_step.items())},
         "useful_samples_per_s": rate,
         "undisturbed_useful_samples_per_s": calm_rate,
-        "epochs": lead["state_epoch"],
-        "undisturbed_epochs": calm["state_epoch"],
+        "epochs": epochs,
+        "undisturbed_epochs": calm_epochs,
         "soak_s": end - start,
-        "launch_s": soak_wall,
+        "launch_s": launched["launch_s"],
         "stalled_s": sum(g for g in gaps if g >= STALL_S),
         "reduced_s": reduced,
         "samples_trained": 16 * len(steps),  # (every worker's steps, redone ones included: batches of 16)
@@ -296,13 +340,47 @@ def mode_run(args, hosts, mode, work, log):
         "step_delay_s": args.step_delay_s,
         "schedule": json.loads(schedule.to_json()),
         "faults": {str(k): v for k, v in sorted(faults.items())},
+        "timeline": timeline(steps, schedule.start_t),
+        "undisturbed_timeline": timeline(calm_steps, calm_start),
     }
-    log(
-        f"{mode}: {record['faults_survived']}/{record['faults_injected']} faults survived, {record['resets']} resets, "
-        f"goodput {record['goodput']:.2f}, accuracy {record['final_accuracy']:.4f} (undisturbed "
-        f"{record['undisturbed_accuracy']:.4f}), accounting {'ok' if record['accounting_ok'] else 'BROKEN'}"
-    )
-    return record
+
+
+def plot(records, path):
+    """Per mode, the job's useful rate over the soak (samples per second in bins) against the
+    undisturbed run's, the workers in the job, and each fault, marked by kind; to ``path`` (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = [r for r in records if "failed" not in r]
+    fig, axes = plt.subplots(len(records), 1, figsize=(12, 3.2 * len(records)), squeeze=False)
+    colors = dict(zip(KINDS, plt.get_cmap("tab10").colors, strict=False))
+    for axis, r in zip(axes[:, 0], records, strict=True):
+        t = [row[0] / 60 for row in r["timeline"]]
+        axis.plot(t, [row[1] for row in r["timeline"]], lw=0.8, color="black", label="samples trained/s")
+        axis.axhline(r["undisturbed_useful_samples_per_s"], ls="--", color="grey", lw=0.8, label="undisturbed")
+        size = axis.twinx()
+        size.step(t, [row[2] for row in r["timeline"]], where="post", color="tab:blue", alpha=0.4, lw=0.8)
+        size.set_ylim(0, FULL + 0.5)
+        size.set_ylabel("workers")
+        seen = set()
+        for index, fault in r["faults"].items():
+            kind = r["schedule"]["faults"][int(index)]["kind"]
+            at = (fault["t"] - r["schedule"]["start_t"]) / 60
+            axis.axvline(at, color=colors[kind], lw=1.2, alpha=0.8, label=None if kind in seen else kind)
+            seen.add(kind)
+        axis.set_title(
+            f"{r['mode']}: {r['faults_survived']}/{r['faults_injected']} faults survived, goodput "
+            f"{r['goodput']:.2f}, accuracy {r['final_accuracy']:.3f} (undisturbed {r['undisturbed_accuracy']:.3f})",
+            fontsize=9,
+        )
+        axis.set_xlabel("minutes since the first fault could come")
+        axis.set_ylabel("samples/s")
+        axis.legend(fontsize=7, ncol=5, loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 def run(args, hosts, log=print):
@@ -324,10 +402,17 @@ def run(args, hosts, log=print):
 
 def main(argv=None):
     args = parse_args(argv)
-    from tfsync.bench.hosts import Hosts
+    if args.reanalyze:
+        records = [analyze(args, mode, args.reanalyze) for mode in args.modes]
+        with open(args.json, "w") as f:
+            json.dump(records, f, indent=1)
+    else:
+        from tfsync.bench.hosts import Hosts
 
-    with Hosts(2) as hosts:
-        records = run(args, hosts, log=lambda line: print(line, file=sys.stderr, flush=True))
+        with Hosts(2) as hosts:
+            records = run(args, hosts, log=lambda line: print(line, file=sys.stderr, flush=True))
+    if args.plot:
+        plot(records, args.plot)
     return 1 if any("failed" in r for r in records) else 0
 
 

@@ -34,3 +34,8 @@ def test_the_command_line_wants_its_json_and_known_modes(capsys):
         chaos.parse_args(["--modes", "ssp", "--json", "x.json"])
     args = chaos.parse_args(["--minutes", "2", "--json", "x.json"])
     assert args.modes == ["bsp", "backup", "diloco"] and args.undisturbed_minutes == 2
+
+
+def test_the_timeline_bins_the_samples_and_carries_the_size_through_a_stall():
+    steps = [{"t": t, "pid": 1, "r": 0, "n": n} for t, n in [(-1.0, 4), (0.5, 4), (1.0, 4), (12.0, 2)]]
+    assert chaos.timeline(steps, start=0.0, bin_s=5.0) == [[0.0, 32 / 5, 4], [5.0, 0.0, 4], [10.0, 16 / 5, 2]]
