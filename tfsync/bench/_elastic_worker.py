@@ -91,9 +91,6 @@ def main(argv=None):
 
     import horovod.tensorflow as hvd
 
-    hvd.init()
-    full = hvd.size()  # the job's size at launch: kills happen while it is whole
-
     import keras
     import numpy as np
     from sklearn.datasets import load_digits
@@ -118,6 +115,10 @@ def main(argv=None):
         [keras.Input((64,)), keras.layers.Dense(64, activation="relu"), keras.layers.Dense(10, activation="softmax")]
     )
     model.compile(optimizer=keras.optimizers.SGD(0.2), loss=loss, metrics=["accuracy"])
+    # (everything that needs no peer is ready before hvd.init(): a process joining a running job
+    # keeps the others waiting in the rendezvous only for its imports)
+    hvd.init()
+    full = hvd.size()  # the job's size at launch: kills happen while it is whole
 
     mode = args.mode
     if mode.startswith("psp:"):

@@ -59,9 +59,11 @@ FULL = 2 * PER_HOST
 TRAIN_SAMPLES = 1437  # the digits training split (_elastic_worker)
 STARTUP_S = 45.0  # from the launch to the first fault: four TensorFlow start-ups on two cores
 COOLDOWN_S = (1, 3)  # horovodrun --blacklist-cooldown-range: a failed host is back after 1-3 s
-# Gloo's bound: a survivor whose collective waits on a live peer sees a failure only then, and a
-# joining worker's start-up (TensorFlow's import, while the others wait in the rendezvous) must fit
-GLOO_TIMEOUT_S = 10
+# Gloo's bound (Horovod's default): a joining worker's start-up (ssh, TensorFlow's import), which
+# the others wait for in the rendezvous, must fit, or Horovod aborts every member (an uncaught
+# gloo::IoException in its background thread: the job ends); it also bounds how long a survivor
+# whose collective waits on a live peer takes to see a failure
+GLOO_TIMEOUT_S = 30
 STALL_S = 1.0  # a gap between steps this long counts as stalled
 TIMELINE_BIN_S = 5.0  # the records' timeline: samples per second in bins this long
 LOOP_EPOCHS = 100000  # the run stops at the first epoch end after its deadline, long before
