@@ -90,7 +90,6 @@ def main(argv=None):
     out_dir = args.out_dir
 
     import horovod.tensorflow as hvd
-
     import keras
     import numpy as np
     from sklearn.datasets import load_digits
