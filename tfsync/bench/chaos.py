@@ -65,6 +65,7 @@ COOLDOWN_S = (1, 3)  # horovodrun --blacklist-cooldown-range: a failed host is b
 # whose collective waits on a live peer takes to see a failure
 GLOO_TIMEOUT_S = 30
 STALL_S = 1.0  # a gap between steps this long counts as stalled
+STALL_LIMIT_S = 150.0  # no step anywhere for this long: the job is lost (ended, recorded as such)
 TIMELINE_BIN_S = 5.0  # the records' timeline: samples per second in bins this long
 LOOP_EPOCHS = 100000  # the run stops at the first epoch end after its deadline, long before
 SETTLED = ("applied", "compensated", "dropped", "rejected", "lost")
@@ -153,11 +154,11 @@ def _launch(args, hosts, out, mode, minutes, schedule=None):
         try:
             if schedule is not None:
                 with HostFaults(schedule, actuator, ledger_dir=os.path.join(out, "faults")) as injector:
-                    code = _wait(process, bound_s)
+                    code = _wait(process, bound_s, out)
                 if injector.error is not None:
                     raise RuntimeError(f"the host faults failed: {injector.error!r}")
             else:
-                code = _wait(process, bound_s)
+                code = _wait(process, bound_s, out)
         finally:
             for i in range(1, hosts.n + 1):
                 hosts.set_link(i, True)
@@ -165,14 +166,25 @@ def _launch(args, hosts, out, mode, minutes, schedule=None):
     return code, output, time.time() - launch_t
 
 
-def _wait(process, bound_s):
-    try:
-        return process.wait(timeout=bound_s)
-    except subprocess.TimeoutExpired:
-        from tfsync.bench.hosts import kill
+def _wait(process, bound_s, out):
+    """The launch's exit code; past ``bound_s``, or once the job took no step for
+    :data:`STALL_LIMIT_S` after its first, the launch is ended (124) and ``out/stalled.json`` says
+    since when (a job lost to its faults: no worker left to go on, the launcher waiting)."""
+    from tfsync.bench.hosts import kill
 
-        kill(process)
-        return 124
+    deadline = time.time() + bound_s
+    while time.time() < deadline:
+        try:
+            return process.wait(timeout=2.0)
+        except subprocess.TimeoutExpired:
+            pass
+        stamps = [os.path.getmtime(p) for p in glob.glob(os.path.join(out, "every_step_*.jsonl"))]
+        if stamps and time.time() - max(stamps) > STALL_LIMIT_S:
+            with open(os.path.join(out, "stalled.json"), "w") as f:
+                json.dump({"last_step_t": max(stamps), "limit_s": STALL_LIMIT_S}, f)
+            break
+    kill(process)
+    return 124
 
 
 def _results(out):
@@ -248,6 +260,9 @@ def mode_run(args, hosts, mode, work, log):
     with open(os.path.join(soak_out, "exit.json"), "w") as f:
         json.dump({"code": code, "launch_s": soak_wall}, f)
     record = analyze(args, mode, work)
+    if record["job_lost"] is not None:
+        log(f"{mode}: the job was LOST ({record['job_lost']['why']}) after {record['faults_survived']} faults survived")
+        return record
     log(
         f"{mode}: {record['faults_survived']}/{record['faults_injected']} faults survived, {record['resets']} resets, "
         f"goodput {record['goodput']:.2f}, accuracy {record['final_accuracy']:.4f} (undisturbed "
@@ -285,8 +300,16 @@ def analyze(args, mode, work):
     exit_path = os.path.join(soak_out, "exit.json")
     launched = json.load(open(exit_path)) if os.path.exists(exit_path) else {"code": 0, "launch_s": None}
     steps = _steps(soak_out)
-    results, lead, start, end, epochs = job_record(soak_out, launched["code"], steps)
-    rate = epochs * TRAIN_SAMPLES * args.repeat / (end - start)
+    try:
+        results, lead, start, end, epochs = job_record(soak_out, launched["code"], steps)
+        lost, rate = None, epochs * TRAIN_SAMPLES * args.repeat / (end - start)
+    except RuntimeError as exc:  # the job was lost to its faults: what it survived until then
+        results, lead, epochs, rate = {}, None, None, None
+        stalled = os.path.join(soak_out, "stalled.json")
+        why = f"no step for {STALL_LIMIT_S:.0f} s" if os.path.exists(stalled) else f"exit {launched['code']}"
+        lost = {"why": why, "last_step_s": steps[-1]["t"] - schedule.start_t if steps else None}
+        lost["output_tail"] = str(exc)[-4000:]
+        start, end = (steps[0]["t"], steps[-1]["t"]) if steps else (None, None)
     faults = Ledger(os.path.join(soak_out, "faults")).records()
     hang_timeout_s = args.wait_timeout_s + 2.0
     survived, injected = collections.Counter(), collections.Counter()
@@ -296,7 +319,7 @@ def analyze(args, mode, work):
         injected[kind] += 1
         s = to_next_step(steps, record, hang_timeout_s + 5)
         next_step[kind].append(s)
-        if s is not None:
+        if s is not None and (lost is None or record["t"] + s <= steps[-1]["t"]):
             survived[kind] += 1
     gaps = [b["t"] - a["t"] for a, b in zip(steps, steps[1:], strict=False)]
     reduced = sum(b["t"] - a["t"] for a, b in zip(steps, steps[1:], strict=False) if a["n"] < FULL)
@@ -304,7 +327,7 @@ def analyze(args, mode, work):
     checks += [c for r in results.values() for c in (r["counts"], r["state_counts"])]
     with open(os.path.join(soak_out, "output.log"), errors="replace") as f:
         text = f.read()
-    job = lead["state_counts"]
+    job = lead["state_counts"] if lead else None
     return {
         "mode": mode,
         "minutes": args.minutes,
@@ -315,20 +338,21 @@ def analyze(args, mode, work):
         "faults_survived": sum(survived.values()),
         "faults_survived_by_kind": dict(sorted(survived.items())),
         "faults_injected_by_kind": dict(sorted(injected.items())),
-        "resets": max(r["resets"] for r in results.values()),
-        "steps_redone": job["steps_redone"],
-        "samples_redone": job["samples_redone"],
-        "goodput": rate / calm_rate,
-        "final_accuracy": lead["accuracy"],
+        "job_lost": lost,
+        "resets": max((r["resets"] for r in results.values()), default=None),
+        "steps_redone": job and job["steps_redone"],
+        "samples_redone": job and job["samples_redone"],
+        "goodput": rate and rate / calm_rate,
+        "final_accuracy": lead and lead["accuracy"],
         "undisturbed_accuracy": calm["accuracy"],
-        "accounting_ok": all(adds_up(c) for c in checks),
+        "accounting_ok": bool(checks) and all(adds_up(c) for c in checks),
         "accounting_checks": len(checks),
         "to_next_step_s": {k: _summary(v) for k, v in sorted(next_step.items())},
         "useful_samples_per_s": rate,
         "undisturbed_useful_samples_per_s": calm_rate,
         "epochs": epochs,
         "undisturbed_epochs": calm_epochs,
-        "soak_s": end - start,
+        "soak_s": end - start if steps else None,
         "launch_s": launched["launch_s"],
         "stalled_s": sum(g for g in gaps if g >= STALL_S),
         "reduced_s": reduced,
@@ -355,7 +379,7 @@ def plot(records, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    records = [r for r in records if "failed" not in r]
+    records = [r for r in records if "failed" not in r and r["timeline"]]
     fig, axes = plt.subplots(len(records), 1, figsize=(12, 3.2 * len(records)), squeeze=False)
     colors = dict(zip(KINDS, plt.get_cmap("tab10").colors, strict=False))
     for axis, r in zip(axes[:, 0], records, strict=True):
@@ -372,10 +396,14 @@ def plot(records, path):
             at = (fault["t"] - r["schedule"]["start_t"]) / 60
             axis.axvline(at, color=colors[kind], lw=1.2, alpha=0.8, label=None if kind in seen else kind)
             seen.add(kind)
+        outcome = (
+            f"goodput {r['goodput']:.2f}, accuracy {r['final_accuracy']:.3f} "
+            f"(undisturbed {r['undisturbed_accuracy']:.3f})"
+            if r["job_lost"] is None
+            else f"the job was LOST ({r['job_lost']['why']})"
+        )
         axis.set_title(
-            f"{r['mode']}: {r['faults_survived']}/{r['faults_injected']} faults survived, goodput "
-            f"{r['goodput']:.2f}, accuracy {r['final_accuracy']:.3f} (undisturbed {r['undisturbed_accuracy']:.3f})",
-            fontsize=9,
+            f"{r['mode']}: {r['faults_survived']}/{r['faults_injected']} faults survived, {outcome}", fontsize=9
         )
         axis.set_xlabel("minutes since the first fault could come")
         axis.set_ylabel("samples/s")
@@ -415,7 +443,7 @@ def main(argv=None):
             records = run(args, hosts, log=lambda line: print(line, file=sys.stderr, flush=True))
     if args.plot:
         plot(records, args.plot)
-    return 1 if any("failed" in r for r in records) else 0
+    return 1 if any("failed" in r or r.get("job_lost") for r in records) else 0
 
 
 if __name__ == "__main__":
