@@ -13,17 +13,19 @@ worker's heartbeat thread writes to the guard's standard input every :data:`HEAR
 guard ends the worker (SIGKILL) when
 
 * nothing arrives for ``hang_timeout_s``: the whole process is frozen (its threads stopped), or
-* the heartbeat says the worker has been in one training step for more than ``hang_timeout_s``
-  (the main thread is stuck while the others still run).
+* the heartbeat says the worker has been in one training step for more than twice
+  ``hang_timeout_s`` (:data:`STEP_FACTOR`: the main thread is stuck while the others still run).
 
 ``hang_timeout_s`` is longer than a step's waits on peers (the wait bound, whose every wait in a
-step is bounded: the collectives run on the engine's exchange thread), so a healthy worker waiting
-on a hung peer gets its own bounded error first and is never ended, and by the time the guard
-ends a worker, its peers have given up on it.  The launcher then sees the
-exit, blacklists the host (for its cooldown, ``--blacklist-cooldown-range``) and re-forms the job
-from the survivors.  The guard writes why to the worker's standard error (horovodrun prefixes
-it with the rank), so the job's log says which worker was ended and after how long.  The guard
-ends itself when the worker's end closes the pipe.
+step is bounded: the collectives run on the engine's exchange thread), so by the time the guard
+ends a frozen worker, its peers have given up on it.  A step lasts its own compute plus such a
+wait plus the notice of a stop (up to 2 s), so the bound on one step is twice as long: a healthy
+worker waiting on a hung peer gets its own bounded error first and is never ended.  The
+launcher then sees the exit, blacklists the host (for its cooldown,
+``--blacklist-cooldown-range``) and re-forms the job from the survivors.  The guard writes why
+to the worker's standard error (horovodrun prefixes it with the rank), so the job's log says
+which worker was ended and after how long.  The guard ends itself when the worker's end closes
+the pipe.
 """
 
 import os
@@ -36,6 +38,9 @@ import time
 
 HEARTBEAT_S = 0.25  # the worker's heartbeat period
 HANG_MARGIN_S = 2.0  # hang_timeout_s "auto": the wait bound plus this
+# a step may take its own compute plus a wait on peers up to the bound plus the stop notice: one
+# in a step this many times the hang timeout is stuck (a frozen process: the hang timeout itself)
+STEP_FACTOR = 2.0
 
 
 class HangGuard:
@@ -67,7 +72,7 @@ class HangGuard:
         self._send(f"label {text}")
 
     def step_begin(self):
-        """A training step begins: from now, one that lasts past the bound ends the process."""
+        """A training step begins: from now, one that lasts past twice the timeout ends the process."""
         self._step_t = time.monotonic()
 
     def idle(self):
@@ -99,7 +104,7 @@ class HangGuard:
         while not self._stopped.wait(HEARTBEAT_S):
             began = self._step_t
             in_step = 0.0 if began is None else time.monotonic() - began
-            self._send(f"hung {in_step:.1f}" if in_step > self.hang_timeout_s else ".")
+            self._send(f"hung {in_step:.1f}" if in_step > STEP_FACTOR * self.hang_timeout_s else ".")
 
 
 def _guard(parent: int, hang_timeout_s: float):

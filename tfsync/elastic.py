@@ -76,6 +76,7 @@ from tfsync._hang_guard import HANG_MARGIN_S, HangGuard
 from tfsync.engine import lifecycle
 from tfsync.engine.bounded import run_bounded
 from tfsync.engine.cluster import HorovodCluster
+from tfsync.engine.control.client import ControlUnreachableError
 from tfsync.engine.diagnosis import SyncTimeoutError
 from tfsync.engine.rounds import WorkerLostError
 from tfsync.engine.tally import COUNTS
@@ -141,7 +142,8 @@ class KerasState(ObjectState):
             integer or ``"auto"``, whichever comes first.  Refused with ``"epoch"``.
         hang_timeout_s: under an elastic launch, a guard process beside the worker ends it
             (SIGKILL, saying why on its standard error) once it has been frozen (SIGSTOP, a
-            paused VM) or in one training step (a deadlock, a stuck kernel) this long, so that
+            paused VM) this long, or in one training step (a deadlock, a stuck kernel) twice
+            as long (a step's own compute comes on top of its wait on peers), so that
             the launcher, which waits for every worker's exit, re-forms the job without it
             (``docs/guide/elastic.md``, "Hung workers").  ``"auto"`` (default): the wait bound of
             the callback committing the state plus 2 s: a peer waiting on a hung worker gives up
@@ -357,15 +359,16 @@ def _check_interval(every_steps, every_s):
 
 def is_reset_error(exc) -> bool:
     """Whether ``exc`` (or an exception it was raised from) is a failure a reset answers: a lost
-    peer, a wait past its bound, a failed Horovod collective (its TensorFlow op error names Horovod
-    or Gloo), or Horovod's ``HorovodInternalError``.  Any other error is the program's own and
+    peer, a wait past its bound, rank 0's control service out of reach when the engine starts, a
+    failed Horovod collective (its TensorFlow op error names Horovod or Gloo), or Horovod's
+    ``HorovodInternalError``.  Any other error is the program's own and
     stops the job."""
     import tensorflow as tf
 
     seen = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
-        if isinstance(exc, HorovodInternalError | WorkerLostError | SyncTimeoutError):
+        if isinstance(exc, HorovodInternalError | WorkerLostError | SyncTimeoutError | ControlUnreachableError):
             return True
         if isinstance(exc, tf.errors.OpError) and HOROVOD_OP_ERROR.search(exc.message or ""):
             return True

@@ -31,6 +31,7 @@ def test_a_short_soak_survives_a_kill_a_hang_and_a_nan(two_hosts, tmp_path):
     assert json.loads(out.read_text()) == records
     (record,) = records
     assert "failed" not in record, record.get("failed")
+    assert record["job_lost"] is None, record["job_lost"]
     assert all(field in record for field in FIELDS), sorted(record)
     assert record["faults_injected"] >= 2, record["faults"]
     assert record["faults_survived"] == record["faults_injected"], record

@@ -12,6 +12,7 @@ import tfsync
 import tfsync.elastic as elastic
 from tfsync.engine import SyncTimeoutError, WorkerLostError
 from tfsync.engine.cluster import HorovodCluster
+from tfsync.engine.control.client import ControlUnreachableError
 from tfsync.engine.tally import Tally
 
 
@@ -95,6 +96,8 @@ def test_the_callback_takes_only_a_keras_state():
         (WorkerLostError("tfsync: lost rank 1"), True),
         (SyncTimeoutError("tfsync: rank 0 waited 30 s"), True),
         (HorovodInternalError("x"), True),
+        (ControlUnreachableError("tfsync: rank 1 could not reach the control service of rank 0"), True),
+        (TimeoutError("a program's own timeout"), False),
         (tf.errors.UnknownError(None, None, "HorovodAllreduce failed: Horovod has been shut down"), True),
         (tf.errors.UnknownError(None, None, "gloo/transport/tcp/pair.cc: Connection reset by peer"), True),
         (tf.errors.InvalidArgumentError(None, None, "Incompatible shapes: [2] vs. [3]"), False),

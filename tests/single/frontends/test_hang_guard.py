@@ -13,7 +13,7 @@ import time
 import pytest
 
 import tfsync.elastic as elastic
-from tfsync._hang_guard import HANG_MARGIN_S
+from tfsync._hang_guard import HANG_MARGIN_S, STEP_FACTOR
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 BOUND_S = 60  # every process here ends in seconds; this bounds a broken guard
@@ -69,14 +69,23 @@ def test_a_frozen_worker_is_ended_saying_why():
 
 def test_a_worker_stuck_in_one_step_is_ended_saying_why():
     body = "guard.step_begin()\ntime.sleep(30)\n"  # (its heartbeat thread runs on: only the step is stuck)
+    t = time.monotonic()
     code, out, err = _finish(_worker(body))
     assert code == -signal.SIGKILL, (code, err)
     assert "its main thread was in one training step for" in err, err
+    assert time.monotonic() - t >= STEP_FACTOR * 1.0  # (a step may take twice the hang timeout)
 
 
 def test_a_worker_that_steps_on_is_left_alone_and_its_guard_ends_with_it():
     body = """
     for _ in range(30):  # 3 s of 0.1 s steps, three times the bound
+        guard.step_begin()
+        time.sleep(0.1)
+        guard.idle()
+    guard.step_begin()
+    time.sleep(1.5)  # one step past the hang timeout, within twice it
+    guard.idle()
+    for _ in range(3):
         guard.step_begin()
         time.sleep(0.1)
         guard.idle()

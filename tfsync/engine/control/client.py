@@ -60,6 +60,11 @@ class ControlError(RuntimeError):
     """Rank 0 did not answer a request within its bound, or answered with an error."""
 
 
+class ControlUnreachableError(TimeoutError):
+    """A worker could not attach to rank 0's control service within its bound (rank 0 gone, or
+    not reachable from this host); in an elastic job a reset answers it, as a lost peer."""
+
+
 class _Link:
     """One attempt at a link: its call, the queue its messages are taken from, what it sent."""
 
@@ -155,7 +160,7 @@ class ControlClient:
         self._watcher = threading.Thread(target=self._watch, args=(first,), daemon=True, name="tfsync-control-watch")
         self._watcher.start()
         if not first.wait(connect_timeout_s):
-            raise TimeoutError(
+            raise ControlUnreachableError(
                 f"tfsync: rank {rank} could not reach the control service of rank 0 at {address} "
                 f"within {connect_timeout_s:.0f} s; check that rank 0 is running and that this "
                 f"host can reach it (or set TFSYNC_CONTROL_HOST to an address it can reach)"
