@@ -49,6 +49,7 @@ import sys
 import tempfile
 import time
 
+from tfsync.bench.elastic import jsonl_records
 from tfsync.faults import KINDS, HostFaults, Ledger, Schedule
 from tfsync.launch import REPO_ROOT, integer, number
 
@@ -196,11 +197,7 @@ def _results(out):
 
 
 def _steps(out):
-    steps = []
-    for path in glob.glob(os.path.join(out, "every_step_*.jsonl")):
-        with open(path) as f:
-            steps += [json.loads(line) for line in f if line.strip()]
-    return sorted(steps, key=lambda s: s["t"])
+    return jsonl_records(out, "every_step_*.jsonl", "t")
 
 
 def adds_up(counts) -> bool:

@@ -142,12 +142,17 @@ def _kills(out_dir):
     return sorted(kills, key=lambda k: k["t"])
 
 
-def _step_records(out_dir):
+def jsonl_records(out_dir, pattern, key):
+    """Every record of the files ``out_dir/pattern`` (JSON lines, one file per process), sorted by ``key``."""
     records = []
-    for path in glob.glob(os.path.join(out_dir, "steps_*.jsonl")):
+    for path in glob.glob(os.path.join(out_dir, pattern)):
         with open(path) as f:
             records += [json.loads(line) for line in f if line.strip()]
-    return sorted(records, key=lambda r: r["first_step_t"])
+    return sorted(records, key=lambda r: r[key])
+
+
+def _step_records(out_dir):
+    return jsonl_records(out_dir, "steps_*.jsonl", "first_step_t")
 
 
 def per_kill(out_dir, full=2):
