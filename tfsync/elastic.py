@@ -29,6 +29,10 @@ only.  This module is the Keras 3 way, with tfsync's engine:
   committed sample ``state.sample`` (:func:`tfsync.shard` or
   :func:`tfsync.shard_dataset` given ``resume=state``).  The callback's
   ``on_train_begin`` starts a new engine and control path on the new members.
+* a hang guard (:mod:`tfsync._hang_guard`): while :func:`run` runs, a small process beside the
+  worker ends it once it is frozen or stuck in a step past ``state.hang_timeout_s``, because
+  Horovod's launcher re-forms a job only once every member has exited or re-registered, and a
+  hung one does neither.
 
 Elastic training runs through the Keras callback only: a model that trains under
 :class:`tfsync.distribute.SyncStrategy` is refused when the state is built (or when the

@@ -24,7 +24,8 @@ class FaultInjector(keras.callbacks.Callback):
         schedule: the :class:`Schedule`.
         ledger_dir: a directory every process of the job sees (default None: this process's
             memory only).
-        rank, size: this worker's (default: Horovod's, read at each step).
+        rank: this worker's rank (default: Horovod's, read at each step).
+        size: the job's size (default: Horovod's, read at each step).
     """
 
     def __init__(self, schedule, ledger_dir=None, rank=None, size=None):
