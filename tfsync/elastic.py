@@ -76,7 +76,7 @@ import time
 
 from tfsync import _env, _horovod
 from tfsync._data import REDONE
-from tfsync._hang_guard import HANG_MARGIN_S, HangGuard
+from tfsync._hang_guard import HANG_MARGIN_S, STEP_FACTOR, HangGuard
 from tfsync.engine import lifecycle
 from tfsync.engine.bounded import run_bounded
 from tfsync.engine.cluster import HorovodCluster
@@ -455,7 +455,11 @@ def _start_guard(hvd, state):
     if timeout_s is None:
         return None
     state.hang_guard = HangGuard(timeout_s, f"rank {hvd.rank()} of {hvd.size()}")
-    log.info("tfsync.elastic: a hang guard ends this worker if it is frozen, or in one step, for %.1f s", timeout_s)
+    log.info(
+        "tfsync.elastic: a hang guard ends this worker if it is frozen for %.1f s, or in one step for %.1f s",
+        timeout_s,
+        STEP_FACTOR * timeout_s,
+    )
     return state.hang_guard
 
 
