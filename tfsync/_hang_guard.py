@@ -62,6 +62,9 @@ class HangGuard:
             stdin=subprocess.PIPE,
             stdout=subprocess.DEVNULL,
         )
+        # never block on the pipe (a guard that is itself stopped would fill it): a line that does
+        # not fit is dropped, the next heartbeat follows
+        os.set_blocking(self._process.stdin.fileno(), False)
         self._send(f"label {label}")
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._beat, name="tfsync-hang-guard", daemon=True)
@@ -95,9 +98,8 @@ class HangGuard:
     def _send(self, line: str):
         with self._lock:
             try:
-                self._process.stdin.write(line.encode("utf-8", "replace") + b"\n")
-                self._process.stdin.flush()
-            except (BrokenPipeError, OSError, ValueError):  # the guard has gone: nothing to feed
+                os.write(self._process.stdin.fileno(), line.encode("utf-8", "replace") + b"\n")
+            except (BlockingIOError, BrokenPipeError, OSError, ValueError):  # full, or the guard has gone
                 pass
 
     def _beat(self):

@@ -135,7 +135,9 @@ def main(argv=None):
     seen = {"epochs": [], "first_step_after_reset_t": None, "memberships": [], "counts_after_resets": []}
     stopped = []  # the deadline passed (a fit per epoch: stop_training ends only the one)
     steps_log = os.path.join(out_dir, f"steps_{os.getpid()}.jsonl")
-    every_step_log = os.path.join(out_dir, f"every_step_{os.getpid()}.jsonl")
+    every_step_log = None
+    if args.step_log:
+        every_step_log = open(os.path.join(out_dir, f"every_step_{os.getpid()}.jsonl"), "a", buffering=1)  # noqa: SIM115
 
     class Victim(keras.callbacks.Callback):
         """Kills this process when it is due; records the steps after each reset; stops at the deadline."""
@@ -192,9 +194,9 @@ def main(argv=None):
                     f.write(json.dumps(record) + "\n")
                 self.logged_resets, self.logged_start = state.resets, True
             self.last_step_t = now
-            if args.step_log:
-                with open(every_step_log, "a") as f:
-                    f.write(json.dumps({"pid": os.getpid(), "t": now, "r": state.resets, "n": hvd.size()}) + "\n")
+            if every_step_log is not None:  # (one open file, a line a step, flushed: a kill keeps what it wrote)
+                every_step_log.write(json.dumps({"pid": os.getpid(), "t": now, "r": state.resets, "n": hvd.size()}))
+                every_step_log.write("\n")
 
         def on_epoch_end(self, epoch, logs=None):
             seen["epochs"].append(epoch)

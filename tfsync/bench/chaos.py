@@ -43,13 +43,12 @@ import collections
 import glob
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 
-from tfsync.bench.elastic import jsonl_records
+from tfsync.bench.elastic import adds_up, jsonl_records, read_results, summary
 from tfsync.faults import KINDS, HostFaults, Ledger, Schedule
 from tfsync.launch import REPO_ROOT, integer, number
 
@@ -69,7 +68,6 @@ STALL_S = 1.0  # a gap between steps this long counts as stalled
 STALL_LIMIT_S = 150.0  # no step anywhere for this long: the job is lost (ended, recorded as such)
 TIMELINE_BIN_S = 5.0  # the records' timeline: samples per second in bins this long
 LOOP_EPOCHS = 100000  # the run stops at the first epoch end after its deadline, long before
-SETTLED = ("applied", "compensated", "dropped", "rejected", "lost")
 
 
 def parse_args(argv):
@@ -188,27 +186,8 @@ def _wait(process, bound_s, out):
     return 124
 
 
-def _results(out):
-    results = {}
-    for path in glob.glob(os.path.join(out, "result_rank*.json")):
-        with open(path) as f:
-            results[int(os.path.basename(path)[len("result_rank") : -len(".json")])] = json.load(f)
-    return results
-
-
 def _steps(out):
     return jsonl_records(out, "every_step_*.jsonl", "t")
-
-
-def adds_up(counts) -> bool:
-    return counts["produced"] == sum(counts[k] for k in SETTLED)
-
-
-def _summary(values):
-    values = [v for v in values if v is not None]
-    if not values:
-        return {"median": None, "max": None, "n": 0}
-    return {"median": round(statistics.median(values), 2), "max": round(max(values), 2), "n": len(values)}
 
 
 def to_next_step(steps, fault, window_s):
@@ -231,7 +210,7 @@ def to_next_step(steps, fault, window_s):
 def job_record(out, code, steps):
     """What one run's files say: every finisher's result, rank 0's, the first step's and the end's
     times, and the epochs the job finished."""
-    results = _results(out)
+    results = read_results(out)
     if code != 0 or 0 not in results:
         with open(os.path.join(out, "output.log"), errors="replace") as f:
             tail = f.read()[-6000:]
@@ -318,8 +297,7 @@ def analyze(args, mode, work):
         next_step[kind].append(s)
         if s is not None and (lost is None or record["t"] + s <= steps[-1]["t"]):
             survived[kind] += 1
-    gaps = [b["t"] - a["t"] for a, b in zip(steps, steps[1:], strict=False)]
-    reduced = sum(b["t"] - a["t"] for a, b in zip(steps, steps[1:], strict=False) if a["n"] < FULL)
+    pairs = [(b["t"] - a["t"], a["n"]) for a, b in zip(steps, steps[1:], strict=False)]
     checks = [c for r in results.values() for pair in r["counts_after_resets"] for c in pair]
     checks += [c for r in results.values() for c in (r["counts"], r["state_counts"])]
     with open(os.path.join(soak_out, "output.log"), errors="replace") as f:
@@ -344,15 +322,15 @@ def analyze(args, mode, work):
         "undisturbed_accuracy": calm["accuracy"],
         "accounting_ok": bool(checks) and all(adds_up(c) for c in checks),
         "accounting_checks": len(checks),
-        "to_next_step_s": {k: _summary(v) for k, v in sorted(next_step.items())},
+        "to_next_step_s": {k: summary(v) for k, v in sorted(next_step.items())},
         "useful_samples_per_s": rate,
         "undisturbed_useful_samples_per_s": calm_rate,
         "epochs": epochs,
         "undisturbed_epochs": calm_epochs,
         "soak_s": end - start if steps else None,
         "launch_s": launched["launch_s"],
-        "stalled_s": sum(g for g in gaps if g >= STALL_S),
-        "reduced_s": reduced,
+        "stalled_s": sum(gap for gap, _ in pairs if gap >= STALL_S),
+        "reduced_s": sum(gap for gap, size in pairs if size < FULL),
         "samples_trained": 16 * len(steps),  # (every worker's steps, redone ones included: batches of 16)
         "hung_workers_ended": text.count("hang guard: ended"),
         "job_counts": job,

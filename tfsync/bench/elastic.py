@@ -125,10 +125,7 @@ def _launch(args, out_dir, mode, victim, epochs, timeout_s, extra=(), options=()
     started = time.time()
     code, output = run_elastic_job(WORKER, 2, argv, out_dir, 1, timeout_s=timeout_s, env=env, options=options)
     wall_s = time.time() - started
-    results = {}
-    for path in glob.glob(os.path.join(out_dir, "result_rank*.json")):
-        with open(path) as f:
-            results[int(os.path.basename(path)[len("result_rank") : -len(".json")])] = json.load(f)
+    results = read_results(out_dir)
     if code != 0 or 0 not in results:
         raise RuntimeError(f"{mode} (victim {victim}) failed with exit code {code}; output tail:\n{output[-4000:]}")
     return results, wall_s
@@ -140,6 +137,15 @@ def _kills(out_dir):
         with open(path) as f:
             kills.append(json.load(f))
     return sorted(kills, key=lambda k: k["t"])
+
+
+def read_results(out_dir):
+    """``{rank: record}`` of the ``result_rank<R>.json`` files the finishing workers wrote."""
+    results = {}
+    for path in glob.glob(os.path.join(out_dir, "result_rank*.json")):
+        with open(path) as f:
+            results[int(os.path.basename(path)[len("result_rank") : -len(".json")])] = json.load(f)
+    return results
 
 
 def jsonl_records(out_dir, pattern, key):
@@ -180,7 +186,7 @@ def per_kill(out_dir, full=2):
     return out
 
 
-def _summary(values):
+def summary(values):
     values = [v for v in values if v is not None]
     if not values:
         return {"median": None, "max": None, "n": 0}
@@ -248,10 +254,10 @@ def kill_loop(args, work, log):
         "epochs": epochs,
         "kills": kills,
         "n_kills": len(kills),
-        "reset_s": _summary([k["reset_s"] for k in kills]),
-        "back_s": _summary([k.get("back_s") for k in kills]),
-        "join_stall_s": _summary([k.get("join_stall_s") for k in kills]),
-        "rolled_back_steps": _summary([k["rolled_back"] for k in kills]),
+        "reset_s": summary([k["reset_s"] for k in kills]),
+        "back_s": summary([k.get("back_s") for k in kills]),
+        "join_stall_s": summary([k.get("join_stall_s") for k in kills]),
+        "rolled_back_steps": summary([k["rolled_back"] for k in kills]),
         "resets": max(r["resets"] for r in finishers),
         "undisturbed_accuracy": calm[0]["accuracy"],
         "accuracy": looped[0]["accuracy"],

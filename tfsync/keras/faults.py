@@ -37,6 +37,8 @@ class FaultInjector(keras.callbacks.Callback):
             )
         self.schedule = schedule
         self.ledger = Ledger(ledger_dir)
+        # the worker faults not yet taken by this process: a step looks at these only
+        self._pending = [(i, f) for i, f in enumerate(schedule.faults) if f.kind in WORKER_KINDS]
         self._rank, self._size = rank, size
         self._poison = None  # the loss's factor (1, or NaN for a "nan" fault's step)
         self._poisoned = False
@@ -72,16 +74,20 @@ class FaultInjector(keras.callbacks.Callback):
             )
 
     def on_train_batch_begin(self, batch, logs=None):
+        if not self._pending:
+            return
         rank, size = self._who()
         step = int(self.model.optimizer.iterations.numpy())
         elapsed = time.time() - self.schedule.start_t
-        for index, fault in enumerate(self.schedule.faults):
-            if fault.kind not in WORKER_KINDS or fault.rank % size != rank:
+        for index, fault in list(self._pending):
+            if fault.rank % size != rank:
                 continue
             if (step < fault.step) if fault.step is not None else (elapsed < fault.at_s):
                 continue
             if self.ledger.taken(index):  # (after the cheap checks: with a directory, a file's existence)
+                self._pending.remove((index, fault))
                 continue
+            self._pending.remove((index, fault))
             record = {
                 "kind": fault.kind,
                 "rank": rank,
