@@ -1,6 +1,8 @@
 """The one place tfsync imports Horovod and checks how the process was launched."""
 
+import ctypes
 import os
+import sys
 
 from tfsync import _env
 
@@ -41,3 +43,24 @@ def horovod():
             f"{SINGLE_PROCESS_ENV}=1 to train a single worker on purpose"
         )
     return hvd
+
+
+def interrupt_gloo():
+    """End every Gloo operation of this process that waits on a peer, now; the number of
+    connections ended, -1 where Horovod's table was busy, None where this Horovod cannot.
+
+    Horovod as ``make install`` builds it (``third_party/horovod``, hunk 7) exports
+    ``horovod_tfsync_interrupt``: each connection of its Gloo contexts is put in error as a
+    Gloo timeout would put it, which also closes it, so the peers' operations on this process
+    end too.  An elastic reset calls it before ``hvd.shutdown()``, which otherwise waits for
+    Horovod's background thread, blocked on a live peer (itself resetting) for up to
+    ``HOROVOD_GLOO_TIMEOUT_SECONDS``.  Horovod as released has no such function: None.
+    """
+    mpi_ops = sys.modules.get("horovod.tensorflow.mpi_ops")
+    lib = getattr(getattr(mpi_ops, "_basics", None), "MPI_LIB_CTYPES", None)
+    fn = getattr(lib, "horovod_tfsync_interrupt", None)
+    if fn is None:
+        return None
+    fn.restype = ctypes.c_int
+    fn.argtypes = []
+    return int(fn())

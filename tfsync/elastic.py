@@ -100,6 +100,11 @@ ELASTIC_ENV = "HOROVOD_ELASTIC"  # set to 1 by horovodrun for an elastic launch 
 HOROVOD_OP_ERROR = re.compile(r"horovod|gloo", re.IGNORECASE)
 RESERVED = ("resets", "counts", "sample")  # KerasState's own attributes
 DEFAULT_COMMIT_EVERY_STEPS = 100
+# Tries of hvd.init() per reset. A re-form's rendezvous fails when a member is lost while the
+# contexts form (killed, cut off, its host removed): every other member's init then fails after
+# Horovod's Gloo timeout, and on the next try the launcher (which has recorded the loss) hands
+# out the membership without it. Three tries cover a second loss during the retry.
+REFORM_ATTEMPTS = 3
 """Commits within an epoch every this many steps where the mode and the data allow
 (``KerasState``'s ``commit_every_steps="auto"``): a commit copies the model and the optimizer
 to host memory and runs one small allreduce and one small broadcast (``docs/guide/elastic.md``,
@@ -388,12 +393,15 @@ def run(func):
     answers (:func:`is_reset_error`) or Horovod's ``HostsUpdatedInterrupt`` (the launcher added
     or dropped a host; raised by ``state.commit()``), every member resets:
 
-    1. Horovod is shut down (``hvd.shutdown()``: every collective still pending fails);
+    1. Horovod is shut down (``hvd.shutdown()``: every collective still pending fails), its
+       Gloo waits on peers ended first (:func:`tfsync._horovod.interrupt_gloo`), so that no
+       member waits out Gloo's timeout on a peer that is resetting too;
     2. each :class:`tfsync.keras.SyncCallback` committing ``state`` (its registered committer) counts this worker's
        contributions in flight as ``lost`` and abandons its engine (no handshake: the peers
        are resetting too), in the trace as an ``event: reset`` record;
     3. Horovod is re-formed (``hvd.init()``) by its elastic launcher: the surviving and the
-       added workers, numbered anew;
+       added workers, numbered anew; a rendezvous that loses a member while it forms is
+       tried again (up to :data:`REFORM_ATTEMPTS` times), without that member;
     4. ``state`` is restored from its last commit and ``state.resets`` counted, then synchronized
        from the new rank 0 (a joining worker gets the whole state), and ``func`` is called again.
 
@@ -468,32 +476,27 @@ def _reset(hvd, state, reason):
     the last commit.  The caller then synchronizes the state from the new rank 0."""
     t = time.monotonic()
     old = f"rank {_rank_or(hvd)} of {_size_or(hvd)}"
+    interrupted = _horovod.interrupt_gloo()  # Gloo's waits on peers end now, not at Gloo's timeout
     try:
         hvd.shutdown()  # first: fails every collective still pending, so the engines end at once
     except Exception:  # noqa: BLE001 - already shut down (an abort) is fine
         pass
+    shut_down_s = time.monotonic() - t
     lost = 0
     for commits in getattr(state, "committers", ()):
         lost += commits.reset(reason)
     lifecycle.abandon_all()  # any other engine of this process (a SyncStrategy's)
     HorovodCluster.forget_membership()
     resets = getattr(state, "resets", 0) + 1
-    try:
-        hvd.init()
-    except Exception as exc:
-        raise ElasticResetError(
-            f"tfsync.elastic: Horovod could not re-form the job for reset {resets} ({type(exc).__name__}: "
-            f"{exc}). horovodrun stops an elastic job when its resets exceed --reset-limit or fewer "
-            f"workers than --min-np remain; its output says which. The failure that started this reset "
-            f"was: {reason}"
-        ) from exc
+    _reform(hvd, resets, reason)
     state.restore()
     if isinstance(state, KerasState):  # (in the commit too: sync() broadcasts rank 0's commit)
         state._saved_state["resets"] = state.resets = resets
     state.on_reset()
     log.warning(
         "tfsync.elastic: reset %d (%s): was %s, now rank %d of %d; %d contributions of this worker were "
-        "lost in flight; re-formed in %.2f s; training goes on from epoch %s",
+        "lost in flight; re-formed in %.2f s (Horovod shut down in %.2f s, %s Gloo connections "
+        "interrupted); training goes on from epoch %s",
         resets,
         reason.splitlines()[0][:300],
         old,
@@ -501,8 +504,45 @@ def _reset(hvd, state, reason):
         hvd.size(),
         lost,
         time.monotonic() - t,
+        shut_down_s,
+        "no" if interrupted is None else interrupted,
         getattr(state, "epoch", "?"),
     )
+
+
+def _reform(hvd, resets, reason):
+    """``hvd.init()``, tried up to :data:`REFORM_ATTEMPTS` times with a shutdown between tries.
+
+    A failed try is a rendezvous that lost a member while it formed (with the Horovod that
+    ``make install`` builds, the failure is an error of ``hvd.init()``; Horovod as released
+    aborts the process instead); the launcher, which saw the member go, re-forms without it on
+    the next try.  After the last try :class:`ElasticResetError` says what failed."""
+    for attempt in range(1, REFORM_ATTEMPTS + 1):
+        try:
+            hvd.init()
+            return
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+            if attempt == REFORM_ATTEMPTS:
+                raise ElasticResetError(
+                    f"tfsync.elastic: Horovod could not re-form the job for reset {resets} in "
+                    f"{REFORM_ATTEMPTS} tries (the last: {error}; Horovod's log above says why the "
+                    f"rendezvous failed). horovodrun stops an elastic job when its resets exceed "
+                    f"--reset-limit or fewer workers than --min-np remain; its output says which. The "
+                    f"failure that started this reset was: {reason}"
+                ) from exc
+            log.warning(
+                "tfsync.elastic: reset %d: Horovod could not re-form the job (try %d of %d: %s); "
+                "trying again: the launcher re-forms without a member lost meanwhile",
+                resets,
+                attempt,
+                REFORM_ATTEMPTS,
+                error,
+            )
+            try:
+                hvd.shutdown()
+            except Exception:  # noqa: BLE001 - nothing left running is fine
+                pass
 
 
 def _rank_or(hvd):

@@ -128,14 +128,19 @@ def test_a_killed_worker_costs_no_epoch_and_no_accuracy(tmp_path, undisturbed, m
 
 def test_four_workers_lose_a_host_and_go_on_with_two(tmp_path):
     """Two host names with two slots each: rank 3 dies, Horovod takes its whole host out (rank 2
-    with it), ranks 0 and 1 go on.  A survivor whose collective waits on rank 2 (alive, its
-    own collective failed) sees the failure only at HOROVOD_GLOO_TIMEOUT_SECONDS: 5 s here."""
-    gloo_s = 5
-    _, _, results, killed = _launch(tmp_path, "bsp", 3, workers=4, env={"HOROVOD_GLOO_TIMEOUT_SECONDS": str(gloo_s)})
+    with it), ranks 0 and 1 go on.  A survivor whose collective waits on rank 2 (alive, its own
+    collective failed) would see the failure only at HOROVOD_GLOO_TIMEOUT_SECONDS (Horovod's
+    default, 30 s, here): the reset interrupts Horovod's Gloo operations instead (patched
+    Horovod), so the survivors go on within the reset bound."""
+    gloo_s = 30
+    _, output, results, killed = _launch(
+        tmp_path, "bsp", 3, workers=4, env={"HOROVOD_GLOO_TIMEOUT_SECONDS": str(gloo_s)}
+    )
     assert killed is not None and sorted(results) == [0, 1], results
+    assert "Gloo connections interrupted" in output and "no Gloo connections" not in output, output[-4000:]
     for res in results.values():
         assert res["resets"] == 1 and res["size"] == 2 and res["epochs"] == list(range(EPOCHS)), res
-        assert res["first_step_after_reset_t"] - killed["t"] < gloo_s + RESET_BOUND_S, res
+        assert res["first_step_after_reset_t"] - killed["t"] < RESET_BOUND_S, res
         _check_counts(res["counts"])
     assert results[0]["checksum"] == results[1]["checksum"]
     _check_counts(results[0]["state_counts"])

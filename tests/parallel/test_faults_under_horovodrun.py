@@ -54,3 +54,17 @@ def test_mismatched_configuration_is_refused_before_training(tmp_path):
     for rank in range(4):
         err = results[rank]["error"]
         assert err.startswith("ValueError") and "ranks [1]" in err and "staleness" in err, err
+
+
+def test_an_elastic_reset_does_not_wait_out_gloos_timeout_on_a_live_peer(tmp_path):
+    # (Horovod built with tfsync's patch, hunk 7: hvd.shutdown() waits for Horovod's background
+    # thread, which waits on the frozen rank 1 until Gloo's timeout unless interrupted)
+    code, out = run_workers(
+        "gloo_interrupt.py", 2, [tmp_path], timeout_s=150, env={"HOROVOD_GLOO_TIMEOUT_SECONDS": "60"}
+    )
+    results = read_results(tmp_path)
+    assert results[0]["interrupted"] is not None, "this Horovod has no horovod_tfsync_interrupt: `make install`"
+    assert results[0]["interrupted"] > 0, results
+    assert "tfsync: interrupted for an elastic reset" in out  # Horovod's log: why its loop ended
+    assert results[0]["shutdown_s"] < 30.0, results  # ended by the interrupt, not Gloo's 60 s
+    assert "allreduce worked" not in results[1]["after"], results  # rank 0 is gone for rank 1

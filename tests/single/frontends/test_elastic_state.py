@@ -147,8 +147,9 @@ class FakeHorovod:
 
     def init(self):
         self.calls.append("init")
-        if self.init_error is not None:
-            raise self.init_error
+        error = self.init_error.pop(0) if isinstance(self.init_error, list) else self.init_error
+        if error is not None:
+            raise error
 
 
 class LocalState(elastic.KerasState):
@@ -215,6 +216,38 @@ def test_a_job_horovod_cannot_re_form_fails_saying_why(fake_horovod):
     with pytest.raises(elastic.ElasticResetError, match="--reset-limit") as info:
         train(LocalState(_model()))
     assert "rendezvous stopped" in str(info.value) and "lost rank 1" in str(info.value)
+
+
+def test_a_rendezvous_that_fails_is_tried_again_after_a_shutdown(fake_horovod, caplog):
+    # (a member lost while the contexts formed: patched Horovod's init raises; the next try works)
+    fake_horovod.init_error = [ValueError("Horovod initialization failed"), None]
+    calls = []
+
+    @elastic.run
+    def train(state):
+        calls.append(state.resets)
+        if len(calls) == 1:
+            raise WorkerLostError("tfsync: lost rank 1")
+        return "done"
+
+    state = LocalState(_model())
+    with caplog.at_level("WARNING", logger=elastic.log.name):
+        assert train(state) == "done"
+    assert fake_horovod.calls == ["shutdown", "init", "shutdown", "init"]
+    assert calls == [0, 1] and state.resets == 1  # one reset, two tries
+    assert "could not re-form the job (try 1 of 3: ValueError: Horovod initialization failed)" in caplog.text
+
+
+def test_a_job_that_cannot_re_form_gives_up_after_the_tries(fake_horovod):
+    fake_horovod.init_error = [ValueError("rendezvous failed")] * elastic.REFORM_ATTEMPTS
+
+    @elastic.run
+    def train(state):
+        raise WorkerLostError("tfsync: lost rank 1")
+
+    with pytest.raises(elastic.ElasticResetError, match="in 3 tries"):
+        train(LocalState(_model()))
+    assert fake_horovod.calls == ["shutdown"] + ["init", "shutdown"] * 2 + ["init"]
 
 
 def test_run_wants_the_state_first():
