@@ -45,6 +45,25 @@ def horovod():
     return hvd
 
 
+REMOVED = "has been removed from elastic job"  # Horovod's text for a host the launcher dropped
+
+
+def init_error():
+    """Why this process's last ``hvd.init()`` failed (the text of the exception its Gloo
+    rendezvous threw; "" when none failed), or None where this Horovod cannot say.
+
+    Horovod as ``make install`` builds it (``third_party/horovod``, hunk 6) makes a failed
+    rendezvous an error of ``hvd.init()``, whose own message only points at the log, and
+    exports ``horovod_tfsync_init_error`` with the reason.  Horovod as released aborts the
+    process on such a failure: None."""
+    fn = _library_function("horovod_tfsync_init_error")
+    if fn is None:
+        return None
+    fn.restype = ctypes.c_char_p
+    fn.argtypes = []
+    return (fn() or b"").decode("utf-8", "replace")
+
+
 def interrupt_gloo():
     """End every Gloo operation of this process that waits on a peer, now; the number of
     connections ended, -1 where Horovod's table was busy, None where this Horovod cannot.
@@ -56,11 +75,16 @@ def interrupt_gloo():
     Horovod's background thread, blocked on a live peer (itself resetting) for up to
     ``HOROVOD_GLOO_TIMEOUT_SECONDS``.  Horovod as released has no such function: None.
     """
-    mpi_ops = sys.modules.get("horovod.tensorflow.mpi_ops")
-    lib = getattr(getattr(mpi_ops, "_basics", None), "MPI_LIB_CTYPES", None)
-    fn = getattr(lib, "horovod_tfsync_interrupt", None)
+    fn = _library_function("horovod_tfsync_interrupt")
     if fn is None:
         return None
     fn.restype = ctypes.c_int
     fn.argtypes = []
     return int(fn())
+
+
+def _library_function(name):
+    """``name`` in Horovod's loaded TensorFlow library (ctypes), or None where it is not."""
+    mpi_ops = sys.modules.get("horovod.tensorflow.mpi_ops")
+    lib = getattr(getattr(mpi_ops, "_basics", None), "MPI_LIB_CTYPES", None)
+    return getattr(lib, name, None)

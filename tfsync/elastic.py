@@ -100,11 +100,13 @@ ELASTIC_ENV = "HOROVOD_ELASTIC"  # set to 1 by horovodrun for an elastic launch 
 HOROVOD_OP_ERROR = re.compile(r"horovod|gloo", re.IGNORECASE)
 RESERVED = ("resets", "counts", "sample")  # KerasState's own attributes
 DEFAULT_COMMIT_EVERY_STEPS = 100
-# Tries of hvd.init() per reset. A re-form's rendezvous fails when a member is lost while the
-# contexts form (killed, cut off, its host removed): every other member's init then fails after
-# Horovod's Gloo timeout, and on the next try the launcher (which has recorded the loss) hands
-# out the membership without it. Three tries cover a second loss during the retry.
+# Tries of hvd.init() per reset, REFORM_PAUSE_S apart. A re-form's rendezvous fails when a
+# member is lost while the contexts form (killed, cut off): every other member's init then
+# fails at Horovod's Gloo timeout, and on the next try the launcher (which has recorded the
+# loss) hands out the membership without it; the rendezvous server out of reach for a moment
+# (a link cut) fails a try within about 2 s. Three tries cover a second loss during the retry.
 REFORM_ATTEMPTS = 3
+REFORM_PAUSE_S = 2.0
 """Commits within an epoch every this many steps where the mode and the data allow
 (``KerasState``'s ``commit_every_steps="auto"``): a commit copies the model and the optimizer
 to host memory and runs one small allreduce and one small broadcast (``docs/guide/elastic.md``,
@@ -393,9 +395,9 @@ def run(func):
     answers (:func:`is_reset_error`) or Horovod's ``HostsUpdatedInterrupt`` (the launcher added
     or dropped a host; raised by ``state.commit()``), every member resets:
 
-    1. Horovod is shut down (``hvd.shutdown()``: every collective still pending fails), its
-       Gloo waits on peers ended first (:func:`tfsync._horovod.interrupt_gloo`), so that no
-       member waits out Gloo's timeout on a peer that is resetting too;
+    1. Horovod is shut down (``hvd.shutdown()``: every collective still pending fails); after
+       a failure its Gloo waits on peers are ended first (:func:`tfsync._horovod.interrupt_gloo`),
+       so that no member waits out Gloo's timeout on a peer that is resetting too;
     2. each :class:`tfsync.keras.SyncCallback` committing ``state`` (its registered committer) counts this worker's
        contributions in flight as ``lost`` and abandons its engine (no handshake: the peers
        are resetting too), in the trace as an ``event: reset`` record;
@@ -436,14 +438,16 @@ def run(func):
                     return func(state, *args, **kwargs)
                 except HostsUpdatedInterrupt as exc:
                     reason = "the launcher " + ("dropped a host" if exc.skip_sync else "changed the hosts")
+                    failed = False
                 except Exception as exc:
                     if not is_reset_error(exc):
                         raise
                     reason = f"{type(exc).__name__}: {exc}"
+                    failed = True
                 finally:
                     if guard is not None:
                         guard.idle()  # (a failed step never ended)
-                _reset(hvd, state, reason)
+                _reset(hvd, state, reason, failed)
                 if guard is not None:
                     guard.label(f"rank {hvd.rank()} of {hvd.size()}")
         finally:
@@ -471,12 +475,17 @@ def _start_guard(hvd, state):
     return state.hang_guard
 
 
-def _reset(hvd, state, reason):
+def _reset(hvd, state, reason, failed):
     """Abandon the engines (their in-flight contributions counted lost), re-form Horovod, restore
-    the last commit.  The caller then synchronizes the state from the new rank 0."""
+    the last commit.  The caller then synchronizes the state from the new rank 0.
+
+    After a failure (``failed``) Horovod's Gloo waits on peers are ended first: a member may
+    wait on a live peer that is resetting too, and ``hvd.shutdown()`` waits for it.  After the
+    launcher's notice of new hosts every member is healthy and at the same commit, and Horovod
+    shuts down cleanly on its own."""
     t = time.monotonic()
     old = f"rank {_rank_or(hvd)} of {_size_or(hvd)}"
-    interrupted = _horovod.interrupt_gloo()  # Gloo's waits on peers end now, not at Gloo's timeout
+    interrupted = _horovod.interrupt_gloo() if failed else 0  # (waits on peers end now, not at Gloo's timeout)
     try:
         hvd.shutdown()  # first: fails every collective still pending, so the engines end at once
     except Exception:  # noqa: BLE001 - already shut down (an abort) is fine
@@ -516,33 +525,42 @@ def _reform(hvd, resets, reason):
     A failed try is a rendezvous that lost a member while it formed (with the Horovod that
     ``make install`` builds, the failure is an error of ``hvd.init()``; Horovod as released
     aborts the process instead); the launcher, which saw the member go, re-forms without it on
-    the next try.  After the last try :class:`ElasticResetError` says what failed."""
+    the next try.  A worker whose host the launcher removed does not try again (it would count
+    as ready in the launcher's next round): :class:`ElasticResetError` at once, as after the
+    last try, saying what failed."""
     for attempt in range(1, REFORM_ATTEMPTS + 1):
         try:
             hvd.init()
             return
         except Exception as exc:
-            error = f"{type(exc).__name__}: {exc}"
+            why = _horovod.init_error() or f"{type(exc).__name__}: {exc}"
+            if _horovod.REMOVED in why:
+                raise ElasticResetError(
+                    f"tfsync.elastic: the launcher removed this worker's host from the job (Horovod: "
+                    f"{why}), so this worker ends; the others go on without it. The failure that "
+                    f"started this reset was: {reason}"
+                ) from exc
             if attempt == REFORM_ATTEMPTS:
                 raise ElasticResetError(
                     f"tfsync.elastic: Horovod could not re-form the job for reset {resets} in "
-                    f"{REFORM_ATTEMPTS} tries (the last: {error}; Horovod's log above says why the "
-                    f"rendezvous failed). horovodrun stops an elastic job when its resets exceed "
-                    f"--reset-limit or fewer workers than --min-np remain; its output says which. The "
-                    f"failure that started this reset was: {reason}"
+                    f"{REFORM_ATTEMPTS} tries (the last: {why}). horovodrun stops an elastic job when "
+                    f"its resets exceed --reset-limit or fewer workers than --min-np remain; its output "
+                    f"says which. The failure that started this reset was: {reason}"
                 ) from exc
             log.warning(
                 "tfsync.elastic: reset %d: Horovod could not re-form the job (try %d of %d: %s); "
-                "trying again: the launcher re-forms without a member lost meanwhile",
+                "trying again in %.0f s: the launcher re-forms without a member lost meanwhile",
                 resets,
                 attempt,
                 REFORM_ATTEMPTS,
-                error,
+                why,
+                REFORM_PAUSE_S,
             )
             try:
                 hvd.shutdown()
             except Exception:  # noqa: BLE001 - nothing left running is fine
                 pass
+            time.sleep(REFORM_PAUSE_S)
 
 
 def _rank_or(hvd):

@@ -206,7 +206,9 @@ def test_run_raises_any_other_error_as_it_is(fake_horovod):
     assert fake_horovod.calls == []
 
 
-def test_a_job_horovod_cannot_re_form_fails_saying_why(fake_horovod):
+def test_a_job_horovod_cannot_re_form_fails_saying_why(fake_horovod, monkeypatch):
+    monkeypatch.setattr(elastic, "REFORM_PAUSE_S", 0.0)
+    monkeypatch.setattr(elastic._horovod, "init_error", lambda: None)  # (Horovod as released)
     fake_horovod.init_error = RuntimeError("rendezvous stopped")
 
     @elastic.run
@@ -218,7 +220,16 @@ def test_a_job_horovod_cannot_re_form_fails_saying_why(fake_horovod):
     assert "rendezvous stopped" in str(info.value) and "lost rank 1" in str(info.value)
 
 
-def test_a_rendezvous_that_fails_is_tried_again_after_a_shutdown(fake_horovod, caplog):
+@pytest.fixture
+def init_fails(monkeypatch, fake_horovod):
+    """Horovod's reason for a failed init (patched Horovod's horovod_tfsync_init_error), no pause."""
+    monkeypatch.setattr(elastic, "REFORM_PAUSE_S", 0.0)
+    reasons = {"why": "Wait timeout after 30 seconds for key(s): 3"}
+    monkeypatch.setattr(elastic._horovod, "init_error", lambda: reasons["why"])
+    return reasons
+
+
+def test_a_rendezvous_that_fails_is_tried_again_after_a_shutdown(fake_horovod, init_fails, caplog):
     # (a member lost while the contexts formed: patched Horovod's init raises; the next try works)
     fake_horovod.init_error = [ValueError("Horovod initialization failed"), None]
     calls = []
@@ -235,19 +246,34 @@ def test_a_rendezvous_that_fails_is_tried_again_after_a_shutdown(fake_horovod, c
         assert train(state) == "done"
     assert fake_horovod.calls == ["shutdown", "init", "shutdown", "init"]
     assert calls == [0, 1] and state.resets == 1  # one reset, two tries
-    assert "could not re-form the job (try 1 of 3: ValueError: Horovod initialization failed)" in caplog.text
+    assert "could not re-form the job (try 1 of 3: Wait timeout after 30 seconds for key(s): 3)" in caplog.text
 
 
-def test_a_job_that_cannot_re_form_gives_up_after_the_tries(fake_horovod):
-    fake_horovod.init_error = [ValueError("rendezvous failed")] * elastic.REFORM_ATTEMPTS
+def test_a_job_that_cannot_re_form_gives_up_after_the_tries(fake_horovod, init_fails):
+    fake_horovod.init_error = [ValueError("Horovod initialization failed")] * elastic.REFORM_ATTEMPTS
 
     @elastic.run
     def train(state):
         raise WorkerLostError("tfsync: lost rank 1")
 
-    with pytest.raises(elastic.ElasticResetError, match="in 3 tries"):
+    with pytest.raises(elastic.ElasticResetError, match=r"in 3 tries \(the last: Wait timeout") as info:
         train(LocalState(_model()))
+    assert "lost rank 1" in str(info.value)
     assert fake_horovod.calls == ["shutdown"] + ["init", "shutdown"] * 2 + ["init"]
+
+
+def test_a_worker_whose_host_was_removed_does_not_try_again(fake_horovod, init_fails):
+    # (a try would record it as ready in the launcher's next round, which it is not part of)
+    init_fails["why"] = "198.18.0.2[0] has been removed from elastic job"
+    fake_horovod.init_error = [ValueError("Horovod initialization failed")] * elastic.REFORM_ATTEMPTS
+
+    @elastic.run
+    def train(state):
+        raise WorkerLostError("tfsync: lost rank 1")
+
+    with pytest.raises(elastic.ElasticResetError, match="removed this worker's host from the job"):
+        train(LocalState(_model()))
+    assert fake_horovod.calls == ["shutdown", "init"]
 
 
 def test_run_wants_the_state_first():

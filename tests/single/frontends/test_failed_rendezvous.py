@@ -33,11 +33,14 @@ SCRIPT = textwrap.dedent(
     import horovod.tensorflow as hvd
     import tensorflow as tf
 
+    from tfsync import _horovod
+
     t = time.monotonic()
     try:
         hvd.init()
     except ValueError as exc:
         print(f"init failed after {time.monotonic() - t:.1f} s: {exc}", flush=True)
+        print(f"its reason: {_horovod.init_error()}", flush=True)
     else:
         sys.exit("init formed a job of 2 with one process")
     hvd.shutdown()
@@ -46,6 +49,7 @@ SCRIPT = textwrap.dedent(
     hvd.init()
     total = float(hvd.allreduce(tf.constant(3.0), op=hvd.Sum))
     print(f"second init: rank {hvd.rank()} of {hvd.size()}, allreduce {total}", flush=True)
+    print(f"reason now: {_horovod.init_error()!r}", flush=True)
     hvd.shutdown()
     server.stop()
     """
@@ -60,5 +64,7 @@ def test_a_failed_rendezvous_is_an_error_of_init_and_a_new_init_forms_the_job():
         f"tfsync's patch, third_party/horovod, hunk 6; `make install` rebuilds it):\n{out[-3000:]}"
     )
     assert "init failed after" in out and "Horovod initialization failed" in out
-    assert "the Gloo rendezvous failed" in out and "Wait timeout" in out  # Horovod's log says why
+    assert "the Gloo rendezvous failed" in out  # Horovod's log says why
+    assert "its reason: " in out and "Wait timeout after 2 seconds" in out.split("its reason: ")[1].splitlines()[0]
+    assert "reason now: ''" in out  # a successful init clears it
     assert "second init: rank 0 of 1, allreduce 3.0" in out
