@@ -104,6 +104,7 @@ class SyncEngine:
         self.error = None
         self._server, self._relays = None, []
         self._trace = Trace(None, None)
+        self.tally = Tally()  # (an engine whose start failed counts nothing: an elastic reset folds it)
 
     # ----------------------------------------------------------------- lifecycle
     def start(self, tensors, extra_config=None):
@@ -156,7 +157,6 @@ class SyncEngine:
         self._diagnosis = Diagnosis.of(self, WAIT_TIMEOUT_ENV)
         self.delays = self.stragglers.for_rank(self.rank)
         self.step, self.last_pushed, self.applied_through = 0, -1, -1
-        self.tally = Tally()
         self.last = {}
         self._full_round_times = None
         self._trace = Trace(self.trace_dir, self.rank)

@@ -344,3 +344,15 @@ def test_the_callback_commits_at_epoch_ends_and_counts_what_a_reset_lost():
     assert job["produced"] == 28 and job["lost"] == lost, job
     assert job["produced"] == sum(job[k] for k in ("applied", "compensated", "dropped", "rejected", "lost"))
     assert sync.counts == job  # one worker: the job's counts are its own
+
+
+def test_a_reset_after_an_engine_whose_start_failed_folds_nothing_from_it():
+    # (found by the chaos soak: a fit whose engine start failed, then a reset, folded the engine's
+    # counts, which it had none of: AttributeError ended the worker)
+    callback = tfsync.keras.SyncCallback("bsp")
+    callback.set_model(_model())
+    engine = tfsync.engine.SyncEngine(tfsync.BSP())  # constructed, its start never got through
+    callback.frontend.engine = engine
+    assert not engine.started and all(v == 0 for v in engine.counts.values())
+    assert callback.abandon_engine("WorkerLostError: tfsync: lost rank 1") == 0
+    assert all(v == 0 for v in callback.run_counts.counts(None).values())
