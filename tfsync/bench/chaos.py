@@ -43,6 +43,7 @@ import collections
 import glob
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -143,6 +144,7 @@ def _launch(args, hosts, out, mode, minutes, schedule=None):
         argv += ["--faults", path]
     elastic = ["--min-np", PER_HOST, "--max-np", FULL, "--host-discovery-script", discovery]
     elastic += ["--blacklist-cooldown-range", *COOLDOWN_S]
+    elastic += ["--log-level", "INFO"]  # (the launcher's decisions in the log: who recorded, who is out)
     env = {"TFSYNC_STRAGGLERS": f"base={args.step_delay_s}"}
     cmd = hosts.horovodrun(PER_HOST, argv, env=env, gloo_timeout_s=GLOO_TIMEOUT_S, elastic=elastic)
     output = os.path.join(out, "output.log")
@@ -181,9 +183,47 @@ def _wait(process, bound_s, out):
         if stamps and time.time() - max(stamps) > STALL_LIMIT_S:
             with open(os.path.join(out, "stalled.json"), "w") as f:
                 json.dump({"last_step_t": max(stamps), "limit_s": STALL_LIMIT_S}, f)
+            dump_stacks(process.pid, os.path.join(out, "stalled_stacks.txt"))
             break
     kill(process)
     return 124
+
+
+def dump_stacks(pid, path, match=WORKER):
+    """The Python stacks of process ``pid``, of its descendants (the launcher: horovodrun's driver)
+    and of every process whose command line holds ``match`` (the workers, which ssh starts
+    elsewhere), written to ``path`` with ``py-spy dump``: what a stalled launch waits on.  Does
+    nothing without py-spy; each dump is bounded (30 s)."""
+    import psutil
+
+    spy = shutil.which("py-spy")
+    if spy is None:
+        return
+    try:
+        launch = psutil.Process(pid)
+        procs = [launch, *launch.children(recursive=True)]
+    except psutil.Error:
+        procs = []
+    seen = {p.pid for p in procs}
+    procs += [p for p in psutil.process_iter() if p.pid not in seen and match in " ".join(_cmdline(p))]
+    with open(path, "w") as f:
+        for p in procs:
+            cmd = " ".join(_cmdline(p))
+            if "python" not in cmd:
+                continue
+            try:
+                r = subprocess.run([spy, "dump", "--pid", str(p.pid)], capture_output=True, text=True, timeout=30)
+                text = r.stdout + r.stderr
+            except subprocess.TimeoutExpired:
+                text = "(py-spy did not answer within 30 s)\n"
+            f.write(f"=== pid {p.pid}: {cmd[:300]}\n{text}\n")
+
+
+def _cmdline(process):
+    try:
+        return process.cmdline()
+    except Exception:  # noqa: BLE001 - gone, or not ours to read
+        return []
 
 
 def _steps(out):

@@ -1,6 +1,8 @@
 """The chaos soak's measures in one process (tfsync.bench.chaos): the time from a fault to the next
 step past the stall it caused, and its command line's checks."""
 
+import time
+
 import pytest
 
 from tfsync.bench import chaos
@@ -39,3 +41,26 @@ def test_the_command_line_wants_its_json_and_known_modes(capsys):
 def test_the_timeline_bins_the_samples_and_carries_the_size_through_a_stall():
     steps = [{"t": t, "pid": 1, "r": 0, "n": n} for t, n in [(-1.0, 4), (0.5, 4), (1.0, 4), (12.0, 2)]]
     assert chaos.timeline(steps, start=0.0, bin_s=5.0) == [[0.0, 32 / 5, 4], [5.0, 0.0, 4], [10.0, 16 / 5, 2]]
+
+
+def test_a_stalled_launch_leaves_the_stacks_of_its_python_processes(tmp_path):
+    # (what the launcher and the workers wait on when a soak's job stalls: py-spy, where installed)
+    import shutil
+    import subprocess
+    import sys
+
+    if shutil.which("py-spy") is None:
+        pytest.skip("py-spy is not installed")
+    marker = str(tmp_path / "waiting_worker.py")
+    with open(marker, "w") as f:
+        f.write("import time\ndef waits_here():\n    time.sleep(60)\nwaits_here()\n")
+    launch = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    worker = subprocess.Popen([sys.executable, marker])
+    try:
+        time.sleep(1.0)
+        chaos.dump_stacks(launch.pid, str(tmp_path / "stacks.txt"), match="waiting_worker.py")
+    finally:
+        launch.kill(), worker.kill()
+    text = (tmp_path / "stacks.txt").read_text()
+    assert f"=== pid {launch.pid}:" in text and f"=== pid {worker.pid}:" in text
+    assert "waits_here" in text  # the worker's stack, found by its command line
