@@ -100,6 +100,10 @@ ELASTIC_ENV = "HOROVOD_ELASTIC"  # set to 1 by horovodrun for an elastic launch 
 HOROVOD_OP_ERROR = re.compile(r"horovod|gloo", re.IGNORECASE)
 RESERVED = ("resets", "counts", "sample")  # KerasState's own attributes
 DEFAULT_COMMIT_EVERY_STEPS = 100
+"""Commits within an epoch every this many steps where the mode and the data allow
+(``KerasState``'s ``commit_every_steps="auto"``): a commit copies the model and the optimizer
+to host memory and runs one small allreduce and one small broadcast (``docs/guide/elastic.md``,
+"Choosing the interval"; ``python -m tfsync.bench elastic --commit-cost`` measures it)."""
 # Tries of hvd.init() per reset, REFORM_PAUSE_S apart. A re-form's rendezvous fails when a
 # member is lost while the contexts form (killed, cut off): every other member's init then
 # fails at Horovod's Gloo timeout, and on the next try the launcher (which has recorded the
@@ -107,10 +111,6 @@ DEFAULT_COMMIT_EVERY_STEPS = 100
 # (a link cut) fails a try within about 2 s. Three tries cover a second loss during the retry.
 REFORM_ATTEMPTS = 3
 REFORM_PAUSE_S = 2.0
-"""Commits within an epoch every this many steps where the mode and the data allow
-(``KerasState``'s ``commit_every_steps="auto"``): a commit copies the model and the optimizer
-to host memory and runs one small allreduce and one small broadcast (``docs/guide/elastic.md``,
-"Choosing the interval"; ``python -m tfsync.bench elastic --commit-cost`` measures it)."""
 
 
 class ElasticResetError(RuntimeError):
