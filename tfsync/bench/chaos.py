@@ -61,9 +61,9 @@ TRAIN_SAMPLES = 1437  # the digits training split (_elastic_worker)
 STARTUP_S = 45.0  # from the launch to the first fault: four TensorFlow start-ups on two cores
 COOLDOWN_S = (1, 3)  # horovodrun --blacklist-cooldown-range: a failed host is back after 1-3 s
 # Gloo's bound (Horovod's default): a joining worker's start-up (ssh, TensorFlow's import), which
-# the others wait for in the rendezvous, must fit, or Horovod aborts every member (an uncaught
-# gloo::IoException in its background thread: the job ends); it also bounds how long a survivor
-# whose collective waits on a live peer takes to see a failure
+# the others wait for in the rendezvous, should fit, or the rendezvous fails and every member
+# tries its re-form again (Horovod as released aborts them all instead); a reset ends the waits
+# on live peers it bounds (the patched Horovod's interrupt)
 GLOO_TIMEOUT_S = 30
 STALL_S = 1.0  # a gap between steps this long counts as stalled
 STALL_LIMIT_S = 150.0  # no step anywhere for this long: the job is lost (ended, recorded as such)
