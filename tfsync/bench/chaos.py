@@ -212,7 +212,9 @@ def dump_stacks(pid, path, match=WORKER):
             if "python" not in cmd:
                 continue
             try:
-                r = subprocess.run([spy, "dump", "--pid", str(p.pid)], capture_output=True, text=True, timeout=30)
+                r = subprocess.run(
+                    [spy, "dump", "--native", "--pid", str(p.pid)], capture_output=True, text=True, timeout=30
+                )
                 text = r.stdout + r.stderr
             except subprocess.TimeoutExpired:
                 text = "(py-spy did not answer within 30 s)\n"
