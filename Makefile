@@ -47,7 +47,8 @@ test: install
 	@# the documentation site with warnings as errors: a broken internal link or anchor, or a
 	@# docstring mkdocstrings cannot render, fails here (tests/single/tools/test_docs.py checks the rest)
 	$(PYTHON) -m mkdocs build --strict --quiet
-	$(PYTHON) -m pytest tests -q -p no:cacheprovider
+	@# (the 25 slowest tests are listed at the end: where CI's time goes)
+	$(PYTHON) -m pytest tests -q -p no:cacheprovider --durations=25
 
 # make check-python PY=3.12 (or 3.13, 3.11): the install and CHECK_TESTS under that interpreter, in a
 # virtual environment of its own (VENV, default build/venv-3.12; docs/install.md, "Supported versions").
