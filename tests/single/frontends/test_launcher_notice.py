@@ -65,7 +65,8 @@ def test_other_clients_keep_horovods_unbounded_requests_unless_asked(timeout):
     service = worker.WorkerNotificationService(key, ["lo"], manager)
     try:
         kwargs = {} if timeout is None else {"timeout": timeout}
-        client = worker.network.BasicClient(worker.WorkerNotificationService.NAME, service.addresses(), key, 0, **kwargs)
+        name = worker.WorkerNotificationService.NAME
+        client = worker.network.BasicClient(name, service.addresses(), key, 0, **kwargs)
         assert client._timeout == timeout
     finally:
         service.shutdown()
