@@ -192,13 +192,15 @@ def _wait(process, bound_s, out):
 def dump_stacks(pid, path, match=WORKER):
     """The Python stacks of process ``pid``, of its descendants (the launcher: horovodrun's driver)
     and of every process whose command line holds ``match`` (the workers, which ssh starts
-    elsewhere), written to ``path`` with ``py-spy dump``: what a stalled launch waits on.  Does
-    nothing without py-spy; each dump is bounded (30 s)."""
+    elsewhere), written to ``path`` with ``py-spy dump``: what a stalled launch waits on.  Where
+    ``gdb`` is installed, the workers' threads without Python frames too (Horovod's background
+    thread, which py-spy does not show).  Does nothing without py-spy; each dump is bounded (30 s)."""
     import psutil
 
     spy = shutil.which("py-spy")
     if spy is None:
         return
+    gdb = shutil.which("gdb")
     try:
         launch = psutil.Process(pid)
         procs = [launch, *launch.children(recursive=True)]
@@ -211,14 +213,16 @@ def dump_stacks(pid, path, match=WORKER):
             cmd = " ".join(_cmdline(p))
             if "python" not in cmd:
                 continue
-            try:
-                r = subprocess.run(
-                    [spy, "dump", "--native", "--pid", str(p.pid)], capture_output=True, text=True, timeout=30
-                )
-                text = r.stdout + r.stderr
-            except subprocess.TimeoutExpired:
-                text = "(py-spy did not answer within 30 s)\n"
-            f.write(f"=== pid {p.pid}: {cmd[:300]}\n{text}\n")
+            dumps = [("py-spy", [spy, "dump", "--native", "--pid", str(p.pid)])]
+            if gdb is not None and match in cmd and not cmd.startswith(("/bin/sh", "ssh")):
+                dumps.append(("gdb", [gdb, "-p", str(p.pid), "-batch", "-nx", "-ex", "thread apply all bt"]))
+            for tool, argv in dumps:
+                try:
+                    r = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+                    text = r.stdout + r.stderr
+                except subprocess.TimeoutExpired:
+                    text = f"({tool} did not answer within 30 s)\n"
+                f.write(f"=== pid {p.pid} ({tool}): {cmd[:300]}\n{text}\n")
 
 
 def _cmdline(process):

@@ -1,6 +1,7 @@
 """The chaos soak's measures in one process (tfsync.bench.chaos): the time from a fault to the next
 step past the stall it caused, and its command line's checks."""
 
+import shutil
 import time
 
 import pytest
@@ -59,5 +60,8 @@ def test_a_stalled_launch_leaves_the_stacks_of_its_python_processes(tmp_path):
     finally:
         launch.kill(), worker.kill()
     text = (tmp_path / "stacks.txt").read_text()
-    assert f"=== pid {launch.pid}:" in text and f"=== pid {worker.pid}:" in text
+    assert f"=== pid {launch.pid} (py-spy):" in text and f"=== pid {worker.pid} (py-spy):" in text
     assert "waits_here" in text  # the worker's stack, found by its command line
+    if shutil.which("gdb"):  # every thread of the worker, Python's or not
+        assert f"=== pid {worker.pid} (gdb):" in text and f"=== pid {launch.pid} (gdb):" not in text
+        assert "Thread 1 " in text.split(f"=== pid {worker.pid} (gdb):")[1], text
