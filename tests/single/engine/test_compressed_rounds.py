@@ -65,9 +65,7 @@ def reduced(values, factor, compression):
 
 @pytest.mark.parametrize("compression", ["fp16", "bf16"])
 @pytest.mark.parametrize("size", [2, 3])
-def test_a_compressed_round_sums_the_wire_values_in_float32_rounds_once_and_keeps_the_metadata_exact(
-    compression, size
-):
+def test_a_compressed_round_sums_the_wire_values_in_float32_rounds_once_and_keeps_the_metadata_exact(compression, size):
     # 3 ranks: 5 values make chunks of 2, the last padded (alltoall, float32 sums, all-gather)
     base = np.array([1.0, 1e-3, 3.14159265, 1e-7, -7.5], np.float32)
     g = [base * (r + 1) + np.float32(0.01 * r) for r in range(size)]
