@@ -7,17 +7,30 @@ round's metadata (:mod:`tfsync.engine.rounds`) is not compressed: it goes in
 a float32 call of its own, exact as ever, so a compressed round is two
 grouped allreduces (one more negotiation; its bytes are counted).
 
-* ``"fp16"``: ``hvd.grouped_allreduce`` of float16 tensors with the round's
-  own reduction; Horovod sums them in float16 (each addition rounded to
-  float16) and post-scales there, exactly as under its ``Compression.fp16``.
-  float16's largest value is 65504: ``n`` finite contributions can sum to an
-  infinity.  Horovod lets that infinity through; here a contribution with an
-  element above :attr:`WireFormat.limit` in magnitude (65504 over ``n``, over
-  the rounding the sum can add, ``(1 + 2^-11)^n``, and over 2 where a rank's
-  row may carry a late, compensated contribution besides its fresh one) is
-  rejected before it is sent: counted as ``rejected``, traced and logged
-  (:mod:`tfsync.engine.nonfinite`), never clipped or sent as an infinity.
-  Then no round's sum can overflow on the wire.  Under BSP, whose
+A round's compressed tensors are reduced as torchft reduces its quantized
+ones (and as :mod:`tfsync.engine.quantized` does): concatenated in the wire
+type and cut into ``size`` chunks, an alltoall sends chunk ``j`` to rank ``j``,
+which sums the ``size`` chunks it receives in float32 (converted exactly),
+applies the round's scale (the mean's ``1 / size`` or the engine's divisor)
+and casts its summed chunk to the wire type once; an all-gather gives every
+rank every summed chunk.  Every rank decodes the same bytes, so the replicas
+stay identical; the bytes each way are a ring allreduce's in the wire type,
+``2·(n-1)/n`` of the payload, at any worker count.  Why not Horovod's own
+float16 allreduce (what ``Compression.fp16`` does): on CPUs Gloo sums float16
+in software, element by element through float, which cost more than the
+halved bytes saved (BSP at 0.58x plain Horovod's step rate across a 3 Gbit/s
+link, docs/results/compression); and its sum rounds to float16 at each of the
+``n - 1`` additions where this one rounds once.  It also takes bfloat16 (as
+16-bit words), which Horovod's allreduce does not.
+
+* ``"fp16"``: float16's largest value is 65504, so ``n`` finite
+  contributions can sum to an infinity.  Horovod lets that infinity through;
+  here a contribution with an element above :attr:`WireFormat.limit` in
+  magnitude (65504 over ``n``, over the rounding the casts can add, and over 2
+  where a rank's row may carry a late, compensated contribution besides its
+  fresh one) is rejected before it is sent: counted as ``rejected``, traced
+  and logged (:mod:`tfsync.engine.nonfinite`), never clipped or sent as an
+  infinity.  Then no round's sum can overflow on the wire.  Under BSP, whose
   contributions are not checked one by one (the round's sum is), an
   overflow shows in the sum, which is redone without the contributions
   beyond that bound, and a redone sum still not finite rejects the round
@@ -25,26 +38,19 @@ grouped allreduces (one more negotiation; its bytes are counted).
   than scaling: dividing each contribution by ``n`` before the cast would
   lift the bound to 65504 but send every value below about ``6e-8·n`` as
   zero, and gradients live at the small end of the range; rejecting keeps
-  Horovod's numerics and makes the rare large value visible and counted.
-* ``"bf16"``: Horovod's allreduce takes no bfloat16, so each worker's
-  bfloat16 tensors (concatenated, as 16-bit words) go out in one
-  ``hvd.allgather`` and every worker sums the ``n`` rows in float32, in rank
-  order (the same sum on every worker).  bfloat16 has float32's range
-  (8 exponent bits) and 8 bits of mantissa: it rounds more than float16 and
-  overflows only where float32 would; the bound is bfloat16's largest value
-  over ``n`` as above.  An allgather moves ``n - 1`` rows
-  each way per worker against an allreduce's ``2·(n-1)/n``: at 2 workers
-  the bytes equal fp16's, beyond that they grow with ``n`` (see the bytes
-  model below); prefer fp16 on more than 2 workers unless its range is the
-  problem.
+  float16's resolution and makes the rare large value visible and counted.
+* ``"bf16"``: bfloat16 has float32's range (8 exponent bits) and 8 bits of
+  mantissa: it rounds more than float16 and overflows only where float32
+  would; the bound is bfloat16's largest value over ``n`` as above.
 
 Bytes on the wire (:class:`WireBytes`), counted by the engine for every
 collective a round runs (a redone BSP round counts twice) and for nothing
 else (broadcasts, the control path and the epoch logs' averages are not
 counted).  The model is a ring: an allreduce of ``B`` bytes over ``n``
 workers sends and receives ``2·(n-1)/n·B`` bytes on each worker
-(reduce-scatter then all-gather: NCCL's ring and Gloo's ring algorithms); an
-allgather of ``B`` bytes from each worker sends and receives ``(n-1)·B``.
+(reduce-scatter then all-gather: NCCL's ring and Gloo's ring algorithms); a
+compressed round's alltoall and all-gather send and receive ``n - 1`` chunks
+each (:func:`chunk_length` values of 2 bytes).
 ``bytes_sent``/``bytes_received``: what went on the wire (the payload in its
 wire dtype plus the float32 metadata, ``META_WIDTH`` per worker);
 ``uncompressed_bytes_sent``/``uncompressed_bytes_received``: the same rounds
@@ -61,6 +67,12 @@ from tfsync.policies.base import COMPRESSIONS, check_compression
 
 # the wire type's largest finite value and its unit roundoff (half an ulp at 1)
 _WIRE = {"fp16": ("float16", 65504.0, 2.0**-11), "bf16": ("bfloat16", 3.3895313892515355e38, 2.0**-8)}
+
+
+def chunk_length(values: int, size: int) -> int:
+    """The values in each rank's chunk of a compressed round of ``values`` (the round is padded
+    with zeros to ``size`` equal chunks)."""
+    return -(-max(values, 1) // size)
 
 
 def wire_dtype(compression):
@@ -99,8 +111,8 @@ class WireFormat:
         dtype, largest, roundoff = _WIRE[compression]
         self.dtype_name = dtype
         # the sum of n rows, each of per_rank contributions with every |x| <= limit, is at most
-        # n * per_rank * limit before rounding; each cast and each of the n - 1 additions may add
-        # a relative (1 + u)
+        # n * per_rank * limit before rounding; the two casts to the wire type may each add a
+        # relative (1 + u), the n - 1 float32 additions far less: (1 + u)^(n + 1) bounds them all
         self.limit = largest / (size * per_rank * (1.0 + roundoff) ** (size + 1))
         self._check = None
 
@@ -174,11 +186,11 @@ class WireBytes:
         elif compression is None:
             wire = ring * (raw + meta)
         else:
-            squeezed = sum(n * 2 for n, d in zip(counts, dtypes) if compresses(d, compression))
+            squeezed = sum(n for n, d in zip(counts, dtypes) if compresses(d, compression))
             kept = sum(n * d.size for n, d in zip(counts, dtypes) if not compresses(d, compression))
-            # bf16's floating tensors go by allgather: n - 1 rows of them each way
-            gathered = float(self.size - 1) if compression == "bf16" else ring
-            wire = gathered * squeezed + ring * (kept + meta)
+            # the alltoall's and the all-gather's n - 1 chunks of 2-byte values each way
+            chunks = 2 * (self.size - 1) * chunk_length(squeezed, self.size) * 2 if squeezed else 0
+            wire = chunks + ring * (kept + meta)
         uncompressed = ring * (raw + meta)
         self._layouts[key] = {
             "bytes_sent": wire,

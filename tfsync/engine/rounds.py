@@ -111,41 +111,45 @@ def horovod_collective(average: bool, hvd=None, compression=None):
 
     ``compression`` (``"fp16"``, ``"bf16"``; :mod:`tfsync.engine.compression`):
     the floating tensors wider than 16 bits are cast to the wire type and the
-    result back to their own dtype, as Horovod's ``Compression.fp16`` does;
-    fp16 in one grouped allreduce with the round's own reduction (Horovod sums
-    and post-scales in float16), bf16 in one allgather summed in float32 in
-    rank order and scaled there (Horovod's allreduce takes no bfloat16).  The
-    metadata then goes alone in its float32 call, exact as ever.
+    result back to their own dtype, as Horovod's ``Compression.fp16`` does,
+    reduced by an alltoall and an all-gather in the wire type with each chunk
+    summed in float32 (:mod:`tfsync.engine.compression`).  The metadata then
+    goes alone in its float32 call, exact as ever.
 
     ``hvd``: ``horovod.tensorflow`` (default: as checked by
     :func:`tfsync._horovod.horovod`), or a stand-in with ``size()``, ``Sum``,
-    ``Average``, ``grouped_allreduce`` and (bf16) ``allgather`` (an in-process
-    fake's ranks run this very function).
+    ``Average``, ``grouped_allreduce`` and (compressed) ``alltoall`` and
+    ``allgather`` (an in-process fake's ranks run this very function).
     """
     import tensorflow as tf  # (here: the round's bookkeeping above runs without TensorFlow)
 
-    from tfsync.engine.compression import compresses, wire_dtype
+    from tfsync.engine.compression import chunk_length, compresses, wire_dtype
 
     if hvd is None:
         hvd = _horovod.horovod()
     size = hvd.size()
     wire = wire_dtype(compression)
 
-    def squeezed(tensors, op, scale, factor):
-        """The round's reduction of ``tensors`` (in the wire type) over the ranks: ``op`` and
-        ``scale`` Horovod's (fp16), or the sum times ``factor`` (bf16, in float32)."""
-        if compression == "fp16":
-            return hvd.grouped_allreduce(tensors, op=op, name="tfsync.round.wire", **scale)
+    def squeezed(tensors, factor):
+        """The sum of ``tensors`` (in the wire type) over the ranks times ``factor``, in the wire
+        type: a reduce-scatter (an alltoall of each rank's ``size`` chunks; each rank sums the
+        chunk it owns in float32 and scales it) and an all-gather of the summed chunks, so every
+        rank decodes the same bytes (:mod:`tfsync.engine.compression`)."""
         shapes = [t.shape for t in tensors]
+        counts = [int(np.prod(s, dtype=np.int64)) for s in shapes]
+        values, length = sum(counts), chunk_length(sum(counts), size)
         flat = tf.concat([tf.reshape(t, [-1]) for t in tensors], 0)
-        rows = hvd.allgather(tf.bitcast(flat, tf.uint16), name="tfsync.round.wire")
-        rows = tf.cast(tf.bitcast(tf.reshape(rows, [size, -1]), tf.bfloat16), tf.float32)
-        summed = rows[0]
-        for r in range(1, size):  # (in rank order, one add at a time: the same sum on every rank)
-            summed = summed + rows[r]
+        flat = tf.reshape(tf.pad(flat, [[0, size * length - values]]), [size, length])
+        # (16-bit words: Horovod's alltoall and allgather take no bfloat16)
+        received = hvd.alltoall(tf.bitcast(flat, tf.uint16), name="tfsync.round.scatter")
+        rows = tf.cast(tf.bitcast(tf.reshape(received, [size, length]), wire), tf.float32)
+        chunk = tf.reduce_sum(rows, axis=0)
         if factor != 1.0:
-            summed = summed * factor
-        parts = tf.split(summed, [int(np.prod(s, dtype=np.int64)) for s in shapes])
+            chunk = chunk * factor
+        mine = tf.bitcast(tf.reshape(tf.cast(chunk, wire), [1, length]), tf.uint16)
+        gathered = hvd.allgather(mine, name="tfsync.round.gather")
+        summed = tf.reshape(tf.bitcast(gathered, wire), [-1])[:values]
+        parts = tf.split(summed, counts)
         return [tf.reshape(p, s) for p, s in zip(parts, shapes)]
 
     def collective(payload, meta, divisor=None):
@@ -166,7 +170,7 @@ def horovod_collective(average: bool, hvd=None, compression=None):
         if to_wire:
             factor = 1.0 / size if mean else 1.0 / (divisor or 1)
             wire_tensors = [tf.cast(payload[i], wire) for i in to_wire]
-            for i, out in zip(to_wire, squeezed(wire_tensors, op, scale, factor)):
+            for i, out in zip(to_wire, squeezed(wire_tensors, factor)):
                 total[i] = tf.cast(out, tf.as_dtype(payload[i].dtype))
         for k, (dtype, index) in enumerate(groups.items()):
             tensors = [payload[i] for i in index]

@@ -1,9 +1,9 @@
 """Rounds sent in 16 bits (``compression=``), and the bytes every round puts on the wire.
 
 The round collective is production's :func:`tfsync.engine.rounds.horovod_collective`
-over the in-process ranks of :mod:`fake_cluster`, which sum float16 as Horovod
-does (each addition rounded to float16), so the rounding and the overflow seen
-here are production's.  Real engines on threads check what the engine does with
+over the in-process ranks of :mod:`fake_cluster` (an alltoall and an all-gather
+that move bytes as Horovod's do), so the rounding and the overflow seen here are
+production's.  Real engines on threads check what the engine does with
 it: the mean each rank receives, the contributions it rejects (counted), the
 replicas, and the bytes it counts.
 """
@@ -48,48 +48,62 @@ def rows(size, rank, push_time):
     return meta
 
 
-def f16(x):
-    return np.asarray(x, np.float32).astype(np.float16)
+def on_wire(x, compression):
+    """``x`` rounded to the wire type, back in float32."""
+    dtype = {"fp16": tf.float16, "bf16": tf.bfloat16}[compression]
+    return tf.cast(tf.cast(tf.constant(np.asarray(x, np.float32)), dtype), tf.float32).numpy()
 
 
-@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # (the sum that overflows, below)
-def test_an_fp16_round_is_horovods_float16_reduction_cast_back_and_the_metadata_stays_exact():
-    g = [np.array([1.0, 1e-3, 3.14159265, 1e-7], np.float32), np.array([2.0, 2e-3, -1.0, 1e-7], np.float32)]
-    ints = [np.array([7, 9], np.int32), np.array([1, 2], np.int32)]
-    payloads = [[tf.constant(g[r]), tf.constant(ints[r])] for r in range(2)]
-    meta = [rows(2, r, 1e6 + 0.123456 * (r + 1)) for r in range(2)]
-    # each rank's values cast to float16, summed in float16, post-scaled in float16 (Horovod's
-    # Average: 1 / size; a divisor d: 1 / d), then cast back
-    summed = (f16(g[0]).astype(np.float32) + f16(g[1]).astype(np.float32)).astype(np.float16)
-    for kwargs, factor in (({}, 0.5), ({"divisor": 1}, 1.0), ({"divisor": 3}, 1.0 / 3.0)):
-        results = collect(2, "fp16", payloads, meta, **kwargs)
-        plain = collect(2, None, payloads, meta, **kwargs)[0][0]
-        expected = (summed.astype(np.float64) * factor).astype(np.float16).astype(np.float32)
+def reduced(values, factor, compression):
+    """A compressed round's result: each rank's values rounded to the wire type, summed in
+    float32, scaled, rounded to the wire type once more."""
+    total = on_wire(values[0], compression)
+    for v in values[1:]:
+        total = total + on_wire(v, compression)
+    return on_wire(total * np.float32(factor), compression)
+
+
+@pytest.mark.parametrize("compression", ["fp16", "bf16"])
+@pytest.mark.parametrize("size", [2, 3])
+def test_a_compressed_round_sums_the_wire_values_in_float32_rounds_once_and_keeps_the_metadata_exact(compression, size):
+    # 3 ranks: 5 values make chunks of 2, the last padded (alltoall, float32 sums, all-gather)
+    base = np.array([1.0, 1e-3, 3.14159265, 1e-7, -7.5], np.float32)
+    g = [base * (r + 1) + np.float32(0.01 * r) for r in range(size)]
+    ints = [np.array([7, 9], np.int32) + r for r in range(size)]
+    payloads = [[tf.constant(g[r]), tf.constant(ints[r])] for r in range(size)]
+    meta = [rows(size, r, 1e6 + 0.123456 * (r + 1)) for r in range(size)]
+    for kwargs, factor in (({}, 1.0 / size), ({"divisor": 1}, 1.0), ({"divisor": 3}, 1.0 / 3.0)):
+        results = collect(size, compression, payloads, meta, **kwargs)
+        plain = collect(size, None, payloads, meta, **kwargs)[0][0]
+        expected = reduced(g, factor, compression)
         for total, decoded in results:
             assert total[0].dtype == tf.float32
             np.testing.assert_array_equal(total[0].numpy(), expected)
             np.testing.assert_array_equal(total[1].numpy(), plain[1].numpy())  # (integers go as they are)
-            np.testing.assert_array_equal(decoded[:, 1], [12345678, 12345678])  # (exact: float32 digits)
-            np.testing.assert_array_equal(decoded[:, 2], [1e6 + 0.123456, 1e6 + 0.246912])
+            np.testing.assert_array_equal(decoded[:, 1], [12345678] * size)  # (exact: float32 digits)
+            np.testing.assert_array_equal(decoded[:, 2], [1e6 + 0.123456 * (r + 1) for r in range(size)])
         assert not np.array_equal(plain[0].numpy(), expected)  # (the rounding is seen: the test can fail)
-    # a finite float16 sum that overflows: what Horovod's Compression.fp16 lets through, and the
-    # reason each contribution must keep within WireFormat.limit
+
+
+def test_an_fp16_round_rounds_its_sum_once_where_horovods_float16_allreduce_rounds_each_addition():
+    # 1 + 2^-11 is a tie in float16 (ulp 2^-10 at 1): Horovod's float16 sum rounds it back to 1
+    # at each addition, 1 + 2^-11 + 2^-11 = 1 + 2^-10 is a float16 value
+    half = 2.0**-11
+    payloads = [[tf.constant([v])] for v in (1.0, half, half)]
+    meta = [rows(3, r, 1.0) for r in range(3)]
+    for total, _ in collect(3, "fp16", payloads, meta, divisor=1):
+        assert total[0].numpy()[0] == 1.0 + 2.0**-10
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+def test_a_finite_fp16_sum_beyond_float16s_range_arrives_as_an_infinity():
+    # what Horovod's Compression.fp16 lets through too, and the reason each contribution must
+    # keep within WireFormat.limit
     big = [[tf.constant([40000.0])], [tf.constant([40000.0])]]
+    meta = [rows(2, r, 1.0) for r in range(2)]
     assert np.isinf(collect(2, "fp16", big, meta, divisor=1)[0][0][0].numpy()).all()
-
-
-def test_a_bf16_round_is_the_float32_sum_of_bfloat16_values_in_rank_order():
-    g = [np.array([1.0, 1e-3, 3.14159265, 1e30], np.float32), np.array([2.0, 2e-3, -1.0, 1e30], np.float32)]
-    payloads = [[tf.constant(g[r])] for r in range(2)]
-    meta = [rows(2, r, 5.5) for r in range(2)]
-    values = [tf.cast(tf.cast(tf.constant(x), tf.bfloat16), tf.float32).numpy() for x in g]
-    for kwargs, factor in (({}, 0.5), ({"divisor": 1}, 1.0), ({"divisor": 3}, 1.0 / 3.0)):
-        results = collect(2, "bf16", payloads, meta, **kwargs)
-        expected = (values[0] + values[1]) * np.float32(factor) if factor != 1.0 else values[0] + values[1]
-        for total, decoded in results:
-            np.testing.assert_array_equal(total[0].numpy(), expected)
-            np.testing.assert_array_equal(decoded[:, 2], [5.5, 5.5])
-        assert not np.array_equal(expected, (g[0] + g[1]) * np.float32(factor))  # (rounded: 8 bits of mantissa)
+    # its mean is finite: the scale is applied in float32, before the cast
+    assert collect(2, "fp16", big, meta)[0][0][0].numpy()[0] == 40000.0
 
 
 def test_the_range_a_contribution_must_keep_leaves_the_sum_room():
@@ -115,8 +129,11 @@ def test_the_bytes_model_is_a_ring_and_fp16_halves_the_float_payload():
         bf16 = WireBytes(size, "bf16", rounds.META_WIDTH).per_call(shapes, dtypes)
         assert plain["bytes_sent"] == plain["bytes_received"] == ring * (sum(payload) + meta)
         assert fp16["uncompressed_bytes_sent"] == plain["bytes_sent"]
-        assert fp16["bytes_sent"] == fp16["bytes_received"] == ring * (payload[0] / 2 + payload[1] + meta)
-        assert bf16["bytes_sent"] == (size - 1) * payload[0] / 2 + ring * (payload[1] + meta)  # (an allgather)
+        # the floating values in 2 bytes: the alltoall's and the all-gather's size - 1 chunks each
+        # way (a ring's 2·(n-1)/n of them, and the padding: 10010 values over 4 ranks, 2503 each)
+        chunk = {2: 5005, 4: 2503}[size]
+        assert fp16["bytes_sent"] == fp16["bytes_received"] == 2 * (size - 1) * chunk * 2 + ring * (payload[1] + meta)
+        assert bf16["bytes_sent"] == fp16["bytes_sent"]
     assert WireBytes(1, "fp16", rounds.META_WIDTH).per_call(shapes, dtypes)["bytes_sent"] == 0
 
 
@@ -192,9 +209,11 @@ def test_bsp_under_fp16_applies_the_rounded_mean_on_every_replica_and_counts_its
         # one allreduce per round under the ring model: 2·(n−1)/n of the bytes each way, n = 2
         floats = 5 * 4
         assert sent["uncompressed_bytes_sent"] == plain_sent["bytes_sent"] == steps * (floats + META_BYTES)
-        assert sent["bytes_sent"] == sent["bytes_received"] == steps * (floats / 2 + META_BYTES)
-        # after = before / 2 for the float32 payload (the metadata is float32 either way)
-        assert sent["bytes_sent"] - steps * META_BYTES == (sent["uncompressed_bytes_sent"] - steps * META_BYTES) / 2
+        # in float16, the 5 values padded to 2 chunks of 3: an alltoall and an all-gather of one each
+        assert sent["bytes_sent"] == sent["bytes_received"] == steps * (2 * 3 * 2 + META_BYTES)
+        # after = before / 2 for the float32 payload but the padding (the metadata is float32 either way)
+        padded = (sent["uncompressed_bytes_sent"] - steps * META_BYTES) / 2 * 6 / 5
+        assert sent["bytes_sent"] - steps * META_BYTES == padded
         assert totals["bytes_sent"] == sent["bytes_sent"]  # (the epoch's totals: the only epoch here)
 
 
@@ -210,7 +229,7 @@ def test_bsp_under_fp16_redoes_a_round_whose_float16_sum_overflowed_without_the_
     # round 2's mean is rank 1's contribution alone, as every replica applied it
     expected = np.linspace(0.1, 1.0, 5, dtype=np.float32) * 2 / 5
     np.testing.assert_allclose(means0[2], expected, rtol=2e-3)
-    assert sent["bytes_sent"] == 5 * (20 / 2 + META_BYTES)  # (4 rounds, one of them sent twice)
+    assert sent["bytes_sent"] == 5 * (2 * 3 * 2 + META_BYTES)  # (4 rounds, one of them sent twice)
     assert any("float16" in r.getMessage() and "rank 0" in r.getMessage() for r in caplog.records)
 
 
