@@ -1,5 +1,5 @@
 """Two fixes to the installed Horovod's elastic launcher (patched by ``make install``; hunks 8 and 9
-of third_party/horovod's patch), each found as a job that never re-formed in the chaos soak:
+of third_party/horovod's patch), each of a way an elastic job never re-formed:
 
 - it gives up on a host-change notice that rank 0 does not answer: the driver sends it while
   holding the lock that starting the next round's workers needs, and Horovod as released
