@@ -55,6 +55,12 @@ OPS_IMPL = Var("TFSYNC_OPS_IMPL", "compiled", "compiled | reference: the kernels
 SCHEDULER_IMPL = Var(
     "TFSYNC_SCHEDULER_IMPL", "compiled", "compiled | reference: the ZipLine kernels tfsync.scheduler runs"
 )
+HANG_STACKS = Var(
+    "TFSYNC_HANG_STACKS",
+    "0",
+    "1: the hang guard of an elastic worker writes the worker's stacks (py-spy dump, where py-spy is "
+    "installed) to its standard error before it ends the worker",
+)
 
 
 def wait_timeout_s(value=None) -> float:
@@ -120,4 +126,26 @@ def single_process() -> bool:
     return raw == "1"
 
 
-ALL = (STRAGGLERS, WAIT_TIMEOUT_S, CONTROL_HOST, CONTROL_PORT, CONTROL_RELAYS, SINGLE_PROCESS, OPS_IMPL, SCHEDULER_IMPL)
+def hang_stacks() -> bool:
+    """Whether ``TFSYNC_HANG_STACKS`` asks the hang guard for the worker's stacks before it ends
+    it (``1``; ``0`` or unset: no); another value is refused rather than read as no."""
+    raw = HANG_STACKS.get()
+    if raw not in ("0", "1"):
+        raise ValueError(
+            f"{HANG_STACKS.name}={raw!r}: expected 1 (the hang guard writes a hung worker's stacks before "
+            f"it ends it) or 0 (the default: it does not); set it to 1 or 0, or unset it"
+        )
+    return raw == "1"
+
+
+ALL = (
+    STRAGGLERS,
+    WAIT_TIMEOUT_S,
+    CONTROL_HOST,
+    CONTROL_PORT,
+    CONTROL_RELAYS,
+    SINGLE_PROCESS,
+    OPS_IMPL,
+    SCHEDULER_IMPL,
+    HANG_STACKS,
+)

@@ -24,12 +24,14 @@ worker waiting on a hung peer gets its own bounded error first and is never ende
 launcher then sees the exit, blacklists the host (for its cooldown,
 ``--blacklist-cooldown-range``) and re-forms the job from the survivors.  The guard writes why
 to the worker's standard error (horovodrun prefixes it with the rank), so the job's log says
-which worker was ended and after how long.  The guard ends itself when the worker's end closes
-the pipe.
+which worker was ended and after how long; with ``TFSYNC_HANG_STACKS=1`` it writes the worker's
+stacks there first (``py-spy dump``, bounded by :data:`STACKS_TIMEOUT_S`): where a worker hung.
+The guard ends itself when the worker's end closes the pipe.
 """
 
 import os
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -41,6 +43,7 @@ HANG_MARGIN_S = 2.0  # hang_timeout_s "auto": the wait bound plus this
 # a step may take its own compute plus a wait on peers up to the bound plus the stop notice: one
 # in a step this many times the hang timeout is stuck (a frozen process: the hang timeout itself)
 STEP_FACTOR = 2.0
+STACKS_TIMEOUT_S = 10.0  # the most a stack dump may delay the end of a hung worker
 
 
 class HangGuard:
@@ -57,8 +60,11 @@ class HangGuard:
         self._label = label
         self._step_t = None  # when the step under way began (monotonic), None between steps
         self._lock = threading.Lock()
+        from tfsync import _env  # (here: the guard process itself imports nothing of tfsync)
+
+        stacks = "stacks" if _env.hang_stacks() else "-"
         self._process = subprocess.Popen(
-            [sys.executable, "-I", os.path.abspath(__file__), str(os.getpid()), repr(self.hang_timeout_s)],
+            [sys.executable, "-I", os.path.abspath(__file__), str(os.getpid()), repr(self.hang_timeout_s), stacks],
             stdin=subprocess.PIPE,
             stdout=subprocess.DEVNULL,
         )
@@ -109,14 +115,15 @@ class HangGuard:
             self._send(f"hung {in_step:.1f}" if in_step > STEP_FACTOR * self.hang_timeout_s else ".")
 
 
-def _guard(parent: int, hang_timeout_s: float):
+def _guard(parent: int, hang_timeout_s: float, stacks: bool = False):
     """The guard process: read heartbeats until the worker hangs (end it) or ends (return)."""
     fd = sys.stdin.fileno()
     label, pending, last = "", b"", time.monotonic()
     while True:
         ready, _, _ = select.select([fd], [], [], max(0.0, last + hang_timeout_s - time.monotonic()))
         if not ready:
-            return _end(parent, label, f"it was frozen: no heartbeat for {hang_timeout_s:.1f} s", hang_timeout_s)
+            why = f"it was frozen: no heartbeat for {hang_timeout_s:.1f} s"
+            return _end(parent, label, why, hang_timeout_s, stacks)
         chunk = os.read(fd, 4096)
         if not chunk:
             return  # the worker ended (its pipe closed)
@@ -129,11 +136,13 @@ def _guard(parent: int, hang_timeout_s: float):
                 label = line[len("label ") :]
             elif line.startswith("hung "):
                 why = f"its main thread was in one training step for {line[len('hung ') :]} s"
-                return _end(parent, label, why, hang_timeout_s)
+                return _end(parent, label, why, hang_timeout_s, stacks)
 
 
-def _end(parent: int, label: str, why: str, hang_timeout_s: float):
+def _end(parent: int, label: str, why: str, hang_timeout_s: float, stacks: bool = False):
     who = f"{label} (pid {parent}, host {os.uname().nodename})" if label else f"pid {parent}"
+    if stacks:
+        _write_stacks(parent, who)
     sys.stderr.write(
         f"tfsync.elastic: hang guard: ended {who}: {why}, past its hang timeout ({hang_timeout_s:.1f} s, longer "
         f"than its peers wait for it: they have given up on it). The launcher re-forms the job without it and "
@@ -147,5 +156,25 @@ def _end(parent: int, label: str, why: str, hang_timeout_s: float):
         pass
 
 
+def _write_stacks(parent: int, who: str):
+    """The hung worker's stacks on standard error, before it is ended (``TFSYNC_HANG_STACKS=1``)."""
+    spy = shutil.which("py-spy")
+    if spy is None:
+        text = "py-spy is not installed (pip install py-spy)"
+    else:
+        try:
+            out = subprocess.run(
+                [spy, "dump", "--native", "--pid", str(parent)],
+                capture_output=True,
+                text=True,
+                timeout=STACKS_TIMEOUT_S,
+            )
+            text = (out.stdout + out.stderr).rstrip()
+        except subprocess.TimeoutExpired:
+            text = f"py-spy did not answer within {STACKS_TIMEOUT_S:.0f} s"
+    sys.stderr.write(f"tfsync.elastic: hang guard: the stacks of {who} before it is ended:\n{text}\n")
+    sys.stderr.flush()
+
+
 if __name__ == "__main__":
-    _guard(int(sys.argv[1]), float(sys.argv[2]))
+    _guard(int(sys.argv[1]), float(sys.argv[2]), len(sys.argv) > 3 and sys.argv[3] == "stacks")

@@ -145,7 +145,8 @@ def _launch(args, hosts, out, mode, minutes, schedule=None):
     elastic = ["--min-np", PER_HOST, "--max-np", FULL, "--host-discovery-script", discovery]
     elastic += ["--blacklist-cooldown-range", *COOLDOWN_S]
     elastic += ["--log-level", "INFO"]  # (the launcher's decisions in the log: who recorded, who is out)
-    env = {"TFSYNC_STRAGGLERS": f"base={args.step_delay_s}"}
+    # (a worker its hang guard ends leaves its stacks in the log: where it hung)
+    env = {"TFSYNC_STRAGGLERS": f"base={args.step_delay_s}", "TFSYNC_HANG_STACKS": "1"}
     cmd = hosts.horovodrun(PER_HOST, argv, env=env, gloo_timeout_s=GLOO_TIMEOUT_S, elastic=elastic)
     output = os.path.join(out, "output.log")
     bound_s = STARTUP_S + 60 * minutes + 600  # the last epoch, a re-forming job's, and the ends

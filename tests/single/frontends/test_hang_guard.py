@@ -4,6 +4,7 @@ place in an elastic job (the launcher re-forms without the hung worker) is
 tests/parallel/test_elastic_launcher.py's."""
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -19,8 +20,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.a
 BOUND_S = 60  # every process here ends in seconds; this bounds a broken guard
 
 
-def _worker(body, timeout_s=1.0):
-    """A process that starts a guard (timeout ``timeout_s``), prints its guard's pid, then runs ``body``."""
+def _worker(body, timeout_s=1.0, env=None):
+    """A process that starts a guard (timeout ``timeout_s``), prints its guard's pid, then runs ``body``
+    (``env``: variables set for it)."""
     code = textwrap.dedent(
         f"""
         import os, signal, sys, time
@@ -30,7 +32,13 @@ def _worker(body, timeout_s=1.0):
         print(guard._process.pid, flush=True)
         """
     ) + textwrap.dedent(body)
-    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-c", code],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def _finish(process):
@@ -65,6 +73,23 @@ def test_a_frozen_worker_is_ended_saying_why():
     assert "woke" not in out  # ended while stopped: it never ran again
     assert "hang guard: ended rank 1 of 4 (pid" in err and "frozen: no heartbeat for 1.0 s" in err, err
     assert _gone(int(out.split()[0]))
+
+
+def test_with_tfsync_hang_stacks_the_guard_writes_where_the_worker_hung_before_it_ends_it():
+    body = "def stuck_here():\n    guard.step_begin()\n    time.sleep(30)\nstuck_here()\n"
+    code, out, err = _finish(_worker(body, env={"TFSYNC_HANG_STACKS": "1"}))
+    assert code == -signal.SIGKILL, (code, err)
+    assert "hang guard: the stacks of rank 1 of 4 (pid" in err, err
+    if shutil.which("py-spy"):
+        assert "stuck_here" in err and "tfsync-hang-guard" in err, err  # the main thread and the heartbeat's
+    else:
+        assert "py-spy is not installed" in err, err
+    assert err.index("the stacks of") < err.index("hang guard: ended"), err
+
+
+def test_a_bad_tfsync_hang_stacks_is_refused_saying_what_it_takes():
+    code, out, err = _finish(_worker("pass\n", env={"TFSYNC_HANG_STACKS": "yes"}))
+    assert code != 0 and "TFSYNC_HANG_STACKS='yes': expected 1" in err, (code, err)
 
 
 def test_a_worker_stuck_in_one_step_is_ended_saying_why():
