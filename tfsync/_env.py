@@ -114,28 +114,33 @@ def control_relays(environ=None) -> str:
     return raw
 
 
-def single_process() -> bool:
-    """Whether ``TFSYNC_SINGLE_PROCESS`` asks to train one worker without ``horovodrun``
-    (``1``; ``0`` or unset: no); another value is refused rather than read as no."""
-    raw = SINGLE_PROCESS.get()
+def _flag(var: Var, one: str, zero: str) -> bool:
+    """``var`` read as a flag: ``1`` (meaning ``one``) or ``0``/unset (``zero``); another value is
+    refused rather than read as no."""
+    raw = var.get()
     if raw not in ("0", "1"):
         raise ValueError(
-            f"{SINGLE_PROCESS.name}={raw!r}: expected 1 (train one worker without horovodrun, on "
-            f"purpose) or 0 (the default: refuse to train outside horovodrun); set it to 1 or 0, or unset it"
+            f"{var.name}={raw!r}: expected 1 ({one}) or 0 (the default: {zero}); set it to 1 or 0, or unset it"
         )
     return raw == "1"
+
+
+def single_process() -> bool:
+    """Whether ``TFSYNC_SINGLE_PROCESS`` asks to train one worker without ``horovodrun``."""
+    return _flag(
+        SINGLE_PROCESS,
+        "train one worker without horovodrun, on purpose",
+        "refuse to train outside horovodrun",
+    )
 
 
 def hang_stacks() -> bool:
-    """Whether ``TFSYNC_HANG_STACKS`` asks the hang guard for the worker's stacks before it ends
-    it (``1``; ``0`` or unset: no); another value is refused rather than read as no."""
-    raw = HANG_STACKS.get()
-    if raw not in ("0", "1"):
-        raise ValueError(
-            f"{HANG_STACKS.name}={raw!r}: expected 1 (the hang guard writes a hung worker's stacks before "
-            f"it ends it) or 0 (the default: it does not); set it to 1 or 0, or unset it"
-        )
-    return raw == "1"
+    """Whether ``TFSYNC_HANG_STACKS`` asks the hang guard for the worker's stacks before it ends it."""
+    return _flag(
+        HANG_STACKS,
+        "the hang guard writes a hung worker's stacks before it ends it",
+        "it does not",
+    )
 
 
 ALL = (
