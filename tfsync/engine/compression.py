@@ -17,11 +17,10 @@ rank every summed chunk.  Every rank decodes the same bytes, so the replicas
 stay identical; the bytes each way are a ring allreduce's in the wire type,
 ``2·(n-1)/n`` of the payload, at any worker count.  Why not Horovod's own
 float16 allreduce (what ``Compression.fp16`` does): on CPUs Gloo sums float16
-in software, element by element through float, which cost more than the
-halved bytes saved (BSP at 0.58x plain Horovod's step rate across a 3 Gbit/s
-link, docs/results/compression); and its sum rounds to float16 at each of the
-``n - 1`` additions where this one rounds once.  It also takes bfloat16 (as
-16-bit words), which Horovod's allreduce does not.
+in software, element by element through float, and the sum rounds to float16
+at each of the ``n - 1`` additions where this one rounds once; and Horovod's
+allreduce takes no bfloat16 (sent here as 16-bit words).  What each costs
+across slow links: docs/results/compression.
 
 * ``"fp16"``: float16's largest value is 65504, so ``n`` finite
   contributions can sum to an infinity.  Horovod lets that infinity through;
