@@ -37,6 +37,7 @@ zeros, which quantize to zeros exactly; its error feedback is left as it was.
 import numpy as np
 
 from tfsync import _horovod, ops
+from tfsync.engine import compression
 from tfsync.engine.rounds import decode_meta, encode_meta
 from tfsync.policies.local import QUANTIZE
 from tfsync.policies.local import QUANTIZE_BLOCK as BLOCK  # values per float32 scale
@@ -45,9 +46,9 @@ BITS = {"int8": 8, "int4": 4}
 
 
 def chunk_length(values: int, size: int) -> int:
-    """``L``: each worker's chunk of a round of ``values`` floats, a whole number of blocks."""
-    per_worker = -(-max(values, 1) // size)
-    return -(-per_worker // BLOCK) * BLOCK
+    """``L``: each worker's chunk of a round of ``values`` floats (a compressed round's,
+    :func:`tfsync.engine.compression.chunk_length`), rounded up to a whole number of blocks."""
+    return -(-compression.chunk_length(values, size) // BLOCK) * BLOCK
 
 
 def wire_bytes(values: int, size: int, quantize) -> int:
