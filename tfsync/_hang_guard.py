@@ -123,7 +123,7 @@ def _guard(parent: int, hang_timeout_s: float, stacks: bool = False):
         ready, _, _ = select.select([fd], [], [], max(0.0, last + hang_timeout_s - time.monotonic()))
         if not ready:
             why = f"it was frozen: no heartbeat for {hang_timeout_s:.1f} s"
-            return _end(parent, label, why, hang_timeout_s, stacks)
+            return _end(parent, label, why, hang_timeout_s, stacks, frozen=True)
         chunk = os.read(fd, 4096)
         if not chunk:
             return  # the worker ended (its pipe closed)
@@ -139,10 +139,10 @@ def _guard(parent: int, hang_timeout_s: float, stacks: bool = False):
                 return _end(parent, label, why, hang_timeout_s, stacks)
 
 
-def _end(parent: int, label: str, why: str, hang_timeout_s: float, stacks: bool = False):
+def _end(parent: int, label: str, why: str, hang_timeout_s: float, stacks: bool = False, frozen: bool = False):
     who = f"{label} (pid {parent}, host {os.uname().nodename})" if label else f"pid {parent}"
     if stacks:
-        _write_stacks(parent, who)
+        _write_stacks(parent, who, frozen)
     sys.stderr.write(
         f"tfsync.elastic: hang guard: ended {who}: {why}, past its hang timeout ({hang_timeout_s:.1f} s, longer "
         f"than its peers wait for it: they have given up on it). The launcher re-forms the job without it and "
@@ -156,15 +156,19 @@ def _end(parent: int, label: str, why: str, hang_timeout_s: float, stacks: bool 
         pass
 
 
-def _write_stacks(parent: int, who: str):
-    """The hung worker's stacks on standard error, before it is ended (``TFSYNC_HANG_STACKS=1``)."""
+def _write_stacks(parent: int, who: str, frozen: bool = False):
+    """The hung worker's stacks on standard error, before it is ended (``TFSYNC_HANG_STACKS=1``).
+
+    A frozen process (SIGSTOP) is read without suspending it (``--nonblocking``, its Python
+    stacks only): py-spy cannot attach to a stopped process to read native frames."""
     spy = shutil.which("py-spy")
     if spy is None:
         text = "py-spy is not installed (pip install py-spy)"
     else:
+        how = ["--nonblocking"] if frozen else ["--native"]
         try:
             out = subprocess.run(
-                [spy, "dump", "--native", "--pid", str(parent)],
+                [spy, "dump", *how, "--pid", str(parent)],
                 capture_output=True,
                 text=True,
                 timeout=STACKS_TIMEOUT_S,

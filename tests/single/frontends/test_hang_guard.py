@@ -87,6 +87,18 @@ def test_with_tfsync_hang_stacks_the_guard_writes_where_the_worker_hung_before_i
     assert err.index("the stacks of") < err.index("hang guard: ended"), err
 
 
+def test_with_tfsync_hang_stacks_a_frozen_workers_stacks_are_read_too():
+    # (py-spy cannot attach to a stopped process: the guard reads it without suspending it)
+    body = "def frozen_here():\n    os.kill(os.getpid(), signal.SIGSTOP)\nfrozen_here()\n"
+    code, out, err = _finish(_worker(body, env={"TFSYNC_HANG_STACKS": "1"}))
+    assert code == -signal.SIGKILL, (code, err)
+    assert "frozen: no heartbeat" in err and "hang guard: the stacks of rank 1 of 4 (pid" in err, err
+    if shutil.which("py-spy"):
+        assert "frozen_here" in err and "Failed to suspend" not in err, err
+    else:
+        assert "py-spy is not installed" in err, err
+
+
 def test_a_bad_tfsync_hang_stacks_is_refused_saying_what_it_takes():
     code, out, err = _finish(_worker("pass\n", env={"TFSYNC_HANG_STACKS": "yes"}))
     assert code != 0 and "TFSYNC_HANG_STACKS='yes': expected 1" in err, (code, err)
