@@ -294,6 +294,13 @@ register(
             f"diloco+{q}": Variant(("--quantize", q), f"DiLoCo(H={{inner_steps}}, {q})", study=False)
             for q in ("int8", "int4")
         },
+        # the quantized round overlapped with the period's last inner steps
+        **{
+            f"diloco+{q}+overlap": Variant(
+                ("--quantize", q, "--overlap-steps", "2"), f"DiLoCo(H={{inner_steps}}, {q}, tau=2)", study=False
+            )
+            for q in ("int8", "int4")
+        },
     },
     # a slow link: 0.95 in 17.0 s against plain Horovod's 150.1 s at 1gbit (docs/results/network)
     best_for={"slow-link": "diloco"},
