@@ -40,6 +40,7 @@ Example:
 
 import argparse
 import collections
+import contextlib
 import glob
 import json
 import os
@@ -54,6 +55,7 @@ from tfsync.faults import KINDS, HostFaults, Ledger, Schedule
 from tfsync.launch import REPO_ROOT, integer, number
 
 WORKER = os.path.join(REPO_ROOT, "tfsync", "bench", "_elastic_worker.py")
+GUARD = os.path.join(REPO_ROOT, "tfsync", "_hang_guard.py")  # each worker's hang guard (its command line)
 MODES = ("bsp", "backup", "diloco")
 PER_HOST = 2
 FULL = 2 * PER_HOST
@@ -195,12 +197,30 @@ def dump_stacks(pid, path, match=WORKER):
     and of every process whose command line holds ``match`` (the workers, which ssh starts
     elsewhere), written to ``path`` with ``py-spy dump``: what a stalled launch waits on.  Where
     ``gdb`` is installed, the workers' threads without Python frames too (Horovod's background
-    thread, which py-spy does not show).  Does nothing without py-spy; each dump is bounded (30 s)."""
+    thread, which py-spy does not show).  Does nothing without py-spy; each dump is bounded (30 s).
+
+    The workers' hang guards are stopped while it runs: py-spy and gdb hold a worker still while
+    they read it (gdb for seconds), which its guard would take for a frozen worker and end."""
     import psutil
 
     spy = shutil.which("py-spy")
     if spy is None:
         return
+    guards = [p for p in psutil.process_iter() if GUARD in " ".join(_cmdline(p))]
+    for guard in guards:
+        with contextlib.suppress(psutil.Error):
+            guard.suspend()
+    try:
+        _dump_stacks(pid, path, match, spy)
+    finally:
+        for guard in guards:
+            with contextlib.suppress(psutil.Error):
+                guard.resume()
+
+
+def _dump_stacks(pid, path, match, spy):
+    import psutil
+
     gdb = shutil.which("gdb")
     try:
         launch = psutil.Process(pid)

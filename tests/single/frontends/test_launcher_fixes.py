@@ -1,4 +1,4 @@
-"""Two fixes to the installed Horovod's elastic launcher (patched by ``make install``; hunks 8 and 9
+"""Fixes to the installed Horovod's elastic launcher and rendezvous (patched by ``make install``; hunks 8-10
 of third_party/horovod's patch), each of a way an elastic job never re-formed:
 
 - it gives up on a host-change notice that rank 0 does not answer: the driver sends it while
@@ -6,7 +6,10 @@ of third_party/horovod's patch), each of a way an elastic job never re-formed:
   waited for ever on a rank 0 that was frozen or behind a cut link;
 - it starts a worker again in a slot whose worker exited, where the slot's host is back by the
   next assignment (a short blacklist cooldown): Horovod as released took the slot for running,
-  started no one, and the round waited for it for ever."""
+  started no one, and the round waited for it for ever;
+- a Gloo rendezvous whose requests to the launcher fail for a few seconds (a link flap while the
+  job re-forms) waits for them: Horovod as released failed it after about 1.5 s, and the members
+  that had reached the round waited for the failed ones until Gloo's timeout."""
 
 import threading
 import time
@@ -116,3 +119,63 @@ def test_a_slot_whose_worker_exited_is_started_again_when_its_host_is_assigned_a
     finally:
         release.set()
         driver.stop()
+
+
+RENDEZVOUS_LATE_S = 3.0  # longer than Horovod's own retries of a request (3, 500 ms apart)
+
+
+def test_a_rendezvous_server_out_of_reach_for_seconds_delays_hvd_init_instead_of_failing_it(tmp_path):
+    """Hunk 10: a Gloo rendezvous's requests to the launcher are tried again for up to
+    HOROVOD_GLOO_TIMEOUT_SECONDS, so a link down for a few seconds while a job re-forms delays
+    the rendezvous; Horovod as released failed it after about 1.5 s."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from horovod.runner.common.util import hosts
+    from horovod.runner.http.http_server import RendezvousHandler, RendezvousHTTPServer
+
+    with socket.socket() as s:  # a port nobody answers on until the server starts
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {
+        **os.environ,
+        "HOROVOD_GLOO_RENDEZVOUS_ADDR": "127.0.0.1",
+        "HOROVOD_GLOO_RENDEZVOUS_PORT": str(port),
+        "HOROVOD_CONTROLLER": "gloo",
+        "HOROVOD_CPU_OPERATIONS": "gloo",
+        "HOROVOD_GLOO_IFACE": "lo",
+        "HOROVOD_HOSTNAME": "127.0.0.1",
+        "HOROVOD_GLOO_TIMEOUT_SECONDS": "30",
+        **{f"HOROVOD_{k}": v for k, v in {"RANK": "0", "SIZE": "1", "LOCAL_RANK": "0", "LOCAL_SIZE": "1"}.items()},
+        **{f"HOROVOD_{k}": v for k, v in {"CROSS_RANK": "0", "CROSS_SIZE": "1"}.items()},
+    }
+    code = (
+        "import horovod.tensorflow as hvd, sys, time\n"
+        "print('init', flush=True)\n"
+        "t = time.monotonic()\n"
+        "hvd.init()\n"
+        "print('initialized', hvd.size(), round(time.monotonic() - t, 1), flush=True)\n"
+    )
+    process = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
+    server = None
+    try:
+        assert process.stdout.readline().strip() == "init", process.stderr.read()[-3000:]
+        time.sleep(RENDEZVOUS_LATE_S)
+        server = RendezvousHTTPServer(("127.0.0.1", port), RendezvousHandler, 0)
+        server.init(hosts.get_host_assignments(hosts.parse_hosts("127.0.0.1:1"), 1))
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        out, err = process.communicate(timeout=60)
+    finally:
+        process.kill()
+        if server is not None:
+            server.shutdown()
+            server.server_close()
+    assert process.returncode == 0 and out.startswith("initialized 1"), (
+        f"hvd.init() failed while the rendezvous server was {RENDEZVOUS_LATE_S:g} s late (the installed "
+        f"Horovod lacks tfsync's patch, hunk 10: run make install): {err[-3000:]}"
+    )
+    assert float(out.split()[2]) >= RENDEZVOUS_LATE_S - 0.5, out  # (it did wait for the server)

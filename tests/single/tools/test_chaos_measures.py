@@ -65,3 +65,41 @@ def test_a_stalled_launch_leaves_the_stacks_of_its_python_processes(tmp_path):
     if shutil.which("gdb"):  # every thread of the worker, Python's or not
         assert f"=== pid {worker.pid} (gdb):" in text and f"=== pid {launch.pid} (gdb):" not in text
         assert "Thread 1 " in text.split(f"=== pid {worker.pid} (gdb):")[1], text
+
+
+def test_the_workers_hang_guards_are_stopped_while_their_stacks_are_read(tmp_path, monkeypatch):
+    # (py-spy and gdb hold a worker still while they read it: its guard would end it as frozen)
+    import os
+    import subprocess
+    import sys
+
+    import psutil
+
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    marker = str(tmp_path / "guarded_worker.py")
+    with open(marker, "w") as f:
+        f.write(
+            f"import sys, time\nsys.path.insert(0, {repo!r})\nfrom tfsync._hang_guard import HangGuard\n"
+            "guard = HangGuard(0.5, 'rank 0 of 1')\nprint(guard._process.pid, flush=True)\ntime.sleep(60)\n"
+        )
+    worker = subprocess.Popen([sys.executable, marker], stdout=subprocess.PIPE, text=True)
+    seen = {}
+    dump = chaos._dump_stacks
+
+    def watched(*args):
+        deadline = time.monotonic() + 5.0  # (a signal lands when the process is next scheduled)
+        while psutil.Process(guard_pid).status() != psutil.STATUS_STOPPED and time.monotonic() < deadline:
+            time.sleep(0.01)
+        seen["during"] = psutil.Process(guard_pid).status()
+        return dump(*args)
+
+    monkeypatch.setattr(chaos, "_dump_stacks", watched)
+    try:
+        guard_pid = int(worker.stdout.readline())
+        chaos.dump_stacks(worker.pid, str(tmp_path / "stacks.txt"), match="guarded_worker.py")
+        after = psutil.Process(guard_pid).status()
+        time.sleep(1.0)  # (a guard that took the dump for a freeze would have ended the worker by now)
+        assert worker.poll() is None, "the worker's guard ended it while its stacks were read"
+    finally:
+        worker.kill()
+    assert seen["during"] == psutil.STATUS_STOPPED and after != psutil.STATUS_STOPPED, (seen, after)
