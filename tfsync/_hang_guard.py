@@ -14,7 +14,11 @@ guard ends the worker (SIGKILL) when
 
 * nothing arrives for ``hang_timeout_s``: the whole process is frozen (its threads stopped), or
 * the heartbeat says the worker has been in one training step for more than twice
-  ``hang_timeout_s`` (:data:`STEP_FACTOR`: the main thread is stuck while the others still run).
+  ``hang_timeout_s`` (:data:`STEP_FACTOR`: the main thread is stuck while the others still run),
+  or in a fit's first step, where Keras traces the model, for more than
+  :data:`FIRST_STEP_FACTOR` times ``hang_timeout_s`` (a trace takes seconds to minutes; one
+  stuck for good, as a worker was after a re-form in tfsync's chaos soak, would hold every
+  peer in the launcher's next rendezvous).
 
 ``hang_timeout_s`` is longer than a step's waits on peers (the wait bound, whose every wait in a
 step is bounded: the collectives run on the engine's exchange thread), so by the time the guard
@@ -43,6 +47,8 @@ HANG_MARGIN_S = 2.0  # hang_timeout_s "auto": the wait bound plus this
 # a step may take its own compute plus a wait on peers up to the bound plus the stop notice: one
 # in a step this many times the hang timeout is stuck (a frozen process: the hang timeout itself)
 STEP_FACTOR = 2.0
+# a fit's first step traces the model (seconds to minutes): bounded at this many hang timeouts
+FIRST_STEP_FACTOR = 10.0
 STACKS_TIMEOUT_S = 10.0  # the most a stack dump may delay the end of a hung worker
 
 
@@ -59,6 +65,8 @@ class HangGuard:
         self.hang_timeout_s = float(hang_timeout_s)
         self._label = label
         self._step_t = None  # when the step under way began (monotonic), None between steps
+        self._step_limit = STEP_FACTOR * self.hang_timeout_s  # the step under way's bound (s)
+        self._first = False  # the step under way is a fit's first (its trace)
         self._lock = threading.Lock()
         from tfsync import _env  # (here: the guard process itself imports nothing of tfsync)
 
@@ -80,8 +88,11 @@ class HangGuard:
         """Who this worker is now (its rank and size change at a reset)."""
         self._send(f"label {text}")
 
-    def step_begin(self):
-        """A training step begins: from now, one that lasts past twice the timeout ends the process."""
+    def step_begin(self, first: bool = False):
+        """A training step begins: from now, one that lasts past twice the timeout ends the process
+        (``first``: a fit's first step, which traces the model: past :data:`FIRST_STEP_FACTOR` times)."""
+        self._first = first
+        self._step_limit = (FIRST_STEP_FACTOR if first else STEP_FACTOR) * self.hang_timeout_s
         self._step_t = time.monotonic()
 
     def idle(self):
@@ -110,9 +121,9 @@ class HangGuard:
 
     def _beat(self):
         while not self._stopped.wait(HEARTBEAT_S):
-            began = self._step_t
+            began, limit, first = self._step_t, self._step_limit, self._first
             in_step = 0.0 if began is None else time.monotonic() - began
-            self._send(f"hung {in_step:.1f}" if in_step > STEP_FACTOR * self.hang_timeout_s else ".")
+            self._send((f"hung {in_step:.1f}" + (" first" if first else "")) if in_step > limit else ".")
 
 
 def _guard(parent: int, hang_timeout_s: float, stacks: bool = False):
@@ -135,7 +146,9 @@ def _guard(parent: int, hang_timeout_s: float, stacks: bool = False):
             if line.startswith("label "):
                 label = line[len("label ") :]
             elif line.startswith("hung "):
-                why = f"its main thread was in one training step for {line[len('hung ') :]} s"
+                seconds, *first = line[len("hung ") :].split()
+                step = "a fit's first training step (where Keras traces the model)" if first else "one training step"
+                why = f"its main thread was in {step} for {seconds} s"
                 return _end(parent, label, why, hang_timeout_s, stacks)
 
 

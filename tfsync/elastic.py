@@ -76,7 +76,7 @@ import time
 
 from tfsync import _env, _horovod
 from tfsync._data import REDONE
-from tfsync._hang_guard import HANG_MARGIN_S, STEP_FACTOR, HangGuard
+from tfsync._hang_guard import FIRST_STEP_FACTOR, HANG_MARGIN_S, STEP_FACTOR, HangGuard
 from tfsync.engine import lifecycle
 from tfsync.engine.bounded import run_bounded
 from tfsync.engine.cluster import HorovodCluster
@@ -160,7 +160,7 @@ class KerasState(ObjectState):
             the callback committing the state plus 2 s: a peer waiting on a hung worker gives up
             (and resets) within that bound, so a worker stalled that long is already out, and a
             shorter stall is ridden through; seconds; or None (no guard).  A fit's
-            first step (the model's trace) is not bounded.
+            first step (the model's trace) is bounded at ten times the hang timeout.
         **attributes: values kept and restored with the model, as attributes of the state
             (``epoch=0`` by default; any other picklable value: a learning-rate scale).
             ``resets`` (the resets so far), ``counts`` (the job's contributions as of the last
@@ -468,9 +468,11 @@ def _start_guard(hvd, state):
         return None
     state.hang_guard = HangGuard(timeout_s, f"rank {hvd.rank()} of {hvd.size()}")
     log.info(
-        "tfsync.elastic: a hang guard ends this worker if it is frozen for %.1f s, or in one step for %.1f s",
+        "tfsync.elastic: a hang guard ends this worker if it is frozen for %.1f s, or in one step for %.1f s "
+        "(a fit's first step, the model's trace: %.1f s)",
         timeout_s,
         STEP_FACTOR * timeout_s,
+        FIRST_STEP_FACTOR * timeout_s,
     )
     return state.hang_guard
 

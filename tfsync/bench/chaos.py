@@ -199,29 +199,14 @@ def dump_stacks(pid, path, match=WORKER):
     ``gdb`` is installed, the workers' threads without Python frames too (Horovod's background
     thread, which py-spy does not show).  Does nothing without py-spy; each dump is bounded (30 s).
 
-    The workers' hang guards are stopped while it runs: py-spy and gdb hold a worker still while
-    they read it (gdb for seconds), which its guard would take for a frozen worker and end."""
+    The hang guards of those processes are stopped while it runs: py-spy and gdb hold a worker
+    still while they read it (gdb for seconds), which its guard would take for a frozen worker
+    and end."""
     import psutil
 
     spy = shutil.which("py-spy")
     if spy is None:
         return
-    guards = [p for p in psutil.process_iter() if GUARD in " ".join(_cmdline(p))]
-    for guard in guards:
-        with contextlib.suppress(psutil.Error):
-            guard.suspend()
-    try:
-        _dump_stacks(pid, path, match, spy)
-    finally:
-        for guard in guards:
-            with contextlib.suppress(psutil.Error):
-                guard.resume()
-
-
-def _dump_stacks(pid, path, match, spy):
-    import psutil
-
-    gdb = shutil.which("gdb")
     try:
         launch = psutil.Process(pid)
         procs = [launch, *launch.children(recursive=True)]
@@ -229,6 +214,21 @@ def _dump_stacks(pid, path, match, spy):
         procs = []
     seen = {p.pid for p in procs}
     procs += [p for p in psutil.process_iter() if p.pid not in seen and match in " ".join(_cmdline(p))]
+    pids = {p.pid for p in procs}
+    guards = [p for p in psutil.process_iter() if GUARD in " ".join(_cmdline(p)) and _parent(p) in pids]
+    for guard in guards:
+        with contextlib.suppress(psutil.Error):
+            guard.suspend()
+    try:
+        _dump_stacks([p for p in procs if p not in guards], path, match, spy)
+    finally:
+        for guard in guards:
+            with contextlib.suppress(psutil.Error):
+                guard.resume()
+
+
+def _dump_stacks(procs, path, match, spy):
+    gdb = shutil.which("gdb")
     with open(path, "w") as f:
         for p in procs:
             cmd = " ".join(_cmdline(p))
@@ -244,6 +244,13 @@ def _dump_stacks(pid, path, match, spy):
                 except subprocess.TimeoutExpired:
                     text = f"({tool} did not answer within 30 s)\n"
                 f.write(f"=== pid {p.pid} ({tool}): {cmd[:300]}\n{text}\n")
+
+
+def _parent(process):
+    try:
+        return process.ppid()
+    except Exception:  # noqa: BLE001 - gone
+        return None
 
 
 def _cmdline(process):

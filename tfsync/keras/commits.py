@@ -119,7 +119,7 @@ class ElasticCommits:
         self.steps = 0  # steps of the running fit's epoch
         self.committed_steps = 0  # of them, at the last commit
         self.since_commit = 0  # this worker's steps since the last commit (what a reset redoes)
-        self.fit_steps = 0  # steps of the running fit (its first traces the model: not hang-guarded)
+        self.fit_steps = 0  # steps of the running fit (its first traces the model: a longer hang bound)
         self.deferred = 0  # due commits put off because a worker was not at rest
         self._t_commit = time.monotonic()
         self._told = False  # the note that mid-epoch commits are off was logged
@@ -229,11 +229,11 @@ class ElasticCommits:
 
     def batch_begin(self):
         """After a commit within the epoch: the launcher's notices (as at an epoch's begin); the
-        hang guard bounds the step from here (a fit's first step, its trace, excepted)."""
+        hang guard bounds the step from here (a fit's first step, its trace, at a longer bound)."""
         self._check_hosts()
         guard = self.state.hang_guard
-        if guard is not None and self.fit_steps > 0:
-            guard.step_begin()
+        if guard is not None:
+            guard.step_begin(first=self.fit_steps == 0)
 
     def batch_end(self, batch: int):
         """Step ``batch`` of the epoch is done: commit if one is due and every worker is at rest."""

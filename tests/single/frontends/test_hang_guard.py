@@ -14,7 +14,7 @@ import time
 import pytest
 
 import tfsync.elastic as elastic
-from tfsync._hang_guard import HANG_MARGIN_S, STEP_FACTOR
+from tfsync._hang_guard import FIRST_STEP_FACTOR, HANG_MARGIN_S, STEP_FACTOR
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 BOUND_S = 60  # every process here ends in seconds; this bounds a broken guard
@@ -111,6 +111,23 @@ def test_a_worker_stuck_in_one_step_is_ended_saying_why():
     assert code == -signal.SIGKILL, (code, err)
     assert "its main thread was in one training step for" in err, err
     assert time.monotonic() - t >= STEP_FACTOR * 1.0  # (a step may take twice the hang timeout)
+
+
+def test_a_fits_first_step_gets_a_longer_bound_but_one_all_the_same():
+    # (the trace: past twice the timeout it goes on, past FIRST_STEP_FACTOR times it is ended)
+    body = """
+    guard.step_begin(first=True)
+    time.sleep(1.0)  # past twice the hang timeout (0.6 s), within ten times it
+    guard.idle()
+    print('traced', flush=True)
+    guard.step_begin(first=True)
+    time.sleep(30)
+    """
+    t = time.monotonic()
+    code, out, err = _finish(_worker(body, timeout_s=0.3))
+    assert code == -signal.SIGKILL and "traced" in out, (code, out, err)
+    assert "its main thread was in a fit's first training step (where Keras traces the model) for" in err, err
+    assert time.monotonic() - t >= FIRST_STEP_FACTOR * 0.3
 
 
 def test_a_worker_that_steps_on_is_left_alone_and_its_guard_ends_with_it():
