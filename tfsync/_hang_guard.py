@@ -16,9 +16,8 @@ guard ends the worker (SIGKILL) when
 * the heartbeat says the worker has been in one training step for more than twice
   ``hang_timeout_s`` (:data:`STEP_FACTOR`: the main thread is stuck while the others still run),
   or in a fit's first step, where Keras traces the model, for more than
-  :data:`FIRST_STEP_FACTOR` times ``hang_timeout_s`` (a trace takes seconds to minutes; one
-  stuck for good, as a worker was after a re-form in tfsync's chaos soak, would hold every
-  peer in the launcher's next rendezvous).
+  :data:`FIRST_STEP_FACTOR` times ``hang_timeout_s`` (a trace takes seconds to minutes; a
+  worker stuck in one would hold every peer in the launcher's next rendezvous).
 
 ``hang_timeout_s`` is longer than a step's waits on peers (the wait bound, whose every wait in a
 step is bounded: the collectives run on the engine's exchange thread), so by the time the guard
