@@ -64,8 +64,7 @@ class HangGuard:
         self.hang_timeout_s = float(hang_timeout_s)
         self._label = label
         self._step_t = None  # when the step under way began (monotonic), None between steps
-        self._step_limit = STEP_FACTOR * self.hang_timeout_s  # the step under way's bound (s)
-        self._first = False  # the step under way is a fit's first (its trace)
+        self._first = False  # the step under way is a fit's first (its trace: a longer bound)
         self._lock = threading.Lock()
         from tfsync import _env  # (here: the guard process itself imports nothing of tfsync)
 
@@ -91,7 +90,6 @@ class HangGuard:
         """A training step begins: from now, one that lasts past twice the timeout ends the process
         (``first``: a fit's first step, which traces the model: past :data:`FIRST_STEP_FACTOR` times)."""
         self._first = first
-        self._step_limit = (FIRST_STEP_FACTOR if first else STEP_FACTOR) * self.hang_timeout_s
         self._step_t = time.monotonic()
 
     def idle(self):
@@ -120,8 +118,9 @@ class HangGuard:
 
     def _beat(self):
         while not self._stopped.wait(HEARTBEAT_S):
-            began, limit, first = self._step_t, self._step_limit, self._first
+            began, first = self._step_t, self._first
             in_step = 0.0 if began is None else time.monotonic() - began
+            limit = (FIRST_STEP_FACTOR if first else STEP_FACTOR) * self.hang_timeout_s
             self._send((f"hung {in_step:.1f}" + (" first" if first else "")) if in_step > limit else ".")
 
 

@@ -213,9 +213,10 @@ def dump_stacks(pid, path, match=WORKER):
     except psutil.Error:
         procs = []
     seen = {p.pid for p in procs}
-    procs += [p for p in psutil.process_iter() if p.pid not in seen and match in " ".join(_cmdline(p))]
+    listed = [(p, " ".join(_cmdline(p))) for p in psutil.process_iter()]  # (one pass: both uses below)
+    procs += [p for p, cmd in listed if p.pid not in seen and match in cmd]
     pids = {p.pid for p in procs}
-    guards = [p for p in psutil.process_iter() if GUARD in " ".join(_cmdline(p)) and _parent(p) in pids]
+    guards = [p for p, cmd in listed if GUARD in cmd and _parent(p) in pids]
     for guard in guards:
         with contextlib.suppress(psutil.Error):
             guard.suspend()

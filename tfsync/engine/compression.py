@@ -74,6 +74,18 @@ def chunk_length(values: int, size: int) -> int:
     return -(-max(values, 1) // size)
 
 
+def as_chunks(tensors, size: int, length: int):
+    """``tensors`` flattened in order and padded with zeros into ``size`` rows (chunks) of
+    ``length`` values, in their common dtype: the padding joins the same concat, so the round's
+    values are copied once."""
+    import tensorflow as tf
+
+    flat = [tf.reshape(t, [-1]) for t in tensors]
+    values = sum(int(np.prod(t.shape, dtype=np.int64)) for t in tensors)
+    padding = tf.zeros([size * length - values], flat[0].dtype)
+    return tf.reshape(tf.concat([*flat, padding], 0), [size, length])
+
+
 def wire_dtype(compression):
     """The TensorFlow dtype ``compression`` sends floating tensors in (None: none)."""
     if compression is None:

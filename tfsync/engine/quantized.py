@@ -87,9 +87,7 @@ def quantized_collective(quantize: str, average: bool, hvd=None):
         counts = [int(np.prod(s, dtype=np.int64)) for s in shapes]
         values = sum(counts)
         length = chunk_length(values, size)
-        # (the padding's zeros in the same concat: one pass over the round's values, not two)
-        parts = [tf.reshape(tf.cast(t, tf.float32), [-1]) for t in payload] + [tf.zeros([size * length - values])]
-        flat = tf.reshape(tf.concat(parts, axis=0), [size, length])
+        flat = compression.as_chunks([tf.cast(t, tf.float32) for t in payload], size, length)
         present = bool(np.asarray(meta)[rank, 0] > 0)
         if bits == 4 and present:
             layout = tuple(zip(shapes, dtypes))

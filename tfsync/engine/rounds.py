@@ -123,7 +123,7 @@ def horovod_collective(average: bool, hvd=None, compression=None):
     """
     import tensorflow as tf  # (here: the round's bookkeeping above runs without TensorFlow)
 
-    from tfsync.engine.compression import chunk_length, compresses, wire_dtype
+    from tfsync.engine.compression import as_chunks, chunk_length, compresses, wire_dtype
 
     if hvd is None:
         hvd = _horovod.horovod()
@@ -138,9 +138,7 @@ def horovod_collective(average: bool, hvd=None, compression=None):
         shapes = [t.shape for t in tensors]
         counts = [int(np.prod(s, dtype=np.int64)) for s in shapes]
         values, length = sum(counts), chunk_length(sum(counts), size)
-        # (the padding's zeros in the same concat: one pass over the round's values, not two)
-        padding = tf.zeros([size * length - values], tensors[0].dtype)
-        flat = tf.reshape(tf.concat([tf.reshape(t, [-1]) for t in tensors] + [padding], 0), [size, length])
+        flat = as_chunks(tensors, size, length)
         # (16-bit words: Horovod's alltoall and allgather take no bfloat16)
         received = hvd.alltoall(tf.bitcast(flat, tf.uint16), name="tfsync.round.scatter")
         rows = tf.cast(tf.bitcast(tf.reshape(received, [size, length]), wire), tf.float32)

@@ -11,14 +11,20 @@ of third_party/horovod's patch), each of a way an elastic job never re-formed:
   job re-forms) waits for them: Horovod as released failed it after about 1.5 s, and the members
   that had reached the round waited for the failed ones until Gloo's timeout."""
 
+import os
+import socket
+import subprocess
+import sys
 import threading
 import time
 
 import pytest
 from horovod.runner.common.util import secret
+from horovod.runner.common.util.hosts import get_host_assignments, parse_hosts
 from horovod.runner.elastic import worker
 from horovod.runner.elastic.discovery import FixedHosts
 from horovod.runner.elastic.driver import ElasticDriver
+from horovod.runner.http.http_server import RendezvousHandler, RendezvousHTTPServer
 
 NOTICE_BOUND_S = 0.5  # the patched bound, shortened here (the installed default is checked below)
 
@@ -128,14 +134,6 @@ def test_a_rendezvous_server_out_of_reach_for_seconds_delays_hvd_init_instead_of
     """Hunk 10: a Gloo rendezvous's requests to the launcher are tried again for up to
     HOROVOD_GLOO_TIMEOUT_SECONDS, so a link down for a few seconds while a job re-forms delays
     the rendezvous; Horovod as released failed it after about 1.5 s."""
-    import os
-    import socket
-    import subprocess
-    import sys
-
-    from horovod.runner.common.util import hosts
-    from horovod.runner.http.http_server import RendezvousHandler, RendezvousHTTPServer
-
     with socket.socket() as s:  # a port nobody answers on until the server starts
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -166,7 +164,7 @@ def test_a_rendezvous_server_out_of_reach_for_seconds_delays_hvd_init_instead_of
         assert process.stdout.readline().strip() == "init", process.stderr.read()[-3000:]
         time.sleep(RENDEZVOUS_LATE_S)
         server = RendezvousHTTPServer(("127.0.0.1", port), RendezvousHandler, 0)
-        server.init(hosts.get_host_assignments(hosts.parse_hosts("127.0.0.1:1"), 1))
+        server.init(get_host_assignments(parse_hosts("127.0.0.1:1"), 1))
         threading.Thread(target=server.serve_forever, daemon=True).start()
         out, err = process.communicate(timeout=60)
     finally:
