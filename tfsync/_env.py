@@ -62,6 +62,14 @@ HANG_STACKS = Var(
     "installed) to its standard error before it ends the worker",
 )
 
+COMMIT_DIR = Var(
+    "TFSYNC_COMMIT_DIR",
+    "",
+    "a directory every host shares: an elastic job's rank 0 writes each commit of its state there, "
+    "a job with no worker left restarts from it (set it for horovodrun: its launcher then goes on "
+    "when no host of the last round remains); empty: commits in memory only",
+)
+
 
 def wait_timeout_s(value=None) -> float:
     """The bound on one wait for peers: ``value``, else ``TFSYNC_WAIT_TIMEOUT_S``; checked."""
@@ -153,4 +161,5 @@ ALL = (
     OPS_IMPL,
     SCHEDULER_IMPL,
     HANG_STACKS,
+    COMMIT_DIR,
 )

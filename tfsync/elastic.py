@@ -15,7 +15,8 @@ only.  This module is the Keras 3 way, with tfsync's engine:
   and every ``commit_every_steps`` steps within an epoch where the mode and the
   data allow (:mod:`tfsync.keras.commits`); restored from the last commit after
   a failure, and broadcast from rank 0 to every member (joiners included) at
-  every reset.
+  every reset; with ``commit_dir`` (``TFSYNC_COMMIT_DIR``) written to storage
+  too, from which a job with no worker left restarts (:mod:`tfsync._commit_store`).
 * :func:`run`: calls the training function, and on a failure that a
   membership change explains (a lost peer: tfsync's
   :class:`~tfsync.engine.WorkerLostError`, a wait past its bound:
@@ -75,6 +76,7 @@ import re
 import time
 
 from tfsync import _env, _horovod
+from tfsync._commit_store import CommitStore
 from tfsync._data import REDONE
 from tfsync._hang_guard import FIRST_STEP_FACTOR, HANG_MARGIN_S, STEP_FACTOR, HangGuard
 from tfsync.engine import lifecycle
@@ -161,6 +163,15 @@ class KerasState(ObjectState):
             (and resets) within that bound, so a worker stalled that long is already out, and a
             shorter stall is ridden through; seconds; or None (no guard).  A fit's
             first step (the model's trace) is bounded at ten times the hang timeout.
+        commit_dir: a directory every host of the job shares (default: ``TFSYNC_COMMIT_DIR``,
+            else None: commits in memory only).  The job's rank 0 writes each commit there too
+            (one file, replaced atomically, by a thread of its own: the step does not wait for
+            the disk), and a rank 0 that has no later commit in memory (a fresh process: every
+            worker of the job was lost, or the job was launched again) restarts from it when the
+            state is synchronized, counting a reset.  Set ``TFSYNC_COMMIT_DIR`` for
+            ``horovodrun`` so that its launcher, too, goes on when no host of the last round
+            is left (``docs/guide/elastic.md``, "Commits on storage").  A directory holding
+            another model's or state's commit is refused here, saying what differs.
         **attributes: values kept and restored with the model, as attributes of the state
             (``epoch=0`` by default; any other picklable value: a learning-rate scale).
             ``resets`` (the resets so far), ``counts`` (the job's contributions as of the last
@@ -183,6 +194,7 @@ class KerasState(ObjectState):
         commit_every_steps="auto",
         commit_every_s=None,
         hang_timeout_s="auto",
+        commit_dir=None,
         **attributes,
     ):
         _refuse_strategy(model, "tfsync.elastic.KerasState")
@@ -210,6 +222,9 @@ class KerasState(ObjectState):
         self.model, self.optimizer = model, optimizer
         self.wait_timeout_s = _env.wait_timeout_s(wait_timeout_s)
         self.hang_timeout_s = _check_hang_timeout(hang_timeout_s)
+        if commit_dir is None and _env.COMMIT_DIR.is_set():
+            commit_dir = _env.COMMIT_DIR.get()
+        self._store = CommitStore(commit_dir) if commit_dir is not None else None
         self.hang_guard = None  # the process's HangGuard while tfsync.elastic.run runs
         self._commits = []  # the committers (a SyncCallback's tfsync.keras.commits.ElasticCommits) of this state
         self.plan = None  # the epoch's data plan (tfsync._data.EpochPlan) of the next fit, not committed
@@ -219,10 +234,24 @@ class KerasState(ObjectState):
         attributes["counts"] = dict.fromkeys(COUNTS + REDONE, 0)
         super().__init__(bcast_object=self._broadcast_object, get_rank=self._rank, **attributes)
         self._saved_values = self._values()
+        if self._store is not None:  # (every rank refuses another job's commit alike, before any work)
+            names = [v.path for v in self._variables()]
+            self._store.check(self._saved_values, names, self._saved_state)
+
+    @property
+    def commit_dir(self):
+        """The directory the job's commits are written to (None: in memory only)."""
+        return None if self._store is None else self._store.directory
 
     # -------------------------------------------------------------- Horovod's State
     def save(self):
-        """Copy every variable and attribute to host memory (local: no collective)."""
+        """Copy every variable and attribute to host memory (local: no collective); with a
+        ``commit_dir``, rank 0 also queues the commit for storage (written by a thread of its own)."""
+        self._save_in_memory()
+        if self._store is not None and self._rank() == 0:
+            self._store.write(self._saved_values, dict(self._saved_state), (self.epoch, self.sample))
+
+    def _save_in_memory(self):
         self._saved_values = self._values()
         self._saved_state = {k: copy.deepcopy(getattr(self, k)) for k in self._saved_state}
 
@@ -233,14 +262,56 @@ class KerasState(ObjectState):
         self._set_attrs()
 
     def sync(self):
-        """Rank 0's variables and attributes on every member, then committed (collective, bounded)."""
+        """Rank 0's variables and attributes on every member, then committed in memory
+        (collective, bounded).  With a ``commit_dir``, rank 0 first takes the commit there if it
+        is further on than its own (a fresh process: the job restarted with no worker left)."""
+        if self._store is not None and self._rank() == 0:
+            self._restore_from_storage()
         self._collective(
             lambda cluster: cluster.broadcast_variables(self._variables(), 0, "tfsync.elastic.variables"),
             "tfsync.elastic.variables",
             "rank 0's model and optimizer variables, broadcast to every member of the re-formed job",
         )
         super().sync()  # (the attributes, through _broadcast_object)
-        self.save()
+        self._save_in_memory()  # (storage already holds this commit, or an equal one)
+
+    def _restore_from_storage(self):
+        """Take the commit on storage where it is further on (epoch, then sample) than this
+        process's last commit, counting the restart as a reset."""
+        meta = self._store.read_meta()
+        mine = (self._saved_state["epoch"], self._saved_state["sample"])  # (what the sync would broadcast)
+        if meta is None or tuple(meta["position"]) <= mine:
+            return
+        meta, values = self._store.read()
+        for variable, value in zip(self._variables(), values, strict=True):
+            variable.assign(value)
+        resets = max(meta["attrs"].get("resets", 0), self.resets) + 1
+        self._saved_state = {**meta["attrs"], "resets": resets}  # (what the sync broadcasts)
+        self._set_attrs()
+        log.warning(
+            "tfsync.elastic: restarted from the commit in %s (epoch %s, sample %s, written %.1f s ago): no "
+            "worker of the job had a later one; reset %d",
+            self._store.path,
+            self.epoch,
+            self.sample,
+            time.time() - meta["time"],
+            resets,
+        )
+
+    def flush_storage(self, timeout_s=None) -> bool:
+        """Wait (up to ``timeout_s``, default the wait bound) until the last commit queued for
+        ``commit_dir`` is written; whether it is (True without a ``commit_dir``)."""
+        if self._store is None:
+            return True
+        done = self._store.flush(self.wait_timeout_s if timeout_s is None else timeout_s)
+        if not done:
+            log.warning(
+                "tfsync.elastic: the last commit was not written to %s within %.0f s; a restart with no "
+                "worker left would take the one before",
+                self._store.path,
+                self.wait_timeout_s if timeout_s is None else timeout_s,
+            )
+        return done
 
     def _set_attrs(self):
         for attr, value in self._saved_state.items():  # copies: a commit is never changed in place
@@ -426,8 +497,12 @@ def run(func):
             _refuse_strategy(state.model, f"tfsync.elastic.run ({func.__name__})")
         hvd = _horovod.horovod()
         if os.environ.get(ELASTIC_ENV) != "1":
-            state.sync()
-            return func(state, *args, **kwargs)
+            try:
+                state.sync()
+                return func(state, *args, **kwargs)
+            finally:
+                if isinstance(state, KerasState):
+                    state.flush_storage()
         notification_manager.init()
         notification_manager.register_listener(state)
         guard = _start_guard(hvd, state)
@@ -455,6 +530,8 @@ def run(func):
             if guard is not None:
                 state.hang_guard = None
                 guard.stop()
+            if isinstance(state, KerasState):
+                state.flush_storage()
 
     return wrapper
 
@@ -499,6 +576,8 @@ def _reset(hvd, state, reason, failed):
     lifecycle.abandon_all()  # any other engine of this process (a SyncStrategy's)
     HorovodCluster.forget_membership()
     resets = getattr(state, "resets", 0) + 1
+    if isinstance(state, KerasState):  # (the last commit on storage before the job re-forms, or ends here)
+        state.flush_storage()
     _reform(hvd, resets, reason)
     state.restore()
     if isinstance(state, KerasState):  # (in the commit too: sync() broadcasts rank 0's commit)

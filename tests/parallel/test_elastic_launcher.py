@@ -290,6 +290,36 @@ def test_a_host_removed_and_added_back_by_discovery(tmp_path):
     assert survivor["state_counts"]["produced"] == expected, (survivor["state_counts"], expected)
 
 
+def test_with_commits_on_storage_a_job_whose_hosts_are_all_replaced_restarts_from_the_last_commit(tmp_path):
+    """The discovery script drops a host after epoch 1, then after epoch 3 lists only the other
+    host name: no worker of the last round is left.  With TFSYNC_COMMIT_DIR set for horovodrun,
+    the launcher starts the new round (patched Horovod; as released it stops the job: "No hosts
+    from previous set remaining") and its fresh rank 0 restarts from the commit on storage:
+    epoch 4, counts included, the restart counted as a reset; nothing is redone."""
+    epochs = 7
+    commits = tmp_path / "commits"
+    code, output, results, killed = _launch(
+        tmp_path,
+        "bsp",
+        -1,
+        epochs=epochs,
+        changes="1=localhost:1;3=127.0.0.1:1",
+        env={**JOIN_ENV, "TFSYNC_COMMIT_DIR": str(commits)},
+    )
+    assert killed is None and sorted(results) == [0], results
+    assert "no host of the last round remains" in output, output[-4000:]
+    assert "restarted from the commit in" in output, output[-4000:]
+    res = results[0]
+    assert res["memberships"] == [{"rank": 0, "size": 1, "epoch": 4}], res  # a fresh process, from the commit
+    assert res["epochs"] == list(range(4, epochs)), res
+    assert res["resets"] == 2 and res["state_epoch"] == epochs, res  # the shrink, then the restart
+    job = res["state_counts"]
+    _check_counts(job)
+    steps = {2: 44, 1: 89}  # per worker per epoch (the digits training split, batch 16)
+    assert job["produced"] == 2 * 2 * steps[2] + 5 * steps[1], job  # every epoch once, none redone
+    assert os.listdir(commits) == ["tfsync-elastic-state.npz"]
+
+
 def test_exceeding_the_reset_limit_fails_saying_so(tmp_path):
     code, output, results, killed = _launch(tmp_path, "bsp", 1, reset_limit=0, expect_success=False)
     assert killed is not None and code != 0 and not results

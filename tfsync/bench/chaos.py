@@ -7,7 +7,7 @@ Two simulated hosts (:mod:`tfsync.bench.hosts`) with two workers each run the di
 steps, one ``fit`` per epoch resumed at the committed sample, each step's device time simulated
 by a sleep) under ``horovodrun``'s elastic launcher (``--min-np 2 --max-np 4``, a discovery
 script printing a hosts file, ``--blacklist-cooldown-range 1 3`` so that a failed host comes
-back).  For each mode:
+back), the state committed to storage too (``TFSYNC_COMMIT_DIR``: the run's directory).  For each mode:
 
 1. an undisturbed run (``--undisturbed-minutes``): its rate of useful samples and its accuracy;
 2. the soak: ``--minutes`` of training through a :class:`tfsync.faults.Schedule` drawn from
@@ -149,6 +149,9 @@ def _launch(args, hosts, out, mode, minutes, schedule=None):
     elastic += ["--log-level", "INFO"]  # (the launcher's decisions in the log: who recorded, who is out)
     # (a worker its hang guard ends leaves its stacks in the log: where it hung)
     env = {"TFSYNC_STRAGGLERS": f"base={args.step_delay_s}", "TFSYNC_HANG_STACKS": "1"}
+    # (commits on storage, the simulated hosts' shared disk: a job whose live workers were all on
+    # hosts that discovery removed restarts from there instead of stopping)
+    env["TFSYNC_COMMIT_DIR"] = os.path.join(out, "commits")
     cmd = hosts.horovodrun(PER_HOST, argv, env=env, gloo_timeout_s=GLOO_TIMEOUT_S, elastic=elastic)
     output = os.path.join(out, "output.log")
     bound_s = STARTUP_S + 60 * minutes + 600  # the last epoch, a re-forming job's, and the ends

@@ -1,4 +1,4 @@
-"""Fixes to the installed Horovod's elastic launcher and rendezvous (patched by ``make install``; hunks 8-10
+"""Fixes to the installed Horovod's elastic launcher and rendezvous (patched by ``make install``; hunks 8-11
 of third_party/horovod's patch), each of a way an elastic job never re-formed:
 
 - it gives up on a host-change notice that rank 0 does not answer: the driver sends it while
@@ -9,7 +9,10 @@ of third_party/horovod's patch), each of a way an elastic job never re-formed:
   started no one, and the round waited for it for ever;
 - a Gloo rendezvous whose requests to the launcher fail for a few seconds (a link flap while the
   job re-forms) waits for them: Horovod as released failed it after about 1.5 s, and the members
-  that had reached the round waited for the failed ones until Gloo's timeout."""
+  that had reached the round waited for the failed ones until Gloo's timeout;
+- where the workers commit their state to storage (``TFSYNC_COMMIT_DIR``), it starts a round on
+  hosts of which none was in the last round: Horovod as released stopped the job ("No hosts from
+  previous set remaining"), the state having been in the lost workers' memory only."""
 
 import os
 import socket
@@ -22,7 +25,7 @@ import pytest
 from horovod.runner.common.util import secret
 from horovod.runner.common.util.hosts import get_host_assignments, parse_hosts
 from horovod.runner.elastic import worker
-from horovod.runner.elastic.discovery import FixedHosts
+from horovod.runner.elastic.discovery import DiscoveredHosts, FixedHosts
 from horovod.runner.elastic.driver import ElasticDriver
 from horovod.runner.http.http_server import RendezvousHandler, RendezvousHTTPServer
 
@@ -124,6 +127,28 @@ def test_a_slot_whose_worker_exited_is_started_again_when_its_host_is_assigned_a
         assert [(s.hostname, s.local_rank) for s in again] == [("b", 0)]
     finally:
         release.set()
+        driver.stop()
+
+
+@pytest.mark.parametrize("commit_dir", [None, "/shared/job"])
+def test_a_round_with_no_host_of_the_last_goes_on_only_where_the_state_is_on_storage(monkeypatch, commit_dir):
+    if commit_dir is None:
+        monkeypatch.delenv("TFSYNC_COMMIT_DIR", raising=False)
+    else:
+        monkeypatch.setenv("TFSYNC_COMMIT_DIR", commit_dir)
+    driver = ElasticDriver(Rendezvous(), FixedHosts({"a": 1}), min_num_proc=1, max_num_proc=1, timeout=30)
+    try:
+        first = driver._update_host_assignments(driver.wait_for_available_slots(1))
+        assert [s.hostname for s in first] == ["a"]
+        others = DiscoveredHosts({"b": 1}, ["b"])  # discovery removed a and listed b
+        if commit_dir is None:
+            with pytest.raises(RuntimeError, match="No hosts from previous set remaining.*TFSYNC_COMMIT_DIR"):
+                driver._update_host_assignments(others)
+        else:
+            pending = driver._update_host_assignments(others)
+            assert [(s.hostname, s.rank) for s in pending] == [("b", 0)]
+            assert driver._rendezvous.assignments == pending
+    finally:
         driver.stop()
 
 
