@@ -13,11 +13,13 @@ worker's heartbeat thread writes to the guard's standard input every :data:`HEAR
 guard ends the worker (SIGKILL) when
 
 * nothing arrives for ``hang_timeout_s``: the whole process is frozen (its threads stopped), or
-* the heartbeat says the worker has been in one training step for more than twice
-  ``hang_timeout_s`` (:data:`STEP_FACTOR`: the main thread is stuck while the others still run),
-  or in a fit's first step, where Keras traces the model, for more than
-  :data:`FIRST_STEP_FACTOR` times ``hang_timeout_s`` (a trace takes seconds to minutes; a
-  worker stuck in one would hold every peer in the launcher's next rendezvous).
+* the heartbeat says the worker's main thread has been in one phase of :data:`PHASES` past its
+  bound: one training step for more than twice ``hang_timeout_s`` (:data:`STEP_FACTOR`: the main
+  thread is stuck while the others still run); a fit's first step, where Keras traces the
+  model, or the restart after a reset (the state's sync and the fit's start, up to its first
+  step) for more than :data:`FIRST_STEP_FACTOR` times ``hang_timeout_s`` (a trace takes
+  seconds to minutes; a worker stuck in one would hold every peer in the launcher's next
+  rendezvous).
 
 ``hang_timeout_s`` is longer than a step's waits on peers (the wait bound, whose every wait in a
 step is bounded: the collectives run on the engine's exchange thread), so by the time the guard
@@ -28,7 +30,10 @@ launcher then sees the exit, blacklists the host (for its cooldown,
 ``--blacklist-cooldown-range``) and re-forms the job from the survivors.  The guard writes why
 to the worker's standard error (horovodrun prefixes it with the rank), so the job's log says
 which worker was ended and after how long; with ``TFSYNC_HANG_STACKS=1`` it writes the worker's
-stacks there first (``py-spy dump``, bounded by :data:`STACKS_TIMEOUT_S`): where a worker hung.
+stacks there first (``py-spy dump``, bounded by :data:`STACKS_TIMEOUT_S`): where a worker hung,
+and, once, the stacks of a worker still in a long-bounded phase past twice the hang timeout
+(which its peers no longer wait for), without ending it: where a slow restart or trace spends
+its time.
 The guard ends itself when the worker's end closes the pipe.
 """
 
@@ -48,6 +53,15 @@ HANG_MARGIN_S = 2.0  # hang_timeout_s "auto": the wait bound plus this
 STEP_FACTOR = 2.0
 # a fit's first step traces the model (seconds to minutes): bounded at this many hang timeouts
 FIRST_STEP_FACTOR = 10.0
+# what the main thread may be in (HangGuard.begin), each phase's bound in hang timeouts and its name
+PHASES = {
+    "step": (STEP_FACTOR, "one training step"),
+    "first": (FIRST_STEP_FACTOR, "a fit's first training step (where Keras traces the model)"),
+    "restart": (
+        FIRST_STEP_FACTOR,
+        "its restart after a reset (the state's sync and the fit's start, up to its first step)",
+    ),
+}
 STACKS_TIMEOUT_S = 10.0  # the most a stack dump may delay the end of a hung worker
 
 
@@ -63,12 +77,14 @@ class HangGuard:
     def __init__(self, hang_timeout_s: float, label: str = ""):
         self.hang_timeout_s = float(hang_timeout_s)
         self._label = label
-        self._step_t = None  # when the step under way began (monotonic), None between steps
-        self._first = False  # the step under way is a fit's first (its trace: a longer bound)
+        self._began = None  # when the phase under way began (monotonic), None between phases
+        self._phase = "step"  # which (a key of PHASES)
+        self._told_slow = False  # the guard was told this phase is slow (its stacks written)
         self._lock = threading.Lock()
         from tfsync import _env  # (here: the guard process itself imports nothing of tfsync)
 
-        stacks = "stacks" if _env.hang_stacks() else "-"
+        self._stacks = _env.hang_stacks()
+        stacks = "stacks" if self._stacks else "-"
         self._process = subprocess.Popen(
             [sys.executable, "-I", os.path.abspath(__file__), str(os.getpid()), repr(self.hang_timeout_s), stacks],
             stdin=subprocess.PIPE,
@@ -86,15 +102,18 @@ class HangGuard:
         """Who this worker is now (its rank and size change at a reset)."""
         self._send(f"label {text}")
 
-    def step_begin(self, first: bool = False):
-        """A training step begins: from now, one that lasts past twice the timeout ends the process
-        (``first``: a fit's first step, which traces the model: past :data:`FIRST_STEP_FACTOR` times)."""
-        self._first = first
-        self._step_t = time.monotonic()
+    def begin(self, phase: str = "step"):
+        """The main thread enters ``phase`` (a key of :data:`PHASES`: ``"step"``, a training step;
+        ``"first"``, a fit's first; ``"restart"``, after a reset until the first step): from now,
+        staying in it past its bound ends the process."""
+        if phase not in PHASES:
+            raise ValueError(f"HangGuard.begin: phase {phase!r}; expected one of {sorted(PHASES)}")
+        self._phase, self._told_slow = phase, False
+        self._began = time.monotonic()
 
     def idle(self):
-        """No step under way (between steps, in a reset, after training)."""
-        self._step_t = None
+        """No phase under way (between steps, in a reset's re-form, after training)."""
+        self._began = None
 
     def stop(self):
         """End the guard (the worker goes on unguarded)."""
@@ -118,10 +137,16 @@ class HangGuard:
 
     def _beat(self):
         while not self._stopped.wait(HEARTBEAT_S):
-            began, first = self._step_t, self._first
-            in_step = 0.0 if began is None else time.monotonic() - began
-            limit = (FIRST_STEP_FACTOR if first else STEP_FACTOR) * self.hang_timeout_s
-            self._send((f"hung {in_step:.1f}" + (" first" if first else "")) if in_step > limit else ".")
+            began, phase = self._began, self._phase
+            seconds = 0.0 if began is None else time.monotonic() - began
+            factor = PHASES[phase][0]
+            if seconds > factor * self.hang_timeout_s:
+                self._send(f"hung {seconds:.1f} {phase}")
+            elif self._stacks and not self._told_slow and seconds > STEP_FACTOR * self.hang_timeout_s:
+                self._told_slow = True  # (a long-bounded phase past a step's bound: its stacks, once)
+                self._send(f"slow {seconds:.1f} {phase}")
+            else:
+                self._send(".")
 
 
 def _guard(parent: int, hang_timeout_s: float, stacks: bool = False):
@@ -144,16 +169,24 @@ def _guard(parent: int, hang_timeout_s: float, stacks: bool = False):
             if line.startswith("label "):
                 label = line[len("label ") :]
             elif line.startswith("hung "):
-                seconds, *first = line[len("hung ") :].split()
-                step = "a fit's first training step (where Keras traces the model)" if first else "one training step"
-                why = f"its main thread was in {step} for {seconds} s"
+                seconds, phase = line[len("hung ") :].split()
+                why = f"its main thread was in {PHASES[phase][1]} for {seconds} s"
                 return _end(parent, label, why, hang_timeout_s, stacks)
+            elif line.startswith("slow ") and stacks:
+                seconds, phase = line[len("slow ") :].split()
+                bound = PHASES[phase][0] * hang_timeout_s
+                where = f"{_who(parent, label)}, in {PHASES[phase][1]} for {seconds} s (ended at {bound:.0f} s)"
+                _write_stacks(parent, where)
+
+
+def _who(parent: int, label: str) -> str:
+    return f"{label} (pid {parent}, host {os.uname().nodename})" if label else f"pid {parent}"
 
 
 def _end(parent: int, label: str, why: str, hang_timeout_s: float, stacks: bool = False, frozen: bool = False):
-    who = f"{label} (pid {parent}, host {os.uname().nodename})" if label else f"pid {parent}"
+    who = _who(parent, label)
     if stacks:
-        _write_stacks(parent, who, frozen)
+        _write_stacks(parent, f"{who} before it is ended", frozen)
     sys.stderr.write(
         f"tfsync.elastic: hang guard: ended {who}: {why}, past its hang timeout ({hang_timeout_s:.1f} s, longer "
         f"than its peers wait for it: they have given up on it). The launcher re-forms the job without it and "
@@ -168,7 +201,7 @@ def _end(parent: int, label: str, why: str, hang_timeout_s: float, stacks: bool 
 
 
 def _write_stacks(parent: int, who: str, frozen: bool = False):
-    """The hung worker's stacks on standard error, before it is ended (``TFSYNC_HANG_STACKS=1``).
+    """The hung (or slow) worker's stacks on standard error (``TFSYNC_HANG_STACKS=1``).
 
     A frozen process (SIGSTOP) is read without suspending it (``--nonblocking``, its Python
     stacks only): py-spy cannot attach to a stopped process to read native frames."""
@@ -187,7 +220,7 @@ def _write_stacks(parent: int, who: str, frozen: bool = False):
             text = (out.stdout + out.stderr).rstrip()
         except subprocess.TimeoutExpired:
             text = f"py-spy did not answer within {STACKS_TIMEOUT_S:.0f} s"
-    sys.stderr.write(f"tfsync.elastic: hang guard: the stacks of {who} before it is ended:\n{text}\n")
+    sys.stderr.write(f"tfsync.elastic: hang guard: the stacks of {who}:\n{text}\n")
     sys.stderr.flush()
 
 

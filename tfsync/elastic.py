@@ -162,7 +162,8 @@ class KerasState(ObjectState):
             the callback committing the state plus 2 s: a peer waiting on a hung worker gives up
             (and resets) within that bound, so a worker stalled that long is already out, and a
             shorter stall is ridden through; seconds; or None (no guard).  A fit's
-            first step (the model's trace) is bounded at ten times the hang timeout.
+            first step (the model's trace), and the restart after a reset up to it (the
+            state's sync, the fit's start), are bounded at ten times the hang timeout.
         commit_dir: a directory every host of the job shares (default: ``TFSYNC_COMMIT_DIR``,
             else None: commits in memory only).  The job's rank 0 writes each commit there too
             (one file, replaced atomically, by a thread of its own: the step does not wait for
@@ -525,6 +526,7 @@ def run(func):
                 _reset(hvd, state, reason, failed)
                 if guard is not None:
                     guard.label(f"rank {hvd.rank()} of {hvd.size()}")
+                    guard.begin("restart")  # (the sync and the fit's start, bounded up to its first step)
         finally:
             notification_manager.remove_listener(state)
             if guard is not None:
@@ -546,7 +548,7 @@ def _start_guard(hvd, state):
     state.hang_guard = HangGuard(timeout_s, f"rank {hvd.rank()} of {hvd.size()}")
     log.info(
         "tfsync.elastic: a hang guard ends this worker if it is frozen for %.1f s, or in one step for %.1f s "
-        "(a fit's first step, the model's trace: %.1f s)",
+        "(a fit's first step, the model's trace, or the restart after a reset up to it: %.1f s)",
         timeout_s,
         STEP_FACTOR * timeout_s,
         FIRST_STEP_FACTOR * timeout_s,

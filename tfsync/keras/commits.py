@@ -233,7 +233,7 @@ class ElasticCommits:
         self._check_hosts()
         guard = self.state.hang_guard
         if guard is not None:
-            guard.step_begin(first=self.fit_steps == 0)
+            guard.begin("first" if self.fit_steps == 0 else "step")
 
     def batch_end(self, batch: int):
         """Step ``batch`` of the epoch is done: commit if one is due and every worker is at rest."""

@@ -14,7 +14,7 @@ import time
 import pytest
 
 import tfsync.elastic as elastic
-from tfsync._hang_guard import FIRST_STEP_FACTOR, HANG_MARGIN_S, STEP_FACTOR
+from tfsync._hang_guard import FIRST_STEP_FACTOR, HANG_MARGIN_S, STEP_FACTOR, HangGuard
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 BOUND_S = 60  # every process here ends in seconds; this bounds a broken guard
@@ -76,7 +76,7 @@ def test_a_frozen_worker_is_ended_saying_why():
 
 
 def test_with_tfsync_hang_stacks_the_guard_writes_where_the_worker_hung_before_it_ends_it():
-    body = "def stuck_here():\n    guard.step_begin()\n    time.sleep(30)\nstuck_here()\n"
+    body = "def stuck_here():\n    guard.begin()\n    time.sleep(30)\nstuck_here()\n"
     code, out, err = _finish(_worker(body, env={"TFSYNC_HANG_STACKS": "1"}))
     assert code == -signal.SIGKILL, (code, err)
     assert "hang guard: the stacks of rank 1 of 4 (pid" in err, err
@@ -105,7 +105,7 @@ def test_a_bad_tfsync_hang_stacks_is_refused_saying_what_it_takes():
 
 
 def test_a_worker_stuck_in_one_step_is_ended_saying_why():
-    body = "guard.step_begin()\ntime.sleep(30)\n"  # (its heartbeat thread runs on: only the step is stuck)
+    body = "guard.begin()\ntime.sleep(30)\n"  # (its heartbeat thread runs on: only the step is stuck)
     t = time.monotonic()
     code, out, err = _finish(_worker(body))
     assert code == -signal.SIGKILL, (code, err)
@@ -116,11 +116,11 @@ def test_a_worker_stuck_in_one_step_is_ended_saying_why():
 def test_a_fits_first_step_gets_a_longer_bound_but_one_all_the_same():
     # (the trace: past twice the timeout it goes on, past FIRST_STEP_FACTOR times it is ended)
     body = """
-    guard.step_begin(first=True)
+    guard.begin("first")
     time.sleep(1.0)  # past twice the hang timeout (0.6 s), within ten times it
     guard.idle()
     print('traced', flush=True)
-    guard.step_begin(first=True)
+    guard.begin("first")
     time.sleep(30)
     """
     t = time.monotonic()
@@ -130,17 +130,48 @@ def test_a_fits_first_step_gets_a_longer_bound_but_one_all_the_same():
     assert time.monotonic() - t >= FIRST_STEP_FACTOR * 0.3
 
 
+def test_a_restart_that_never_reaches_its_first_step_is_bounded_too_and_its_stacks_written_once_when_slow():
+    # (after a reset: the sync and the fit's start; past twice the timeout the guard writes its
+    # stacks once, with TFSYNC_HANG_STACKS, and lets it go on; past FIRST_STEP_FACTOR times it ends it)
+    body = """
+    def restarting_here():
+        guard.begin("restart")
+        time.sleep(30)
+    restarting_here()
+    """
+    t = time.monotonic()
+    code, out, err = _finish(_worker(body, timeout_s=0.3, env={"TFSYNC_HANG_STACKS": "1"}))
+    assert code == -signal.SIGKILL, (code, err)
+    assert time.monotonic() - t >= FIRST_STEP_FACTOR * 0.3
+    restart = "its restart after a reset (the state's sync and the fit's start, up to its first step)"
+    assert f"its main thread was in {restart} for" in err, err
+    slow = err.index("hang guard: the stacks of rank 1 of 4 (pid")
+    assert f", in {restart} for" in err[slow : slow + 400] and "(ended at 3 s):" in err[slow : slow + 400], err
+    assert err.count("hang guard: the stacks of") == 2 and err.index("before it is ended") > slow, err
+    if shutil.which("py-spy"):
+        assert "restarting_here" in err[slow : err.index("before it is ended")], err
+
+
+def test_an_unknown_phase_is_refused():
+    guard = HangGuard(5.0)
+    try:
+        with pytest.raises(ValueError, match=r"phase 'trace'; expected one of \['first', 'restart', 'step'\]"):
+            guard.begin("trace")
+    finally:
+        guard.stop()
+
+
 def test_a_worker_that_steps_on_is_left_alone_and_its_guard_ends_with_it():
     body = """
     for _ in range(30):  # 3 s of 0.1 s steps, three times the bound
-        guard.step_begin()
+        guard.begin()
         time.sleep(0.1)
         guard.idle()
-    guard.step_begin()
+    guard.begin()
     time.sleep(1.5)  # one step past the hang timeout, within twice it
     guard.idle()
     for _ in range(3):
-        guard.step_begin()
+        guard.begin()
         time.sleep(0.1)
         guard.idle()
     time.sleep(2.0)  # idle past the bound: no step under way, the heartbeat goes on

@@ -136,6 +136,26 @@ def _elastic_interval(**interval):
     return lambda: tfsync.elastic.KerasState(model, **interval)
 
 
+def _commit_dir_of_another_model():
+    import tempfile
+
+    import numpy as np
+
+    from tfsync._commit_store import CommitStore
+
+    directory = tempfile.mkdtemp(prefix="tfsync-commits-")
+    attrs = {"epoch": 0, "sample": 0, "resets": 0, "counts": {}}
+    CommitStore(directory)._write_file([np.zeros((5, 1), "float32")], attrs, (0, 0))  # another model's
+    return _elastic_interval(commit_dir=directory)()
+
+
+def _commit_dir_under_a_file():
+    import tempfile
+
+    with tempfile.NamedTemporaryFile() as f:
+        return _elastic_interval(commit_dir=f.name + "/job")()
+
+
 def _nan_fault_without_wrapped_loss():
     import tfsync.faults
 
@@ -316,7 +336,8 @@ BAD_INPUTS = [
     Bad(
         "elastic-hang-timeout",
         A,
-        '`KerasState(hang_timeout_s=...)` not `"auto"`, seconds > 0 or `None`',
+        '`KerasState(hang_timeout_s=...)` not `"auto"`, seconds > 0 or `None`; `commit_dir=` a directory that '
+        "cannot be made, or that holds another model's commit",
         _elastic_interval(hang_timeout_s=0),
         ValueError,
         r"got 0;",
@@ -1016,6 +1037,18 @@ VARIANTS = [
         _elastic_run_in_strategy_scope,
         ValueError,
         r"tfsync\.elastic\.run \(<lambda>\): the model trains under tfsync\.distribute\.SyncStrategy",
+    ),
+    (
+        "elastic-commit-dir-unmakeable",
+        _commit_dir_under_a_file,
+        ValueError,
+        r"commit_dir=.* cannot be created .*; pass a directory every host of the job can write",
+    ),
+    (
+        "elastic-commit-dir-other-model",
+        _commit_dir_of_another_model,
+        ValueError,
+        r"holds the commit of another model or state \(1 variables, this state 4\).*remove .*or pass a directory",
     ),
     ("fault-when", lambda: tfsync.faults.Fault("kill", rank=0), ValueError, r"give exactly one of step="),
     ("fault-rank", lambda: tfsync.faults.Fault("kill", step=3), ValueError, r"needs rank= \(an integer >= 0\)"),
