@@ -51,6 +51,7 @@ class CommitStore:
             )
         self.path = os.path.join(self.directory, FILE_NAME)
         self.written = 0  # commits written
+        self.write_s = 0.0  # seconds the writer spent writing them
         self.failed = 0  # writes that failed (logged)
         self.last_error = None
         self._pending = None  # the newest commit not yet written: (values, attrs, position)
@@ -87,9 +88,11 @@ class CommitStore:
                 while self._pending is None:
                     self._cond.wait()
                 item, self._pending, self._busy = self._pending, None, True
+            t = time.monotonic()
             try:
                 self._write_file(*item)
                 self.written += 1
+                self.write_s += time.monotonic() - t
             except Exception as exc:  # noqa: BLE001 - a storage failure must not stop training
                 self.failed += 1
                 self.last_error = f"{type(exc).__name__}: {exc}"

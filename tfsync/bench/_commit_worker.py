@@ -16,6 +16,9 @@ with ``time.perf_counter``:
 
 Rank 0 prints the medians over the workers' records and ``overhead_fraction``, the median
 commit over ``N`` median steps: the share of training time the commits take at that interval.
+With ``TFSYNC_COMMIT_DIR`` set (``--commit-dir``) rank 0 also writes each commit there, on a
+thread of its own: the steps above then include what that thread takes from them (the CPU,
+the GIL), and the record says how many commits it wrote and their mean write time.
 """
 
 import argparse
@@ -106,6 +109,10 @@ def main(argv=None):
         verbose=0,
         callbacks=[sync],
     )
+    store = state._store
+    if store is not None:
+        state.flush_storage()
+    written = hvd.allgather_object((store.written, store.write_s, store.failed) if store is not None else None)
     every = hvd.allgather_object(timed)
     if rank == 0:
         merged = {k: [v for t in every for v in t[k]] for k in timed}
@@ -123,6 +130,11 @@ def main(argv=None):
                 "commits": summary["commit_s"]["n"] // size,
                 **summary,
                 "overhead_fraction": commit / (args.commit_every * step) if commit and step else None,
+                # with TFSYNC_COMMIT_DIR: rank 0's writes (a thread of its own) and their mean seconds
+                "commit_dir": state.commit_dir,
+                "storage_writes": written[0][0] if written[0] else 0,
+                "storage_write_s": written[0][1] / written[0][0] if written[0] and written[0][0] else None,
+                "storage_failed": written[0][2] if written[0] else 0,
             }
         )
 

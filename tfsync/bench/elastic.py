@@ -25,7 +25,8 @@ shared machine is one sample.
 parameters) under BSP on ``--workers`` workers, committing every ``--commit-every`` steps
 (default: ``tfsync.elastic.DEFAULT_COMMIT_EVERY_STEPS``) for ``--steps`` steps; one record with
 the median commit, ``state.save()`` and step seconds and the share of training time the commits
-take (``overhead_fraction``).
+take (``overhead_fraction``); ``--commit-dir DIR`` writes each commit there too
+(``TFSYNC_COMMIT_DIR``), which the steps then pay for.
 
 Example:
 
@@ -91,6 +92,7 @@ def parse_args(argv):
     cost.add_argument("--commit-every", type=integer(1), default=DEFAULT_COMMIT_EVERY_STEPS, help="steps")
     cost.add_argument("--steps", type=integer(2), default=None, help="steps of the run (default: 5 commits' worth)")
     cost.add_argument("--workers", type=integer(1), default=2, help="workers of the run")
+    cost.add_argument("--commit-dir", default=None, help="also write each commit there (TFSYNC_COMMIT_DIR)")
     args = p.parse_args(argv)
     if args.commit_cost:
         args.steps = args.steps or 5 * args.commit_every + 1
@@ -339,8 +341,10 @@ def commit_cost(args, log=print):
     """One launch of :mod:`tfsync.bench._commit_worker`; its rank 0's record."""
     argv = ["--model", args.model, "--optimizer", args.optimizer, "--commit-every", args.commit_every]
     argv += ["--steps", args.steps]
-    log(f"commit cost: {args.model} MLP, {args.workers} workers, a commit every {args.commit_every} steps")
-    code, output = run_local_job(COMMIT_WORKER, argv, workers=args.workers, timeout_s=args.timeout_s)
+    storage = f", written to {args.commit_dir}" if args.commit_dir else ""
+    log(f"commit cost: {args.model} MLP, {args.workers} workers, a commit every {args.commit_every} steps{storage}")
+    env = {"TFSYNC_COMMIT_DIR": args.commit_dir} if args.commit_dir else None
+    code, output = run_local_job(COMMIT_WORKER, argv, workers=args.workers, timeout_s=args.timeout_s, env=env)
     results = results_in(output)
     if code != 0 or not results:
         raise RuntimeError(f"the commit-cost run failed (exit {code}); output tail:\n{output[-4000:]}")
