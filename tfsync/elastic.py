@@ -70,9 +70,11 @@ Example:
 
 import copy
 import functools
+import gc
 import logging
 import os
 import re
+import threading
 import time
 
 from tfsync import _env, _horovod
@@ -577,6 +579,7 @@ def _reset(hvd, state, reason, failed):
         lost += commits.reset(reason)
     lifecycle.abandon_all()  # any other engine of this process (a SyncStrategy's)
     HorovodCluster.forget_membership()
+    _collect_abandoned()
     resets = getattr(state, "resets", 0) + 1
     if isinstance(state, KerasState):  # (the last commit on storage before the job re-forms, or ends here)
         state.flush_storage()
@@ -600,6 +603,22 @@ def _reset(hvd, state, reason, failed):
         "no" if interrupted is None else interrupted,
         getattr(state, "epoch", "?"),
     )
+
+
+def _collect_abandoned():
+    """Collect the interrupted fit's garbage on a daemon thread of its own (returned).
+
+    A fit that a failure interrupted leaves its objects, its ``tf.data`` iterators among them,
+    in reference cycles (the exception's frames), which Python collects at some later
+    allocation on whichever thread makes it.  In the chaos soak that was the restarted fit's
+    trace, where an iterator's destructor then waited 24 s to minutes for the iterator's
+    autotuning thread (``RootDataset::Iterator``'s model thread; not reproduced outside the
+    soak): the restarted worker made no step, and its peers gave up on it.  Collected here, such
+    a wait holds only this thread (TensorFlow waits without Python's lock: the worker's other
+    threads ran on meanwhile), while the worker re-forms and trains."""
+    thread = threading.Thread(target=gc.collect, name="tfsync-reset-gc", daemon=True)
+    thread.start()
+    return thread
 
 
 def _reform(hvd, resets, reason):

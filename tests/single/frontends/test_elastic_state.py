@@ -1,6 +1,8 @@
 """tfsync.elastic in one process: the state's commit and restore, the models it refuses, which failures reset, and the
 reset loop of ``run`` against a stand-in for Horovod (the launches are tests/parallel/test_elastic_launcher.py)."""
 
+import time
+
 import keras
 import numpy as np
 import pytest
@@ -194,6 +196,45 @@ def test_run_resets_restores_the_commit_and_calls_again(fake_horovod, failure):
     assert state.resets == 1 and state.syncs == 2
     assert fake_horovod.calls == ["shutdown", "init"]
     assert HorovodCluster._keys is not keys_before  # collectives numbered anew for the new members
+
+
+def test_a_reset_collects_the_interrupted_fits_garbage_on_a_thread_of_its_own(fake_horovod):
+    """A finalizer of the interrupted call's garbage that blocks (a tf.data iterator's destructor
+    waiting for its thread, in the chaos soak) holds the reset's collector, not the next call."""
+    import gc
+    import threading
+
+    release, finalized = threading.Event(), []
+
+    class Cycle:
+        def __init__(self):
+            self.me = self
+
+        def __del__(self):
+            finalized.append(threading.current_thread().name)
+            release.wait(30)
+
+    state = LocalState(_model(), epoch=0)
+    calls = []
+
+    @elastic.run
+    def train(state):
+        calls.append(1)
+        if len(calls) == 1:
+            Cycle()  # (garbage in a reference cycle, left by the failed call)
+            raise WorkerLostError("tfsync: lost rank 1")
+        return "done"
+
+    gc.disable()  # (no collection on this thread in between)
+    try:
+        assert train(state) == "done"  # the second call ran while the finalizer blocked
+        deadline = time.monotonic() + 30
+        while not finalized and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert finalized == ["tfsync-reset-gc"]
+    finally:
+        release.set()
+        gc.enable()
 
 
 def test_run_raises_any_other_error_as_it_is(fake_horovod):
