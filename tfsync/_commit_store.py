@@ -139,12 +139,15 @@ class CommitStore:
         with np.load(self.path, allow_pickle=False) as data:
             return self._meta(data)
 
-    def read(self):
-        """``(meta, values)`` of the last commit, or None."""
+    def read(self, after=None):
+        """``(meta, values)`` of the last commit, or None: when there is none, or its position
+        (epoch, sample) is not past ``after`` (the variables are then not read)."""
         if not os.path.exists(self.path):
             return None
         with np.load(self.path, allow_pickle=False) as data:
             meta = self._meta(data)
+            if after is not None and tuple(meta["position"]) <= tuple(after):
+                return None
             return meta, [data[f"v{i}"] for i in range(len(meta["shapes"]))]
 
     def _meta(self, data):

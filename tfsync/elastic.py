@@ -281,11 +281,11 @@ class KerasState(ObjectState):
     def _restore_from_storage(self):
         """Take the commit on storage where it is further on (epoch, then sample) than this
         process's last commit, counting the restart as a reset."""
-        meta = self._store.read_meta()
         mine = (self._saved_state["epoch"], self._saved_state["sample"])  # (what the sync would broadcast)
-        if meta is None or tuple(meta["position"]) <= mine:
+        stored = self._store.read(after=mine)
+        if stored is None:
             return
-        meta, values = self._store.read()
+        meta, values = stored
         for variable, value in zip(self._variables(), values, strict=True):
             variable.assign(value)
         resets = max(meta["attrs"].get("resets", 0), self.resets) + 1
@@ -306,13 +306,14 @@ class KerasState(ObjectState):
         ``commit_dir`` is written; whether it is (True without a ``commit_dir``)."""
         if self._store is None:
             return True
-        done = self._store.flush(self.wait_timeout_s if timeout_s is None else timeout_s)
+        timeout_s = self.wait_timeout_s if timeout_s is None else timeout_s
+        done = self._store.flush(timeout_s)
         if not done:
             log.warning(
                 "tfsync.elastic: the last commit was not written to %s within %.0f s; a restart with no "
                 "worker left would take the one before",
                 self._store.path,
-                self.wait_timeout_s if timeout_s is None else timeout_s,
+                timeout_s,
             )
         return done
 
@@ -606,7 +607,7 @@ def _reset(hvd, state, reason, failed):
 
 
 def _collect_abandoned():
-    """Collect the interrupted fit's garbage on a daemon thread of its own (returned).
+    """Collect the interrupted fit's garbage on a daemon thread of its own.
 
     A fit that a failure interrupted leaves its objects, its ``tf.data`` iterators among them,
     in reference cycles (the exception's frames), which Python collects at some later
@@ -616,9 +617,7 @@ def _collect_abandoned():
     soak): the restarted worker made no step, and its peers gave up on it.  Collected here, such
     a wait holds only this thread (TensorFlow waits without Python's lock: the worker's other
     threads ran on meanwhile), while the worker re-forms and trains."""
-    thread = threading.Thread(target=gc.collect, name="tfsync-reset-gc", daemon=True)
-    thread.start()
-    return thread
+    threading.Thread(target=gc.collect, name="tfsync-reset-gc", daemon=True).start()
 
 
 def _reform(hvd, resets, reason):

@@ -110,9 +110,12 @@ def main(argv=None):
         callbacks=[sync],
     )
     store = state._store
-    if store is not None:
+    if store is not None and rank == 0:  # (rank 0 writes: its writes and their seconds, after the last)
         state.flush_storage()
-    written = hvd.allgather_object((store.written, store.write_s, store.failed) if store is not None else None)
+        storage = {"storage_writes": store.written, "storage_failed": store.failed}
+        storage["storage_write_s"] = store.write_s / store.written if store.written else None
+    else:
+        storage = {"storage_writes": 0, "storage_write_s": None, "storage_failed": 0}
     every = hvd.allgather_object(timed)
     if rank == 0:
         merged = {k: [v for t in every for v in t[k]] for k in timed}
@@ -132,9 +135,7 @@ def main(argv=None):
                 "overhead_fraction": commit / (args.commit_every * step) if commit and step else None,
                 # with TFSYNC_COMMIT_DIR: rank 0's writes (a thread of its own) and their mean seconds
                 "commit_dir": state.commit_dir,
-                "storage_writes": written[0][0] if written[0] else 0,
-                "storage_write_s": written[0][1] / written[0][0] if written[0] and written[0][0] else None,
-                "storage_failed": written[0][2] if written[0] else 0,
+                **storage,
             }
         )
 
