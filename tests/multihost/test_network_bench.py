@@ -89,3 +89,17 @@ def test_compression_runs_each_mode_once_per_wire_format_against_uncompressed_pl
         "diloco+bf16",
     ]
     assert network.parse_args([]).compression == ["none"]
+
+
+def test_diloco_period_and_overlap_reach_every_diloco_mode_and_its_label():
+    args = network.parse_args(["--inner-steps", "16", "--overlap-steps", "3", "--modes", "diloco", "diloco+overlap"])
+    settings = network._settings(args)
+    flags = network.registry.configurations(**settings)
+    assert flags["diloco+fragments"][-4:] == ["--overlap-steps", "3", "--fragments", "4"]
+    assert "--inner-steps" in flags["diloco"] and "16" in flags["diloco"]
+    assert "--staleness" not in flags["diloco"] and "--inner-steps" not in flags["ssp"]
+    assert network._label("diloco+fragments", flags["diloco+fragments"], settings) == "tfsync DiLoCo(H=16, P=4, tau=3)"
+    # a variant's own overlap wins, and its label says it
+    assert network._label("diloco+overlap", flags["diloco+overlap"], settings) == "tfsync DiLoCo(H=16, tau=2)"
+    plain = network._settings(network.parse_args(["--modes", "diloco"]))
+    assert network._label("diloco", network.registry.configurations(**plain)["diloco"], plain) == "tfsync DiLoCo(H=8)"

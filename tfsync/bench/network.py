@@ -30,6 +30,12 @@ Example:
         --modes local horovod bsp ssp dcs3gd psp localsgd diloco --json network.json
     python -m tfsync.bench network --task digits --rates 3gbit --modes horovod diloco --json digits.json
 
+``--inner-steps H`` and ``--overlap-steps T`` set DiLoCo's period and overlap for
+every DiLoCo mode (a variant's own flags win): e.g. ``--inner-steps 16
+--overlap-steps 3 --modes diloco diloco+fragments`` compares the whole model's
+overlapped round with four paced fragments (:mod:`tfsync.engine.pacing`) by
+``link_peak_bytes_per_100ms``.
+
 ``--compression none fp16`` runs every mode but ``local`` once per listed wire
 format (``compression=``; plain Horovod's fp16 is its own
 ``hvd.Compression.fp16``, and Horovod has no bf16, so ``horovod`` skips bf16),
@@ -115,6 +121,12 @@ def parse_args(argv):
     )
     p.add_argument("--per-host", type=integer(1), default=1, help="workers on each of the two hosts")
     p.add_argument("--staleness", type=integer(0), default=3, help="SSP's bound s")
+    p.add_argument("--inner-steps", type=integer(1), help="DiLoCo's H for every DiLoCo mode (default: 8)")
+    p.add_argument(
+        "--overlap-steps",
+        type=integer(0),
+        help="DiLoCo's tau for every DiLoCo mode that sets none of its own (default: 0)",
+    )
     p.add_argument("--steps", type=integer(1), default=30, help="timed steps per worker (after 10 warm-up)")
     p.add_argument("--repeats", type=integer(1), default=1, help="launches per (rate, model, mode); median reported")
     p.add_argument("--timeout-s", type=number(above=0), default=600.0, help="bound of one launch")
@@ -186,10 +198,29 @@ def _median(runs, key):
     return sorted(runs, key=lambda r: r[key])[len(runs) // 2]
 
 
+def _settings(args) -> dict:
+    """The mode options the bench sets (by field): SSP's bound, DiLoCo's H and tau where given."""
+    given = {"inner_steps": args.inner_steps, "overlap_steps": args.overlap_steps}
+    return {"staleness": args.staleness, **{k: v for k, v in given.items() if v is not None}}
+
+
+def _label(mode, flags, settings) -> str:
+    """``mode``'s table label with the bench's settings (a DiLoCo tau given by ``--overlap-steps``
+    to a mode whose label has none: added)."""
+    if mode in ("local", "horovod"):
+        return MODE_LABELS[mode]
+    label = "tfsync " + registry.label(mode, **settings)
+    tau = [flags[i + 1] for i, f in enumerate(flags[:-1]) if f == "--overlap-steps"]
+    if tau and tau[-1] != "0" and "tau=" not in label:
+        label = f"{label[:-1]}, tau={tau[-1]})"
+    return label
+
+
 def _configuration(hosts, worker, link, model, args, log):
-    flags = {**MODE_FLAGS, **registry.configurations(staleness=args.staleness)}
+    settings = _settings(args)
+    flags = {**MODE_FLAGS, **registry.configurations(**settings)}
     runs_of = variants(args.modes, args.compression)
-    labels = {key: MODE_LABELS[mode].format(s=args.staleness) + (f"+{c}" if c else "") for key, mode, c in runs_of}
+    labels = {key: _label(mode, flags[mode], settings) + (f"+{c}" if c else "") for key, mode, c in runs_of}
     runs = {key: [] for key, _, _ in runs_of}
     for repeat in range(args.repeats):
         for key, mode, c in runs_of:  # round-robin, so a slow spell of the machine hits every mode
@@ -234,11 +265,13 @@ def _digits(hosts, link, args, log):
     runs_of = [(k, m, c) for k, m, c in variants(args.modes, args.compression) if not (m == "horovod" and c)]
     runs = {key: [] for key, _, _ in runs_of}
     target = str(args.target_accuracy)  # (the key of the result's time_to_accuracy_s)
+    diloco = {k: v for k, v in _settings(args).items() if k != "staleness"}  # (the example's own SSP bound)
+    flags = {**digits.MODES, **(registry.configurations(**diloco) if diloco else {})}
     for repeat in range(args.repeats):
         for key, mode, c in runs_of:
             argv = [
                 digits.EXAMPLE,
-                *digits.MODES[mode],
+                *flags[mode],
                 *("--hidden", *args.hidden, "--epochs", args.epochs, "--lr", args.lr),
                 *("--target-accuracy", args.target_accuracy, "--stragglers", "base=0.0"),
                 *(("--compression", c) if c else ()),

@@ -246,8 +246,9 @@ def wire_settings(policy, size: int):
 def counted(collective, wire_bytes):
     """``collective`` that counts each call in ``wire_bytes``."""
 
-    def run(payload, meta, divisor=None):
-        out = collective(payload, meta, divisor=divisor)
+    def run(payload, meta, divisor=None, part=None):
+        # (``part``: a paced round's piece, given only to a collective that paces)
+        out = collective(payload, meta, divisor=divisor, **({} if part is None else {"part": part}))
         wire_bytes.count(payload)
         return out
 

@@ -49,9 +49,15 @@ neither dropped nor withdrawn, since it was counted when it was rejected.
 
 Coordinated rounds (PSP, backup workers), entered on rank 0's decision, are
 the outbox's (:mod:`tfsync.engine.outbox`).
+
+A round queued for this thread may be paced (:mod:`tfsync.engine.pacing`:
+DiLoCo's overlapped fragments): :attr:`RoundExchange.spread_s`, set by the
+protocol, says over how many seconds its pieces may go; waiting for the
+round, queueing a collective behind it or closing sends the rest at once.
 """
 
 import concurrent.futures
+import functools
 import queue
 import threading
 import time
@@ -59,6 +65,7 @@ import time
 import numpy as np
 
 from tfsync.engine.outbox import CoordinatedOutbox
+from tfsync.engine.pacing import paced_round
 from tfsync.engine.rounds import META_COLUMNS, REJECTED, RoundResult
 
 INLINE_WATCH_S = 1.0  # how often the watchdog of inline rounds looks (so an abort comes at most this late)
@@ -99,6 +106,11 @@ class RoundExchange(CoordinatedOutbox):
         self._abort = abort
         self.inline_expired = None  # the inline round whose bound ran out (the collective was aborted)
         self.on_inline_wait = None  # called about once a second while an inline round waits
+        # spread_s(): the seconds a queued open round's pieces may be spread over (None: sent
+        # at once; set by a protocol whose rounds are needed only some steps later)
+        self.spread_s = None
+        self._hurried_through = -1  # rounds up to this one are needed now: not paced
+        self._queued_through = -1  # the newest round queued for this thread
         self._inline = None  # (round, started, deadline) of the inline round running, polled by the watchdog
         self._watchdog = None
         self._closing = threading.Event()
@@ -223,11 +235,16 @@ class RoundExchange(CoordinatedOutbox):
     def _put(self, item):
         with self._cond:
             self._unfinished += 1
+            if not isinstance(item[0], str):  # (a round's number; not a call, a closing, an entry)
+                self._queued_through = max(self._queued_through, item[0])
         self._queue.put(item)
 
     def call(self, fn, timeout_s: float):
-        """Run ``fn()`` (a collective) on the exchange thread after every queued round."""
+        """Run ``fn()`` (a collective) on the exchange thread after every queued round (sent
+        unpaced from now on)."""
         future = concurrent.futures.Future()
+        with self._cond:
+            self._hurry(self._queued_through)
         self._put(("call", fn, future))
         try:
             return future.result(timeout_s)
@@ -238,6 +255,7 @@ class RoundExchange(CoordinatedOutbox):
         """Block until round ``round_`` is complete; False on timeout. Re-raises thread errors."""
         deadline = time.monotonic() + timeout_s
         with self._cond:
+            self._hurry(round_)
             while self._completed < round_ and self._error is None:
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -251,8 +269,28 @@ class RoundExchange(CoordinatedOutbox):
         with self._cond:
             return self._results.pop(round_)
 
+    def _hurry(self, round_):
+        """Rounds up to ``round_`` are needed: their pieces left go at once (holding ``_cond``)."""
+        if round_ > self._hurried_through:
+            self._hurried_through = round_
+            self._cond.notify_all()
+
+    def _pause(self, round_, seconds) -> bool:
+        """A paced round's pause: up to ``seconds``; False (pace no more) once the round is needed
+        or the exchange closes."""
+        deadline = time.monotonic() + seconds
+        with self._cond:
+            while self._hurried_through < round_ and not self._closing.is_set():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return True
+                self._cond.wait(left)
+        return False
+
     def close(self, timeout_s: float = 10.0):
         self._closing.set()
+        with self._cond:
+            self._cond.notify_all()  # (a paced round's pause ends)
         self._queue.put(None)
         self._thread.join(timeout_s)
 
@@ -356,7 +394,12 @@ class RoundExchange(CoordinatedOutbox):
             if not coordinated and self.sum_check is not None:
                 payload, total, meta, after_sum = self._checked_round(payload, meta)
             elif not coordinated:
-                total, meta = self._collective(payload, meta)
+                spread = self.spread_s() if self.spread_s is not None else None
+                if spread and threading.current_thread() is self._thread:
+                    pause = functools.partial(self._pause, round_)
+                    total, meta = paced_round(self._collective, payload, meta, spread, pause, self.size)
+                else:
+                    total, meta = self._collective(payload, meta)
             else:
                 guess = self._last_d
                 total, meta = self._collective(payload, meta, divisor=guess)

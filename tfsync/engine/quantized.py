@@ -79,9 +79,10 @@ def quantized_collective(quantize: str, average: bool, hvd=None):
     if hvd is None:
         hvd = _horovod.horovod()
     size, rank, bits = hvd.size(), hvd.rank(), BITS[quantize]
-    errors = {}  # 4-bit: this worker's quantization error per payload layout (a DiLoCo fragment's own)
+    errors = {}  # 4-bit: this worker's quantization error per payload layout (a DiLoCo fragment's, a piece's own)
 
-    def collective(payload, meta, divisor=None):
+    def collective(payload, meta, divisor=None, part=None):
+        # ``part``: a paced round's piece (tfsync.engine.pacing), whose error feedback is its own
         shapes = [tuple(t.shape) for t in payload]
         dtypes = [t.dtype for t in payload]
         counts = [int(np.prod(s, dtype=np.int64)) for s in shapes]
@@ -90,7 +91,7 @@ def quantized_collective(quantize: str, average: bool, hvd=None):
         flat = compression.as_chunks([tf.cast(t, tf.float32) for t in payload], size, length)
         present = bool(np.asarray(meta)[rank, 0] > 0)
         if bits == 4 and present:
-            layout = tuple(zip(shapes, dtypes))
+            layout = (part, *zip(shapes, dtypes))
             if layout in errors:
                 flat = flat + errors[layout]
             rows, errors[layout] = ops.quantize_blocks(flat, bits, BLOCK, residual=True)

@@ -151,10 +151,11 @@ def horovod_collective(average: bool, hvd=None, compression=None):
         parts = tf.split(summed, counts)
         return [tf.reshape(p, s) for p, s in zip(parts, shapes)]
 
-    def collective(payload, meta, divisor=None):
+    def collective(payload, meta, divisor=None, part=None):
         # ``divisor``: a sum post-scaled by ``1 / divisor`` in Horovod's fusion buffer (a
         # coordinated round's guess of d, rescaled afterwards if wrong; the final round's d),
-        # 1 for the plain sum an open round divides and checks itself (RoundExchange.sum_check)
+        # 1 for the plain sum an open round divides and checks itself (RoundExchange.sum_check);
+        # ``part``: a paced round's piece (tfsync.engine.pacing), the same reduction
         mean = average and divisor is None
         op = hvd.Average if mean else hvd.Sum
         scale = {} if divisor in (None, 1) else {"postscale_factor": 1.0 / divisor}  # (1: a plain sum)

@@ -290,6 +290,10 @@ register(
     variants={
         "diloco+overlap": Variant(("--overlap-steps", "2"), "DiLoCo(H={inner_steps}, tau=2)", study=False),
         "diloco+fragments": Variant(("--fragments", "4"), "DiLoCo(H={inner_steps}, P=4)", study=False),
+        # fragments whose rounds travel quantized (paced too, given an overlap)
+        "diloco+int8+fragments": Variant(
+            ("--quantize", "int8", "--fragments", "4"), "DiLoCo(H={inner_steps}, int8, P=4)", study=False
+        ),
         **{
             f"diloco+{q}": Variant(("--quantize", q), f"DiLoCo(H={{inner_steps}}, {q})", study=False)
             for q in ("int8", "int4")

@@ -24,7 +24,7 @@ from training_fake import BATCH, EPOCHS, JOIN_S, SIZE, STEPS, data, layers
 
 import tfsync
 from tfsync import timeline
-from tfsync.engine import NonFiniteError, WorkerLostError
+from tfsync.engine import NonFiniteError, WorkerLostError, exchange, pacing
 from tfsync.engine.protocols.outer import split_fragments
 
 pytestmark = pytest.mark.usefixtures("engines_on_localhost")
@@ -579,3 +579,30 @@ def test_a_model_too_small_for_its_fragments_is_refused_before_training():
     _, errors = on_threads(fns, JOIN_S)
     for e in errors:
         assert isinstance(e, ValueError) and "fragments=32" in str(e) and "use fewer fragments" in str(e), e
+
+
+def test_paced_fragments_train_as_unpaced_ones_do(monkeypatch):
+    """DiLoCo with overlapped fragments on two fake ranks, its rounds in pieces (the piece size
+    lowered to this small model), ends with the weights of the same run unpaced."""
+    mode = tfsync.DiLoCo(inner_steps=6, fragments=2, overlap_steps=2, outer_optimizer=keras.optimizers.SGD(0.7))
+
+    def wide():  # (about 2,600 values a fragment: several pieces of the lowered size)
+        return [keras.Input((3,)), keras.layers.Dense(1024), keras.layers.Dense(1)]
+
+    initial = initial_weights(wide)
+    unpaced = job("callback", mode, make_layers=wide, initial=initial)
+    calls = []
+    real = pacing.paced_round
+
+    def spy(collective, payload, *args, **kwargs):
+        calls.append(len(pacing.piece_bounds(sum(int(np.prod(t.shape)) for t in payload), 4, 2)))
+        return real(collective, payload, *args, **kwargs)
+
+    monkeypatch.setattr(pacing, "PIECE_BYTES", 256)
+    monkeypatch.setattr(exchange, "paced_round", spy)
+    paced = job("callback", mode, make_layers=wide, initial=initial)
+    assert_replicas_identical(paced, finite=True)
+    assert calls and max(calls) > 1, calls
+    for a, b in zip(unpaced[0]["weights"], paced[0]["weights"]):
+        np.testing.assert_array_equal(a, b)
+    assert paced[0]["counts"] == unpaced[0]["counts"]

@@ -31,10 +31,18 @@ round), the outer optimizer steps, and the worker's weights become
 floating-point variables (BatchNormalization's statistics), when the frontend
 passes them, ride in the same round and are averaged plainly.  The worker's
 own optimizer state is not touched (it stays local, as in both papers).
+
+With fragments (``fragments=P``) and ``overlap_steps=τ``, each fragment's
+round is paced (:mod:`tfsync.engine.pacing`): its pieces are spread over
+:data:`PACED_SHARE` of the time ``τ`` inner steps take (the median of the
+last :data:`STEP_WINDOW` inner steps' intervals), so the link carries the
+model at about its period's average rate instead of in bursts at line rate.
 """
 
 import collections
 import math
+import statistics
+import time
 
 import keras
 import tensorflow as tf
@@ -50,6 +58,9 @@ from tfsync.engine.protocols._tf import (
 )
 from tfsync.engine.protocols.base import StepProtocol
 from tfsync.engine.protocols.path import OptimizerPath, accumulation_steps, finish_in_graph, is_loss_scaled
+
+PACED_SHARE = 0.8  # a paced fragment's round spreads over this share of its overlap window ...
+STEP_WINDOW = 8  # ... estimated from the median interval of this many last inner steps
 
 
 def build_outer_optimizer(config):
@@ -125,6 +136,9 @@ class OuterStepProtocol(StepProtocol):
         self.sent = collections.deque()  # the part each round not yet applied carries, in round order
         self.all_finite = True  # every inner step since the last push had finite gradients
         self.trained = False  # an inner step was made since the last round of the whole model
+        self._intervals = collections.deque(maxlen=STEP_WINDOW)  # seconds between the last inner steps
+        self._last_step_end = None
+        self._spread_cap = math.inf
         self._pseudo_gradient, self._apply_mean, self._restart = [], [], []
         for k, part in enumerate(self.parts):
             pseudo_gradient, apply_mean, restart = self._part_functions(part, counts_iteration=k >= self.fragments - 1)
@@ -132,6 +146,22 @@ class OuterStepProtocol(StepProtocol):
             specs = [tf.TensorSpec(self.w_outer[k].shape, self.w_outer[k].dtype) for k in part]
             self._apply_mean.append(compile_flat(apply_mean, specs))
             self._restart.append(compile_flat(restart))
+
+    def bind(self, engine):
+        """Overlapped fragments: the engine's exchange paces their rounds (:meth:`round_spread_s`)."""
+        if self.fragments > 1 and self.overlap:
+            # (a peer that lands first waits for this worker's last piece: at most a quarter of its bound)
+            self._spread_cap = engine.wait_timeout_s / 4
+            engine.exchange.spread_s = self.round_spread_s
+
+    def round_spread_s(self):
+        """The seconds a fragment's round in flight may take: :data:`PACED_SHARE` of ``τ`` inner
+        steps at the median interval of the last ones, at most a quarter of the wait bound
+        (None before the second inner step).  Called on the exchange thread when the round starts."""
+        intervals = list(self._intervals)
+        if not intervals:
+            return None
+        return min(PACED_SHARE * self.overlap * statistics.median(intervals), self._spread_cap)
 
     def _read(self, k):
         """Piece ``k`` of the model's weights: its tensor, or its rows."""
@@ -202,6 +232,10 @@ class OuterStepProtocol(StepProtocol):
         self.all_finite = self.all_finite and bool(finite)
         if not updated:
             return None
+        now = time.monotonic()
+        if self._last_step_end is not None:
+            self._intervals.append(now - self._last_step_end)
+        self._last_step_end = now
         self.inner_done += 1
         self.trained = True
         if self.in_flight and self.inner_done >= self._boundary(self.in_flight[0]):
