@@ -103,3 +103,13 @@ def test_diloco_period_and_overlap_reach_every_diloco_mode_and_its_label():
     assert network._label("diloco+overlap", flags["diloco+overlap"], settings) == "tfsync DiLoCo(H=16, tau=2)"
     plain = network._settings(network.parse_args(["--modes", "diloco"]))
     assert network._label("diloco", network.registry.configurations(**plain)["diloco"], plain) == "tfsync DiLoCo(H=8)"
+
+
+def test_the_link_peak_is_per_sampling_period_even_when_a_sample_came_late():
+    from tfsync.bench.hosts import LinkSampler
+
+    sampler = LinkSampler(None, 1, 0.1)
+    # 1 MB in the first 100 ms, 3 MB over a 300-ms interval (a late sample), 2 MB in 100 ms
+    sampler.samples = [(10.0, 0), (10.1, 1_000_000), (10.4, 4_000_000), (10.5, 6_000_000)]
+    assert sampler.within(10.0, 10.5) == {"bytes": 6_000_000, "peak_bytes_per_period": 2_000_000}
+    assert sampler.within(10.0, 10.4)["peak_bytes_per_period"] == 1_000_000

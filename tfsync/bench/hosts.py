@@ -307,9 +307,14 @@ class LinkSampler:
 
     def within(self, start, end) -> dict:
         """What the samples between ``start`` and ``end`` (``time.time()``) say: the bytes sent
-        then, and the most sent in one sampling period (``peak_bytes_per_period``)."""
+        then, and the most sent per sampling period (``peak_bytes_per_period``): each interval's
+        bytes scaled to one period, so that a sample the busy machine took late (an interval of
+        two periods, say) does not count two periods' bytes as one's."""
         inside = [(t, b) for t, b in self.samples if start <= t <= end]
         if len(inside) < 2:
             return {"bytes": None, "peak_bytes_per_period": None}
-        steps = [b1 - b0 for (_, b0), (_, b1) in zip(inside, inside[1:])]
-        return {"bytes": inside[-1][1] - inside[0][1], "peak_bytes_per_period": max(steps)}
+        rates = [
+            (b1 - b0) * self.period_s / max(t1 - t0, self.period_s)
+            for (t0, b0), (t1, b1) in zip(inside, inside[1:])
+        ]
+        return {"bytes": inside[-1][1] - inside[0][1], "peak_bytes_per_period": int(max(rates))}

@@ -109,6 +109,7 @@ class RoundExchange(CoordinatedOutbox):
         # spread_s(): the seconds a queued open round's pieces may be spread over (None: sent
         # at once; set by a protocol whose rounds are needed only some steps later)
         self.spread_s = None
+        self.wire_bytes = None  # wire_bytes(payload): what a round of it puts on the wire (paced rounds' pieces)
         self._hurried_through = -1  # rounds up to this one are needed now: not paced
         self._queued_through = -1  # the newest round queued for this thread
         self._inline = None  # (round, started, deadline) of the inline round running, polled by the watchdog
@@ -397,7 +398,10 @@ class RoundExchange(CoordinatedOutbox):
                 spread = self.spread_s() if self.spread_s is not None else None
                 if spread and threading.current_thread() is self._thread:
                     pause = functools.partial(self._pause, round_)
-                    total, meta = paced_round(self._collective, payload, meta, spread, pause, self.size)
+                    wire = (
+                        self.wire_bytes(payload) if self.wire_bytes else 4 * sum(int(np.prod(t.shape)) for t in payload)
+                    )
+                    total, meta = paced_round(self._collective, payload, meta, spread, pause, self.size, wire)
                 else:
                     total, meta = self._collective(payload, meta)
             else:

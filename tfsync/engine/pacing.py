@@ -26,15 +26,16 @@ import time
 
 import numpy as np
 
-PIECE_BYTES = 2 << 20  # a paced round goes in pieces of about this many payload bytes ...
+PIECE_BYTES = 2 << 20  # a paced round goes in pieces of about this many bytes on the wire ...
 MAX_PIECES = 8  # ... and at most this many (each piece is a collective of its own)
 ALIGN_VALUES = 256  # a piece starts at a multiple of size x this many values (a quantized round's block)
 
 
-def piece_bounds(values: int, itemsize: int, size: int) -> list:
-    """``[(start, stop), ...]``: the pieces of a flat payload of ``values`` values of
-    ``itemsize`` bytes across ``size`` ranks (one piece when the payload is small)."""
-    count = min(MAX_PIECES, max(1, -(-values * itemsize // PIECE_BYTES)))
+def piece_bounds(values: int, wire_bytes: int, size: int) -> list:
+    """``[(start, stop), ...]``: the pieces of a flat payload of ``values`` values whose round
+    puts ``wire_bytes`` on the wire (each way), across ``size`` ranks (one piece when the
+    round is small)."""
+    count = min(MAX_PIECES, max(1, -(-int(wire_bytes) // PIECE_BYTES)))
     if count == 1:
         return [(0, values)]
     align = ALIGN_VALUES * max(size, 1)
@@ -43,12 +44,16 @@ def piece_bounds(values: int, itemsize: int, size: int) -> list:
     return bounds
 
 
-def paced_round(collective, payload, meta, spread_s: float, pause, size: int, divisor=None):
+def paced_round(collective, payload, meta, spread_s: float, pause, size: int, wire_bytes: int, divisor=None):
     """``collective(payload, meta, divisor=...)`` in pieces spread over ``spread_s`` seconds:
     ``(total, meta)`` as the collective returns them for the whole payload.
 
-    ``pause(seconds)`` sleeps up to that long and returns False once the round is
-    needed (no more pauses then).  A payload of several dtypes goes whole (its
+    ``wire_bytes``: what the whole round puts on the wire each way (its pieces are cut from
+    that: a quantized round's are fewer).  ``pause(seconds)`` sleeps up to that long and
+    returns False once the round is needed (no more pauses then).  The pieces after the first
+    are due over what is left of the spread once the first is through (every rank has then
+    entered the round, so a rank that pushed late does not find its pieces overdue).  A
+    payload of several dtypes goes whole (its
     pieces would mix them), as does one small enough for a single piece.  Each
     piece's call gets ``part=i``, so a collective that keeps state per payload
     layout (4-bit error feedback) keeps one per piece."""
@@ -61,14 +66,17 @@ def paced_round(collective, payload, meta, spread_s: float, pause, size: int, di
     values = sum(counts)
     if len(dtypes) != 1 or values == 0:
         return collective(payload, meta, **kwargs)
-    bounds = piece_bounds(values, next(iter(dtypes)).size, size)
+    bounds = piece_bounds(values, wire_bytes, size)
     if len(bounds) == 1:
         return collective(payload, meta, **kwargs)
     flat = tf.concat([tf.reshape(t, [-1]) for t in payload], 0)
     start, paced, outs = time.monotonic(), True, []
     for i, (a, b) in enumerate(bounds):
+        if i == 1:  # (every rank has joined: the pieces left are due over what is left of the spread)
+            joined = time.monotonic()
+            left = spread_s - (joined - start)
         if i and paced:
-            paced = pause(start + spread_s * i / len(bounds) - time.monotonic())
+            paced = pause(joined + left * i / len(bounds) - time.monotonic())
         total, meta_out = collective([flat[a:b]], meta, part=i, **kwargs)
         outs.append(tf.reshape(total[0], [-1]))
     whole = tf.concat(outs, 0)

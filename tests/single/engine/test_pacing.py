@@ -24,7 +24,7 @@ from tfsync.engine.rounds import META_COLUMNS
 @settings(max_examples=200, deadline=None)
 @given(values=st.integers(1, 1 << 24), itemsize=st.sampled_from([1, 2, 4, 8]), size=st.integers(1, 64))
 def test_the_pieces_cover_the_payload_in_aligned_bounds(values, itemsize, size):
-    bounds = pacing.piece_bounds(values, itemsize, size)
+    bounds = pacing.piece_bounds(values, values * itemsize, size)
     assert 1 <= len(bounds) <= pacing.MAX_PIECES
     assert bounds[0][0] == 0 and bounds[-1][1] == values
     assert all(a < b for a, b in bounds) and all(b == c for (_, b), (c, _) in zip(bounds, bounds[1:]))
@@ -53,12 +53,12 @@ def test_a_paced_round_goes_in_pieces_at_their_times_and_returns_the_whole_resul
         pauses.append(seconds)
         return True
 
-    total, meta = pacing.paced_round(doubling(calls), payload, "meta", 8.0, pause, size=2)
+    total, meta = pacing.paced_round(doubling(calls), payload, "meta", 8.0, pause, size=2, wire_bytes=4 * 6050)
     assert meta == "meta"
     for t, p in zip(total, payload):
         np.testing.assert_array_equal(t.numpy(), 2 * p.numpy())
     k = len(calls)
-    assert k == len(pacing.piece_bounds(6050, 4, 2)) > 1 and [part for part, _ in calls] == list(range(k))
+    assert k == len(pacing.piece_bounds(6050, 4 * 6050, 2)) > 1 and [part for part, _ in calls] == list(range(k))
     assert sum(shape[0][0] for _, shape in calls) == 6050
     # piece i waits until i/k of the spread after the round began (less the time gone by)
     assert len(pauses) == k - 1
@@ -74,7 +74,7 @@ def test_once_the_round_is_needed_the_pieces_left_go_without_pausing(monkeypatch
         pauses.append(seconds)
         return False  # (needed now)
 
-    pacing.paced_round(doubling(calls), [tf.zeros([10_000])], None, 60.0, pause, size=1)
+    pacing.paced_round(doubling(calls), [tf.zeros([10_000])], None, 60.0, pause, size=1, wire_bytes=40_000)
     assert len(calls) > 2 and len(pauses) == 1
 
 
@@ -84,7 +84,7 @@ def test_once_the_round_is_needed_the_pieces_left_go_without_pausing(monkeypatch
 def test_a_small_payload_or_one_of_several_dtypes_goes_whole(monkeypatch, payload):
     monkeypatch.setattr(pacing, "PIECE_BYTES", 4 * 1000)
     calls = []
-    pacing.paced_round(doubling(calls), payload, None, 1.0, lambda s: True, size=2)
+    pacing.paced_round(doubling(calls), payload, None, 1.0, lambda s: True, size=2, wire_bytes=80_000)
     assert calls == [(None, [tuple(t.shape) for t in payload])]
 
 
@@ -109,7 +109,7 @@ def test_a_paced_round_decodes_to_the_bytes_of_an_unpaced_one(monkeypatch, quant
             for payload in data:
                 tensors = [tf.constant(p) for p in payload[r]]
                 if paced:
-                    total, _ = pacing.paced_round(collective, tensors, meta, 0.01, lambda s: True, size)
+                    total, _ = pacing.paced_round(collective, tensors, meta, 0.01, lambda s: True, size, 4 * 7033)
                 else:
                     total, _ = collective(tensors, meta)
                 out.append([t.numpy() for t in total])
@@ -184,3 +184,25 @@ def test_only_overlapped_fragments_are_paced_and_their_spread_follows_the_inner_
     engine.wait_timeout_s = 2.0
     protocol.bind(engine)
     assert protocol.round_spread_s() == pytest.approx(0.5)  # (a quarter of the wait bound at most)
+
+
+def test_the_pieces_after_the_first_are_due_over_what_is_left_once_every_rank_has_joined(monkeypatch):
+    """A rank whose first piece waited (its peers pushed later) spreads the rest over what is left
+    of its spread, from when the first piece came through."""
+    monkeypatch.setattr(pacing, "PIECE_BYTES", 4 * 1000)
+    pauses = []
+
+    def late_peers(payload, meta, divisor=None, part=None):
+        if part == 0:
+            time.sleep(0.5)
+        return payload, meta
+
+    def pause(seconds):
+        pauses.append(seconds)
+        return True
+
+    pacing.paced_round(late_peers, [tf.zeros([8000])], None, 2.5, pause, size=1, wire_bytes=32_000)
+    k = len(pauses) + 1
+    assert k > 2
+    for i, seconds in enumerate(pauses, 1):
+        assert 2.0 * i / k - 0.3 < seconds <= 2.0 * i / k + 0.01, (i, seconds)

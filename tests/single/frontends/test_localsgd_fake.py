@@ -595,7 +595,8 @@ def test_paced_fragments_train_as_unpaced_ones_do(monkeypatch):
     real = pacing.paced_round
 
     def spy(collective, payload, *args, **kwargs):
-        calls.append(len(pacing.piece_bounds(sum(int(np.prod(t.shape)) for t in payload), 4, 2)))
+        values = sum(int(np.prod(t.shape)) for t in payload)
+        calls.append(len(pacing.piece_bounds(values, 4 * values, 2)))
         return real(collective, payload, *args, **kwargs)
 
     monkeypatch.setattr(pacing, "PIECE_BYTES", 256)
