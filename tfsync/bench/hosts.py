@@ -314,7 +314,6 @@ class LinkSampler:
         if len(inside) < 2:
             return {"bytes": None, "peak_bytes_per_period": None}
         rates = [
-            (b1 - b0) * self.period_s / max(t1 - t0, self.period_s)
-            for (t0, b0), (t1, b1) in zip(inside, inside[1:])
+            (b1 - b0) * self.period_s / max(t1 - t0, self.period_s) for (t0, b0), (t1, b1) in zip(inside, inside[1:])
         ]
         return {"bytes": inside[-1][1] - inside[0][1], "peak_bytes_per_period": int(max(rates))}
