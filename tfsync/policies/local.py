@@ -271,7 +271,9 @@ class DiLoCo(Policy):
             ``P`` consecutive groups of about equal size; fragment ``p``'s outer step comes at inner
             step ``(p + 1)·H/P`` of each period (with ``overlap_steps``, its exchange sent that many
             steps before, ``overlap_steps < H/P``), so each round carries about ``1/P`` of the model
-            and the bytes in flight at a time fall by about ``P``.  Each fragment still takes one
+            and the bytes in flight at a time fall by about ``P``; overlapped, each fragment's
+            round is paced over its window (:mod:`tfsync.engine.pacing`), so the link's peak
+            rate falls too where the window has room.  Each fragment still takes one
             outer step per period (one round each: a period counts ``P`` contributions); the outer
             optimizer's iterations count periods.  Training that ends mid-period ends with one
             round of the whole model.
