@@ -72,3 +72,14 @@ def test_fragments_end_with_identical_replicas_every_fragments_round_counted(res
     for r in (0, 1):
         counts = results[r]["diloco-fragments"]["counts"]
         assert counts["produced"] == counts["applied"] == 9 and counts["rejected"] == 0, counts
+
+
+def test_paced_quantized_fragments_end_with_identical_replicas(results):
+    """DiLoCo(H=4, fragments=2, overlap 1, int8) with 8.4M parameters: each fragment's round in
+    pieces over Horovod's alltoall and all-gather, the replicas bit-identical at the end."""
+    a, b = results[0]["diloco-paced-int8"], results[1]["diloco-paced-int8"]
+    assert a["pieces"] > 1 and b["pieces"] > 1, (a["pieces"], b["pieces"])
+    assert a["digest"] == b["digest"] and a["finite"]
+    for r in (0, 1):
+        counts = results[r]["diloco-paced-int8"]["counts"]
+        assert counts["produced"] == counts["applied"] == 9 and counts["rejected"] == 0, counts

@@ -6,6 +6,7 @@ records every outer step's weights (statistics included), one inner step's, the 
 weights and its counts.
 """
 
+import hashlib
 import sys
 
 from common import init, regression_shard, write_result
@@ -13,6 +14,7 @@ from common import init, regression_shard, write_result
 hvd = init()
 
 import keras  # noqa: E402
+import numpy as np  # noqa: E402
 
 import tfsync  # noqa: E402
 
@@ -107,4 +109,42 @@ def train(case):
     }
 
 
-write_result(out_dir, hvd.rank(), {case: train(case) for case in CASES})
+def train_paced():
+    """DiLoCo(H=4, P=2, overlap 1, int8) on a model wide enough (8.4M parameters) that each
+    fragment's round goes in pieces (tfsync.engine.pacing): the final weights' digest, the
+    counts and the most pieces a round went in (a spy on the exchange's paced_round)."""
+    from tfsync.engine import exchange, pacing
+
+    pieces, paced_round = [], exchange.paced_round
+
+    def spy(collective, payload, meta, spread_s, pause, size, wire_bytes, **kwargs):
+        values = sum(int(np.prod(t.shape)) for t in payload)
+        pieces.append(len(pacing.piece_bounds(values, wire_bytes, size)))
+        return paced_round(collective, payload, meta, spread_s, pause, size, wire_bytes, **kwargs)
+
+    exchange.paced_round = spy
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential(
+        [
+            keras.Input((8,)),
+            keras.layers.Dense(2048, activation="tanh"),
+            keras.layers.Dense(2048, activation="tanh"),
+            keras.layers.Dense(2048, activation="tanh"),
+            keras.layers.Dense(3),
+        ]
+    )
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+    mode = tfsync.DiLoCo(inner_steps=PERIOD, fragments=2, overlap_steps=1, quantize="int8")
+    sync = tfsync.keras.SyncCallback(mode=mode, wait_timeout_s=60)
+    model.fit(xl, yl, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[sync])
+    exchange.paced_round = paced_round
+    weights = np.concatenate([np.ravel(w) for w in model.get_weights()])
+    return {
+        "digest": hashlib.sha256(weights.tobytes()).hexdigest(),
+        "finite": bool(np.isfinite(weights).all()),
+        "counts": sync.counts,
+        "pieces": max(pieces, default=0),
+    }
+
+
+write_result(out_dir, hvd.rank(), {**{case: train(case) for case in CASES}, "diloco-paced-int8": train_paced()})
