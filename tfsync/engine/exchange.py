@@ -65,7 +65,7 @@ import time
 import numpy as np
 
 from tfsync.engine.outbox import CoordinatedOutbox
-from tfsync.engine.pacing import paced_round
+from tfsync.engine.pacing import paced_round, payload_bytes
 from tfsync.engine.rounds import META_COLUMNS, REJECTED, RoundResult
 
 INLINE_WATCH_S = 1.0  # how often the watchdog of inline rounds looks (so an abort comes at most this late)
@@ -398,9 +398,7 @@ class RoundExchange(CoordinatedOutbox):
                 spread = self.spread_s() if self.spread_s is not None else None
                 if spread and threading.current_thread() is self._thread:
                     pause = functools.partial(self._pause, round_)
-                    wire = (
-                        self.wire_bytes(payload) if self.wire_bytes else 4 * sum(int(np.prod(t.shape)) for t in payload)
-                    )
+                    wire = (self.wire_bytes or payload_bytes)(payload)
                     total, meta = paced_round(self._collective, payload, meta, spread, pause, self.size, wire)
                 else:
                     total, meta = self._collective(payload, meta)

@@ -246,10 +246,11 @@ def open_exchange(engine, cluster, protocol_cls):
     exchange = RoundExchange(
         counted(collective, engine.wire_bytes), engine.rank, engine.size, engine.t0, abort=abort, **options
     )
-    wire_bytes = engine.wire_bytes
-    exchange.wire_bytes = lambda payload: wire_bytes.per_call([t.shape for t in payload], [t.dtype for t in payload])[
-        "bytes_sent"
-    ]
+
+    def round_bytes(payload):  # (a paced round's pieces are cut from its bytes on the wire)
+        return engine.wire_bytes.per_call([t.shape for t in payload], [t.dtype for t in payload])["bytes_sent"]
+
+    exchange.wire_bytes = round_bytes
     if engine.wire_format is not None:  # (BSP's checked sum: a redone round checks the range too)
         exchange.in_range = engine.wire_format.in_range
     return exchange

@@ -4,16 +4,20 @@ An overlapped fragment's round (``tfsync.DiLoCo(fragments=P, overlap_steps=τ)``
 is not needed until ``τ`` inner steps after its push.  Sent at once, it crosses
 the link at line rate and leaves the link idle for the rest of its window: the
 link's peak rate is then its line rate whatever ``P`` is.  Paced, the round goes
-in ``k`` pieces, piece ``i`` no earlier than ``i/k`` of the window after the
-round began, so the link carries the fragment at about its size over its
-window, and with each of the ``P`` fragments in its own window the peak falls
-toward the period's average (Douillard et al., 2025, count the bandwidth a
-fragment needs over its window in the same way).
+in ``k`` pieces (about :data:`PIECE_BYTES` each on the wire, at most
+:data:`MAX_PIECES`), the first at once and piece ``i`` no earlier than ``i/k``
+of what is left of the window once the first is through, so the link carries
+the fragment at about its size over its window, and with each of the ``P``
+fragments in its own window the peak falls toward the period's average
+(Douillard et al., 2025, count the bandwidth a fragment needs over its window
+in the same way).
 
 The pieces are the same on every rank: their number and bounds come from the
-payload's size alone (every rank runs the same collectives in the same order).
-Only when a piece starts depends on the rank's own estimate of the window, and
-a collective starts when its last rank enters it.  A piece begins at a
+round's size alone (every rank runs the same collectives in the same order).
+Only when a piece starts depends on the rank's own estimate of the window; a
+collective starts when its last rank enters it, and the first piece's end,
+when every rank has entered, is where each rank's schedule starts, so a rank
+that pushed late does not find its pieces overdue.  A piece begins at a
 multiple of ``size × 256`` values, so a quantized round's blocks of 256 values
 (:mod:`tfsync.engine.quantized`) are those of the whole round: a paced round
 decodes to the bytes an unpaced one would.  When a worker needs the round
@@ -40,8 +44,14 @@ def piece_bounds(values: int, wire_bytes: int, size: int) -> list:
         return [(0, values)]
     align = ALIGN_VALUES * max(size, 1)
     length = -(-values // count // align) * align
-    bounds = [(a, min(a + length, values)) for a in range(0, values, length)]
-    return bounds
+    return [(a, min(a + length, values)) for a in range(0, values, length)]
+
+
+def payload_bytes(payload) -> int:
+    """The bytes of ``payload``'s tensors: a round's bytes on the wire when nothing says otherwise."""
+    import tensorflow as tf
+
+    return sum(int(np.prod(t.shape, dtype=np.int64)) * tf.as_dtype(t.dtype).size for t in payload)
 
 
 def paced_round(collective, payload, meta, spread_s: float, pause, size: int, wire_bytes: int, divisor=None):
@@ -50,12 +60,9 @@ def paced_round(collective, payload, meta, spread_s: float, pause, size: int, wi
 
     ``wire_bytes``: what the whole round puts on the wire each way (its pieces are cut from
     that: a quantized round's are fewer).  ``pause(seconds)`` sleeps up to that long and
-    returns False once the round is needed (no more pauses then).  The pieces after the first
-    are due over what is left of the spread once the first is through (every rank has then
-    entered the round, so a rank that pushed late does not find its pieces overdue).  A
-    payload of several dtypes goes whole (its
-    pieces would mix them), as does one small enough for a single piece.  Each
-    piece's call gets ``part=i``, so a collective that keeps state per payload
+    returns False once the round is needed (no more pauses then).  A payload of several
+    dtypes goes whole (its pieces would mix them), as does one small enough for a single
+    piece.  Each piece's call gets ``part=i``, so a collective that keeps state per payload
     layout (4-bit error feedback) keeps one per piece."""
     import tensorflow as tf  # (here: the bounds above run without TensorFlow)
 
@@ -83,4 +90,4 @@ def paced_round(collective, payload, meta, spread_s: float, pause, size: int, wi
     return [tf.reshape(p, s) for p, s in zip(tf.split(whole, counts), shapes)], meta_out
 
 
-__all__ = ["MAX_PIECES", "PIECE_BYTES", "paced_round", "piece_bounds"]
+__all__ = ["MAX_PIECES", "PIECE_BYTES", "paced_round", "payload_bytes", "piece_bounds"]

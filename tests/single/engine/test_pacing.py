@@ -184,6 +184,9 @@ def test_only_overlapped_fragments_are_paced_and_their_spread_follows_the_inner_
     engine.wait_timeout_s = 2.0
     protocol.bind(engine)
     assert protocol.round_spread_s() == pytest.approx(0.5)  # (a quarter of the wait bound at most)
+    protocol.push_final()
+    protocol.contribution([])
+    assert protocol.round_spread_s() is None  # (the last round of the whole model: waited for at once)
 
 
 def test_the_pieces_after_the_first_are_due_over_what_is_left_once_every_rank_has_joined(monkeypatch):

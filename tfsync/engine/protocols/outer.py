@@ -157,9 +157,10 @@ class OuterStepProtocol(StepProtocol):
     def round_spread_s(self):
         """The seconds a fragment's round in flight may take: :data:`PACED_SHARE` of ``τ`` inner
         steps at the median interval of the last ones, at most a quarter of the wait bound
-        (None before the second inner step).  Called on the exchange thread when the round starts."""
+        (None before the second inner step, and for the last round of the whole model, which
+        training waits for at once).  Called on the exchange thread when the round starts."""
         intervals = list(self._intervals)
-        if not intervals:
+        if not intervals or (self.sent and self.sent[-1] == self.fragments):
             return None
         return min(PACED_SHARE * self.overlap * statistics.median(intervals), self._spread_cap)
 
