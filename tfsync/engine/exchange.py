@@ -396,7 +396,7 @@ class RoundExchange(CoordinatedOutbox):
                 payload, total, meta, after_sum = self._checked_round(payload, meta)
             elif not coordinated:
                 spread = self.spread_s() if self.spread_s is not None else None
-                if spread and threading.current_thread() is self._thread:
+                if spread is not None and threading.current_thread() is self._thread:  # (the same on every rank)
                     pause = functools.partial(self._pause, round_)
                     wire = (self.wire_bytes or payload_bytes)(payload)
                     total, meta = paced_round(self._collective, payload, meta, spread, pause, self.size, wire)
