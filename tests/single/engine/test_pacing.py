@@ -171,22 +171,25 @@ def test_only_overlapped_fragments_are_paced_and_their_spread_follows_the_inner_
         protocol = OuterStepProtocol(variables, 2, mode)
         protocol.bind(engine)
         assert (engine.exchange.spread_s is not None) == paced
-    clock = iter([100.0, 100.5, 101.0, 101.5, 103.5])
-    monkeypatch.setattr(outer, "time", types.SimpleNamespace(monotonic=lambda: next(clock)))
-    protocol = OuterStepProtocol(variables, 2, tfsync.DiLoCo(inner_steps=16, fragments=4, overlap_steps=3))
-    engine = Engine()
-    protocol.bind(engine)
-    assert protocol.round_spread_s() is None  # (no inner step timed yet)
-    for _ in range(5):
-        protocol.end_inner_step(True)
-    # intervals 0.5, 0.5, 0.5, 2.0: median 0.5; 0.8 of 3 of them
-    assert protocol.round_spread_s() == pytest.approx(0.8 * 3 * 0.5)
-    engine.wait_timeout_s = 2.0
-    protocol.bind(engine)
-    assert protocol.round_spread_s() == pytest.approx(0.5)  # (a quarter of the wait bound at most)
-    protocol.push_final()
-    protocol.contribution([])
-    assert protocol.round_spread_s() is None  # (the last round of the whole model: waited for at once)
+
+    def spreads(wait_timeout_s):
+        """Each pushed round's spread, as the exchange takes them in push order."""
+        clock = iter([100.0, 100.5, 101.0, 101.5, 103.5])
+        monkeypatch.setattr(outer, "time", types.SimpleNamespace(monotonic=lambda: next(clock)))
+        protocol = OuterStepProtocol(variables, 2, tfsync.DiLoCo(inner_steps=16, fragments=4, overlap_steps=3))
+        engine = Engine()
+        engine.wait_timeout_s = wait_timeout_s
+        protocol.bind(engine)
+        protocol.contribution([])  # (pushed before any inner step was timed: sent at once)
+        for _ in range(5):
+            protocol.end_inner_step(True)  # (intervals 0.5, 0.5, 0.5, 2.0: median 0.5)
+        protocol.contribution([])
+        protocol.push_final()
+        protocol.contribution([])  # (the last round of the whole model: waited for at once)
+        return [engine.exchange.spread_s() for _ in range(4)]
+
+    assert spreads(40.0) == [None, pytest.approx(0.8 * 3 * 0.5), None, None]
+    assert spreads(2.0) == [None, pytest.approx(0.5), None, None]  # (a quarter of the wait bound at most)
 
 
 def test_the_pieces_after_the_first_are_due_over_what_is_left_once_every_rank_has_joined(monkeypatch):

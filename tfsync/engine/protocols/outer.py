@@ -139,6 +139,7 @@ class OuterStepProtocol(StepProtocol):
         self._intervals = collections.deque(maxlen=STEP_WINDOW)  # seconds between the last inner steps
         self._last_step_end = None
         self._spread_cap = math.inf
+        self._spreads = None  # (paced) each pushed round's spread, taken by the exchange in push order
         self._pseudo_gradient, self._apply_mean, self._restart = [], [], []
         for k, part in enumerate(self.parts):
             pseudo_gradient, apply_mean, restart = self._part_functions(part, counts_iteration=k >= self.fragments - 1)
@@ -152,17 +153,23 @@ class OuterStepProtocol(StepProtocol):
         if self.fragments > 1 and self.overlap:
             # (a peer that lands first waits for this worker's last piece: at most a quarter of its bound)
             self._spread_cap = engine.wait_timeout_s / 4
+            self._spreads = collections.deque()
             engine.exchange.spread_s = self.round_spread_s
 
     def round_spread_s(self):
-        """The seconds a fragment's round in flight may take: :data:`PACED_SHARE` of ``τ`` inner
-        steps at the median interval of the last ones, at most a quarter of the wait bound
-        (None before the second inner step, and for the last round of the whole model, which
-        training waits for at once).  Called on the exchange thread when the round starts."""
-        intervals = list(self._intervals)
-        if not intervals or (self.sent and self.sent[-1] == self.fragments):
+        """The seconds the round starting now may take, as decided when it was pushed
+        (:meth:`_spread_at_push`); the exchange thread asks once a round, in push order."""
+        return self._spreads.popleft() if self._spreads else None
+
+    def _spread_at_push(self, part):
+        """A fragment's round pushed now may take :data:`PACED_SHARE` of ``τ`` inner steps at
+        the median interval of the last ones, at most a quarter of the wait bound; None (sent at
+        once) before the second inner step and for the last round of the whole model, which
+        training waits for at once.  Decided on the training thread at the push, so that every
+        rank decides alike (the same steps behind it), whenever its exchange thread starts it."""
+        if not self._intervals or part == self.fragments:
             return None
-        return min(PACED_SHARE * self.overlap * statistics.median(intervals), self._spread_cap)
+        return min(PACED_SHARE * self.overlap * statistics.median(self._intervals), self._spread_cap)
 
     def _read(self, k):
         """Piece ``k`` of the model's weights: its tensor, or its rows."""
@@ -265,6 +272,8 @@ class OuterStepProtocol(StepProtocol):
         finite = out[-1] if self.all_finite else tf.zeros_like(out[-1])
         self.all_finite = True
         self.sent.append(part)
+        if self._spreads is not None:
+            self._spreads.append(self._spread_at_push(part))
         if part < self.fragments:
             self.next_fragment += 1
             if self.overlap:
