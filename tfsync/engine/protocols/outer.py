@@ -240,10 +240,11 @@ class OuterStepProtocol(StepProtocol):
         self.all_finite = self.all_finite and bool(finite)
         if not updated:
             return None
-        now = time.monotonic()
-        if self._last_step_end is not None:
-            self._intervals.append(now - self._last_step_end)
-        self._last_step_end = now
+        if self._spreads is not None:  # (paced: time the inner steps)
+            now = time.monotonic()
+            if self._last_step_end is not None:
+                self._intervals.append(now - self._last_step_end)
+            self._last_step_end = now
         self.inner_done += 1
         self.trained = True
         if self.in_flight and self.inner_done >= self._boundary(self.in_flight[0]):
