@@ -40,9 +40,12 @@ def test_every_contribution_is_counted_and_the_bytes_follow_the_ring_model(resul
         meta = ring * SIZE * META_WIDTH * 4
         floats = res["params"] * 4  # float32 weights
         assert sent["uncompressed_bytes_sent"] == steps * (ring * floats + meta)
-        # 16 bits a value: the alltoall's and the all-gather's one chunk each way, half the float32
-        # payload (padded to 2 equal chunks)
-        wire = 2 * (SIZE - 1) * -(-res["params"] // SIZE) * 2
+        # 16 bits a value, half the float32 payload: fp16, a float16 allreduce's ring; bf16, the
+        # alltoall's and the all-gather's one chunk each way (padded to 2 equal chunks)
+        if variant.endswith("fp16"):
+            wire = ring * res["params"] * 2
+        else:
+            wire = 2 * (SIZE - 1) * -(-res["params"] // SIZE) * 2
         assert sent["bytes_sent"] == sent["bytes_received"] == steps * (wire + meta)
         if variant.startswith("callback"):  # (the last epoch's share, in the Keras logs)
             assert 0 < res["logged_bytes_sent"][-1] <= sent["bytes_sent"]

@@ -7,20 +7,23 @@ round's metadata (:mod:`tfsync.engine.rounds`) is not compressed: it goes in
 a float32 call of its own, exact as ever, so a compressed round is two
 grouped allreduces (one more negotiation; its bytes are counted).
 
-A round's compressed tensors are reduced as torchft reduces its quantized
-ones (and as :mod:`tfsync.engine.quantized` does): concatenated in the wire
-type and cut into ``size`` chunks, an alltoall sends chunk ``j`` to rank ``j``,
-which sums the ``size`` chunks it receives in float32 (converted exactly),
-applies the round's scale (the mean's ``1 / size`` or the engine's divisor)
-and casts its summed chunk to the wire type once; an all-gather gives every
-rank every summed chunk.  Every rank decodes the same bytes, so the replicas
-stay identical; the bytes each way are a ring allreduce's in the wire type,
-``2·(n-1)/n`` of the payload, at any worker count.  Why not Horovod's own
-float16 allreduce (what ``Compression.fp16`` does): on CPUs Gloo sums float16
-in software, element by element through float, and the sum rounds to float16
-at each of the ``n - 1`` additions where this one rounds once; and Horovod's
-allreduce takes no bfloat16 (sent here as 16-bit words).  What each costs
-across slow links: docs/results/compression.
+A round's float16 tensors are summed by Horovod's own float16 allreduce, as
+``Compression.fp16`` sums them: one grouped call, each of the ring's ``n - 1``
+additions done in float32 and rounded to float16 (Gloo's AVX/F16C sum where
+Horovod is built with AVX, which third_party/horovod's patch turns on: without
+it Gloo converts element by element in software, 3x a float32 allreduce's time
+on this project's machine; NCCL on GPUs).  The sum is cast back to each
+tensor's dtype and scaled there (the mean's ``1 / size`` or the engine's
+divisor).  Horovod's allreduce takes no bfloat16, so a round's bfloat16 tensors
+are reduced as torchft reduces its quantized ones (and as
+:mod:`tfsync.engine.quantized` does): concatenated in the wire type and cut
+into ``size`` chunks, an alltoall (of 16-bit words) sends chunk ``j`` to rank
+``j``, which sums the ``size`` chunks it receives in float32 (converted
+exactly) and casts its summed chunk to bfloat16 once; an all-gather gives
+every rank every summed chunk.  Either way every rank decodes the same bytes,
+so the replicas stay identical, and the bytes each way are a ring allreduce's
+in the wire type, ``2·(n-1)/n`` of the payload, at any worker count.  What
+each costs across slow links: docs/results/compression.
 
 * ``"fp16"``: float16's largest value is 65504, so ``n`` finite
   contributions can sum to an infinity.  Horovod lets that infinity through;
@@ -47,9 +50,9 @@ collective a round runs (a redone BSP round counts twice) and for nothing
 else (broadcasts, the control path and the epoch logs' averages are not
 counted).  The model is a ring: an allreduce of ``B`` bytes over ``n``
 workers sends and receives ``2·(n-1)/n·B`` bytes on each worker
-(reduce-scatter then all-gather: NCCL's ring and Gloo's ring algorithms); a
-compressed round's alltoall and all-gather send and receive ``n - 1`` chunks
-each (:func:`chunk_length` values of 2 bytes).
+(reduce-scatter then all-gather: NCCL's ring and Gloo's ring algorithms),
+float16 ones included; a bfloat16 round's alltoall and all-gather send and
+receive ``n - 1`` chunks each (:func:`chunk_length` values of 2 bytes).
 ``bytes_sent``/``bytes_received``: what went on the wire (the payload in its
 wire dtype plus the float32 metadata, ``META_WIDTH`` per worker);
 ``uncompressed_bytes_sent``/``uncompressed_bytes_received``: the same rounds
@@ -122,8 +125,9 @@ class WireFormat:
         dtype, largest, roundoff = _WIRE[compression]
         self.dtype_name = dtype
         # the sum of n rows, each of per_rank contributions with every |x| <= limit, is at most
-        # n * per_rank * limit before rounding; the two casts to the wire type may each add a
-        # relative (1 + u), the n - 1 float32 additions far less: (1 + u)^(n + 1) bounds them all
+        # n * per_rank * limit before rounding; the cast to the wire type and each of the n - 1
+        # additions (rounded to the wire type in a float16 ring, to float32 and then once to the
+        # wire type in a bfloat16 round) add at most a relative (1 + u): (1 + u)^(n + 1) bounds them
         self.limit = largest / (size * per_rank * (1.0 + roundoff) ** (size + 1))
         self._check = None
 
@@ -199,9 +203,11 @@ class WireBytes:
         else:
             squeezed = sum(n for n, d in zip(counts, dtypes) if compresses(d, compression))
             kept = sum(n * d.size for n, d in zip(counts, dtypes) if not compresses(d, compression))
-            # the alltoall's and the all-gather's n - 1 chunks of 2-byte values each way
-            chunks = 2 * (self.size - 1) * chunk_length(squeezed, self.size) * 2 if squeezed else 0
-            wire = chunks + ring * (kept + meta)
+            if compression == "fp16":  # (a float16 allreduce: a ring of 2-byte values)
+                wire = ring * (2 * squeezed + kept + meta)
+            else:  # the alltoall's and the all-gather's n - 1 chunks of 2-byte values each way
+                chunks = 2 * (self.size - 1) * chunk_length(squeezed, self.size) * 2 if squeezed else 0
+                wire = chunks + ring * (kept + meta)
         uncompressed = ring * (raw + meta)
         self._layouts[key] = {
             "bytes_sent": wire,

@@ -111,14 +111,15 @@ def horovod_collective(average: bool, hvd=None, compression=None):
 
     ``compression`` (``"fp16"``, ``"bf16"``; :mod:`tfsync.engine.compression`):
     the floating tensors wider than 16 bits are cast to the wire type and the
-    result back to their own dtype, as Horovod's ``Compression.fp16`` does,
-    reduced by an alltoall and an all-gather in the wire type with each chunk
-    summed in float32 (:mod:`tfsync.engine.compression`).  The metadata then
-    goes alone in its float32 call, exact as ever.
+    result back to their own dtype, as Horovod's ``Compression.fp16`` does:
+    float16 summed by one grouped float16 allreduce, bfloat16 by an alltoall
+    and an all-gather of 16-bit words with each chunk summed in float32
+    (:mod:`tfsync.engine.compression`).  The round's scale is applied after the
+    cast back.  The metadata then goes alone in its float32 call, exact as ever.
 
     ``hvd``: ``horovod.tensorflow`` (default: as checked by
     :func:`tfsync._horovod.horovod`), or a stand-in with ``size()``, ``Sum``,
-    ``Average``, ``grouped_allreduce`` and (compressed) ``alltoall`` and
+    ``Average``, ``grouped_allreduce`` and (bf16) ``alltoall`` and
     ``allgather`` (an in-process fake's ranks run this very function).
     """
     import tensorflow as tf  # (here: the round's bookkeeping above runs without TensorFlow)
@@ -130,11 +131,15 @@ def horovod_collective(average: bool, hvd=None, compression=None):
     size = hvd.size()
     wire = wire_dtype(compression)
 
-    def squeezed(tensors, factor):
-        """The sum of ``tensors`` (in the wire type) over the ranks times ``factor``, in the wire
-        type: a reduce-scatter (an alltoall of each rank's ``size`` chunks; each rank sums the
-        chunk it owns in float32 and scales it) and an all-gather of the summed chunks, so every
-        rank decodes the same bytes (:mod:`tfsync.engine.compression`)."""
+    def squeezed(tensors):
+        """The sum of ``tensors`` (in the wire type) over the ranks, in the wire type, each the
+        same bytes on every rank.  float16: Horovod's float16 allreduce (Gloo's ring sums float16
+        with AVX where Horovod is built with it, as third_party/horovod's patch builds it; NCCL
+        on GPUs).  bfloat16, which Horovod's allreduce does not take: a reduce-scatter (an
+        alltoall of each rank's ``size`` chunks, each rank summing the chunk it owns in float32)
+        and an all-gather of the summed chunks (:mod:`tfsync.engine.compression`)."""
+        if wire == tf.float16:
+            return hvd.grouped_allreduce(tensors, op=hvd.Sum, name="tfsync.round.wire")
         shapes = [t.shape for t in tensors]
         counts = [int(np.prod(s, dtype=np.int64)) for s in shapes]
         values, length = sum(counts), chunk_length(sum(counts), size)
@@ -143,8 +148,6 @@ def horovod_collective(average: bool, hvd=None, compression=None):
         received = hvd.alltoall(tf.bitcast(flat, tf.uint16), name="tfsync.round.scatter")
         rows = tf.cast(tf.bitcast(tf.reshape(received, [size, length]), wire), tf.float32)
         chunk = tf.reduce_sum(rows, axis=0)
-        if factor != 1.0:
-            chunk = chunk * factor
         mine = tf.bitcast(tf.reshape(tf.cast(chunk, wire), [1, length]), tf.uint16)
         gathered = hvd.allgather(mine, name="tfsync.round.gather")
         summed = tf.reshape(tf.bitcast(gathered, wire), [-1])[:values]
@@ -170,8 +173,9 @@ def horovod_collective(average: bool, hvd=None, compression=None):
         if to_wire:
             factor = 1.0 / size if mean else 1.0 / (divisor or 1)
             wire_tensors = [tf.cast(payload[i], wire) for i in to_wire]
-            for i, out in zip(to_wire, squeezed(wire_tensors, factor)):
-                total[i] = tf.cast(out, tf.as_dtype(payload[i].dtype))
+            for i, out in zip(to_wire, squeezed(wire_tensors)):
+                out = tf.cast(out, tf.as_dtype(payload[i].dtype))
+                total[i] = out * factor if factor != 1.0 else out
         for k, (dtype, index) in enumerate(groups.items()):
             tensors = [payload[i] for i in index]
             if dtype == tf.float32:  # (NumPy: the op converts it itself)

@@ -1,11 +1,11 @@
 """Rounds sent in 16 bits (``compression=``), and the bytes every round puts on the wire.
 
 The round collective is production's :func:`tfsync.engine.rounds.horovod_collective`
-over the in-process ranks of :mod:`fake_cluster` (an alltoall and an all-gather
-that move bytes as Horovod's do), so the rounding and the overflow seen here are
-production's.  Real engines on threads check what the engine does with
-it: the mean each rank receives, the contributions it rejects (counted), the
-replicas, and the bytes it counts.
+over the in-process ranks of :mod:`fake_cluster` (a float16 allreduce that rounds each
+addition as Gloo's ring does, an alltoall and an all-gather that move bytes as Horovod's
+do), so the rounding and the overflow seen here are production's.  Real engines on
+threads check what the engine does with it: the mean each rank receives, the
+contributions it rejects (counted), the replicas, and the bytes it counts.
 """
 
 import logging
@@ -55,18 +55,21 @@ def on_wire(x, compression):
 
 
 def reduced(values, factor, compression):
-    """A compressed round's result: each rank's values rounded to the wire type, summed in
-    float32, scaled, rounded to the wire type once more."""
+    """A compressed round's result: each rank's values rounded to the wire type and summed,
+    each addition rounded to float16 (fp16: a float16 allreduce) or the float32 sum rounded
+    to bfloat16 once (bf16: alltoall, float32 sums, all-gather), then scaled in float32."""
     total = on_wire(values[0], compression)
     for v in values[1:]:
         total = total + on_wire(v, compression)
-    return on_wire(total * np.float32(factor), compression)
+        if compression == "fp16":
+            total = on_wire(total, compression)
+    return on_wire(total, compression) * np.float32(factor)
 
 
 @pytest.mark.parametrize("compression", ["fp16", "bf16"])
 @pytest.mark.parametrize("size", [2, 3])
-def test_a_compressed_round_sums_the_wire_values_in_float32_rounds_once_and_keeps_the_metadata_exact(compression, size):
-    # 3 ranks: 5 values make chunks of 2, the last padded (alltoall, float32 sums, all-gather)
+def test_a_compressed_round_sums_the_wire_values_scales_the_sum_and_keeps_the_metadata_exact(compression, size):
+    # bf16, 3 ranks: 5 values make chunks of 2, the last padded (alltoall, float32 sums, all-gather)
     base = np.array([1.0, 1e-3, 3.14159265, 1e-7, -7.5], np.float32)
     g = [base * (r + 1) + np.float32(0.01 * r) for r in range(size)]
     ints = [np.array([7, 9], np.int32) + r for r in range(size)]
@@ -85,14 +88,14 @@ def test_a_compressed_round_sums_the_wire_values_in_float32_rounds_once_and_keep
         assert not np.array_equal(plain[0].numpy(), expected)  # (the rounding is seen: the test can fail)
 
 
-def test_an_fp16_round_rounds_its_sum_once_where_horovods_float16_allreduce_rounds_each_addition():
-    # 1 + 2^-11 is a tie in float16 (ulp 2^-10 at 1): Horovod's float16 sum rounds it back to 1
-    # at each addition, 1 + 2^-11 + 2^-11 = 1 + 2^-10 is a float16 value
-    half = 2.0**-11
-    payloads = [[tf.constant([v])] for v in (1.0, half, half)]
+@pytest.mark.parametrize("compression, ulp, summed", [("fp16", 2.0**-10, 1.0), ("bf16", 2.0**-7, 1.0 + 2.0**-7)])
+def test_fp16_rounds_each_addition_as_horovods_float16_allreduce_and_bf16_rounds_its_sum_once(compression, ulp, summed):
+    # 1 + ulp/2 is a tie at 1 (rounds to even, 1): a float16 ring rounds 1 + ulp/2 back to 1 at
+    # each addition; a float32 sum of the three, 1 + ulp, is a value of the wire type
+    payloads = [[tf.constant([v])] for v in (1.0, ulp / 2, ulp / 2)]
     meta = [rows(3, r, 1.0) for r in range(3)]
-    for total, _ in collect(3, "fp16", payloads, meta, divisor=1):
-        assert total[0].numpy()[0] == 1.0 + 2.0**-10
+    for total, _ in collect(3, compression, payloads, meta, divisor=1):
+        assert total[0].numpy()[0] == summed
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
@@ -102,8 +105,8 @@ def test_a_finite_fp16_sum_beyond_float16s_range_arrives_as_an_infinity():
     big = [[tf.constant([40000.0])], [tf.constant([40000.0])]]
     meta = [rows(2, r, 1.0) for r in range(2)]
     assert np.isinf(collect(2, "fp16", big, meta, divisor=1)[0][0][0].numpy()).all()
-    # its mean is finite: the scale is applied in float32, before the cast
-    assert collect(2, "fp16", big, meta)[0][0][0].numpy()[0] == 40000.0
+    # and so is its mean: the sum is scaled after it crossed the wire
+    assert np.isinf(collect(2, "fp16", big, meta)[0][0][0].numpy()).all()
 
 
 def test_the_range_a_contribution_must_keep_leaves_the_sum_room():
@@ -129,11 +132,12 @@ def test_the_bytes_model_is_a_ring_and_fp16_halves_the_float_payload():
         bf16 = WireBytes(size, "bf16", rounds.META_WIDTH).per_call(shapes, dtypes)
         assert plain["bytes_sent"] == plain["bytes_received"] == ring * (sum(payload) + meta)
         assert fp16["uncompressed_bytes_sent"] == plain["bytes_sent"]
-        # the floating values in 2 bytes: the alltoall's and the all-gather's size - 1 chunks each
-        # way (a ring's 2·(n-1)/n of them, and the padding: 10010 values over 4 ranks, 2503 each)
+        # fp16: a float16 allreduce, the ring of the floating values in 2 bytes
+        assert fp16["bytes_sent"] == fp16["bytes_received"] == ring * (10010 * 2 + payload[1] + meta)
+        # bf16: the alltoall's and the all-gather's size - 1 chunks of 2-byte values each way (a
+        # ring's 2·(n-1)/n of them, and the padding: 10010 values over 4 ranks, 2503 each)
         chunk = {2: 5005, 4: 2503}[size]
-        assert fp16["bytes_sent"] == fp16["bytes_received"] == 2 * (size - 1) * chunk * 2 + ring * (payload[1] + meta)
-        assert bf16["bytes_sent"] == fp16["bytes_sent"]
+        assert bf16["bytes_sent"] == bf16["bytes_received"] == 2 * (size - 1) * chunk * 2 + ring * (payload[1] + meta)
     assert WireBytes(1, "fp16", rounds.META_WIDTH).per_call(shapes, dtypes)["bytes_sent"] == 0
 
 
@@ -209,11 +213,10 @@ def test_bsp_under_fp16_applies_the_rounded_mean_on_every_replica_and_counts_its
         # one allreduce per round under the ring model: 2·(n−1)/n of the bytes each way, n = 2
         floats = 5 * 4
         assert sent["uncompressed_bytes_sent"] == plain_sent["bytes_sent"] == steps * (floats + META_BYTES)
-        # in float16, the 5 values padded to 2 chunks of 3: an alltoall and an all-gather of one each
-        assert sent["bytes_sent"] == sent["bytes_received"] == steps * (2 * 3 * 2 + META_BYTES)
-        # after = before / 2 for the float32 payload but the padding (the metadata is float32 either way)
-        padded = (sent["uncompressed_bytes_sent"] - steps * META_BYTES) / 2 * 6 / 5
-        assert sent["bytes_sent"] - steps * META_BYTES == padded
+        # the 5 values in float16: a float16 allreduce, 2·(n−1)/n of them each way
+        assert sent["bytes_sent"] == sent["bytes_received"] == steps * (5 * 2 + META_BYTES)
+        # after = before / 2 for the float32 payload (the metadata is float32 either way)
+        assert sent["bytes_sent"] - steps * META_BYTES == (sent["uncompressed_bytes_sent"] - steps * META_BYTES) / 2
         assert totals["bytes_sent"] == sent["bytes_sent"]  # (the epoch's totals: the only epoch here)
 
 
@@ -229,7 +232,7 @@ def test_bsp_under_fp16_redoes_a_round_whose_float16_sum_overflowed_without_the_
     # round 2's mean is rank 1's contribution alone, as every replica applied it
     expected = np.linspace(0.1, 1.0, 5, dtype=np.float32) * 2 / 5
     np.testing.assert_allclose(means0[2], expected, rtol=2e-3)
-    assert sent["bytes_sent"] == 5 * (2 * 3 * 2 + META_BYTES)  # (4 rounds, one of them sent twice)
+    assert sent["bytes_sent"] == 5 * (5 * 2 + META_BYTES)  # (4 rounds, one of them sent twice)
     assert any("float16" in r.getMessage() and "rank 0" in r.getMessage() for r in caplog.records)
 
 

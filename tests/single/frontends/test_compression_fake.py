@@ -14,9 +14,9 @@ from tfsync.engine import rounds
 pytestmark = pytest.mark.usefixtures("engines_on_localhost")
 
 PARAMS = 3 * 4 + 4 + 4 * 1 + 1  # the two Dense layers of training_fake.layers()
-# a compressed round's payload: SIZE chunks of 2-byte values (the last padded), an alltoall and
-# an all-gather of SIZE - 1 chunks each way
-WIRE_PAYLOAD = 2 * (SIZE - 1) * -(-PARAMS // SIZE) * 2
+# a compressed round's payload: fp16, a float16 allreduce (a ring of 2-byte values); bf16, SIZE
+# chunks of 2-byte values (the last padded), an alltoall and an all-gather of SIZE - 1 chunks each way
+WIRE_PAYLOAD = {"fp16": 2 * (SIZE - 1) / SIZE * PARAMS * 2, "bf16": 2 * (SIZE - 1) * -(-PARAMS // SIZE) * 2}
 
 
 def fp16_mean(grads):
@@ -63,7 +63,7 @@ def test_the_epoch_logs_count_the_bytes_on_the_wire_before_and_after_compression
     assert_no_errors(errors)
     meta = SIZE * rounds.META_WIDTH * 4
     ring = 2 * (SIZE - 1) / SIZE
-    per_round = {"before": ring * (PARAMS * 4 + meta), "after": WIRE_PAYLOAD + ring * meta}
+    per_round = {"before": ring * (PARAMS * 4 + meta), "after": WIRE_PAYLOAD["fp16"] + ring * meta}
     for rank in range(SIZE):
         total, history = seen[rank]
         assert total["bytes_sent"] == total["bytes_received"] == STEPS * EPOCHS * per_round["after"]
@@ -100,7 +100,7 @@ def test_every_protocol_ends_with_identical_replicas_and_counts_its_rounds_bytes
         assert rounds_run > 0
         # every round (one per H steps under Local SGD and DiLoCo) the payload in 16 bits and one call
         # of the metadata
-        per_round = WIRE_PAYLOAD + ring * meta
+        per_round = WIRE_PAYLOAD[mode.compression] + ring * meta
         assert sent["bytes_sent"] == rounds_run * per_round, (sent, rounds_run)
         assert sent["uncompressed_bytes_sent"] / (ring * (PARAMS * 4 + meta)) == sent["bytes_sent"] / per_round
 
