@@ -185,14 +185,33 @@ def _wait(process, bound_s, out):
             return process.wait(timeout=2.0)
         except subprocess.TimeoutExpired:
             pass
-        stamps = [os.path.getmtime(p) for p in glob.glob(os.path.join(out, "every_step_*.jsonl"))]
-        if stamps and time.time() - max(stamps) > STALL_LIMIT_S:
+        last = last_step_t(out)
+        if last is not None and time.time() - last > STALL_LIMIT_S:
             with open(os.path.join(out, "stalled.json"), "w") as f:
-                json.dump({"last_step_t": max(stamps), "limit_s": STALL_LIMIT_S}, f)
+                json.dump({"last_step_t": last, "limit_s": STALL_LIMIT_S}, f)
             dump_stacks(process.pid, os.path.join(out, "stalled_stacks.txt"))
             break
     kill(process)
     return 124
+
+
+def last_step_t(out):
+    """When the job in ``out`` last took a step: the latest ``t`` of the workers' step files (the
+    last record of each), None before the first.  Read from the records, not the files' times:
+    a process that starts (a joiner) creates its file before it takes a step."""
+    last = None
+    for path in glob.glob(os.path.join(out, "every_step_*.jsonl")):
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 4096))
+            for line in reversed(f.read().splitlines()):
+                try:
+                    t = float(json.loads(line)["t"])
+                except (ValueError, KeyError, TypeError):
+                    continue  # (a line cut by the 4 KB window, or one being written)
+                last = t if last is None else max(last, t)
+                break
+    return last
 
 
 def dump_stacks(pid, path, match=WORKER):

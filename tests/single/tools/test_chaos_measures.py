@@ -103,3 +103,13 @@ def test_the_workers_hang_guards_are_stopped_while_their_stacks_are_read(tmp_pat
     finally:
         worker.kill()
     assert seen["during"] == psutil.STATUS_STOPPED and after != psutil.STATUS_STOPPED, (seen, after)
+
+
+def test_the_last_step_is_read_from_the_records_and_a_new_process_file_is_not_a_step(tmp_path):
+    assert chaos.last_step_t(str(tmp_path)) is None
+    with open(tmp_path / "every_step_1.jsonl", "w") as f:
+        f.write('{"pid": 1, "t": 100.0, "r": 0, "n": 4}\n{"pid": 1, "t": 101.5, "r": 0, "n": 4}\n')
+    with open(tmp_path / "every_step_2.jsonl", "w") as f:
+        f.write('{"pid": 2, "t": 99.0, "r": 0, "n": 4}\n{"pid": 2, "t": 10')  # (a line being written)
+    (tmp_path / "every_step_3.jsonl").touch()  # (a joiner's file: created now, no step yet)
+    assert chaos.last_step_t(str(tmp_path)) == 101.5
