@@ -27,10 +27,11 @@ tensors in rank order.
 
 import collections
 import copy
+import faulthandler
 import sys
+import tempfile
 import threading
 import time
-import traceback
 
 import numpy as np
 import tensorflow as tf
@@ -309,12 +310,19 @@ def on_threads(fns, timeout_s):
 
 
 def _print_stacks(rank, exc, others):
-    frames = sys._current_frames()
+    """Print every thread's stack, saying which thread is which rank.
+
+    Through ``faulthandler``, which walks the stacks in C while holding the GIL:
+    walking another running thread's frames from Python (``sys._current_frames``
+    and ``traceback``) lets that thread run on between two frames (``linecache``
+    releases the GIL) and crashed the interpreter on Python 3.11.
+    """
     lines = [f"rank {rank} raised {type(exc).__name__}: {exc}"]
-    for r, t in others:
-        frame = frames.get(t.ident)
-        stack = "".join(traceback.format_stack(frame)) if frame is not None else "  (gone)\n"
-        lines.append(f"rank {r} was then at:\n{stack}")
+    lines += [f"rank {r} runs on thread 0x{t.ident:016x}" for r, t in others if t.ident is not None]
+    with tempfile.TemporaryFile() as dump:
+        faulthandler.dump_traceback(file=dump, all_threads=True)
+        dump.seek(0)
+        lines.append(dump.read().decode(errors="replace"))
     print("\n".join(lines), file=sys.stderr)
 
 
