@@ -265,7 +265,8 @@ def test_a_mode_that_cannot_run_on_the_survivors_says_so(tmp_path, mode, says):
 def test_a_host_removed_and_added_back_by_discovery(tmp_path):
     """The discovery script drops a host after epoch 1 and lists it again after epoch 3: the job
     shrinks to one worker, then a new process joins with the committed state; no epoch is
-    lost or redone (the changes take effect between epochs)."""
+    lost or redone (the changes take effect between epochs).  The joiner is warm: the launcher
+    starts it first and tells the job of it once it has reached hvd.init()."""
     epochs = 7
     _, _, results, killed = _launch(
         tmp_path, "bsp", -1, epochs=epochs, changes="1=localhost:1;3=localhost:1+127.0.0.1:1", env=JOIN_ENV
@@ -280,6 +281,8 @@ def test_a_host_removed_and_added_back_by_discovery(tmp_path):
     assert joiner["memberships"] == [{"rank": 1 - survivor["rank_at_end"], "size": 2, "epoch": joined_at}], joiner
     assert joiner["epochs"] == list(range(joined_at, epochs)), joiner
     assert survivor["checksum"] == joiner["checksum"]  # identical replicas at the end
+    # the launcher started the joiner first and told the job only once it had reached hvd.init()
+    assert survivor["notices"]["3"] > joiner["init_t"], (survivor["notices"], joiner["init_t"])
     assert survivor["state_counts"] == joiner["state_counts"]
     _check_counts(survivor["state_counts"])
     # nothing redone: the job's steps are exactly those of the memberships' epochs

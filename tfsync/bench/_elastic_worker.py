@@ -9,8 +9,8 @@ nobody is killed (the undisturbed run).  The process that has rank ``victim_rank
 has as many workers as at launch kills itself (SIGKILL) after batch ``kill_batch`` of each epoch
 in ``kill_epochs`` (``2,6,10``: several kills), once per epoch number.  ``changes``:
 ``EPOCH=HOST:SLOTS+HOST:SLOTS;...``: at the end of that epoch (once per job), rank 0 writes those
-hosts to ``hosts_file``, which the launcher's discovery script prints, and waits for the launcher
-to see it.
+hosts to ``hosts_file``, which the launcher's discovery script prints, and waits (up to
+``NOTICE_WAIT_S``) for the launcher's notice of the change.
 
 ``--faults FILE``: injects the worker faults of that :class:`tfsync.faults.Schedule` (its
 JSON), recorded once each under ``out_dir/faults``; ``--wait-timeout-s S``: the callback's and
@@ -32,7 +32,9 @@ every step appended to ``every_step_<pid>.jsonl`` (``t``, ``pid``, ``r``: the re
 ``n``: the job's size).
 
 Each process that finishes writes ``result_rank<R>.json`` (its rank at the end): its final test
-accuracy, its counts and the state's.  The victim writes ``killed_<epoch>.json`` and
+accuracy, its counts and the state's, and ``init_t``, when it reached its first ``hvd.init()``.
+Rank 0's ``notices``: for each epoch whose end changed the hosts, when the launcher's notice
+came (None: not within ``NOTICE_WAIT_S``).  The victim writes ``killed_<epoch>.json`` and
 ``killed.json`` (the last kill: when, which rank and process) before it dies.  Every process
 appends to ``steps_<pid>.jsonl``, at its first step after each reset (a joining process: its first
 step), when that step ended, the end of its last step before, the membership, and how many
@@ -46,7 +48,11 @@ import os
 import signal
 import time
 
-DISCOVERY_WAIT_S = 3.0  # the launcher runs the discovery script every second
+# after writing the hosts file, rank 0 waits for the launcher's notice of the change, up to this
+# long (below the others' 30-s wait bound: they wait in the next collective meanwhile): the
+# launcher runs the discovery script every second, and holds the notice of an added host back
+# until the workers it started there reach hvd.init() (their imports: seconds)
+NOTICE_WAIT_S = 25.0
 BATCH = 16
 
 
@@ -114,8 +120,9 @@ def main(argv=None):
         [keras.Input((64,)), keras.layers.Dense(64, activation="relu"), keras.layers.Dense(10, activation="softmax")]
     )
     model.compile(optimizer=keras.optimizers.SGD(0.2), loss=loss, metrics=["accuracy"])
-    # (everything that needs no peer is ready before hvd.init(): a process joining a running job
-    # keeps the others waiting in the rendezvous only for its imports)
+    # (everything that needs no peer is ready before hvd.init(): Horovod's launcher, as tfsync's
+    # install patches it, tells the job of a joining process only once it is here)
+    init_t = time.time()
     hvd.init()
     full = hvd.size()  # the job's size at launch: kills happen while it is whole
 
@@ -132,7 +139,7 @@ def main(argv=None):
     )  # (the state's default bound: 120 s, which a joiner's start-up may take)
     trace_dir = os.path.join(out_dir, "trace")
     sync = tfsync.keras.SyncCallback(mode, elastic=state, wait_timeout_s=args.wait_timeout_s or 30, trace_dir=trace_dir)
-    seen = {"epochs": [], "first_step_after_reset_t": None, "memberships": [], "counts_after_resets": []}
+    seen = {"epochs": [], "first_step_after_reset_t": None, "memberships": [], "counts_after_resets": [], "notices": {}}
     stopped = []  # the deadline passed (a fit per epoch: stop_training ends only the one)
     steps_log = os.path.join(out_dir, f"steps_{os.getpid()}.jsonl")
     every_step_log = None
@@ -207,7 +214,15 @@ def main(argv=None):
                 with open(args.hosts_file + ".tmp", "w") as f:
                     f.write("".join(h + "\n" for h in args.changes[epoch]))
                 os.replace(args.hosts_file + ".tmp", args.hosts_file)
-                time.sleep(DISCOVERY_WAIT_S)  # (the others wait in the next collective meanwhile)
+                written_s, deadline = int(time.time()), time.monotonic() + NOTICE_WAIT_S
+
+                def noticed():  # (Horovod's State queues the launcher's notices, stamped in whole
+                    # seconds, for its next commit to raise; one of an earlier change may be there)
+                    return any(stamp >= written_s for stamp, _ in list(state._host_messages.queue))
+
+                while not noticed() and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                seen["notices"][epoch] = time.time() if noticed() else None
             if args.deadline_t is not None:
                 stop = hvd.broadcast_object(time.time() >= args.deadline_t, root_rank=0, name="bench.elastic.stop")
                 if stop:
@@ -267,6 +282,7 @@ def main(argv=None):
             "size": hvd.size(),
             "rank_at_end": hvd.rank(),
             "pid": os.getpid(),
+            "init_t": init_t,
             "checksum": checksum,
             **seen,
         },
