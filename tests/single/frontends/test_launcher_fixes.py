@@ -1,5 +1,5 @@
 """Fixes to the installed Horovod's elastic launcher and rendezvous (patched by ``make install``; hunks 8-11
-of third_party/horovod's patch), each of a way an elastic job never re-formed:
+and 13 of third_party/horovod's patch), each of a way an elastic job never re-formed or waited:
 
 - it gives up on a host-change notice that rank 0 does not answer: the driver sends it while
   holding the lock that starting the next round's workers needs, and Horovod as released
@@ -12,7 +12,12 @@ of third_party/horovod's patch), each of a way an elastic job never re-formed:
   that had reached the round waited for the failed ones until Gloo's timeout;
 - where the workers commit their state to storage (``TFSYNC_COMMIT_DIR``), it starts a round on
   hosts of which none was in the last round: Horovod as released stopped the job ("No hosts from
-  previous set remaining"), the state having been in the lost workers' memory only."""
+  previous set remaining"), the state having been in the lost workers' memory only;
+- it starts the workers of an added host before it tells the job (warm joiners), and tells it
+  once they have reached hvd.init(): Horovod as released told the job first, and every worker
+  waited in the next round's rendezvous while the new ones imported TensorFlow;
+- the exit of a slot's earlier worker (one of a removed host, still exiting when the slot's next
+  worker starts) is not taken for the failure of the one there now: it stopped the job."""
 
 import os
 import socket
@@ -27,6 +32,8 @@ from horovod.runner.common.util.hosts import get_host_assignments, parse_hosts
 from horovod.runner.elastic import worker
 from horovod.runner.elastic.discovery import DiscoveredHosts, FixedHosts
 from horovod.runner.elastic.driver import ElasticDriver
+from horovod.runner.elastic.worker import HostUpdateResult
+from horovod.runner.gloo_run import create_slot_env_vars
 from horovod.runner.http.http_server import RendezvousHandler, RendezvousHTTPServer
 
 NOTICE_BOUND_S = 0.5  # the patched bound, shortened here (the installed default is checked below)
@@ -149,6 +156,89 @@ def test_a_round_with_no_host_of_the_last_goes_on_only_where_the_state_is_on_sto
             assert [(s.hostname, s.rank) for s in pending] == [("b", 0)]
             assert driver._rendezvous.assignments == pending
     finally:
+        driver.stop()
+
+
+def _wait_for(condition, what, timeout_s=10.0):
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {timeout_s} s: {what}"
+        time.sleep(0.02)
+
+
+def test_a_joining_worker_is_started_first_and_the_job_told_once_it_reaches_hvd_init():
+    """Hunk 13: discovery adds host b while a trains; b's worker starts at once (asked for its rank
+    at its first hvd.init()), rank 0 hears of it only when that request comes, the request waits
+    for the round that assigns b, and the round does not start b a second time."""
+    assert hasattr(ElasticDriver, "warm_join_slot_info"), "the installed Horovod lacks tfsync's patch: run make install"
+    discovery = FixedHosts({"a": 1})
+    driver = ElasticDriver(Rendezvous(), discovery, min_num_proc=1, max_num_proc=2, timeout=30)
+    started, notices, release = [], [], threading.Event()
+
+    def create_worker(slot_info, events):
+        started.append((slot_info.hostname, create_slot_env_vars(slot_info).get("HOROVOD_TFSYNC_WARM_START")))
+        release.wait(30)
+        return 0, time.time()
+
+    class Coordinator:  # rank 0's notification service
+        def notify_hosts_updated(self, timestamp, update_res):
+            notices.append(update_res)
+
+    try:
+        driver.start(1, create_worker)
+        assert started == [("a", None)]
+        driver._worker_clients[("a", 0)] = Coordinator()  # (as register_worker_server keeps it)
+        discovery.set({"a": 1, "b": 1})
+        _wait_for(lambda: len(started) == 2, "b's worker started")
+        assert started[1] == ("b", "1")  # it asks for its rank at its first hvd.init()
+        time.sleep(2.5)  # discovery has run twice more meanwhile
+        assert notices == [], "the job was told before b's worker reached hvd.init()"
+        answers = {}
+        joiner = threading.Thread(target=lambda: answers.update(b=driver.warm_join_slot_info("b", 0)), daemon=True)
+        joiner.start()
+        _wait_for(lambda: notices, "the notice to rank 0 once b's worker asked")
+        assert notices == [HostUpdateResult.added]
+        joiner.join(0.5)
+        assert joiner.is_alive(), "b's worker had its rank before the round that assigns it"
+        driver.record_ready("a", 0)  # a resets: the last of this round, so the next is assigned
+        joiner.join(10)
+        assert not joiner.is_alive()
+        assert (answers["b"].rank, answers["b"].size) == (1, 2), answers
+        assert (driver.get_slot_info("a", 0).rank, driver.world_size()) == (0, 2)
+        assert [host for host, _ in started] == ["a", "b"]  # b's running worker was not started again
+        assert driver.warm_join_slot_info("b", 0) is None  # its next requests are a reset's
+    finally:
+        release.set()
+        driver.stop()
+
+
+def test_the_exit_of_a_slots_earlier_worker_is_not_the_failure_of_the_one_there_now():
+    driver = ElasticDriver(Rendezvous(), FixedHosts({"a": 1}), min_num_proc=1, max_num_proc=1, timeout=30)
+    earlier_exits, release, handled = threading.Event(), threading.Event(), []
+    calls = []
+
+    def create_worker(slot_info, events):
+        calls.append(slot_info.hostname)
+        (earlier_exits if len(calls) == 1 else release).wait(30)
+        return (1 if len(calls) == 1 else 0), time.time()
+
+    try:
+        first = driver._update_host_assignments(driver.wait_for_available_slots(1))
+        driver._create_worker_fn = create_worker
+        driver._worker_registry.reset(1)
+        driver._handle_worker_exit = lambda slot_info, code, t: handled.append((slot_info.hostname, code))
+        driver._start_worker_processes(first)
+        _wait_for(lambda: len(calls) == 1, "the first worker started")
+        driver._start_worker_process(first[0])  # the slot's next worker, while the first still runs
+        _wait_for(lambda: len(calls) == 2, "the next worker started")
+        earlier_exits.set()
+        threads = list(driver._results._worker_threads.queue)
+        threads[0].join(10)
+        assert not threads[0].is_alive()
+        assert handled == [], "the earlier worker's exit was taken for the slot's"
+        assert ("a", 0) in driver._running_slots  # its next worker still runs
+    finally:
+        release.set()
         driver.stop()
 
 
