@@ -582,17 +582,23 @@ def _reset(hvd, state, reason, failed):
     HorovodCluster.forget_membership()
     _collect_abandoned()
     resets = getattr(state, "resets", 0) + 1
+    parts = {"engines ended": time.monotonic()}  # (each part's end, for the log line below)
     if isinstance(state, KerasState):  # (the last commit on storage before the job re-forms, or ends here)
         state.flush_storage()
+    parts["commit stored"] = time.monotonic()
     _reform(hvd, resets, reason)
+    parts["Horovod re-formed"] = time.monotonic()
     state.restore()
+    parts["state restored"] = time.monotonic()
+    ends = [t + shut_down_s, *parts.values()]
+    split = ", ".join(f"{name} in {end - start:.2f} s" for name, start, end in zip(parts, ends, ends[1:]))
     if isinstance(state, KerasState):  # (in the commit too: sync() broadcasts rank 0's commit)
         state._saved_state["resets"] = state.resets = resets
     state.on_reset()
     log.warning(
         "tfsync.elastic: reset %d (%s): was %s, now rank %d of %d; %d contributions of this worker were "
         "lost in flight; re-formed in %.2f s (Horovod shut down in %.2f s, %s Gloo connections "
-        "interrupted); training goes on from epoch %s",
+        "interrupted; then %s); training goes on from epoch %s",
         resets,
         reason.splitlines()[0][:300],
         old,
@@ -602,6 +608,7 @@ def _reset(hvd, state, reason, failed):
         time.monotonic() - t,
         shut_down_s,
         "no" if interrupted is None else interrupted,
+        split,
         getattr(state, "epoch", "?"),
     )
 
