@@ -212,6 +212,37 @@ def test_a_joining_worker_is_started_first_and_the_job_told_once_it_reaches_hvd_
         driver.stop()
 
 
+def test_a_joiner_that_does_not_reach_hvd_init_holds_the_notice_back_only_until_its_timeout(monkeypatch):
+    monkeypatch.setenv("HOROVOD_TFSYNC_WARM_JOIN_TIMEOUT_SECS", "1.5")
+    discovery = FixedHosts({"a": 1})
+    driver = ElasticDriver(Rendezvous(), discovery, min_num_proc=1, max_num_proc=2, timeout=30)
+    started, notices, release = [], [], threading.Event()
+
+    def create_worker(slot_info, events):
+        started.append(slot_info.hostname)
+        release.wait(30)  # b's never asks for its rank (stuck in its imports)
+        return 0, time.time()
+
+    class Coordinator:
+        def notify_hosts_updated(self, timestamp, update_res):
+            notices.append(update_res)
+
+    try:
+        driver.start(1, create_worker)
+        driver._worker_clients[("a", 0)] = Coordinator()
+        discovery.set({"a": 1, "b": 1})
+        _wait_for(lambda: started == ["a", "b"], "b's worker started")
+        _wait_for(lambda: notices, "the notice, once b's joiner timed out")
+        assert notices == [HostUpdateResult.added]
+        driver.record_ready("a", 0)  # the round that assigns b waits for it as Horovod's does
+        assert (driver.get_slot_info("b", 0).rank, driver.world_size()) == (1, 2)
+        assert driver.warm_join_slot_info("b", 0).rank == 1  # its late first request: its rank at once
+        assert started == ["a", "b"]
+    finally:
+        release.set()
+        driver.stop()
+
+
 def test_the_exit_of_a_slots_earlier_worker_is_not_the_failure_of_the_one_there_now():
     driver = ElasticDriver(Rendezvous(), FixedHosts({"a": 1}), min_num_proc=1, max_num_proc=1, timeout=30)
     earlier_exits, release, handled = threading.Event(), threading.Event(), []
