@@ -151,3 +151,17 @@ def test_the_timing_constants_keep_their_order():
     # a survivor whose collective failed waits LOSS_SETTLE_S for the lost rank's name: a
     # worker on another host is named after the grace, so the grace must end first
     assert RECONNECT_GRACE_S + 0.5 <= LOSS_SETTLE_S
+
+
+def test_a_worker_that_closes_while_its_link_is_down_sends_no_leave(job):
+    # as in an elastic reset: rank 0 has closed its service, and a worker whose link broke closes
+    # its client while it re-attaches; a leave could be answered only after a re-attach (it waited
+    # out CALL_TIMEOUT_S), and rank 0 names the worker on its own
+    far = job.clients[1]
+    job.link.cut("drop")
+    assert wait_until(lambda: far._broken, RECONNECT_GRACE_S)
+    sent, send = [], far._send
+    far._send = lambda item: (sent.append(item), send(item))
+    far.close()
+    assert [item for item in sent if item[0] == "leave"] == []
+    assert far._channel_closed

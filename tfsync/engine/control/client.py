@@ -153,6 +153,7 @@ class ControlClient:
         self._last_report = float("-inf")
         self._attach_error = None
         self._relay_gone = False  # its relay gave up on rank 0: it tries rank 0 itself, once
+        self._broken = False  # its link broke and no re-attach has got through yet
         self._lock = threading.Lock()  # the current link; a re-attach does not start once close() has begun
         self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
         self._link = self._open(self._channel, [])
@@ -197,6 +198,7 @@ class ControlClient:
         link, deadline = self._link, None
         while True:
             attached = self._read(link, first)
+            self._broken = True
             if self._closing or self._local:  # (on rank 0's host only its process's end ends a link)
                 break
             if attached:  # the grace runs from the end of a link that worked
@@ -274,6 +276,7 @@ class ControlClient:
             if link is not self._link or link.attached:
                 return
             link.attached = True
+            self._broken = False
             self._local = bool(item[2])
             if first.is_set():  # a re-attach
                 self.reattached += 1
@@ -398,7 +401,8 @@ class ControlClient:
     def close(self):
         """Leave the control path (idempotent).
 
-        The leave is acknowledged (bounded) before the link ends, and the link's
+        The leave is acknowledged (bounded) before the link ends (none is sent over a
+        link that broke and has not re-attached: rank 0 names such a worker on its own), and the link's
         reader thread is joined (bounded) before the channel closes: closing a
         gRPC Python channel while another thread is still inside one of its
         calls is the pattern of gRPC's segfault reports (grpc/grpc#16290,
@@ -406,7 +410,9 @@ class ControlClient:
         """
         if self._channel_closed:
             return
-        if self.host_lost is None and not self._closing:
+        # (no leave over a broken link: rank 0 could answer it only after a re-attach, and in an
+        # elastic reset rank 0 has closed its service, so the leave waited out CALL_TIMEOUT_S)
+        if self.host_lost is None and not self._closing and not self._broken:
             self._send(["leave", self.rank])
             left = self._request("table")  # (answered after the leave before it: the leave arrived)
             try:
