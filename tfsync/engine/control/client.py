@@ -48,6 +48,7 @@ from tfsync.engine.control.transport import (
 REPORT_INTERVAL_S = 0.25  # at most one clock report per this
 CONNECT_TIMEOUT_S = 30.0  # how long a worker waits for rank 0's control service
 CALL_TIMEOUT_S = 2.0  # how long leave and table wait for rank 0's answer
+LEAVE_POLL_S = 0.05  # how often ControlClient.close looks whether its link broke while it waits
 WATCHER_JOIN_S = 2.0  # how long ControlClient.close waits for its link's reader to end
 READY_TIMEOUT_S = 5.0  # a ready notice's answer comes within this, or is not waited for
 LATE_TIMEOUT_S = 5.0  # how long a late-contribution offer waits for the answer
@@ -410,15 +411,15 @@ class ControlClient:
         """
         if self._channel_closed:
             return
-        # (no leave over a broken link: rank 0 could answer it only after a re-attach, and in an
-        # elastic reset rank 0 has closed its service, so the leave waited out CALL_TIMEOUT_S)
+        # (no leave over a broken link, and no wait for its answer once the link breaks: rank 0
+        # could answer only after a re-attach, and in an elastic reset, where rank 0 closes its
+        # service, every re-form waited CALL_TIMEOUT_S for the worker that was waiting so)
         if self.host_lost is None and not self._closing and not self._broken:
             self._send(["leave", self.rank])
             left = self._request("table")  # (answered after the leave before it: the leave arrived)
-            try:
-                self._answer(left, CALL_TIMEOUT_S, "a leave")
-            except ControlError:
-                pass
+            deadline = time.monotonic() + CALL_TIMEOUT_S
+            while not left.done() and not self._broken and time.monotonic() < deadline:
+                concurrent.futures.wait([left], timeout=LEAVE_POLL_S)
         self._closing = True
         with self._lock:  # (the watcher starts no new link once _closing is set)
             link = self._link
