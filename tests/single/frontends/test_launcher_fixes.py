@@ -166,6 +166,16 @@ def _wait_for(condition, what, timeout_s=10.0):
         time.sleep(0.02)
 
 
+class Coordinator:
+    """Rank 0's notification service, as the driver sees it: the notices it gets, in ``notices``."""
+
+    def __init__(self, notices):
+        self.notices = notices
+
+    def notify_hosts_updated(self, timestamp, update_res):
+        self.notices.append(update_res)
+
+
 def test_a_joining_worker_is_started_first_and_the_job_told_once_it_reaches_hvd_init():
     """Hunk 13: discovery adds host b while a trains; b's worker starts at once (asked for its rank
     at its first hvd.init()), rank 0 hears of it only when that request comes, the request waits
@@ -180,14 +190,10 @@ def test_a_joining_worker_is_started_first_and_the_job_told_once_it_reaches_hvd_
         release.wait(30)
         return 0, time.time()
 
-    class Coordinator:  # rank 0's notification service
-        def notify_hosts_updated(self, timestamp, update_res):
-            notices.append(update_res)
-
     try:
         driver.start(1, create_worker)
         assert started == [("a", None)]
-        driver._worker_clients[("a", 0)] = Coordinator()  # (as register_worker_server keeps it)
+        driver._worker_clients[("a", 0)] = Coordinator(notices)  # (as register_worker_server keeps it)
         discovery.set({"a": 1, "b": 1})
         _wait_for(lambda: len(started) == 2, "b's worker started")
         assert started[1] == ("b", "1")  # it asks for its rank at its first hvd.init()
@@ -223,13 +229,9 @@ def test_a_joiner_that_does_not_reach_hvd_init_holds_the_notice_back_only_until_
         release.wait(30)  # b's never asks for its rank (stuck in its imports)
         return 0, time.time()
 
-    class Coordinator:
-        def notify_hosts_updated(self, timestamp, update_res):
-            notices.append(update_res)
-
     try:
         driver.start(1, create_worker)
-        driver._worker_clients[("a", 0)] = Coordinator()
+        driver._worker_clients[("a", 0)] = Coordinator(notices)
         discovery.set({"a": 1, "b": 1})
         _wait_for(lambda: started == ["a", "b"], "b's worker started")
         _wait_for(lambda: notices, "the notice, once b's joiner timed out")
