@@ -224,10 +224,10 @@ class SyncEngine:
         """Leave the control path and stop the threads (collective: call on every rank)."""
         lifecycle.close(self)
 
-    def abandon(self):
+    def abandon(self, leave=True):
         """Leave without :meth:`close`'s handshake with the other ranks (local, bounded): for an
         engine still running when the interpreter exits (see :func:`tfsync.engine.lifecycle.abandon`)."""
-        lifecycle.abandon(self)
+        lifecycle.abandon(self, leave=leave)
 
     def at_rest(self) -> bool:
         """Whether this worker's weights hold every round it pushed and nothing else: where every
@@ -249,7 +249,7 @@ class SyncEngine:
         self.trace(
             {"event": "reset", "rank": self.rank, "t": self.now(), "step": self.step, "lost": lost, "reason": reason}
         )
-        self.abandon()
+        self.abandon(leave=False)  # (every member resets: no one to leave)
         return lost
 
     # ------------------------------------------------------------------- the step

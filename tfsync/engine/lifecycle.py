@@ -368,7 +368,7 @@ def _barrier(engine, name, purpose):
         raise
 
 
-def abandon(engine):
+def abandon(engine, leave=True):
     """Leave without :func:`close`'s handshake with the other ranks (local, bounded).
 
     For an engine still running when the interpreter exits: ``fit`` raised
@@ -376,6 +376,9 @@ def abandon(engine):
     finished.  Its control path's gRPC handler threads would otherwise keep
     the process alive forever.  The replicas' weights may differ; nothing is
     drained.  Also for a start that failed after rank 0's control server came up.
+
+    ``leave``: tell rank 0 this worker left (bounded); ``False`` in an elastic reset, where
+    every member abandons its engine and rank 0 its service (:meth:`ControlClient.close`).
     """
     if engine not in _running:
         return
@@ -387,7 +390,7 @@ def abandon(engine):
             engine.exchange.close(timeout_s=ABANDON_JOIN_S)
     finally:
         if "control" in parts:
-            engine.control.close()
+            engine.control.close(leave=leave)
         _release(engine)
 
 
@@ -402,14 +405,14 @@ def _release(engine):
 
 
 def abandon_all():
-    """Abandon every engine of this process that is still running (local, bounded): before an
-    elastic reset re-forms Horovod (:mod:`tfsync.elastic`)."""
-    _abandon_running()
+    """Abandon every engine of this process that is still running (local, bounded, no leave):
+    before an elastic reset re-forms Horovod (:mod:`tfsync.elastic`)."""
+    _abandon_running(leave=False)
 
 
-def _abandon_running():
+def _abandon_running(leave=True):
     for engine in list(_running):
         try:
-            engine.abandon()
+            engine.abandon(leave=leave)
         except Exception:  # exiting anyway: one engine's failure must not keep the others
             pass

@@ -339,11 +339,16 @@ def test_run_called_in_sync_strategys_scope_is_refused_before_the_sync():
     assert calls == [] and state.syncs == 0
 
 
-def test_the_callback_commits_at_epoch_ends_and_counts_what_a_reset_lost():
+def test_the_callback_commits_at_epoch_ends_and_counts_what_a_reset_lost(monkeypatch):
     """One rank on the in-process cluster: commits at epoch ends; a failure mid-epoch, the reset's
-    part of the callback (lost counted, engine abandoned, hooks undone), the restore, and a
-    second fit from the committed epoch."""
+    part of the callback (lost counted, engine abandoned without a leave, hooks undone), the
+    restore, and a second fit from the committed epoch."""
     from fake_cluster import FakeCluster
+
+    from tfsync.engine.control import ControlClient
+
+    leaves, close = [], ControlClient.close
+    monkeypatch.setattr(ControlClient, "close", lambda self, leave=True: (leaves.append(leave), close(self, leave))[1])
 
     model = _model()
     state = elastic.KerasState(model, epoch=0)
@@ -372,6 +377,8 @@ def test_the_callback_commits_at_epoch_ends_and_counts_what_a_reset_lost():
     committed = [v.copy() for v in state._saved_values]
     lost = sync.elastic.reset("WorkerLostError: a test")
     assert "train_step" not in vars(model) and "apply" not in vars(model.optimizer)  # hooks undone
+    # (every member resets and rank 0 closes its service: a leave's answer could only time out)
+    assert leaves == [False]
     counts = sync.counts
     assert counts["produced"] == 12 and counts["lost"] == lost, counts  # epoch 0, 4 steps of epoch 1
     assert counts["produced"] == sum(counts[k] for k in ("applied", "compensated", "dropped", "rejected", "lost"))

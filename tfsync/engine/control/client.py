@@ -399,11 +399,15 @@ class ControlClient:
             or [{"rank": 0, "clock": None, "reason": "rank 0 (the control host) is unreachable"}],
         }
 
-    def close(self):
+    def close(self, leave: bool = True):
         """Leave the control path (idempotent).
 
         The leave is acknowledged (bounded) before the link ends (none is sent over a
-        link that broke and has not re-attached: rank 0 names such a worker on its own), and the link's
+        link that broke and has not re-attached: rank 0 names such a worker on its own; none
+        with ``leave=False``, for an elastic reset, where every member closes and rank 0 closes
+        its service: through a host's relay, whose own link to rank 0 had ended, the answer
+        never came, and the worker waited out the call's bound while its peers waited for it in
+        the next rendezvous), and the link's
         reader thread is joined (bounded) before the channel closes: closing a
         gRPC Python channel while another thread is still inside one of its
         calls is the pattern of gRPC's segfault reports (grpc/grpc#16290,
@@ -414,7 +418,7 @@ class ControlClient:
         # (no leave over a broken link, and no wait for its answer once the link breaks: rank 0
         # could answer only after a re-attach, and in an elastic reset, where rank 0 closes its
         # service, every re-form waited CALL_TIMEOUT_S for the worker that was waiting so)
-        if self.host_lost is None and not self._closing and not self._broken:
+        if leave and self.host_lost is None and not self._closing and not self._broken:
             self._send(["leave", self.rank])
             left = self._request("table")  # (answered after the leave before it: the leave arrived)
             deadline = time.monotonic() + CALL_TIMEOUT_S
