@@ -52,6 +52,7 @@ from tfsync import _env
 from tfsync.engine import bindings, lifecycle, protocols
 from tfsync.engine.cluster import HorovodCluster
 from tfsync.engine.control import ControlClient
+from tfsync.engine.control.client import connect_bound
 from tfsync.engine.diagnosis import Diagnosis
 from tfsync.engine.entry import CoordinatedRounds, OpenRounds
 from tfsync.engine.nonfinite import NonFinite
@@ -148,7 +149,14 @@ class SyncEngine:
         self.exchange = lifecycle.open_exchange(self, cluster, protocol_cls)  # (sets the wire settings)
         self.protocol = protocol_cls(tensors, self.size, policy)
         self.protocol.bind(self)
-        self.control = ControlClient(address, self.rank, token, on_close=self.entry.on_close(), fallback=fallback)
+        self.control = ControlClient(
+            address,
+            self.rank,
+            token,
+            connect_timeout_s=connect_bound(self.wait_timeout_s),
+            on_close=self.entry.on_close(),
+            fallback=fallback,
+        )
         # an inline round that waits reports this worker's clock, as the polling wait does
         self.exchange.on_inline_wait = lambda: self.control.report(self.last_pushed, min_interval_s=0.0)
         # rounds run inline (on the training thread) only on one host: across hosts a collective can

@@ -644,6 +644,38 @@ def test_an_engine_whose_peer_never_starts_fails_at_start_instead_of_hanging():
     assert not any(e.started for e in engines)
 
 
+def test_a_rank_0_gone_after_its_address_went_out_ends_the_attach_at_the_wait_bound(monkeypatch):
+    # (the chaos soak: a rank 0 killed as the engines started; its peers waited 30 s to attach
+    # before their reset could begin; the engine's wait bound, 10 s there, is how long it waits
+    # for a peer)
+    from tfsync.engine import lifecycle
+    from tfsync.engine.control.client import CONNECT_TIMEOUT_S, ControlUnreachableError, connect_bound
+
+    open_control = lifecycle.open_control
+
+    def rank_0_gone(engine, cluster):
+        contact = open_control(engine, cluster)
+        if engine.rank == 0:
+            engine._server.stop()  # (its process "dies" once every rank has its address)
+        return contact
+
+    monkeypatch.setattr(lifecycle, "open_control", rank_0_gone)
+    wait_s = 6.0
+    assert connect_bound(wait_s) == wait_s < CONNECT_TIMEOUT_S
+    assert connect_bound(0.5) >= 5.0 and connect_bound(120.0) == CONNECT_TIMEOUT_S
+    cluster = FakeCluster(2, timeout_s=5.0)
+    engines = [
+        SyncEngine(
+            resolve("bsp"), EngineSettings(stragglers=Stragglers(), wait_timeout_s=wait_s), cluster=cluster.rank(r)
+        )
+        for r in range(2)
+    ]
+    _, errors = _on_threads([lambda r=r: engines[r].start([tf.Variable(tf.zeros([WIDTH]))]) for r in (0, 1)])
+    assert len(errors) == 2
+    for exc in errors:
+        assert isinstance(exc, ControlUnreachableError) and f"within {wait_s:.0f} s" in str(exc), exc
+
+
 def test_ranks_configured_differently_are_refused_on_every_rank():
     cluster = FakeCluster(2, timeout_s=5.0)
     engines = [

@@ -46,7 +46,8 @@ from tfsync.engine.control.transport import (
 )
 
 REPORT_INTERVAL_S = 0.25  # at most one clock report per this
-CONNECT_TIMEOUT_S = 30.0  # how long a worker waits for rank 0's control service
+CONNECT_TIMEOUT_S = 30.0  # how long a worker waits for rank 0's control service at most
+CONNECT_MIN_S = 5.0  # ... and at least, where the engine's wait bound is shorter (a loaded machine's attach)
 CALL_TIMEOUT_S = 2.0  # how long leave and table wait for rank 0's answer
 LEAVE_POLL_S = 0.05  # how often ControlClient.close looks whether its link broke while it waits
 WATCHER_JOIN_S = 2.0  # how long ControlClient.close waits for its link's reader to end
@@ -64,6 +65,14 @@ class ControlError(RuntimeError):
 class ControlUnreachableError(TimeoutError):
     """A worker could not attach to rank 0's control service within its bound (rank 0 gone, or
     not reachable from this host); in an elastic job a reset answers it, as a lost peer."""
+
+
+def connect_bound(wait_timeout_s: float) -> float:
+    """How long an engine's first attach waits for rank 0's control service: the engine's wait
+    bound for a peer (rank 0 is one), within [CONNECT_MIN_S, CONNECT_TIMEOUT_S].  A rank 0 that
+    died after the engine's start agreed its address ends its peers' attach at the bound the job
+    chose, where an elastic job's reset takes over (``ControlUnreachableError``), not 30 s later."""
+    return max(CONNECT_MIN_S, min(CONNECT_TIMEOUT_S, wait_timeout_s))
 
 
 class _Link:
