@@ -44,6 +44,7 @@ later keeps these records.
 
 import argparse
 import json
+import logging
 import os
 import signal
 import time
@@ -94,6 +95,8 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     out_dir = args.out_dir
+    # (each line stamped: a reset's line, less its "re-formed in", is when it began)
+    logging.basicConfig(format="%(asctime)s %(message)s")
 
     import horovod.tensorflow as hvd
     import keras

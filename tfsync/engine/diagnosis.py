@@ -42,7 +42,7 @@ class Diagnosis:
         self.hosts = hosts  # each rank's host name, in rank order (None: not known)
         # elastic training (tfsync.elastic): every survivor resets at its own failed collective, so
         # the error is raised at once with what is known, without waiting for rank 0's loss
-        # notices (LOSS_SETTLE_S, HOST_SETTLE_S) or announcing a stop the others do not need
+        # notices (LOSS_SETTLE_S, HOST_SETTLE_S) or for the peers to read its stop notice
         self.elastic = elastic
 
     def on_hosts(self, ranks) -> str:
@@ -103,8 +103,13 @@ class Diagnosis:
         )
 
     def stop(self, error):
-        """Tell every worker why this one stops; returns ``error`` to raise."""
-        self.control.announce_stop(type(error).__name__, str(error))
+        """Tell every worker why this one stops; returns ``error`` to raise.
+
+        Elastic: without waiting for them to read it.  The notice speeds their reset, but this
+        worker resets rather than exits, and where its link went with the lost peer (its host's
+        relay, or rank 0) the answer never came: it waited ``STOP_CALL_TIMEOUT_S`` (3 s) while the
+        others waited for it in the next rendezvous, at every loss of rank 0 or of a relay."""
+        self.control.announce_stop(type(error).__name__, str(error), wait=not self.elastic)
         return error
 
     def unexplained(self, lost):

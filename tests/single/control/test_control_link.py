@@ -178,3 +178,31 @@ def test_a_worker_that_closes_for_an_elastic_reset_sends_no_leave(job):
     assert sent == [] and far._channel_closed
     far.close()  # idempotent: nothing more
     assert sent == []
+
+
+@pytest.mark.parametrize("elastic", [False, True])
+def test_an_elastic_worker_announces_its_stop_without_waiting_for_the_answer(job, elastic):
+    # an elastic worker resets rather than exits: its exit cannot read as a loss, so it need not
+    # wait until the others have read its notice; where its link went with the lost peer (its
+    # host's relay, rank 0) the answer never came, and it waited STOP_CALL_TIMEOUT_S while its
+    # peers waited for it in the next rendezvous.  The notice still goes out (it speeds their reset)
+    near, far = job.clients[0], job.clients[1]
+    job.link.cut("stall")
+    waited, request = [], far._request
+
+    def recording(*args):
+        future = request(*args)
+        result = future.result
+        future.result = lambda timeout=None: (waited.append(args[0]), result(timeout))[1]
+        return future
+
+    far._request = recording
+    diagnosis = Diagnosis(far, rank=1, mode_name="bsp", wait_timeout_s=60, timeout_env="T", elastic=elastic)
+    error = WorkerLostError("tfsync: lost rank 2 (a test)")
+    stopping = threading.Thread(target=diagnosis.stop, args=(error,))
+    stopping.start()
+    stopping.join(10.0)
+    assert not stopping.is_alive()
+    assert waited == ([] if elastic else ["stop"])
+    job.link.restore()
+    assert wait_until(lambda: [n["rank"] for n in near.known_stopped] == [1], RECONNECT_GRACE_S + 2.0)

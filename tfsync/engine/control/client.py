@@ -377,12 +377,16 @@ class ControlClient:
         reply = self._answer(self._request("late", int(round_)), LATE_TIMEOUT_S, "a late offer")
         return bool(reply.get("joined"))
 
-    def announce_stop(self, kind: str, message: str):
+    def announce_stop(self, kind: str, message: str, wait: bool = True):
         """Tell every worker (through rank 0) why this one stops, so they can say so too; waits
-        (at most ``STOP_CALL_TIMEOUT_S``) until they have read it."""
+        (at most ``STOP_CALL_TIMEOUT_S``) until they have read it, unless ``wait`` is false (a
+        worker that resets instead of exiting: its exit cannot read as a loss to them)."""
         if self.host_lost is None:
+            answer = self._request("stop", kind, message)
+            if not wait:
+                return
             try:
-                self._request("stop", kind, message).result(STOP_CALL_TIMEOUT_S)
+                answer.result(STOP_CALL_TIMEOUT_S)
             except concurrent.futures.TimeoutError:
                 pass
 
