@@ -23,6 +23,7 @@ from tfsync.engine.control import (
     ControlClient,
     ControlServer,
 )
+from tfsync.engine.control.client import ControlUnreachableError
 from tfsync.engine.diagnosis import LOSS_SETTLE_S, Diagnosis
 from tfsync.engine.rounds import WorkerLostError
 from tfsync.policies import PSP
@@ -206,3 +207,27 @@ def test_an_elastic_worker_announces_its_stop_without_waiting_for_the_answer(job
     assert waited == ([] if elastic else ["stop"])
     job.link.restore()
     assert wait_until(lambda: [n["rank"] for n in near.known_stopped] == [1], RECONNECT_GRACE_S + 2.0)
+
+
+def test_a_first_attach_where_nothing_listens_any_more_gives_up_at_once():
+    # a worker gets the address once the service listens: a refusal means the service closed
+    # (rank 0 killed, or reset, while the engines started), and waiting out the bound only held
+    # the worker's reset while its peers waited for it in the next rendezvous
+    server = ControlServer(size=2, t0=time.time(), token=TOKEN, host="127.0.0.1")
+    address = server.address
+    server.stop()
+    with pytest.raises(ControlUnreachableError, match=r"nothing listens at 127\.0\.0\.1:\d+ any more"):
+        ControlClient(address, 1, TOKEN, connect_timeout_s=60)
+
+
+def test_a_first_attach_over_a_link_that_answers_nothing_waits_out_its_bound():
+    # a link down (nothing answers, nothing refuses) may come back within the bound
+    server = ControlServer(size=2, t0=time.time(), token=TOKEN, host="127.0.0.1")
+    link = TcpProxy(server.port)
+    try:
+        link.cut("stall")
+        with pytest.raises(ControlUnreachableError, match=r"within 2 s; check that rank 0 is running"):
+            ControlClient(link.address, 1, TOKEN, connect_timeout_s=2)
+    finally:
+        link.shutdown()
+        server.stop()

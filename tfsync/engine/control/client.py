@@ -27,6 +27,7 @@ import concurrent.futures
 import itertools
 import logging
 import queue
+import socket
 import threading
 import time
 
@@ -48,6 +49,8 @@ from tfsync.engine.control.transport import (
 REPORT_INTERVAL_S = 0.25  # at most one clock report per this
 CONNECT_TIMEOUT_S = 30.0  # how long a worker waits for rank 0's control service at most
 CONNECT_MIN_S = 5.0  # ... and at least, where the engine's wait bound is shorter (a loaded machine's attach)
+ATTACH_POLL_S = 0.5  # while the first attach waits: how often it looks whether anything listens there
+PROBE_S = 0.5  # one such look (a TCP connect) gives up after this
 CALL_TIMEOUT_S = 2.0  # how long leave and table wait for rank 0's answer
 LEAVE_POLL_S = 0.05  # how often ControlClient.close looks whether its link broke while it waits
 WATCHER_JOIN_S = 2.0  # how long ControlClient.close waits for its link's reader to end
@@ -73,6 +76,19 @@ def connect_bound(wait_timeout_s: float) -> float:
     died after the engine's start agreed its address ends its peers' attach at the bound the job
     chose, where an elastic job's reset takes over (``ControlUnreachableError``), not 30 s later."""
     return max(CONNECT_MIN_S, min(CONNECT_TIMEOUT_S, wait_timeout_s))
+
+
+def _refused(address: str) -> bool:
+    """Whether a TCP connect to ``address`` (``host:port``, ``[v6]:port``) is refused: nothing
+    listens there.  A timeout or an unreachable network is not a refusal (a link down)."""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=PROBE_S):
+            return False
+    except ConnectionRefusedError:
+        return True
+    except (OSError, ValueError):
+        return False
 
 
 class _Link:
@@ -170,12 +186,7 @@ class ControlClient:
         first = threading.Event()
         self._watcher = threading.Thread(target=self._watch, args=(first,), daemon=True, name="tfsync-control-watch")
         self._watcher.start()
-        if not first.wait(connect_timeout_s):
-            raise ControlUnreachableError(
-                f"tfsync: rank {rank} could not reach the control service of rank 0 at {address} "
-                f"within {connect_timeout_s:.0f} s; check that rank 0 is running and that this "
-                f"host can reach it (or set TFSYNC_CONTROL_HOST to an address it can reach)"
-            )
+        self._await_first(first, connect_timeout_s)
         error = self._attach_error
         if error is not None and error.code() == grpc.StatusCode.PERMISSION_DENIED:
             self._closing = True
@@ -186,6 +197,33 @@ class ControlClient:
                 f"({error.details()}). Every worker must be started by the same launch "
                 f"(horovodrun) so that they share rank 0's token"
             )
+
+    def _await_first(self, first, connect_timeout_s):
+        """Wait for the first attach, bounded; give up at once where nothing listens any more.
+
+        The address was handed out once the service listened (rank 0's, or its host's relay),
+        so a refused connection at every address means the service closed: rank 0 (or the
+        relay's worker) exited or reset, as when a peer dies while the engines start.  A link
+        that is down answers nothing (no refusal): that waits out the bound."""
+        deadline = time.monotonic() + connect_timeout_s
+        while not first.wait(min(ATTACH_POLL_S, max(deadline - time.monotonic(), 0.0))):
+            gone = all(_refused(a) for a in self._addresses)
+            if gone or time.monotonic() >= deadline:
+                self._closing = True
+                self._link.queue.put(None)
+                self._link.call.cancel()
+                where = " and ".join(self._addresses)
+                if gone:
+                    raise ControlUnreachableError(
+                        f"tfsync: rank {self.rank} could not reach the control service of rank 0: nothing "
+                        f"listens at {where} any more (the service closed: rank 0, or the worker that "
+                        f"runs this host's relay, exited or reset after it started)"
+                    )
+                raise ControlUnreachableError(
+                    f"tfsync: rank {self.rank} could not reach the control service of rank 0 at {where} "
+                    f"within {connect_timeout_s:.0f} s; check that rank 0 is running and that this "
+                    f"host can reach it (or set TFSYNC_CONTROL_HOST to an address it can reach)"
+                )
 
     # ------------------------------------------------------------------- the link
     @property
