@@ -12,7 +12,11 @@ only: it starts in tens of milliseconds and holds a few MB), as a child of the w
 worker's heartbeat thread writes to the guard's standard input every :data:`HEARTBEAT_S`; the
 guard ends the worker (SIGKILL) when
 
-* nothing arrives for ``hang_timeout_s``: the whole process is frozen (its threads stopped), or
+* nothing arrives for ``hang_timeout_s``: the whole process is frozen (its threads stopped),
+* nothing arrives for ``stopped_s`` (the peers' wait bound under ``hang_timeout_s="auto"``) and
+  the kernel says the process is stopped by a signal (SIGSTOP: state ``T`` in
+  ``/proc/<pid>/stat``): it is certainly not running, so it gets no margin past the bound its
+  peers wait for it (a missing heartbeat alone could be a long call that holds the GIL), or
 * the heartbeat says the worker's main thread has been in one phase of :data:`PHASES` past its
   bound: one training step for more than twice ``hang_timeout_s`` (:data:`STEP_FACTOR`: the main
   thread is stuck while the others still run); a fit's first step, where Keras traces the
@@ -72,10 +76,14 @@ class HangGuard:
         hang_timeout_s: how long the process may be frozen, or its main thread in one step,
             before the guard ends it.
         label: who this worker is, for the guard's message (:meth:`label` updates it).
+        stopped_s: how long the process may be stopped by a signal (SIGSTOP) before the guard
+            ends it; at most ``hang_timeout_s`` (None: ``hang_timeout_s``).
     """
 
-    def __init__(self, hang_timeout_s: float, label: str = ""):
+    def __init__(self, hang_timeout_s: float, label: str = "", stopped_s: float | None = None):
         self.hang_timeout_s = float(hang_timeout_s)
+        # (a stopped process: ended at this, never later than a frozen one)
+        self.stopped_s = self.hang_timeout_s if stopped_s is None else min(float(stopped_s), self.hang_timeout_s)
         self._label = label
         self._began = None  # when the phase under way began (monotonic), None between phases
         self._phase = "step"  # which (a key of PHASES)
@@ -86,7 +94,15 @@ class HangGuard:
         self._stacks = _env.hang_stacks()
         stacks = "stacks" if self._stacks else "-"
         self._process = subprocess.Popen(
-            [sys.executable, "-I", os.path.abspath(__file__), str(os.getpid()), repr(self.hang_timeout_s), stacks],
+            [
+                sys.executable,
+                "-I",
+                os.path.abspath(__file__),
+                str(os.getpid()),
+                repr(self.hang_timeout_s),
+                stacks,
+                repr(self.stopped_s),
+            ],
             stdin=subprocess.PIPE,
             stdout=subprocess.DEVNULL,
         )
@@ -149,15 +165,27 @@ class HangGuard:
                 self._send(".")
 
 
-def _guard(parent: int, hang_timeout_s: float, stacks: bool = False):
+def _guard(parent: int, hang_timeout_s: float, stacks: bool = False, stopped_s: float | None = None):
     """The guard process: read heartbeats until the worker hangs (end it) or ends (return)."""
+    stopped_s = hang_timeout_s if stopped_s is None else min(stopped_s, hang_timeout_s)
     fd = sys.stdin.fileno()
     label, pending, last = "", b"", time.monotonic()
     while True:
-        ready, _, _ = select.select([fd], [], [], max(0.0, last + hang_timeout_s - time.monotonic()))
+        now = time.monotonic()
+        until = last + hang_timeout_s
+        if stopped_s < hang_timeout_s:  # (silent past stopped_s: look at its state every heartbeat)
+            until = min(until, max(last + stopped_s, now + HEARTBEAT_S))
+        ready, _, _ = select.select([fd], [], [], max(0.0, until - now))
         if not ready:
-            why = f"it was frozen: no heartbeat for {hang_timeout_s:.1f} s"
-            return _end(parent, label, why, hang_timeout_s, stacks, frozen=True)
+            silent = time.monotonic() - last
+            if silent >= hang_timeout_s:
+                why = f"it was frozen: no heartbeat for {hang_timeout_s:.1f} s"
+                return _end(parent, label, why, _past(hang_timeout_s), stacks, frozen=True)
+            if silent >= stopped_s and _stopped(parent):
+                why = f"it was stopped by a signal (SIGSTOP): no heartbeat for {silent:.1f} s"
+                bound = f"past its peers' wait bound ({stopped_s:.1f} s: they have given up on it)"
+                return _end(parent, label, why, bound, stacks, frozen=True)
+            continue
         chunk = os.read(fd, 4096)
         if not chunk:
             return  # the worker ended (its pipe closed)
@@ -171,7 +199,7 @@ def _guard(parent: int, hang_timeout_s: float, stacks: bool = False):
             elif line.startswith("hung "):
                 seconds, phase = line[len("hung ") :].split()
                 why = f"its main thread was in {PHASES[phase][1]} for {seconds} s"
-                return _end(parent, label, why, hang_timeout_s, stacks)
+                return _end(parent, label, why, _past(hang_timeout_s), stacks)
             elif line.startswith("slow ") and stacks:
                 seconds, phase = line[len("slow ") :].split()
                 bound = PHASES[phase][0] * hang_timeout_s
@@ -183,13 +211,29 @@ def _who(parent: int, label: str) -> str:
     return f"{label} (pid {parent}, host {os.uname().nodename})" if label else f"pid {parent}"
 
 
-def _end(parent: int, label: str, why: str, hang_timeout_s: float, stacks: bool = False, frozen: bool = False):
+def _stopped(pid: int) -> bool:
+    """Whether the kernel says process ``pid`` is stopped by a signal (Linux: state ``T`` in
+    ``/proc/<pid>/stat``; a debugger's tracing stop, ``t``, is not; elsewhere: never)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    return stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] == b"T"  # (the name may hold ")")
+
+
+def _past(hang_timeout_s: float) -> str:
+    longer = "longer than its peers wait for it: they have given up on it"
+    return f"past its hang timeout ({hang_timeout_s:.1f} s, {longer})"
+
+
+def _end(parent: int, label: str, why: str, bound: str, stacks: bool = False, frozen: bool = False):
+    """End the worker, saying ``why`` it hung and past which ``bound``."""
     who = _who(parent, label)
     if stacks:
         _write_stacks(parent, f"{who} before it is ended", frozen)
     sys.stderr.write(
-        f"tfsync.elastic: hang guard: ended {who}: {why}, past its hang timeout ({hang_timeout_s:.1f} s, longer "
-        f"than its peers wait for it: they have given up on it). The launcher re-forms the job without it and "
+        f"tfsync.elastic: hang guard: ended {who}: {why}, {bound}. The launcher re-forms the job without it and "
         f"blacklists its host for the cooldown; set KerasState(hang_timeout_s=...) if steps legitimately take "
         f"longer\n"
     )
@@ -225,4 +269,9 @@ def _write_stacks(parent: int, who: str, frozen: bool = False):
 
 
 if __name__ == "__main__":
-    _guard(int(sys.argv[1]), float(sys.argv[2]), len(sys.argv) > 3 and sys.argv[3] == "stacks")
+    _guard(
+        int(sys.argv[1]),
+        float(sys.argv[2]),
+        len(sys.argv) > 3 and sys.argv[3] == "stacks",
+        float(sys.argv[4]) if len(sys.argv) > 4 else None,
+    )

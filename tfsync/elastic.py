@@ -163,7 +163,9 @@ class KerasState(ObjectState):
             (``docs/guide/elastic.md``, "Hung workers").  ``"auto"`` (default): the wait bound of
             the callback committing the state plus 2 s: a peer waiting on a hung worker gives up
             (and resets) within that bound, so a worker stalled that long is already out, and a
-            shorter stall is ridden through; seconds; or None (no guard).  A fit's
+            shorter stall is ridden through; a worker the kernel says is stopped by a signal
+            (SIGSTOP) is ended at the wait bound itself (:func:`stopped_timeout`); seconds (for
+            every freeze alike); or None (no guard).  A fit's
             first step (the model's trace), and the restart after a reset up to it (the
             state's sync, the fit's start), are bounded at ten times the hang timeout.
         commit_dir: a directory every host of the job shares (default: ``TFSYNC_COMMIT_DIR``,
@@ -415,8 +417,25 @@ def hang_timeout(state) -> float | None:
     :data:`~tfsync._hang_guard.HANG_MARGIN_S`."""
     if state.hang_timeout_s != "auto":
         return state.hang_timeout_s
+    return _wait_bound(state) + HANG_MARGIN_S
+
+
+def stopped_timeout(state) -> float | None:
+    """The seconds after which ``state``'s hang guard ends a worker stopped by a signal (SIGSTOP;
+    None: no guard): under ``hang_timeout_s="auto"`` the longest wait of a step on peers itself
+    (such a process is certainly not running, and its peers have given up on it by then; the
+    hang timeout's margin is for a silent heartbeat that may be a long call), else the hang
+    timeout."""
+    if state.hang_timeout_s != "auto":
+        return state.hang_timeout_s
+    return _wait_bound(state)
+
+
+def _wait_bound(state) -> float:
+    """The longest wait of a step on peers: the wait bound of each callback committing ``state``
+    (the state's own without one)."""
     waits = [commits.frontend.wait_timeout_s for commits in state.committers] or [state.wait_timeout_s]
-    return max(waits) + HANG_MARGIN_S
+    return max(waits)
 
 
 def _check_interval(every_steps, every_s):
@@ -548,11 +567,14 @@ def _start_guard(hvd, state):
     timeout_s = hang_timeout(state)
     if timeout_s is None:
         return None
-    state.hang_guard = HangGuard(timeout_s, f"rank {hvd.rank()} of {hvd.size()}")
+    stopped_s = stopped_timeout(state)
+    state.hang_guard = HangGuard(timeout_s, f"rank {hvd.rank()} of {hvd.size()}", stopped_s=stopped_s)
     log.info(
-        "tfsync.elastic: a hang guard ends this worker if it is frozen for %.1f s, or in one step for %.1f s "
-        "(a fit's first step, the model's trace, or the restart after a reset up to it: %.1f s)",
+        "tfsync.elastic: a hang guard ends this worker if it is frozen for %.1f s (stopped by a signal: %.1f s), "
+        "or in one step for %.1f s (a fit's first step, the model's trace, or the restart after a reset up to it: "
+        "%.1f s)",
         timeout_s,
+        stopped_s,
         STEP_FACTOR * timeout_s,
         FIRST_STEP_FACTOR * timeout_s,
     )

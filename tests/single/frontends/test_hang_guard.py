@@ -20,15 +20,15 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.a
 BOUND_S = 60  # every process here ends in seconds; this bounds a broken guard
 
 
-def _worker(body, timeout_s=1.0, env=None):
-    """A process that starts a guard (timeout ``timeout_s``), prints its guard's pid, then runs ``body``
-    (``env``: variables set for it)."""
+def _worker(body, timeout_s=1.0, env=None, stopped_s=None):
+    """A process that starts a guard (timeout ``timeout_s``, ``stopped_s``), prints its guard's pid,
+    then runs ``body`` (``env``: variables set for it)."""
     code = textwrap.dedent(
         f"""
         import os, signal, sys, time
         sys.path.insert(0, {REPO!r})
         from tfsync._hang_guard import HangGuard
-        guard = HangGuard({timeout_s}, "rank 1 of 4")
+        guard = HangGuard({timeout_s}, "rank 1 of 4", stopped_s={stopped_s})
         print(guard._process.pid, flush=True)
         """
     ) + textwrap.dedent(body)
@@ -73,6 +73,21 @@ def test_a_frozen_worker_is_ended_saying_why():
     assert "woke" not in out  # ended while stopped: it never ran again
     assert "hang guard: ended rank 1 of 4 (pid" in err and "frozen: no heartbeat for 1.0 s" in err, err
     assert _gone(int(out.split()[0]))
+
+
+def test_a_worker_stopped_by_a_signal_is_ended_at_its_peers_wait_bound_not_the_hang_timeout():
+    code, out, err = _finish(_worker("os.kill(os.getpid(), signal.SIGSTOP)\n", timeout_s=30.0, stopped_s=0.5))
+    assert code == -signal.SIGKILL, (code, err)
+    assert "it was stopped by a signal (SIGSTOP): no heartbeat for" in err, err
+    assert "past its peers' wait bound (0.5 s: they have given up on it)" in err and "frozen" not in err, err
+
+
+def test_a_silent_heartbeat_of_a_running_worker_gets_the_whole_hang_timeout():
+    # (its heartbeat thread ended, the process runs on: maybe a long call holding the GIL, not a stop)
+    body = "guard._stopped.set()\nguard._thread.join()\ntime.sleep(30)\n"
+    code, out, err = _finish(_worker(body, timeout_s=1.0, stopped_s=0.2))
+    assert code == -signal.SIGKILL, (code, err)
+    assert "it was frozen: no heartbeat for 1.0 s" in err and "SIGSTOP" not in err, err
 
 
 def test_with_tfsync_hang_stacks_the_guard_writes_where_the_worker_hung_before_it_ends_it():
@@ -212,6 +227,10 @@ def test_the_auto_timeout_outlasts_a_steps_wait_on_peers():
     assert elastic.hang_timeout(state) == 40 + HANG_MARGIN_S
     assert elastic.hang_timeout(_state(hang_timeout_s=7)) == 7.0
     assert elastic.hang_timeout(_state(hang_timeout_s=None)) is None
+    # a worker stopped by a signal: ended at the wait bound under "auto", at the given seconds else
+    assert elastic.stopped_timeout(state) == 40
+    assert elastic.stopped_timeout(_state(hang_timeout_s=7)) == 7.0
+    assert elastic.stopped_timeout(_state(hang_timeout_s=None)) is None
 
 
 @pytest.mark.parametrize("bad", [0, -1, "soon", True, float("inf")])
