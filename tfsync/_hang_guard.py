@@ -13,10 +13,11 @@ worker's heartbeat thread writes to the guard's standard input every :data:`HEAR
 guard ends the worker (SIGKILL) when
 
 * nothing arrives for ``hang_timeout_s``: the whole process is frozen (its threads stopped),
-* nothing arrives for ``stopped_s`` (the peers' wait bound under ``hang_timeout_s="auto"``) and
-  the kernel says the process is stopped by a signal (SIGSTOP: state ``T`` in
-  ``/proc/<pid>/stat``): it is certainly not running, so it gets no margin past the bound its
-  peers wait for it (a missing heartbeat alone could be a long call that holds the GIL), or
+* nothing arrives for ``stopped_s`` and the kernel says the process is stopped by a signal
+  (SIGSTOP: state ``T`` in ``/proc/<pid>/stat``): it is certainly not running, so it is ended
+  once its peers no longer wait for it (under ``hang_timeout_s="auto"``: when their control
+  links drop its silent ones, or at the wait bound if sooner), while a missing heartbeat alone
+  could be a long call that holds the GIL and gets the whole hang timeout, or
 * the heartbeat says the worker's main thread has been in one phase of :data:`PHASES` past its
   bound: one training step for more than twice ``hang_timeout_s`` (:data:`STEP_FACTOR`: the main
   thread is stuck while the others still run); a fit's first step, where Keras traces the
@@ -77,7 +78,8 @@ class HangGuard:
             before the guard ends it.
         label: who this worker is, for the guard's message (:meth:`label` updates it).
         stopped_s: how long the process may be stopped by a signal (SIGSTOP) before the guard
-            ends it; at most ``hang_timeout_s`` (None: ``hang_timeout_s``).
+            ends it: when its peers no longer wait for it; at most ``hang_timeout_s`` (None:
+            ``hang_timeout_s``).
     """
 
     def __init__(self, hang_timeout_s: float, label: str = "", stopped_s: float | None = None):
@@ -183,7 +185,7 @@ def _guard(parent: int, hang_timeout_s: float, stacks: bool = False, stopped_s: 
                 return _end(parent, label, why, _past(hang_timeout_s), stacks, frozen=True)
             if silent >= stopped_s and _stopped(parent):
                 why = f"it was stopped by a signal (SIGSTOP): no heartbeat for {silent:.1f} s"
-                bound = f"past its peers' wait bound ({stopped_s:.1f} s: they have given up on it)"
+                bound = f"past the {stopped_s:.1f} s after which its peers no longer wait for it"
                 return _end(parent, label, why, bound, stacks, frozen=True)
             continue
         chunk = os.read(fd, 4096)

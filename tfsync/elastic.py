@@ -85,6 +85,7 @@ from tfsync.engine import lifecycle
 from tfsync.engine.bounded import run_bounded
 from tfsync.engine.cluster import HorovodCluster
 from tfsync.engine.control.client import ControlUnreachableError
+from tfsync.engine.control.transport import SILENT_LINK_S
 from tfsync.engine.diagnosis import SyncTimeoutError
 from tfsync.engine.rounds import WorkerLostError
 from tfsync.engine.tally import COUNTS
@@ -164,8 +165,9 @@ class KerasState(ObjectState):
             the callback committing the state plus 2 s: a peer waiting on a hung worker gives up
             (and resets) within that bound, so a worker stalled that long is already out, and a
             shorter stall is ridden through; a worker the kernel says is stopped by a signal
-            (SIGSTOP) is ended at the wait bound itself (:func:`stopped_timeout`); seconds (for
-            every freeze alike); or None (no guard).  A fit's
+            (SIGSTOP) is ended once its peers' control links have dropped it, after 5 s
+            (:func:`stopped_timeout`); seconds (for every freeze alike); or None (no guard).
+            A fit's
             first step (the model's trace), and the restart after a reset up to it (the
             state's sync, the fit's start), are bounded at ten times the hang timeout.
         commit_dir: a directory every host of the job shares (default: ``TFSYNC_COMMIT_DIR``,
@@ -422,13 +424,15 @@ def hang_timeout(state) -> float | None:
 
 def stopped_timeout(state) -> float | None:
     """The seconds after which ``state``'s hang guard ends a worker stopped by a signal (SIGSTOP;
-    None: no guard): under ``hang_timeout_s="auto"`` the longest wait of a step on peers itself
-    (such a process is certainly not running, and its peers have given up on it by then; the
-    hang timeout's margin is for a silent heartbeat that may be a long call), else the hang
-    timeout."""
+    None: no guard): under ``hang_timeout_s="auto"``, once its peers have dropped it: its control
+    links' keepalive drops them after :data:`~tfsync.engine.control.transport.SILENT_LINK_S`
+    (5 s), or the wait bound if shorter.  Such a process is certainly not running (the hang
+    timeout's margin is for a silent heartbeat that may be a long call holding Python's lock),
+    and ending it lets the launcher, which waits for its exit, re-form the job at once.  Given
+    seconds: the hang timeout."""
     if state.hang_timeout_s != "auto":
         return state.hang_timeout_s
-    return _wait_bound(state)
+    return min(_wait_bound(state), SILENT_LINK_S)
 
 
 def _wait_bound(state) -> float:

@@ -61,6 +61,10 @@ KEEPALIVE_TIME_MS = 1000
 # delivered by TCP's retransmission backoff (200 ms, doubling) about 3 s after the outage
 # began, so a 2 s flap trips nothing, and a dead link is noticed within 5 s
 KEEPALIVE_TIMEOUT_MS = 4000
+# A peer that stops answering (its process stopped or gone, the link down) has its links dropped
+# within this: its peers' control path stops waiting for it then (the hang guard ends a stopped
+# worker at it)
+SILENT_LINK_S = (KEEPALIVE_TIME_MS + KEEPALIVE_TIMEOUT_MS) / 1000
 # The server accepts pings this close together: under KEEPALIVE_TIME_MS, or gRPC answers a
 # worker's keepalive with GOAWAY "too_many_pings" and drops its connection
 MIN_PING_INTERVAL_MS = 500
