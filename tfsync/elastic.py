@@ -31,7 +31,8 @@ only.  This module is the Keras 3 way, with tfsync's engine:
   :func:`tfsync.shard_dataset` given ``resume=state``).  The callback's
   ``on_train_begin`` starts a new engine and control path on the new members.
 * a hang guard (:mod:`tfsync._hang_guard`): while :func:`run` runs, a small process beside the
-  worker ends it once it is frozen or stuck in a step past ``state.hang_timeout_s``, because
+  worker ends it once it is frozen or stuck in a step past ``state.hang_timeout_s`` (stopped by
+  a signal: once its peers no longer wait for it, :func:`stopped_timeout`), because
   Horovod's launcher re-forms a job only once every member has exited or re-registered, and a
   hung one does neither.
 
