@@ -168,9 +168,8 @@ class KerasState(ObjectState):
             shorter stall is ridden through; a worker the kernel says is stopped by a signal
             (SIGSTOP) is ended once its peers' control links have dropped it, after 5 s
             (:func:`stopped_timeout`); seconds (for every freeze alike); or None (no guard).
-            A fit's
-            first step (the model's trace), and the restart after a reset up to it (the
-            state's sync, the fit's start), are bounded at ten times the hang timeout.
+            A fit's first step (the model's trace), and the restart after a reset up to it
+            (the state's sync, the fit's start), are bounded at ten times the hang timeout.
         commit_dir: a directory every host of the job shares (default: ``TFSYNC_COMMIT_DIR``,
             else None: commits in memory only).  The job's rank 0 writes each commit there too
             (one file, replaced atomically, by a thread of its own: the step does not wait for
