@@ -167,9 +167,9 @@ class HangGuard:
                 self._send(".")
 
 
-def _guard(parent: int, hang_timeout_s: float, stacks: bool = False, stopped_s: float | None = None):
-    """The guard process: read heartbeats until the worker hangs (end it) or ends (return)."""
-    stopped_s = hang_timeout_s if stopped_s is None else min(stopped_s, hang_timeout_s)
+def _guard(parent: int, hang_timeout_s: float, stacks: bool, stopped_s: float):
+    """The guard process: read heartbeats until the worker hangs (end it) or ends (return);
+    ``stopped_s`` <= ``hang_timeout_s`` (:class:`HangGuard` bounds it)."""
     fd = sys.stdin.fileno()
     label, pending, last = "", b"", time.monotonic()
     while True:
@@ -271,9 +271,4 @@ def _write_stacks(parent: int, who: str, frozen: bool = False):
 
 
 if __name__ == "__main__":
-    _guard(
-        int(sys.argv[1]),
-        float(sys.argv[2]),
-        len(sys.argv) > 3 and sys.argv[3] == "stacks",
-        float(sys.argv[4]) if len(sys.argv) > 4 else None,
-    )
+    _guard(int(sys.argv[1]), float(sys.argv[2]), sys.argv[3] == "stacks", float(sys.argv[4]))
