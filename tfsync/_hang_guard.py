@@ -20,7 +20,12 @@ guard ends the worker (SIGKILL) when
   could be a long call that holds the GIL and gets the whole hang timeout, or
 * the heartbeat says the worker's main thread has been in one phase of :data:`PHASES` past its
   bound: one training step for more than twice ``hang_timeout_s`` (:data:`STEP_FACTOR`: the main
-  thread is stuck while the others still run); a fit's first step, where Keras traces the
+  thread is stuck while the others still run), or for more than ``hang_timeout_s`` once its
+  control path has said, :data:`LEFT_S` before, that the job no longer waits for it (a peer
+  stopped or was lost: the ``went_on`` check given to :meth:`HangGuard.begin`), which a healthy
+  worker's wait reads within a second and leaves the step for a reset, so a worker still in it
+  is stuck (a deadlock, a kernel that never returns) and is ended when its peers have just
+  given up on it rather than a hang timeout later; a fit's first step, where Keras traces the
   model, or the restart after a reset (the state's sync and the fit's start, up to its first
   step) for more than :data:`FIRST_STEP_FACTOR` times ``hang_timeout_s`` (a trace takes
   seconds to minutes; a worker stuck in one would hold every peer in the launcher's next
@@ -56,6 +61,9 @@ HANG_MARGIN_S = 2.0  # hang_timeout_s "auto": the wait bound plus this
 # a step may take its own compute plus a wait on peers up to the bound plus the stop notice: one
 # in a step this many times the hang timeout is stuck (a frozen process: the hang timeout itself)
 STEP_FACTOR = 2.0
+# a worker whose job went on without it (a peer's stop or loss) leaves its step within about a
+# second (its wait reads the notice once a second): one still in it this long after is stuck
+LEFT_S = 2.0
 # a fit's first step traces the model (seconds to minutes): bounded at this many hang timeouts
 FIRST_STEP_FACTOR = 10.0
 # what the main thread may be in (HangGuard.begin), each phase's bound in hang timeouts and its name
@@ -90,6 +98,7 @@ class HangGuard:
         self._began = None  # when the phase under way began (monotonic), None between phases
         self._phase = "step"  # which (a key of PHASES)
         self._told_slow = False  # the guard was told this phase is slow (its stacks written)
+        self._watch = [None, None]  # the step's went_on check, and when it first said so (monotonic)
         self._lock = threading.Lock()
         from tfsync import _env  # (here: the guard process itself imports nothing of tfsync)
 
@@ -120,13 +129,19 @@ class HangGuard:
         """Who this worker is now (its rank and size change at a reset)."""
         self._send(f"label {text}")
 
-    def begin(self, phase: str = "step"):
+    def begin(self, phase: str = "step", went_on=None):
         """The main thread enters ``phase`` (a key of :data:`PHASES`: ``"step"``, a training step;
         ``"first"``, a fit's first; ``"restart"``, after a reset until the first step): from now,
-        staying in it past its bound ends the process."""
+        staying in it past its bound ends the process.
+
+        ``went_on``: for a ``"step"``, a check the heartbeat thread calls (it must not block):
+        True once the job no longer waits for this worker (``Engine.job_went_on``); the step
+        is then bounded at ``hang_timeout_s`` from its begin and :data:`LEFT_S` from the
+        first True."""
         if phase not in PHASES:
             raise ValueError(f"HangGuard.begin: phase {phase!r}; expected one of {sorted(PHASES)}")
         self._phase, self._told_slow = phase, False
+        self._watch = [went_on if phase == "step" else None, None]
         self._began = time.monotonic()
 
     def idle(self):
@@ -155,16 +170,37 @@ class HangGuard:
 
     def _beat(self):
         while not self._stopped.wait(HEARTBEAT_S):
-            began, phase = self._began, self._phase
-            seconds = 0.0 if began is None else time.monotonic() - began
+            began, phase, watch = self._began, self._phase, self._watch
+            now = time.monotonic()
+            seconds = 0.0 if began is None else now - began
             factor = PHASES[phase][0]
+            left = None if began is None else self._left(watch, now)
             if seconds > factor * self.hang_timeout_s:
                 self._send(f"hung {seconds:.1f} {phase}")
+            elif left is not None and seconds > self.hang_timeout_s and left >= LEFT_S:
+                self._send(f"left {seconds:.1f} {left:.1f}")
             elif self._stacks and not self._told_slow and seconds > STEP_FACTOR * self.hang_timeout_s:
                 self._told_slow = True  # (a long-bounded phase past a step's bound: its stacks, once)
                 self._send(f"slow {seconds:.1f} {phase}")
             else:
                 self._send(".")
+
+
+    @staticmethod
+    def _left(watch, now):
+        """Seconds since the step's ``went_on`` check first said the job went on (None: not yet,
+        or no check); a check that fails counts as not yet (the heartbeat must go on)."""
+        went_on, since = watch
+        if went_on is None or since is not None:
+            return None if since is None else now - since
+        try:
+            gone = bool(went_on())
+        except Exception:  # noqa: BLE001 - the engine may be closing under the check
+            gone = False
+        if gone:
+            watch[1] = now
+            return 0.0
+        return None
 
 
 def _guard(parent: int, hang_timeout_s: float, stacks: bool, stopped_s: float):
@@ -201,6 +237,13 @@ def _guard(parent: int, hang_timeout_s: float, stacks: bool, stopped_s: float):
             elif line.startswith("hung "):
                 seconds, phase = line[len("hung ") :].split()
                 why = f"its main thread was in {PHASES[phase][1]} for {seconds} s"
+                return _end(parent, label, why, _past(hang_timeout_s), stacks)
+            elif line.startswith("left "):
+                seconds, left = line[len("left ") :].split()
+                why = (
+                    f"its main thread was in {PHASES['step'][1]} for {seconds} s, still {left} s after its "
+                    f"control path said that the job no longer waits for it (a peer stopped or was lost)"
+                )
                 return _end(parent, label, why, _past(hang_timeout_s), stacks)
             elif line.startswith("slow ") and stacks:
                 seconds, phase = line[len("slow ") :].split()

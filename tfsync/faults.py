@@ -10,6 +10,11 @@ Kinds that happen inside a worker (:class:`Injector`, a Keras callback of that w
 * ``"stop"``: the process stops (SIGSTOP) for ``duration_s`` seconds (then a helper process sends
   SIGCONT), or for good with ``duration_s=None``: a hung worker (``tfsync.elastic``'s hang guard
   ends it once its peers have given up on it).
+* ``"hang"``: the training step's thread blocks for ``duration_s`` seconds, or for good with
+  ``duration_s=None``, while the process's other threads go on: a deadlock, or a kernel that
+  never returns (``tfsync.elastic``'s hang guard ends it once its peers have given up on it; the
+  injector must come after the ``SyncCallback`` in ``fit``'s callbacks, so that the hang is in
+  the step the guard bounds).
 * ``"raise"``: the training step raises :class:`InjectedFault`: the program's own error, which
   ends the worker's process with a traceback.
 * ``"nan"``: the step's loss (so its gradients, the worker's contribution) is NaN: the model's
@@ -52,7 +57,7 @@ import random
 import threading
 import time
 
-WORKER_KINDS = ("kill", "stop", "raise", "nan")
+WORKER_KINDS = ("kill", "stop", "raise", "nan", "hang")
 """The kinds a worker injects into itself (:class:`tfsync.keras.FaultInjector`)."""
 HOST_KINDS = ("link_cut", "link_flap", "host_removed")
 """The kinds the harness injects into a host (:class:`HostFaults`)."""
@@ -73,14 +78,14 @@ class Fault:
 
     Args:
         kind: one of :data:`KINDS`.
-        rank: the worker (``"kill"``, ``"stop"``, ``"raise"``, ``"nan"``); taken modulo the
+        rank: the worker (``"kill"``, ``"stop"``, ``"raise"``, ``"nan"``, ``"hang"``); taken modulo the
             job's size when the fault is due.
         host: the host's index in the harness's hosts (``"link_cut"``, ``"link_flap"``,
             ``"host_removed"``).
         step: due when a step begins at this optimizer iteration or later (worker kinds only).
         at_s: due this many seconds after the schedule's start.
-        duration_s: ``"stop"``: seconds until SIGCONT, None for good; host kinds: seconds until
-            the link or the host is back (required).
+        duration_s: ``"stop"``: seconds until SIGCONT, ``"hang"``: seconds until the step goes
+            on, None for good; host kinds: seconds until the link or the host is back (required).
     """
 
     kind: str
@@ -107,8 +112,8 @@ class Fault:
                 refuse(f"a worker's fault needs rank= (an integer >= 0), got {self.rank!r}")
             if self.host is not None:
                 refuse("a worker's fault takes rank=, not host=")
-            if self.kind != "stop" and self.duration_s is not None:
-                refuse("only a stop has a duration (seconds until SIGCONT)")
+            if self.kind not in ("stop", "hang") and self.duration_s is not None:
+                refuse("only a stop or a hang has a duration (seconds until the worker goes on)")
         else:
             if isinstance(self.host, bool) or not isinstance(self.host, int) or self.host < 0:
                 refuse(f"a host's fault needs host= (the host's index, an integer >= 0), got {self.host!r}")
@@ -123,7 +128,7 @@ class Fault:
         who = f"rank {self.rank}" if self.kind in WORKER_KINDS else f"host {self.host}"
         when = f"step {self.step}" if self.step is not None else f"{self.at_s:.1f} s"
         how = "" if self.duration_s is None else f" for {self.duration_s:g} s"
-        return f"{self.kind} of {who} at {when}{how}" + (" (for good)" if self.kind == "stop" and how == "" else "")
+        return f"{self.kind} of {who} at {when}{how}" + (" (for good)" if self.kind in ("stop", "hang") and how == "" else "")
 
 
 def _seconds(value, zero=False) -> bool:

@@ -378,6 +378,30 @@ def test_a_hung_worker_is_ended_by_its_guard_and_the_job_goes_on_without_it(tmp_
     assert res["pid"] != stopped["pid"]
 
 
+def test_a_worker_deadlocked_in_a_step_is_ended_once_its_peers_gave_up_on_it(tmp_path):
+    """Rank 0's training thread blocks for good mid-epoch (a deadlock: its other threads, its
+    control service and the guard's heartbeat, go on): rank 1's round times out within the wait
+    bound, it tells every worker why and resets; rank 0's guard, told by its control path that
+    the job went on without it, ends it at the hang timeout rather than at twice it, and rank 1
+    finishes every epoch as rank 0 of one."""
+    schedule = tmp_path / "faults.json"
+    schedule.write_text(Schedule([Fault("hang", rank=0, step=44 + KILL_AT[1])]).to_json())
+    options = ["--faults", str(schedule), "--wait-timeout-s", "10"]
+    _, output, results, _ = _launch(tmp_path, "bsp", -1, worker_options=options)
+    assert sorted(results) == [0], results
+    res = results[0]
+    assert res["resets"] == 1 and res["size"] == 1 and res["state_epoch"] == EPOCHS, res
+    assert res["epochs"] == list(range(EPOCHS)), res
+    _check_counts(res["counts"])
+    _check_counts(res["state_counts"])
+    hung = Ledger(str(tmp_path / "bsp--1" / "faults")).records()[0]
+    assert hung["rank"] == 0 and hung["kind"] == "hang", hung
+    assert f"hang guard: ended rank 0 of 2 (pid {hung['pid']}" in output, output[-6000:]
+    said = "after its control path said that the job no longer waits for it (a peer stopped or was lost)"
+    assert said in output and "past its hang timeout (12.0 s" in output, output[-6000:]
+    assert res["pid"] != hung["pid"]
+
+
 def test_a_hung_worker_that_wakes_after_its_peers_reset_rejoins_from_the_commit(tmp_path):
     """Rank 1 stops for 12 s: rank 0 gives up on it at its 5 s wait bound and resets, and waits
     in the launcher, which waits for every member of the last rendezvous; rank 1 wakes (its guard,

@@ -12,10 +12,11 @@ back), the state committed to storage too (``TFSYNC_COMMIT_DIR``: the run's dire
 1. an undisturbed run (``--undisturbed-minutes``): its rate of useful samples and its accuracy;
 2. the soak: ``--minutes`` of training through a :class:`tfsync.faults.Schedule` drawn from
    ``--seed``: a fault every ``--fault-every`` S seconds on average (uniform over 2S/3 to 4S/3:
-   10-20 s at the default 15), the kinds in shuffled turns (``--kinds``; default all seven:
-   SIGKILL, SIGSTOP for good (a hung worker, ended by its hang guard), an exception raised in
-   the training step, a NaN loss, a link cut for 3-8 s, a link flapping every second for 4-8
-   s, a host dropped by discovery for 15-25 s), on a random rank or host.  The workers inject
+   10-20 s at the default 15), the kinds in shuffled turns (``--kinds``; default the seven of
+   :data:`SOAK_KINDS`: SIGKILL, SIGSTOP for good (a hung worker, ended by its hang guard), an
+   exception raised in the training step, a NaN loss, a link cut for 3-8 s, a link flapping
+   every second for 4-8 s, a host dropped by discovery for 15-25 s; ``--kinds hang`` adds or
+   soaks a step's thread blocked for good, a deadlock), on a random rank or host.  The workers inject
    theirs (:class:`tfsync.faults.Injector`); the harness the hosts' (:class:`tfsync.faults.HostFaults`).
 
 Each mode's record: ``mode``, ``faults_injected``, ``faults_survived`` (the job applied a step
@@ -26,7 +27,7 @@ the soak over the undisturbed run's; useful: the epochs finished times the epoch
 compensated + dropped + rejected + lost, for every worker's counts and the job's, after every
 reset and at the end); and what the rest of the time went to: ``to_next_step_s`` per kind
 (from the fault to the next step of the workers it did not take, past the stall it caused if
-it caused one), ``stalled_s`` (no step anywhere for a second or more),
+it caused one: one that began before the next fault), ``stalled_s`` (no step anywhere for a second or more),
 ``reduced_s`` (fewer than four workers), the guard's ends of hung workers, the schedule.
 ``--work-dir`` keeps every run's files (logs, step records, the fault ledger); ``--reanalyze
 WORK_DIR`` rebuilds the records from them (same options) without running; ``--plot`` draws each
@@ -67,6 +68,9 @@ COOLDOWN_S = (1, 3)  # horovodrun --blacklist-cooldown-range: a failed host is b
 # tries its re-form again (Horovod as released aborts them all instead); a reset ends the waits
 # on live peers it bounds (the patched Horovod's interrupt)
 GLOO_TIMEOUT_S = 30
+# the soak's kinds by default: every kind but "hang" (a deadlock: --kinds adds it), in KINDS' order,
+# so a seed draws the schedule it drew before "hang" was a kind
+SOAK_KINDS = tuple(k for k in KINDS if k != "hang")
 STALL_S = 1.0  # a gap between steps this long counts as stalled
 STALL_LIMIT_S = 150.0  # no step anywhere for this long: the job is lost (ended, recorded as such)
 TIMELINE_BIN_S = 5.0  # the records' timeline: samples per second in bins this long
@@ -80,7 +84,9 @@ def parse_args(argv):
     p.add_argument("--fault-every", type=number(above=0), default=15.0, help="mean seconds between faults")
     p.add_argument("--seed", type=integer(0), default=0, help="the schedule's seed")
     p.add_argument("--json", required=True, help="write the records (a JSON list, one per mode) here")
-    p.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS, help="fault kinds (default: all)")
+    p.add_argument(
+        "--kinds", nargs="+", default=list(SOAK_KINDS), choices=KINDS, help=f"fault kinds (default: {' '.join(SOAK_KINDS)})"
+    )
     p.add_argument("--undisturbed-minutes", type=number(above=0), default=None, help="default: min(minutes, 4)")
     p.add_argument("--commit-every", type=integer(1), default=10, help="steps between commits")
     p.add_argument("--wait-timeout-s", type=number(above=0), default=10.0, help="the workers' wait bound")
@@ -287,17 +293,19 @@ def _steps(out):
     return jsonl_records(out, "every_step_*.jsonl", "t")
 
 
-def to_next_step(steps, fault, window_s):
+def to_next_step(steps, fault, window_s, next_t=None):
     """Seconds from ``fault`` (a ledger record: ``t``, and ``pid`` for a worker's) to the next step
     of the workers it did not take, past the stall it caused: the end of the first stall (no
-    step of theirs for ``STALL_S`` or more) that began within ``window_s`` after it, else their
-    next step; None if none followed."""
+    step of theirs for ``STALL_S`` or more) that began within ``window_s`` after it and before
+    ``next_t`` (the next fault's injection: a stall that begins after it is that fault's), else
+    their next step; None if none followed."""
     t0, victim = fault["t"], fault.get("pid")
+    until = t0 + window_s if next_t is None else min(t0 + window_s, next_t)
     times = [s["t"] for s in steps if s["pid"] != victim]
     last = max([t for t in times if t <= t0], default=t0)
     after = [t for t in times if t > t0]
     for a, b in zip([last, *after], after, strict=False):
-        if a > t0 + window_s:
+        if a > until:
             break
         if b - a >= STALL_S:
             return b - t0
@@ -387,10 +395,12 @@ def analyze(args, mode, work):
     hang_timeout_s = args.wait_timeout_s + 2.0
     survived, injected = collections.Counter(), collections.Counter()
     next_step = collections.defaultdict(list)
+    injected_at = sorted(record["t"] for record in faults.values())
     for index, record in sorted(faults.items()):
         kind = schedule.faults[index].kind
         injected[kind] += 1
-        s = to_next_step(steps, record, hang_timeout_s + 5)
+        next_t = next((t for t in injected_at if t > record["t"]), None)
+        s = to_next_step(steps, record, hang_timeout_s + 5, next_t)
         next_step[kind].append(s)
         if s is not None and (lost is None or record["t"] + s <= steps[-1]["t"]):
             survived[kind] += 1

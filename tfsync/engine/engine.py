@@ -237,6 +237,13 @@ class SyncEngine:
         engine still running when the interpreter exits (see :func:`tfsync.engine.lifecycle.abandon`)."""
         lifecycle.abandon(self, leave=leave)
 
+    def job_went_on(self) -> bool:
+        """Whether the job no longer waits for this worker (a peer's stop, a lost rank, rank 0
+        unreachable), as the control path has pushed it: no call, for any thread
+        (:meth:`ControlClient.job_went_on`); False before the engine started."""
+        control = getattr(self, "control", None)
+        return control is not None and control.job_went_on()
+
     def at_rest(self) -> bool:
         """Whether this worker's weights hold every round it pushed and nothing else: where every
         worker is at rest after the same step the replicas are identical (:mod:`tfsync.keras.commits`)."""

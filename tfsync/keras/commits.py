@@ -229,11 +229,13 @@ class ElasticCommits:
 
     def batch_begin(self):
         """After a commit within the epoch: the launcher's notices (as at an epoch's begin); the
-        hang guard bounds the step from here (a fit's first step, its trace, at a longer bound)."""
+        hang guard bounds the step from here (a fit's first step, its trace, at a longer bound),
+        and sooner once the engine says the job went on without this worker."""
         self._check_hosts()
         guard = self.state.hang_guard
         if guard is not None:
-            guard.begin("first" if self.fit_steps == 0 else "step")
+            engine = self.callback.engine
+            guard.begin("first" if self.fit_steps == 0 else "step", None if engine is None else engine.job_went_on)
 
     def batch_end(self, batch: int):
         """Step ``batch`` of the epoch is done: commit if one is due and every worker is at rest."""

@@ -118,6 +118,11 @@ class FaultInjector(keras.callbacks.Callback):
                     stderr=subprocess.DEVNULL,  # (its kill finds no process if the hang guard ended this one)
                 )
             os.kill(os.getpid(), signal.SIGSTOP)
+        elif fault.kind == "hang":  # (this thread only: the heartbeat, the engine's threads go on)
+            if fault.duration_s is None:
+                while True:
+                    time.sleep(3600.0)
+            time.sleep(fault.duration_s)
         elif fault.kind == "raise":
             raise InjectedFault(f"tfsync.faults: injected {fault.describe()} (rank {rank}, step {step})")
         elif fault.kind == "nan":

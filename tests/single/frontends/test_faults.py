@@ -1,5 +1,5 @@
 """tfsync.faults in one process: the schedule's checks and random draws, the ledger's once-only, the
-Keras injector's faults in a fit (NaN loss, raise, kill, stop and wake), and the host faults'
+Keras injector's faults in a fit (NaN loss, raise, kill, stop and wake, hang and go on), and the host faults'
 sequence against a recording stand-in for the hosts.  The faults in elastic jobs are
 tests/parallel/test_elastic_launcher.py's and the chaos bench's."""
 
@@ -27,7 +27,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.a
         ({"kind": "kill", "rank": 0, "step": 1, "at_s": 2.0}, "exactly one of step="),
         ({"kind": "kill", "step": 1}, "needs rank="),
         ({"kind": "kill", "rank": 0, "step": -1}, "step must be an integer >= 0"),
-        ({"kind": "kill", "rank": 0, "step": 1, "duration_s": 3}, "only a stop has a duration"),
+        ({"kind": "kill", "rank": 0, "step": 1, "duration_s": 3}, "only a stop or a hang has a duration"),
         ({"kind": "link_cut", "host": 1, "at_s": 1.0}, "give duration_s="),
         ({"kind": "link_cut", "host": 1, "step": 3, "duration_s": 1}, "takes host= and at_s="),
         ({"kind": "host_removed", "rank": 1, "at_s": 1.0, "duration_s": 1}, "needs host="),
@@ -131,7 +131,7 @@ def _fit_in_process(faults, ledger):
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
 
 
-def test_a_kill_ends_the_process_and_a_stop_wakes_it_after_its_duration(tmp_path):
+def test_a_kill_ends_the_process_and_a_stop_or_a_hang_goes_on_after_its_duration(tmp_path):
     killed = _fit_in_process('Fault("kill", rank=0, step=2)', str(tmp_path / "a"))
     assert killed.returncode == -9 and "finished" not in killed.stdout, killed.stderr[-2000:]
     assert Ledger(str(tmp_path / "a")).records()[0]["step"] == 2
@@ -139,6 +139,10 @@ def test_a_kill_ends_the_process_and_a_stop_wakes_it_after_its_duration(tmp_path
     stopped = _fit_in_process('Fault("stop", rank=0, step=2, duration_s=2.0)', str(tmp_path / "b"))
     assert stopped.returncode == 0 and "finished" in stopped.stdout, stopped.stderr[-2000:]
     assert time.monotonic() - t >= 2.0
+    t = time.monotonic()
+    hung = _fit_in_process('Fault("hang", rank=0, step=2, duration_s=2.0)', str(tmp_path / "c"))
+    assert hung.returncode == 0 and "finished" in hung.stdout, hung.stderr[-2000:]
+    assert time.monotonic() - t >= 2.0 and Ledger(str(tmp_path / "c")).records()[0]["kind"] == "hang"
 
 
 class RecordingHosts:

@@ -1,5 +1,5 @@
 """The hang guard (tfsync._hang_guard) on plain processes: a frozen worker and one stuck in a step are
-ended saying why, a worker that steps on is left alone, and the guard ends with its worker.  Its
+ended saying why (sooner once its job went on without it), a worker that steps on is left alone, and the guard ends with its worker.  Its
 place in an elastic job (the launcher re-forms without the hung worker) is
 tests/parallel/test_elastic_launcher.py's."""
 
@@ -14,7 +14,7 @@ import time
 import pytest
 
 import tfsync.elastic as elastic
-from tfsync._hang_guard import FIRST_STEP_FACTOR, HANG_MARGIN_S, STEP_FACTOR, HangGuard
+from tfsync._hang_guard import FIRST_STEP_FACTOR, HANG_MARGIN_S, LEFT_S, STEP_FACTOR, HangGuard
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 BOUND_S = 60  # every process here ends in seconds; this bounds a broken guard
@@ -126,6 +126,35 @@ def test_a_worker_stuck_in_one_step_is_ended_saying_why():
     assert code == -signal.SIGKILL, (code, err)
     assert "its main thread was in one training step for" in err, err
     assert time.monotonic() - t >= STEP_FACTOR * 1.0  # (a step may take twice the hang timeout)
+
+
+def test_a_worker_stuck_in_a_step_its_job_went_on_without_is_ended_at_the_hang_timeout_not_twice_it():
+    # (its peers gave up on it 0.5 s into the step: a healthy worker would have left the step
+    # LEFT_S later; this one is ended at the hang timeout, 2 s, not at STEP_FACTOR times it)
+    body = "t0 = time.monotonic()\nguard.begin('step', lambda: time.monotonic() - t0 > 0.5)\ntime.sleep(30)\n"
+    code, out, err = _finish(_worker(body, timeout_s=2.0))
+    assert code == -signal.SIGKILL, (code, err)
+    said = "after its control path said that the job no longer waits for it (a peer stopped or was lost)"
+    assert "its main thread was in one training step for" in err and said in err, err
+    assert "past its hang timeout (2.0 s" in err, err
+
+
+def test_a_worker_that_leaves_its_step_when_its_job_went_on_is_left_alone_and_a_failing_check_changes_nothing():
+    body = f"""
+    guard.begin("step", lambda: True)
+    time.sleep(1.5)  # past the hang timeout, within LEFT_S of the check's first True: a healthy reset
+    guard.idle()
+    guard.begin("step", lambda: 1 / 0)  # (a check that raises: the heartbeat goes on)
+    time.sleep(1.5)
+    guard.idle()
+    guard.begin("first", lambda: True)  # (a fit's first step, a trace: not bounded by the check)
+    time.sleep({LEFT_S} + 1.5)
+    guard.idle()
+    print("done", flush=True)
+    """
+    code, out, err = _finish(_worker(body))
+    assert code == 0 and out.split()[-1] == "done", (code, err)
+    assert "hang guard" not in err
 
 
 def test_a_fits_first_step_gets_a_longer_bound_but_one_all_the_same():

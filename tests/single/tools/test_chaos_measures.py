@@ -21,6 +21,10 @@ def test_the_next_step_is_past_the_stall_the_fault_caused():
     # a stall that began past the window is not the fault's
     steady = [i / 10 for i in range(121)]  # (steps every 0.1 s to 12 s, then a stall)
     assert chaos.to_next_step(_steps([*steady, 20.0]), {"t": 0.05}, window_s=10) == pytest.approx(0.05)
+    # nor one that began after the next fault's injection: that fault's
+    stalled = _steps([*steady[:41], 9.0])  # (steps to 4 s, then a stall to 9 s)
+    assert chaos.to_next_step(stalled, {"t": 0.05}, window_s=10) == pytest.approx(8.95)
+    assert chaos.to_next_step(stalled, {"t": 0.05}, window_s=10, next_t=3.0) == pytest.approx(0.05)
 
 
 def test_the_victims_own_steps_do_not_count():

@@ -415,6 +415,15 @@ class ControlClient:
         reply = self._answer(self._request("late", int(round_)), LATE_TIMEOUT_S, "a late offer")
         return bool(reply.get("joined"))
 
+    def job_went_on(self) -> bool:
+        """Whether the job no longer waits for this worker, as far as rank 0 has told it: a peer
+        stopped (its stop notice), a rank was lost, or rank 0 is unreachable.  Read without a
+        call, from what the link pushed: for a thread other than the training thread (the hang
+        guard's heartbeat, while the training thread may be stuck)."""
+        if self.known_lost or self.host_lost is not None:
+            return True
+        return any(int(notice["rank"]) != self.rank for notice in self.known_stopped)
+
     def announce_stop(self, kind: str, message: str, wait: bool = True):
         """Tell every worker (through rank 0) why this one stops, so they can say so too; waits
         (at most ``STOP_CALL_TIMEOUT_S``) until they have read it, unless ``wait`` is false (a
