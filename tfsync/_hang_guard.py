@@ -185,7 +185,6 @@ class HangGuard:
             else:
                 self._send(".")
 
-
     @staticmethod
     def _left(watch, now):
         """Seconds since the step's ``went_on`` check first said the job went on (None: not yet,

@@ -128,7 +128,8 @@ class Fault:
         who = f"rank {self.rank}" if self.kind in WORKER_KINDS else f"host {self.host}"
         when = f"step {self.step}" if self.step is not None else f"{self.at_s:.1f} s"
         how = "" if self.duration_s is None else f" for {self.duration_s:g} s"
-        return f"{self.kind} of {who} at {when}{how}" + (" (for good)" if self.kind in ("stop", "hang") and how == "" else "")
+        for_good = " (for good)" if self.kind in ("stop", "hang") and how == "" else ""
+        return f"{self.kind} of {who} at {when}{how}{for_good}"
 
 
 def _seconds(value, zero=False) -> bool:

@@ -84,9 +84,8 @@ def parse_args(argv):
     p.add_argument("--fault-every", type=number(above=0), default=15.0, help="mean seconds between faults")
     p.add_argument("--seed", type=integer(0), default=0, help="the schedule's seed")
     p.add_argument("--json", required=True, help="write the records (a JSON list, one per mode) here")
-    p.add_argument(
-        "--kinds", nargs="+", default=list(SOAK_KINDS), choices=KINDS, help=f"fault kinds (default: {' '.join(SOAK_KINDS)})"
-    )
+    kinds = f"fault kinds (default: {' '.join(SOAK_KINDS)})"
+    p.add_argument("--kinds", nargs="+", default=list(SOAK_KINDS), choices=KINDS, help=kinds)
     p.add_argument("--undisturbed-minutes", type=number(above=0), default=None, help="default: min(minutes, 4)")
     p.add_argument("--commit-every", type=integer(1), default=10, help="steps between commits")
     p.add_argument("--wait-timeout-s", type=number(above=0), default=10.0, help="the workers' wait bound")

@@ -1,7 +1,7 @@
 """The hang guard (tfsync._hang_guard) on plain processes: a frozen worker and one stuck in a step are
-ended saying why (sooner once its job went on without it), a worker that steps on is left alone, and the guard ends with its worker.  Its
-place in an elastic job (the launcher re-forms without the hung worker) is
-tests/parallel/test_elastic_launcher.py's."""
+ended saying why (sooner once its job went on without it), a worker that steps on is left alone,
+and the guard ends with its worker.  Its place in an elastic job (the launcher re-forms without
+the hung worker) is tests/parallel/test_elastic_launcher.py's."""
 
 import os
 import shutil
