@@ -20,16 +20,17 @@ guard ends the worker (SIGKILL) when
   could be a long call that holds the GIL and gets the whole hang timeout, or
 * the heartbeat says the worker's main thread has been in one phase of :data:`PHASES` past its
   bound: one training step for more than twice ``hang_timeout_s`` (:data:`STEP_FACTOR`: the main
-  thread is stuck while the others still run), or for more than ``hang_timeout_s`` once its
-  control path has said, :data:`LEFT_S` before, that the job no longer waits for it (a peer
-  stopped or was lost: the ``went_on`` check given to :meth:`HangGuard.begin`), which a healthy
-  worker's wait reads within a second and leaves the step for a reset, so a worker still in it
-  is stuck (a deadlock, a kernel that never returns) and is ended when its peers have just
-  given up on it rather than a hang timeout later; a fit's first step, where Keras traces the
+  thread is stuck while the others still run); a fit's first step, where Keras traces the
   model, or the restart after a reset (the state's sync and the fit's start, up to its first
   step) for more than :data:`FIRST_STEP_FACTOR` times ``hang_timeout_s`` (a trace takes
   seconds to minutes; a worker stuck in one would hold every peer in the launcher's next
-  rendezvous).
+  rendezvous), or
+* the main thread has been in a step or a fit's first step for more than ``hang_timeout_s``
+  and its control path said, :data:`LEFT_S` before, that the job no longer waits for it (a
+  peer stopped or was lost: the ``went_on`` check given to :meth:`HangGuard.begin`): a healthy
+  worker's wait reads that within a second and leaves the step for a reset, so one still in it
+  is stuck (a deadlock, a kernel that never returns), and it is ended when its peers have just
+  given up on it rather than a hang timeout or more later.
 
 ``hang_timeout_s`` is longer than a step's waits on peers (the wait bound, whose every wait in a
 step is bounded: the collectives run on the engine's exchange thread), so by the time the guard
@@ -134,14 +135,16 @@ class HangGuard:
         ``"first"``, a fit's first; ``"restart"``, after a reset until the first step): from now,
         staying in it past its bound ends the process.
 
-        ``went_on``: for a ``"step"``, a check the heartbeat thread calls (it must not block):
-        True once the job no longer waits for this worker (``Engine.job_went_on``); the step
-        is then bounded at ``hang_timeout_s`` from its begin and :data:`LEFT_S` from the
-        first True."""
+        ``went_on``: for a ``"step"`` or a ``"first"``, a check the heartbeat thread calls (it
+        must not block): True once the job no longer waits for this worker
+        (``Engine.job_went_on``); the phase is then bounded at ``hang_timeout_s`` from its begin
+        and :data:`LEFT_S` from the first True (a first step's trace past the hang timeout
+        included: its peers are resetting without it, and ending it costs its restart, not the
+        job)."""
         if phase not in PHASES:
             raise ValueError(f"HangGuard.begin: phase {phase!r}; expected one of {sorted(PHASES)}")
         self._phase, self._told_slow = phase, False
-        self._watch = [went_on if phase == "step" else None, None]
+        self._watch = [went_on if phase != "restart" else None, None]
         self._began = time.monotonic()
 
     def idle(self):
@@ -178,7 +181,7 @@ class HangGuard:
             if seconds > factor * self.hang_timeout_s:
                 self._send(f"hung {seconds:.1f} {phase}")
             elif left is not None and seconds > self.hang_timeout_s and left >= LEFT_S:
-                self._send(f"left {seconds:.1f} {left:.1f}")
+                self._send(f"left {seconds:.1f} {left:.1f} {phase}")
             elif self._stacks and not self._told_slow and seconds > STEP_FACTOR * self.hang_timeout_s:
                 self._told_slow = True  # (a long-bounded phase past a step's bound: its stacks, once)
                 self._send(f"slow {seconds:.1f} {phase}")
@@ -238,9 +241,9 @@ def _guard(parent: int, hang_timeout_s: float, stacks: bool, stopped_s: float):
                 why = f"its main thread was in {PHASES[phase][1]} for {seconds} s"
                 return _end(parent, label, why, _past(hang_timeout_s), stacks)
             elif line.startswith("left "):
-                seconds, left = line[len("left ") :].split()
+                seconds, left, phase = line[len("left ") :].split()
                 why = (
-                    f"its main thread was in {PHASES['step'][1]} for {seconds} s, still {left} s after its "
+                    f"its main thread was in {PHASES[phase][1]} for {seconds} s, still {left} s after its "
                     f"control path said that the job no longer waits for it (a peer stopped or was lost)"
                 )
                 return _end(parent, label, why, _past(hang_timeout_s), stacks)

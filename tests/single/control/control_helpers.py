@@ -98,8 +98,8 @@ class TcpProxy:
         self._spawn(self._pump, upstream, conn)
 
     def _pump(self, src, dst):
-        src.settimeout(POLL_S)
         try:
+            src.settimeout(POLL_S)  # (the other direction's pump may have closed it already)
             while not self._shut:
                 try:
                     data = src.recv(65536)

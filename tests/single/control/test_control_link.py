@@ -23,6 +23,7 @@ from tfsync.engine.control import (
     ControlClient,
     ControlServer,
 )
+from tfsync.engine.control import client as client_module
 from tfsync.engine.control.client import ControlUnreachableError
 from tfsync.engine.diagnosis import LOSS_SETTLE_S, Diagnosis
 from tfsync.engine.rounds import WorkerLostError
@@ -218,6 +219,23 @@ def test_a_first_attach_where_nothing_listens_any_more_gives_up_at_once():
     server.stop()
     with pytest.raises(ControlUnreachableError, match=r"nothing listens at 127\.0\.0\.1:\d+ any more"):
         ControlClient(address, 1, TOKEN, connect_timeout_s=60)
+
+
+def test_a_link_whose_service_closed_reports_rank_0_unreachable_without_waiting_out_the_grace(monkeypatch):
+    # the service closed (rank 0 reset or exited): nothing listens at the worker's address any
+    # more and no re-attach can get through; with a grace of a minute, it still says so at once
+    monkeypatch.setattr(client_module, "RECONNECT_GRACE_S", 60.0)
+    server = ControlServer(size=2, t0=time.time(), token=TOKEN, host="127.0.0.1")
+    link = TcpProxy(server.port)  # (from another address: not on rank 0's host, so it re-attaches)
+    client = ControlClient(link.address, 1, TOKEN, connect_timeout_s=5)
+    try:
+        assert not client.job_went_on()
+        link.shutdown()
+        server.stop()
+        assert wait_until(lambda: client.host_lost is not None, 10.0), "it waited for the grace"
+        assert client.job_went_on() and client.table(timeout_s=0.5)["lost"][0]["rank"] == 0
+    finally:
+        client.close()
 
 
 def test_a_first_attach_over_a_link_that_answers_nothing_waits_out_its_bound():

@@ -128,7 +128,7 @@ def test_a_worker_stuck_in_one_step_is_ended_saying_why():
     assert time.monotonic() - t >= STEP_FACTOR * 1.0  # (a step may take twice the hang timeout)
 
 
-def test_a_worker_stuck_in_a_step_its_job_went_on_without_is_ended_at_the_hang_timeout_not_twice_it():
+def test_a_worker_stuck_in_a_step_its_job_went_on_without_is_ended_at_the_hang_timeout_not_later():
     # (its peers gave up on it 0.5 s into the step: a healthy worker would have left the step
     # LEFT_S later; this one is ended at the hang timeout, 2 s, not at STEP_FACTOR times it)
     body = "t0 = time.monotonic()\nguard.begin('step', lambda: time.monotonic() - t0 > 0.5)\ntime.sleep(30)\n"
@@ -137,6 +137,11 @@ def test_a_worker_stuck_in_a_step_its_job_went_on_without_is_ended_at_the_hang_t
     said = "after its control path said that the job no longer waits for it (a peer stopped or was lost)"
     assert "its main thread was in one training step for" in err and said in err, err
     assert "past its hang timeout (2.0 s" in err, err
+    # a fit's first step too (past the hang timeout its trace is no longer waited for either)
+    body = "guard.begin('first', lambda: True)\ntime.sleep(30)\n"
+    code, out, err = _finish(_worker(body, timeout_s=1.0))
+    assert code == -signal.SIGKILL and said in err, (code, err)
+    assert "its main thread was in a fit's first training step (where Keras traces the model) for" in err, err
 
 
 def test_a_worker_that_leaves_its_step_when_its_job_went_on_is_left_alone_and_a_failing_check_changes_nothing():
@@ -147,7 +152,7 @@ def test_a_worker_that_leaves_its_step_when_its_job_went_on_is_left_alone_and_a_
     guard.begin("step", lambda: 1 / 0)  # (a check that raises: the heartbeat goes on)
     time.sleep(1.5)
     guard.idle()
-    guard.begin("first", lambda: True)  # (a fit's first step, a trace: not bounded by the check)
+    guard.begin("restart", lambda: True)  # (a restart: no engine yet, not bounded by a check)
     time.sleep({LEFT_S} + 1.5)
     guard.idle()
     print("done", flush=True)

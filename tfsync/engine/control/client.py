@@ -14,8 +14,10 @@ re-attaches, how many it has).
 When the link breaks while the worker is not closing, it re-attaches within
 :data:`~tfsync.engine.control.transport.RECONNECT_GRACE_S`, to the same address
 or, if that is gone (its host's relay died with its process), to rank 0's
-service directly; only when no re-attach gets through within the grace does it
-report rank 0 unreachable (``host_lost``).  A relay that could not re-attach to
+service directly; only when no re-attach gets through within the grace, or at once
+when nothing listens at any of its addresses any more (the service closed: a
+refused connection, not a link down), does it report rank 0 unreachable
+(``host_lost``).  A relay that could not re-attach to
 rank 0 within its grace says so and closes its workers' links: each then tries
 rank 0 itself once (``ATTEMPT_S``) before it reports rank 0 unreachable.  A worker on rank 0's host (rank 0
 says so when it attaches) does not re-attach: only the end of rank 0's
@@ -259,7 +261,17 @@ class ControlClient:
                 )
             elif deadline is None:  # its first attach failed: nothing to come back to
                 break
-            else:  # an attempt that did not get through: not at once again
+            elif all(_refused(a) for a in self._addresses):  # (an attempt that did not get through)
+                # nothing listens at any of its addresses: the service closed (rank 0, or the
+                # relay's worker with it, reset or exited) and never reopens there, so no
+                # re-attach can get through: rank 0 is unreachable now, not after the grace
+                log.warning(
+                    "tfsync: rank %d's control service is gone: nothing listens at %s any more",
+                    self.rank,
+                    " and ".join(self._addresses),
+                )
+                break
+            else:  # not at once again
                 time.sleep(RECONNECT_BACKOFF_MS[0] / 1e3)
             if self._relay_gone:  # its relay gave up on rank 0 after the grace: one try at rank 0 itself
                 deadline = min(deadline, time.monotonic() + ATTEMPT_S)
@@ -299,10 +311,22 @@ class ControlClient:
                 self.address = address
             link = self._open(self._channel, broken.pending())
             self._link = link
-        timer = threading.Timer(max(deadline - time.monotonic(), 0.0), lambda: link.attached or link.call.cancel())
-        timer.daemon = True
-        timer.start()
+        bound = threading.Thread(
+            target=self._bound_attempt, args=(link, address, deadline), daemon=True, name="tfsync-control-attempt"
+        )
+        bound.start()
         return link
+
+    def _bound_attempt(self, link, address, deadline):
+        """End a re-attach attempt that has not got through by ``deadline``, or sooner once nothing
+        listens at ``address`` (looked at every ``ATTACH_POLL_S``: the service closed, so it never
+        would): the watch then moves on, or reports rank 0 unreachable if nothing listens anywhere."""
+        while not link.attached and not self._closing:
+            left = deadline - time.monotonic()
+            if left <= 0 or _refused(address):
+                link.call.cancel()
+                return
+            time.sleep(min(ATTACH_POLL_S, left))
 
     def _read(self, link, first):
         """Take one link's messages until it ends; whether it attached."""
