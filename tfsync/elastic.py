@@ -160,7 +160,9 @@ class KerasState(ObjectState):
         hang_timeout_s: under an elastic launch, a guard process beside the worker ends it
             (SIGKILL, saying why on its standard error) once it has been frozen (SIGSTOP, a
             paused VM) this long, or in one training step (a deadlock, a stuck kernel) twice
-            as long (a step's own compute comes on top of its wait on peers), so that
+            as long (a step's own compute comes on top of its wait on peers), or this long
+            and 2 s after its control path said the job went on without it (a peer stopped or
+            was lost: a healthy worker leaves the step for its reset by then), so that
             the launcher, which waits for every worker's exit, re-forms the job without it
             (``docs/guide/elastic.md``, "Hung workers").  ``"auto"`` (default): the wait bound of
             the callback committing the state plus 2 s: a peer waiting on a hung worker gives up
@@ -575,11 +577,12 @@ def _start_guard(hvd, state):
     state.hang_guard = HangGuard(timeout_s, f"rank {hvd.rank()} of {hvd.size()}", stopped_s=stopped_s)
     log.info(
         "tfsync.elastic: a hang guard ends this worker if it is frozen for %.1f s (stopped by a signal: %.1f s), "
-        "or in one step for %.1f s (a fit's first step, the model's trace, or the restart after a reset up to it: "
-        "%.1f s)",
+        "or in one step for %.1f s (%.1f s once the job went on without it; a fit's first step, the model's trace, "
+        "or the restart after a reset up to it: %.1f s)",
         timeout_s,
         stopped_s,
         STEP_FACTOR * timeout_s,
+        timeout_s,
         FIRST_STEP_FACTOR * timeout_s,
     )
     return state.hang_guard
