@@ -353,7 +353,7 @@ BAD_INPUTS = [
         lambda: tfsync.faults.Fault("melt", rank=0, step=1),
         ValueError,
         r"unknown kind 'melt'",
-        r"choose among \['kill', 'stop', 'raise', 'nan', 'link_cut', 'link_flap', 'host_removed'\]",
+        r"choose among \['kill', 'stop', 'raise', 'nan', 'hang', 'link_cut', 'link_flap', 'host_removed'\]",
         r"choose among",
     ),
     Bad(
