@@ -354,14 +354,12 @@ def test_a_kill_loop_with_the_host_coming_back_keeps_the_accuracy(tmp_path):
     _check_counts(first["state_counts"])
 
 
-def test_a_hung_worker_is_ended_by_its_guard_and_the_job_goes_on_without_it(tmp_path):
-    """Rank 1 stops (SIGSTOP) for good mid-epoch: rank 0's round times out within the wait bound
-    and it resets; the launcher would wait for the stopped process for ever, but its hang guard
-    ends it once rank 0 no longer waits for it (the kernel says it is stopped: when the control
-    link's keepalive drops it, 5 s, not the hang timeout of 10 s + 2); the launcher then
-    blacklists its host and re-forms the job from rank 0, which finishes every epoch."""
+def _one_hangs_for_good(tmp_path, kind, rank):
+    """Rank ``rank`` hangs for good mid-epoch (``kind``: ``"stop"`` or ``"hang"``), wait bound
+    10 s: the other finishes every epoch alone, as rank 0 of one, its counts exact.  Returns the
+    job's output, the fault's ledger record and the survivor's result."""
     schedule = tmp_path / "faults.json"
-    schedule.write_text(Schedule([Fault("stop", rank=1, step=44 + KILL_AT[1])]).to_json())
+    schedule.write_text(Schedule([Fault(kind, rank=rank, step=44 + KILL_AT[1])]).to_json())
     options = ["--faults", str(schedule), "--wait-timeout-s", "10"]
     _, output, results, _ = _launch(tmp_path, "bsp", -1, worker_options=options)
     assert sorted(results) == [0], results
@@ -370,12 +368,22 @@ def test_a_hung_worker_is_ended_by_its_guard_and_the_job_goes_on_without_it(tmp_
     assert res["epochs"] == list(range(EPOCHS)), res  # (the interrupted epoch: finished once, after the reset)
     _check_counts(res["counts"])
     _check_counts(res["state_counts"])
-    stopped = Ledger(str(tmp_path / "bsp--1" / "faults")).records()[0]
-    assert stopped["rank"] == 1 and stopped["kind"] == "stop", stopped
-    ended = f"hang guard: ended rank 1 of 2 (pid {stopped['pid']}"
-    assert ended in output and "it was stopped by a signal (SIGSTOP): no heartbeat for 5." in output, output[-6000:]
+    hung = Ledger(str(tmp_path / "bsp--1" / "faults")).records()[0]
+    assert hung["rank"] == rank and hung["kind"] == kind, hung
+    assert res["pid"] != hung["pid"]
+    assert f"hang guard: ended rank {rank} of 2 (pid {hung['pid']}" in output, output[-6000:]
+    return output, hung, res
+
+
+def test_a_hung_worker_is_ended_by_its_guard_and_the_job_goes_on_without_it(tmp_path):
+    """Rank 1 stops (SIGSTOP) for good mid-epoch: rank 0's round times out within the wait bound
+    and it resets; the launcher would wait for the stopped process for ever, but its hang guard
+    ends it once rank 0 no longer waits for it (the kernel says it is stopped: when the control
+    link's keepalive drops it, 5 s, not the hang timeout of 10 s + 2); the launcher then
+    blacklists its host and re-forms the job from rank 0, which finishes every epoch."""
+    output, _, _ = _one_hangs_for_good(tmp_path, "stop", 1)
+    assert "it was stopped by a signal (SIGSTOP): no heartbeat for 5." in output, output[-6000:]
     assert "past the 5.0 s after which its peers no longer wait for it" in output, output[-6000:]
-    assert res["pid"] != stopped["pid"]
 
 
 def test_a_worker_deadlocked_in_a_step_is_ended_once_its_peers_gave_up_on_it(tmp_path):
@@ -384,22 +392,9 @@ def test_a_worker_deadlocked_in_a_step_is_ended_once_its_peers_gave_up_on_it(tmp
     bound, it tells every worker why and resets; rank 0's guard, told by its control path that
     the job went on without it, ends it at the hang timeout rather than at twice it, and rank 1
     finishes every epoch as rank 0 of one."""
-    schedule = tmp_path / "faults.json"
-    schedule.write_text(Schedule([Fault("hang", rank=0, step=44 + KILL_AT[1])]).to_json())
-    options = ["--faults", str(schedule), "--wait-timeout-s", "10"]
-    _, output, results, _ = _launch(tmp_path, "bsp", -1, worker_options=options)
-    assert sorted(results) == [0], results
-    res = results[0]
-    assert res["resets"] == 1 and res["size"] == 1 and res["state_epoch"] == EPOCHS, res
-    assert res["epochs"] == list(range(EPOCHS)), res
-    _check_counts(res["counts"])
-    _check_counts(res["state_counts"])
-    hung = Ledger(str(tmp_path / "bsp--1" / "faults")).records()[0]
-    assert hung["rank"] == 0 and hung["kind"] == "hang", hung
-    assert f"hang guard: ended rank 0 of 2 (pid {hung['pid']}" in output, output[-6000:]
+    output, _, _ = _one_hangs_for_good(tmp_path, "hang", 0)
     said = "after its control path said that the job no longer waits for it (a peer stopped or was lost)"
     assert said in output and "past its hang timeout (12.0 s" in output, output[-6000:]
-    assert res["pid"] != hung["pid"]
 
 
 def test_a_hung_worker_that_wakes_after_its_peers_reset_rejoins_from_the_commit(tmp_path):
