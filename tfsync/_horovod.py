@@ -2,21 +2,52 @@
 
 import ctypes
 import os
+import re
 import sys
 
 from tfsync import _env
 
 LAUNCHER_ENV = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
 SINGLE_PROCESS_ENV = _env.SINGLE_PROCESS.name
+# Read by Horovod as ``make install`` builds it (third_party/horovod, hunk 14), in each Gloo
+# connection: the longest TCP waits between two retransmissions on it (TCP_RTO_MAX_MS)
+RTO_MAX_ENV = "HOROVOD_TFSYNC_TCP_RTO_MAX_MS"
+RTO_MAX_DEFAULT_MS = 1000  # (the smallest Linux takes)
+RTO_MAX_RANGE_MS = (1000, 120000)  # (what Linux takes)
+
+
+def gloo_rto_max_ms(environ=None) -> int:
+    """The cap on TCP's retransmission timeout that Horovod's Gloo connections get, in ms: from
+    ``HOROVOD_TFSYNC_TCP_RTO_MAX_MS`` (0: the kernel's own backoff), 1000 when it is unset.
+
+    TCP doubles a connection's retransmission timeout after each unanswered retransmission, so a
+    collective whose link was down for 3.5 s would resume only at 6.2 s, one down for 6.5 s only
+    at 12.6 s; with the cap it resumes within that many milliseconds of the link's return.
+    Raises ``ValueError`` for a value Linux would refuse: Horovod's C++ reads it in every
+    process and can only keep the kernel's cap."""
+    environ = os.environ if environ is None else environ
+    raw = environ.get(RTO_MAX_ENV, "")
+    if raw == "":
+        return RTO_MAX_DEFAULT_MS
+    low, high = RTO_MAX_RANGE_MS
+    if not re.fullmatch(r"[0-9]+", raw) or (int(raw) != 0 and not low <= int(raw) <= high):
+        raise ValueError(
+            f"{RTO_MAX_ENV}={raw!r}: expected 0 (TCP's own backoff) or a number of milliseconds from "
+            f"{low} to {high} (the longest a Gloo connection waits between two retransmissions; Linux "
+            f"takes nothing outside that range); set it in that range, or unset it for {RTO_MAX_DEFAULT_MS}"
+        )
+    return int(raw)
 
 
 def horovod():
     """Return ``horovod.tensorflow`` after checking it is initialized and launched.
 
     Raises ``RuntimeError`` saying how to fix it otherwise (``ValueError`` for a
-    ``TFSYNC_SINGLE_PROCESS`` that is neither 0 nor 1).
+    ``TFSYNC_SINGLE_PROCESS`` that is neither 0 nor 1, or a ``HOROVOD_TFSYNC_TCP_RTO_MAX_MS``
+    Linux would refuse: :func:`gloo_rto_max_ms`).
     """
     single_process = _env.single_process()
+    gloo_rto_max_ms()
     try:
         import horovod.tensorflow as hvd
     except ImportError as exc:

@@ -27,7 +27,9 @@ the soak over the undisturbed run's; useful: the epochs finished times the epoch
 compensated + dropped + rejected + lost, for every worker's counts and the job's, after every
 reset and at the end); and what the rest of the time went to: ``to_next_step_s`` per kind
 (from the fault to the next step of the workers it did not take, past the stall it caused if
-it caused one: one that began before the next fault), ``stalled_s`` (no step anywhere for a second or more),
+it caused one: one that began before the next fault), ``stalled_s`` (no step anywhere for a second or more) and
+``stalled_s_by_kind`` (those seconds by the kind of the last fault injected before each stall
+ended: its own stall and its consequences, a replacement's join or a host's return),
 ``reduced_s`` (fewer than four workers), the guard's ends of hung workers, the schedule.
 ``--work-dir`` keeps every run's files (logs, step records, the fault ledger); ``--reanalyze
 WORK_DIR`` rebuilds the records from them (same options) without running; ``--plot`` draws each
@@ -311,6 +313,22 @@ def to_next_step(steps, fault, window_s, next_t=None):
     return after[0] - t0 if after else None
 
 
+def stalled_by_kind(steps, injected):
+    """Seconds with no step anywhere (gaps of ``STALL_S`` or more between the job's steps), by the
+    kind of the last fault injected before each ended (``injected``: ``[(t, kind), ...]``);
+    ``"none"`` for those that ended before the first.  What the soak's stalls went to: a stall
+    that ends after an injection is that fault's or a later consequence of it (a replacement's
+    join, a host's return), as long as no other fault came meanwhile."""
+    times = sorted(s["t"] for s in steps)
+    injected = sorted(injected)
+    out = collections.Counter()
+    for a, b in zip(times, times[1:], strict=False):
+        if b - a >= STALL_S:
+            kinds = [kind for t, kind in injected if t < b]
+            out[kinds[-1] if kinds else "none"] += b - a
+    return dict(sorted(out.items()))
+
+
 def job_record(out, code, steps):
     """What one run's files say: every finisher's result, rank 0's, the first step's and the end's
     times, and the epochs the job finished."""
@@ -436,6 +454,7 @@ def analyze(args, mode, work):
         "soak_s": end - start if steps else None,
         "launch_s": launched["launch_s"],
         "stalled_s": sum(gap for gap, _ in pairs if gap >= STALL_S),
+        "stalled_s_by_kind": stalled_by_kind(steps, [(r["t"], schedule.faults[i].kind) for i, r in faults.items()]),
         "reduced_s": sum(gap for gap, size in pairs if size < FULL),
         "samples_trained": 16 * len(steps),  # (every worker's steps, redone ones included: batches of 16)
         "hung_workers_ended": text.count("hang guard: ended"),

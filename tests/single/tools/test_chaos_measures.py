@@ -33,6 +33,15 @@ def test_the_victims_own_steps_do_not_count():
     assert chaos.to_next_step(steps, {"t": 5.0}, window_s=10) is None
 
 
+def test_the_stalls_go_to_the_last_fault_injected_before_they_ended():
+    # stalls: 1.0-3.0 (before any fault), 4.0-6.0 (a kill at 4.5 inside it), 6.5-8.0 (the kill's
+    # replacement joining), 8.2-9.5 (a cut injected at 8.0, before the stall began)
+    steps = _steps([0.5, 1.0, 3.0, 3.5, 4.0, 6.0, 6.5, 8.0, 8.1, 8.2, 9.5, 9.9])
+    by_kind = chaos.stalled_by_kind(steps, [(8.0, "link_cut"), (4.5, "kill")])
+    assert by_kind == pytest.approx({"kill": 2.0 + 1.5, "link_cut": 1.3, "none": 2.0})
+    assert chaos.stalled_by_kind(_steps([0.0, 0.5, 1.0]), [(0.2, "nan")]) == {}
+
+
 def test_the_command_line_wants_its_json_and_known_modes(capsys):
     with pytest.raises(SystemExit):
         chaos.parse_args(["--modes", "bsp"])
