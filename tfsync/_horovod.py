@@ -14,6 +14,7 @@ SINGLE_PROCESS_ENV = _env.SINGLE_PROCESS.name
 RTO_MAX_ENV = "HOROVOD_TFSYNC_TCP_RTO_MAX_MS"
 RTO_MAX_DEFAULT_MS = 1000  # (the smallest Linux takes)
 RTO_MAX_RANGE_MS = (1000, 120000)  # (what Linux takes)
+TCP_RTO_MAX_MS = 44  # the socket option (Linux 6.15 and newer; Python's socket module has no name for it)
 
 
 def gloo_rto_max_ms(environ=None) -> int:

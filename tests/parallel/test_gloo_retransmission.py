@@ -6,9 +6,9 @@ import socket
 import pytest
 
 from tests.parallel.launch import results_of
+from tfsync._horovod import TCP_RTO_MAX_MS
 
 pytestmark = pytest.mark.parallel
-TCP_RTO_MAX_MS = 44
 
 
 def _kernel_caps():

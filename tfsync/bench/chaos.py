@@ -42,6 +42,7 @@ Example:
 """
 
 import argparse
+import bisect
 import collections
 import contextlib
 import glob
@@ -314,18 +315,18 @@ def to_next_step(steps, fault, window_s, next_t=None):
 
 
 def stalled_by_kind(steps, injected):
-    """Seconds with no step anywhere (gaps of ``STALL_S`` or more between the job's steps), by the
-    kind of the last fault injected before each ended (``injected``: ``[(t, kind), ...]``);
-    ``"none"`` for those that ended before the first.  What the soak's stalls went to: a stall
-    that ends after an injection is that fault's or a later consequence of it (a replacement's
-    join, a host's return), as long as no other fault came meanwhile."""
-    times = sorted(s["t"] for s in steps)
+    """Seconds with no step anywhere (gaps of ``STALL_S`` or more between the job's steps, which
+    come in time order), by the kind of the last fault injected before each ended (``injected``:
+    ``[(t, kind), ...]``); ``"none"`` for those that ended before the first.  What the soak's
+    stalls went to: a stall that ends after an injection is that fault's or a later consequence
+    of it (a replacement's join, a host's return), as long as no other fault came meanwhile."""
     injected = sorted(injected)
+    at = [t for t, _ in injected]
     out = collections.Counter()
-    for a, b in zip(times, times[1:], strict=False):
-        if b - a >= STALL_S:
-            kinds = [kind for t, kind in injected if t < b]
-            out[kinds[-1] if kinds else "none"] += b - a
+    for a, b in zip(steps, steps[1:], strict=False):
+        if b["t"] - a["t"] >= STALL_S:
+            last = bisect.bisect_left(at, b["t"])  # (the injections before the stall's end)
+            out[injected[last - 1][1] if last else "none"] += b["t"] - a["t"]
     return dict(sorted(out.items()))
 
 
@@ -422,6 +423,7 @@ def analyze(args, mode, work):
         if s is not None and (lost is None or record["t"] + s <= steps[-1]["t"]):
             survived[kind] += 1
     pairs = [(b["t"] - a["t"], a["n"]) for a, b in zip(steps, steps[1:], strict=False)]
+    stalls = stalled_by_kind(steps, [(r["t"], schedule.faults[i].kind) for i, r in faults.items()])
     checks = [c for r in results.values() for pair in r["counts_after_resets"] for c in pair]
     checks += [c for r in results.values() for c in (r["counts"], r["state_counts"])]
     with open(os.path.join(soak_out, "output.log"), errors="replace") as f:
@@ -453,8 +455,8 @@ def analyze(args, mode, work):
         "undisturbed_epochs": calm_epochs,
         "soak_s": end - start if steps else None,
         "launch_s": launched["launch_s"],
-        "stalled_s": sum(gap for gap, _ in pairs if gap >= STALL_S),
-        "stalled_s_by_kind": stalled_by_kind(steps, [(r["t"], schedule.faults[i].kind) for i, r in faults.items()]),
+        "stalled_s": sum(stalls.values()),
+        "stalled_s_by_kind": stalls,
         "reduced_s": sum(gap for gap, size in pairs if size < FULL),
         "samples_trained": 16 * len(steps),  # (every worker's steps, redone ones included: batches of 16)
         "hung_workers_ended": text.count("hang guard: ended"),

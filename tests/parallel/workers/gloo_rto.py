@@ -14,8 +14,6 @@ import tensorflow as tf  # noqa: E402
 
 from tfsync import _horovod  # noqa: E402
 
-TCP_RTO_MAX_MS = 44  # (Linux 6.15 and newer)
-
 assert float(hvd.allreduce(tf.constant(1.0), op=hvd.Sum)) == 2.0  # the job formed
 connections = []
 for name in os.listdir("/proc/self/fd"):
@@ -28,7 +26,7 @@ for name in os.listdir("/proc/self/fd"):
     try:
         if sock.family in (socket.AF_INET, socket.AF_INET6) and sock.type == socket.SOCK_STREAM:
             peer = sock.getpeername()
-            rto_max_ms = sock.getsockopt(socket.IPPROTO_TCP, TCP_RTO_MAX_MS)
+            rto_max_ms = sock.getsockopt(socket.IPPROTO_TCP, _horovod.TCP_RTO_MAX_MS)
             connections.append(
                 {"local": list(sock.getsockname()[:2]), "peer": list(peer[:2]), "rto_max_ms": rto_max_ms}
             )
