@@ -125,11 +125,11 @@ class Diagnosis:
 
     def peer_stop(self):
         """The error another rank stopped with, if one did (pushed by the control path)."""
-        for notice in self.control.known_stopped:
-            if int(notice["rank"]) != self.rank:
-                cls = SyncTimeoutError if notice.get("kind") == "SyncTimeoutError" else WorkerLostError
-                return cls(f"tfsync: rank {int(notice['rank'])} stopped the job: {notice['message']}")
-        return None
+        notice = self.control.peer_stop_notice()
+        if notice is None:
+            return None
+        cls = SyncTimeoutError if notice.get("kind") == "SyncTimeoutError" else WorkerLostError
+        return cls(f"tfsync: rank {int(notice['rank'])} stopped the job: {notice['message']}")
 
     def _with_their_hosts(self, lost):
         """``lost``, and the other ranks on the lost ranks' hosts once lost too, waited for up to

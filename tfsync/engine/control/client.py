@@ -444,9 +444,12 @@ class ControlClient:
         stopped (its stop notice), a rank was lost, or rank 0 is unreachable.  Read without a
         call, from what the link pushed: for a thread other than the training thread (the hang
         guard's heartbeat, while the training thread may be stuck)."""
-        if self.known_lost or self.host_lost is not None:
-            return True
-        return any(int(notice["rank"]) != self.rank for notice in self.known_stopped)
+        return bool(self.known_lost) or self.host_lost is not None or self.peer_stop_notice() is not None
+
+    def peer_stop_notice(self):
+        """The first stop notice of another rank that the link pushed (``rank``, ``kind``,
+        ``message``), or None."""
+        return next((n for n in self.known_stopped if int(n["rank"]) != self.rank), None)
 
     def announce_stop(self, kind: str, message: str, wait: bool = True):
         """Tell every worker (through rank 0) why this one stops, so they can say so too; waits
