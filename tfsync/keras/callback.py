@@ -8,7 +8,9 @@ builds (:mod:`tfsync.engine.protocols.path`) on the model optimizer's ``apply``
 the exchange runs inside the compiled step.  Auto mode's switches
 (:mod:`tfsync.keras.auto`) and elastic commits (:mod:`tfsync.keras.commits`)
 are collaborators, reaching the callback through
-:meth:`SyncCallback.switch_mode` and :meth:`SyncCallback.abandon_engine`.
+:meth:`SyncCallback.switch_mode` and :meth:`SyncCallback.abandon_engine`; the
+fit's input iterator is dropped off the training thread when the fit ends
+(:mod:`tfsync.keras.fit_data`).
 """
 
 import keras
@@ -17,6 +19,7 @@ from tfsync.frontend import Frontend, check_start
 from tfsync.keras.auto import AutoSwitching
 from tfsync.keras.commits import ElasticCommits
 from tfsync.keras.counts import RunCounts
+from tfsync.keras.fit_data import FitData
 from tfsync.keras.logs import add_epoch_logs
 from tfsync.keras.statistics import average_statistics
 from tfsync.policies import Auto, resolve_mode
@@ -131,6 +134,7 @@ class SyncCallback(keras.callbacks.Callback):
         self.average_epoch_logs = average_epoch_logs
         self.average_statistics = average_statistics
         self.run_counts = RunCounts()
+        self._fit_data = FitData()  # the fit's input iterator, dropped off the training thread
         self._path = None  # the optimizer path the compiled train step was built on
         self._optimizer = None  # the optimizer whose apply is hooked
 
@@ -205,6 +209,7 @@ class SyncCallback(keras.callbacks.Callback):
             return
         self._path, self._optimizer = path, optimizer
         self._apply_mean = self.frontend.install(model, path, "tfsync.keras.SyncCallback")
+        model.train_function = self._fit_data.watching(model.train_function)
 
     def on_epoch_begin(self, epoch, logs=None):
         if self.elastic is not None:
@@ -248,6 +253,7 @@ class SyncCallback(keras.callbacks.Callback):
             self.elastic.epoch_end(epoch, self.run_counts.since_commit(self.engine))
 
     def on_train_end(self, logs=None):
+        self._fit_data.release()  # (dropped off this thread once fit has returned: tfsync.keras.fit_data)
         if not self.frontend.running:
             return
         self._stop_engine()

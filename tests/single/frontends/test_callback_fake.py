@@ -10,6 +10,10 @@ callback's own logic (start checks, epoch logs, the drain, auto mode's
 decisions) is tested here; tests/parallel runs the same under Horovod.
 """
 
+import threading
+import time
+import weakref
+
 import keras
 import numpy as np
 import pytest
@@ -18,6 +22,7 @@ from training_fake import BATCH, EPOCHS, SIZE, STEPS, data, train_on_mean_gradie
 
 import tfsync
 from tfsync.engine import COUNTS
+from tfsync.keras import fit_data
 
 # real engines on localhost, without stragglers from the environment (conftest.py)
 pytestmark = pytest.mark.usefixtures("engines_on_localhost")
@@ -135,3 +140,38 @@ def test_a_fit_that_raised_leaves_no_engine_in_the_way_of_the_next():
     for a, b in zip(results[0][0], results[1][0]):
         np.testing.assert_array_equal(a, b)
     assert results[0][1]["produced"] == STEPS * EPOCHS
+
+
+def test_the_fits_input_iterator_is_dropped_on_the_release_thread_not_the_training_one():
+    """Destroying a ``tf.data`` iterator can wait seconds for its autotuning thread
+    (:mod:`tfsync.keras.fit_data`): each rank's fit iterator is dropped on the callback's
+    release thread, once the fit has returned, not on the thread that ran the fit."""
+    fake = FakeCluster(SIZE, timeout_s=60)
+    dropped_on = {}  # rank -> the name of the thread that dropped its fit's iterator
+
+    def one(rank):
+        model = build()
+        sync = tfsync.keras.SyncCallback("bsp", cluster=fake.rank(rank), wait_timeout_s=60)
+
+        def note():
+            dropped_on[rank] = threading.current_thread().name
+
+        class Watch(keras.callbacks.Callback):
+            def on_train_batch_end(self, batch, logs=None):
+                if batch == 0:
+                    weakref.finalize(sync._fit_data._seen(), note)
+
+        x, y = data(rank)
+        model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0, callbacks=[sync, Watch()])
+        return threading.current_thread().name
+
+    trained_on, errors = on_threads([lambda r=r: one(r) for r in range(SIZE)], JOIN_S)
+    assert_no_errors(errors)
+    deadline = time.monotonic() + 30.0
+    while len(dropped_on) < SIZE and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert dropped_on == {r: fit_data.THREAD_NAME for r in range(SIZE)}, (dropped_on, trained_on)
+
+
+def test_without_a_fit_there_is_nothing_to_release():
+    assert fit_data.FitData().release() is False
