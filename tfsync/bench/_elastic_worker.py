@@ -18,9 +18,8 @@ the state's wait bound (default 30 s for the callback, the state's own default f
 ``--hang-timeout-s S``: the state's ``hang_timeout_s`` (default ``"auto"``).
 
 ``--commit-every N``: commits every ``N`` steps within an epoch too, and the data resumes at
-the committed sample (one ``fit`` per epoch on ``tfsync.shard(..., resume=state, seed=0)``, as
-a ``tf.data`` dataset with the autotuner off); each membership record then says the sample the
-call resumed at.
+the committed sample (one ``fit`` per epoch on ``tfsync.shard(..., resume=state, seed=0)``);
+each membership record then says the sample the call resumed at.
 
 Options for a kill loop: ``--kill-every-s S`` kills (as above, at ``kill_batch``) in the first
 epoch that begins ``S`` seconds or more after the previous kill (or ``--start-t``), instead of at
@@ -102,7 +101,6 @@ def main(argv=None):
     import horovod.tensorflow as hvd
     import keras
     import numpy as np
-    import tensorflow as tf
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
 
@@ -113,8 +111,6 @@ def main(argv=None):
     x = (x / 16.0).astype("float32")
     x_train, x_test, y_train, y_test = train_test_split(x, y, test_size=0.2, random_state=0, stratify=y)
     x_train, y_train = np.tile(x_train, (args.repeat, 1)), np.tile(y_train, args.repeat)
-    no_autotune = tf.data.Options()
-    no_autotune.autotune.enabled = False
 
     injectors, loss = [], "sparse_categorical_crossentropy"
     if args.faults is not None:
@@ -250,12 +246,11 @@ def main(argv=None):
         seen["counts_after_resets"].append([sync.counts, state.counts])  # (each must add up)
         if resume:  # one fit per epoch, from the committed sample of the committed epoch
             while state.epoch < args.epochs and not stopped:
-                share = tfsync.shard(x_train, y_train, batch_size=BATCH, resume=state, seed=0)
-                # (a dataset without tf.data's autotuner: with it, a fit's end sometimes waits
-                # seconds for the autotuner's thread; docs/guide/elastic.md, "Fit ends")
-                data = tf.data.Dataset.from_tensor_slices(share).batch(BATCH).prefetch(2).with_options(no_autotune)
+                x_local, y_local = tfsync.shard(x_train, y_train, batch_size=BATCH, resume=state, seed=0)
                 model.fit(
-                    data,
+                    x_local,
+                    y_local,
+                    batch_size=BATCH,
                     epochs=state.epoch + 1,
                     initial_epoch=state.epoch,
                     shuffle=False,

@@ -9,7 +9,7 @@ the exchange runs inside the compiled step.  Auto mode's switches
 (:mod:`tfsync.keras.auto`) and elastic commits (:mod:`tfsync.keras.commits`)
 are collaborators, reaching the callback through
 :meth:`SyncCallback.switch_mode` and :meth:`SyncCallback.abandon_engine`; the
-fit's input iterator is dropped off the training thread when the fit ends
+fit's input iterators are dropped off the training thread
 (:mod:`tfsync.keras.fit_data`).
 """
 
@@ -134,7 +134,7 @@ class SyncCallback(keras.callbacks.Callback):
         self.average_epoch_logs = average_epoch_logs
         self.average_statistics = average_statistics
         self.run_counts = RunCounts()
-        self._fit_data = FitData()  # the fit's input iterator, dropped off the training thread
+        self._fit_data = FitData()  # the fit's input iterators, dropped off the training thread
         self._path = None  # the optimizer path the compiled train step was built on
         self._optimizer = None  # the optimizer whose apply is hooked
 
@@ -287,6 +287,7 @@ class SyncCallback(keras.callbacks.Callback):
             lost = engine.lose_in_flight(reason)
         self.run_counts.fold(engine)
         self._unhook()
+        self._fit_data.release()
         return lost
 
     # ---------------------------------------------------------------- internals

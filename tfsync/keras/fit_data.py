@@ -1,62 +1,64 @@
-"""The input iterator of a ``fit``, dropped off the training thread when the ``fit`` ends.
+"""The input iterators of a ``fit``, dropped off the training thread.
 
 TensorFlow's ``tf.data`` autotuner (on by default, and in the pipeline ``fit`` builds for
 NumPy arrays) gives every iterator a thread that wakes up at periods doubling from 10 ms
 to 60 s.  Destroying the iterator waits for that thread, and the thread sometimes sleeps
 out its period although the iterator has cancelled it: TensorFlow 2.21, 3.6-3.8 s after a
-7-s ``fit``, in plain Keras too (``docs/results/chaos/README.md``, "Stalls at epoch ends").
-``fit`` drops its iterator as it returns, on the training thread, so such an end stops the
-worker for seconds, and its peers wait for it in the next collective: a job that fits one
-epoch at a time (mid-epoch resume) pays it at epoch ends.
+7-s epoch, in plain Keras too (``docs/results/chaos/README.md``, "Stalls at epoch ends").
+Keras builds a new iterator for every epoch of data and drops the last one on the
+training thread (at the next epoch's first step, or as ``fit`` returns), so such an end
+stops the worker for seconds, and its peers wait for it in the next collective.
 
-:class:`FitData` notes the iterator the train function is called with (a weak reference,
-kept off the step's hot path but for one comparison), and at ``on_train_end`` hands it to a
-daemon thread that drops it once nothing else holds it (``fit`` has returned).  The wait
-then holds that thread only: TensorFlow releases Python's lock while it deletes a tensor,
-so training goes on meanwhile.
+:class:`FitData` holds the iterator the train function was last called with (one identity
+comparison a step).  When the train function is called with another one, or the ``fit``
+ends, it hands the one it holds to a daemon thread that drops it once nothing else holds
+it.  The wait then holds that thread only: TensorFlow releases Python's lock while it
+deletes a tensor, so training goes on meanwhile.
 """
 
 import sys
 import threading
 import time
-import weakref
 
 RELEASE_POLL_S = 0.05
-# a reference held elsewhere past this (the user's): this thread drops its own, and the
-# iterator is destroyed wherever that one goes, as without tfsync
+# a reference held elsewhere past this (the user's): the thread drops its own, and the
+# iterator is destroyed wherever that one goes, as it would be without tfsync
 RELEASE_WAIT_S = 600.0
 THREAD_NAME = "tfsync-fit-data-release"
 
 
 class FitData:
-    """The last iterator a ``fit``'s train function was called with, released off-thread."""
+    """The iterator a ``fit``'s train function was last called with, dropped off-thread."""
 
     def __init__(self):
-        self._seen = None  # a weak reference to it, or None
+        self._current = None
 
     def watching(self, train_function):
-        """``train_function``, noting (weakly) the iterator it is called with."""
+        """``train_function``, holding the iterator it is called with; the one it held before
+        (an earlier epoch's) goes to the release thread."""
 
         def train_function_watching_data(iterator):
-            seen = self._seen
-            if seen is None or seen() is not iterator:
-                try:
-                    self._seen = weakref.ref(iterator)
-                except TypeError:  # (no weak references to it: left to Keras)
-                    self._seen = None
+            if iterator is not self._current:
+                _release(self._hold(iterator))
             return train_function(iterator)
 
         return train_function_watching_data
 
     def release(self) -> bool:
-        """Hand the iterator, if one is alive, to a daemon thread that drops it once it holds
-        the last reference; whether there was one.  Called at ``on_train_end``."""
-        iterator = self._seen() if self._seen is not None else None
-        self._seen = None
-        if iterator is None:
-            return False
-        threading.Thread(target=_drop_when_last, args=([iterator],), daemon=True, name=THREAD_NAME).start()
-        return True
+        """Hand the iterator held, if any, to the release thread (at ``fit``'s end, or a reset's);
+        whether there was one."""
+        return _release(self._hold(None))
+
+    def _hold(self, iterator):
+        previous, self._current = self._current, iterator
+        return previous
+
+
+def _release(iterator) -> bool:
+    if iterator is None:
+        return False
+    threading.Thread(target=_drop_when_last, args=([iterator],), daemon=True, name=THREAD_NAME).start()
+    return True
 
 
 def _drop_when_last(box):

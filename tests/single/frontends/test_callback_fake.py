@@ -142,24 +142,27 @@ def test_a_fit_that_raised_leaves_no_engine_in_the_way_of_the_next():
     assert results[0][1]["produced"] == STEPS * EPOCHS
 
 
-def test_the_fits_input_iterator_is_dropped_on_the_release_thread_not_the_training_one():
+def test_every_epochs_input_iterator_is_dropped_on_the_release_thread_not_the_training_one():
     """Destroying a ``tf.data`` iterator can wait seconds for its autotuning thread
-    (:mod:`tfsync.keras.fit_data`): each rank's fit iterator is dropped on the callback's
-    release thread, once the fit has returned, not on the thread that ran the fit."""
+    (:mod:`tfsync.keras.fit_data`): each epoch's iterator (Keras builds one per epoch of data)
+    is dropped on the callback's release thread, not on the thread that runs the fit."""
     fake = FakeCluster(SIZE, timeout_s=60)
-    dropped_on = {}  # rank -> the name of the thread that dropped its fit's iterator
+    dropped_on = {r: [] for r in range(SIZE)}  # rank -> the threads that dropped its iterators
 
     def one(rank):
         model = build()
         sync = tfsync.keras.SyncCallback("bsp", cluster=fake.rank(rank), wait_timeout_s=60)
+        watched = set()
 
         def note():
-            dropped_on[rank] = threading.current_thread().name
+            dropped_on[rank].append(threading.current_thread().name)
 
         class Watch(keras.callbacks.Callback):
             def on_train_batch_end(self, batch, logs=None):
-                if batch == 0:
-                    weakref.finalize(sync._fit_data._seen(), note)
+                iterator = sync._fit_data._current
+                if id(iterator) not in watched:
+                    watched.add(id(iterator))
+                    weakref.finalize(iterator, note)
 
         x, y = data(rank)
         model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0, callbacks=[sync, Watch()])
@@ -168,9 +171,9 @@ def test_the_fits_input_iterator_is_dropped_on_the_release_thread_not_the_traini
     trained_on, errors = on_threads([lambda r=r: one(r) for r in range(SIZE)], JOIN_S)
     assert_no_errors(errors)
     deadline = time.monotonic() + 30.0
-    while len(dropped_on) < SIZE and time.monotonic() < deadline:
+    while any(len(d) < EPOCHS for d in dropped_on.values()) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert dropped_on == {r: fit_data.THREAD_NAME for r in range(SIZE)}, (dropped_on, trained_on)
+    assert dropped_on == {r: [fit_data.THREAD_NAME] * EPOCHS for r in range(SIZE)}, (dropped_on, trained_on)
 
 
 def test_without_a_fit_there_is_nothing_to_release():
