@@ -651,7 +651,7 @@ def _collect_abandoned():
     trace, where an iterator's destructor then waited 24 s to minutes for the iterator's
     autotuning thread (``RootDataset::Iterator``'s model thread, which sometimes sleeps out its
     period, doubling from 10 ms to 60 s, though the iterator cancelled it; plain Keras shows it
-    too, at fit ends: docs/guide/elastic.md, "Fit ends"): the restarted worker made no step, and
+    too, at epoch ends: docs/guide/elastic.md, "Epoch ends"): the restarted worker made no step, and
     its peers gave up on it.  Collected here, such a wait holds only this thread (TensorFlow
     waits without Python's lock: the worker's other threads ran on meanwhile), while the worker
     re-forms and trains."""
