@@ -34,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 
 SUBNET = "198.18.0"
 IFACE = "eth1"
@@ -43,6 +44,9 @@ DIR_PREFIX = "tfsync-hosts-"  # the keys and sshd configs of one Hosts, under th
 SSHD = "/usr/sbin/sshd"
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 COMMAND_TIMEOUT_S = 20.0  # one ip/ssh-keygen call
+# every host's sshd listening (it writes its pid file once its sockets are bound): a launcher
+# that connects before then is refused, and its job fails at once
+SSHD_READY_S = 20.0
 
 
 def _run(*cmd, timeout_s=COMMAND_TIMEOUT_S, check=True):
@@ -135,6 +139,7 @@ class Hosts:
             with open(os.path.join(etc, "hosts"), "w") as f:
                 f.write(f"127.0.0.1 localhost\n{self.address(i)} {self.name(i)}\n")
             self._start_sshd(i)
+        self._wait_for_sshd()
 
     def _start_sshd(self, i):
         host_key = os.path.join(self._dir, f"host{i}_key")
@@ -149,6 +154,19 @@ class Hosts:
             )
         os.makedirs("/run/sshd", exist_ok=True)
         self._sshd.append(self.popen(i, [SSHD, "-D", "-e", "-f", config], stderr=subprocess.DEVNULL))
+
+    def _wait_for_sshd(self):
+        deadline = time.monotonic() + SSHD_READY_S
+        for i, sshd in enumerate(self._sshd, start=1):
+            while not os.path.exists(os.path.join(self._dir, f"sshd{i}.pid")):
+                if sshd.poll() is not None:
+                    raise RuntimeError(f"host {i}'s sshd ({SSHD}) exited with {sshd.returncode} before it listened")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"host {i}'s sshd did not listen within {SSHD_READY_S:g} s; is {SSHD} installed and the "
+                        f"machine not overloaded?"
+                    )
+                time.sleep(0.05)
 
     def __exit__(self, *exc):
         self.kill_all(keep_sshd=False)
