@@ -148,17 +148,20 @@ class Hosts:
         with open(config, "w") as f:
             f.write(
                 f"ListenAddress {self.address(i)}\nListenAddress {self.alias(i)}\nPort 22\nHostKey {host_key}\n"
-                f"PidFile {self._dir}/sshd{i}.pid\nAuthorizedKeysFile {self._dir}/authorized_keys\n"
+                f"PidFile {self._sshd_pid_file(i)}\nAuthorizedKeysFile {self._dir}/authorized_keys\n"
                 "PermitRootLogin prohibit-password\nPasswordAuthentication no\nStrictModes no\nUsePAM no\n"
                 "AcceptEnv *\n"
             )
         os.makedirs("/run/sshd", exist_ok=True)
         self._sshd.append(self.popen(i, [SSHD, "-D", "-e", "-f", config], stderr=subprocess.DEVNULL))
 
+    def _sshd_pid_file(self, i):
+        return os.path.join(self._dir, f"sshd{i}.pid")
+
     def _wait_for_sshd(self):
         deadline = time.monotonic() + SSHD_READY_S
         for i, sshd in enumerate(self._sshd, start=1):
-            while not os.path.exists(os.path.join(self._dir, f"sshd{i}.pid")):
+            while not os.path.exists(self._sshd_pid_file(i)):
                 if sshd.poll() is not None:
                     raise RuntimeError(f"host {i}'s sshd ({SSHD}) exited with {sshd.returncode} before it listened")
                 if time.monotonic() > deadline:
