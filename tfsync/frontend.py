@@ -110,12 +110,15 @@ class Frontend:
         if optimizer is not None and "apply" in vars(optimizer):
             del optimizer.apply
 
-    def install(self, model, path, who):
+    def install(self, model, path, who, compiled=None):
         """Install ``path`` at the optimizer's ``apply`` of a Keras ``model`` and around its train
-        step, then compile the train step (the callback's station).  The step is checked when it
-        is traced, before it runs: it must update the weights through that ``apply`` exactly once,
-        on the model's trainable variables, or ``who`` refuses it (another path would train each
-        worker alone).  Returns how a round's mean goes through the optimizer without an exchange
+        step, then compile the train step (the callback's station), or install ``compiled``, a
+        train function this frontend compiled on ``path`` for ``model`` before (a later trace of
+        it, for inputs of another shape, goes through the hooks installed here).  The step is
+        checked when it is traced, before it runs: it must update the weights through that
+        ``apply`` exactly once, on the model's trainable variables, or ``who`` refuses it (another
+        path would train each worker alone).  Returns how a round's mean goes through the
+        optimizer without an exchange
         (:meth:`OptimizerPath.apply_mean <tfsync.engine.protocols.path.OptimizerPath.apply_mean>`)."""
         variables = list(model.trainable_variables)
         expected, applies = [id(v) for v in variables], [0]
@@ -144,8 +147,10 @@ class Frontend:
             return out
 
         model.train_step = path.train_step(model, checked_train_step, apply_mean)
-        model.make_train_function(force=True)
-        model.train_function = reraising(model.train_function, lambda: self.engine)
+        if compiled is None:
+            model.make_train_function(force=True)
+            compiled = reraising(model.train_function, lambda: self.engine)
+        model.train_function = compiled
         return apply_mean
 
     @classmethod

@@ -5,7 +5,8 @@ Keras 3, upstream issue 4290).  One job: check that every rank starts alike,
 start the engine, and install the optimizer path the mode's step protocol
 builds (:mod:`tfsync.engine.protocols.path`) on the model optimizer's ``apply``
 (Keras 3's one entry for updates) for ``fit``, retracing the train function so
-the exchange runs inside the compiled step.  Auto mode's switches
+the exchange runs inside the compiled step (once per model: a later ``fit`` reuses
+it, :mod:`tfsync.keras.compiled_step`).  Auto mode's switches
 (:mod:`tfsync.keras.auto`) and elastic commits (:mod:`tfsync.keras.commits`)
 are collaborators, reaching the callback through
 :meth:`SyncCallback.switch_mode` and :meth:`SyncCallback.abandon_engine`; the
@@ -18,6 +19,7 @@ import keras
 from tfsync.frontend import Frontend, check_start
 from tfsync.keras.auto import AutoSwitching
 from tfsync.keras.commits import ElasticCommits
+from tfsync.keras.compiled_step import KeptStep
 from tfsync.keras.counts import RunCounts
 from tfsync.keras.fit_data import FitData
 from tfsync.keras.logs import add_epoch_logs
@@ -137,6 +139,8 @@ class SyncCallback(keras.callbacks.Callback):
         self._fit_data = FitData()  # the fit's input iterators, dropped off the training thread
         self._path = None  # the optimizer path the compiled train step was built on
         self._optimizer = None  # the optimizer whose apply is hooked
+        self._compiled = None  # the compiled train step installed (before the fit data's wrapper)
+        self._kept_step = KeptStep()  # the last fit's compiled step, for the next fit
 
     @property
     def engine(self):
@@ -187,14 +191,17 @@ class SyncCallback(keras.callbacks.Callback):
 
     def _start_engine(self):
         """Start the engine of ``self.policy``; compile a train step for it unless the one compiled
-        already serves it (auto mode between gradient-protocol modes)."""
+        already serves it (auto mode between gradient-protocol modes) or the last fit's does
+        (:mod:`tfsync.keras.compiled_step`)."""
         model, optimizer = self.model, self.model.optimizer
         keeps = self._path is not None and self._path.serves(self.policy)
-        path = (
-            self._path
-            if keeps
-            else self.frontend.optimizer_path(optimizer, policy=self.policy, shared=self.auto is not None)
-        )
+        kept = None if keeps else self._kept_step.take(model, self.policy, shared=self.auto is not None)
+        if keeps:
+            path = self._path
+        elif kept is not None:
+            path = kept[0]
+        else:
+            path = self.frontend.optimizer_path(optimizer, policy=self.policy, shared=self.auto is not None)
         path.check_optimizer(optimizer, "tfsync.keras.SyncCallback")
         trace_name = self.auto.trace_name(self.policy) if self.auto is not None else None
         if self.elastic is not None:
@@ -208,7 +215,9 @@ class SyncCallback(keras.callbacks.Callback):
         if keeps:
             return
         self._path, self._optimizer = path, optimizer
-        self._apply_mean = self.frontend.install(model, path, "tfsync.keras.SyncCallback")
+        compiled = kept[1] if kept is not None else None
+        self._apply_mean = self.frontend.install(model, path, "tfsync.keras.SyncCallback", compiled=compiled)
+        self._compiled = model.train_function
         model.train_function = self._fit_data.watching(model.train_function)
 
     def on_epoch_begin(self, epoch, logs=None):
@@ -299,9 +308,15 @@ class SyncCallback(keras.callbacks.Callback):
             self.frontend.stop(apply_mean=self._apply_mean)
         finally:
             if not keep_step:
-                self._unhook()
-                self.model.make_train_function(force=True)
+                self._unhook(plain_step=True)
 
-    def _unhook(self):
-        Frontend.uninstall(getattr(self, "model", None), self._optimizer)  # (no model: a reset before fit)
-        self._optimizer, self._path = None, None
+    def _unhook(self, plain_step=False):
+        """Take the hooks off the model (``plain_step``: and give it Keras' own train function
+        again, for a fit without the callback); the compiled step is kept for the next fit."""
+        model = getattr(self, "model", None)  # (None: a reset before fit)
+        Frontend.uninstall(model, self._optimizer)
+        if model is not None and plain_step:
+            model.make_train_function(force=True)
+        if model is not None and self._path is not None and self._compiled is not None:
+            self._kept_step.keep(model, self._path, self._optimizer, self._compiled)
+        self._optimizer, self._path, self._compiled = None, None, None

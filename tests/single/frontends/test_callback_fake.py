@@ -176,5 +176,108 @@ def test_every_epochs_input_iterator_is_dropped_on_the_release_thread_not_the_tr
     assert dropped_on == {r: [fit_data.THREAD_NAME] * EPOCHS for r in range(SIZE)}, (dropped_on, trained_on)
 
 
+class Counted(keras.Sequential):
+    """A model that counts the traces of its train step (Python runs only while tracing)."""
+
+    traces = 0
+
+    def train_step(self, data):
+        self.traces += 1
+        return super().train_step(data)
+
+
+def build_counted(initial=None):
+    model = Counted([keras.Input((3,)), keras.layers.Dense(4), keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    if initial is not None:
+        model.set_weights(initial)
+    return model
+
+
+def fits(fake, mode, between=None, initial=None, epochs=EPOCHS):
+    """Each rank runs ``epochs`` fits of one epoch with one callback (``between(model, epoch)``
+    after each): its weights, the traces of its train step, its counts and its model."""
+
+    def one(rank):
+        model = build_counted(initial if rank == 0 else None)
+        sync = tfsync.keras.SyncCallback(mode, cluster=fake.rank(rank), wait_timeout_s=60)
+        x, y = data(rank)
+        for epoch in range(epochs):
+            model.fit(
+                x,
+                y,
+                batch_size=BATCH,
+                epochs=epoch + 1,
+                initial_epoch=epoch,
+                shuffle=False,
+                verbose=0,
+                callbacks=[sync],
+            )
+            if between is not None:
+                between(model, epoch)
+        return model.get_weights(), model.traces, sync.counts, model
+
+    results, errors = on_threads([lambda r=r: one(r) for r in range(SIZE)], JOIN_S)
+    assert_no_errors(errors)
+    return results
+
+
+@pytest.mark.parametrize("mode", ["bsp", "backup", "diloco"])
+def test_a_later_fit_reuses_the_compiled_train_step_on_its_new_engine(mode):
+    """A fit per epoch traces the train step once: each later fit's new engine runs the step
+    the first fit compiled, the replicas end identical and every contribution is counted."""
+    results = fits(FakeCluster(SIZE, timeout_s=60), mode, epochs=3)
+    for weights, traces, counts, model in results:
+        assert traces == 1, f"the train step was traced {traces} times in 3 fits"
+        for a, b in zip(results[0][0], weights):
+            np.testing.assert_array_equal(a, b)
+        assert sum(counts[k] for k in COUNTS if k not in ("produced", "skipped")) == counts["produced"], counts
+        # after the fits, the model is Keras' own again: nothing of the callback's is left on it
+        assert "train_step" not in vars(model) and "apply" not in vars(model.optimizer)
+
+
+def test_bsp_fits_on_the_reused_step_train_as_one_model_on_every_ranks_mean_gradient():
+    reference = build()
+    initial = reference.get_weights()
+    results = fits(FakeCluster(SIZE, timeout_s=60), "bsp", initial=initial)
+    for w, expected in zip(results[1][0], train_on_mean_gradients(reference)):
+        np.testing.assert_allclose(w, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_a_recompiled_or_refrozen_model_gets_a_new_train_step():
+    """``model.compile`` between fits replaces Keras' train function, and freezing a layer
+    changes the variables the step updates: either way the next fit compiles its own step."""
+
+    def change(model, epoch):
+        if epoch == 0:
+            model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+        else:
+            model.layers[0].trainable = False
+
+    results = fits(FakeCluster(SIZE, timeout_s=60), "bsp", between=change, epochs=3)
+    for weights, traces, _, _ in results:
+        assert traces == 3
+        for a, b in zip(results[0][0], weights):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_a_kept_step_serves_only_its_own_mode_and_only_once():
+    from tfsync.engine.protocols import optimizer_path
+    from tfsync.keras.compiled_step import KeptStep
+
+    model = build()
+    path = optimizer_path(tfsync.BSP(), lambda: None, model.optimizer)
+    kept = KeptStep()
+    for policy, served in ((tfsync.SSP(staleness=2), False), (tfsync.BSP(), True)):
+        kept.keep(model, path, model.optimizer, "compiled")
+        assert kept.take(model, policy, shared=False) == ((path, "compiled") if served else None)
+        assert kept.take(model, policy, shared=False) is None  # (taken: nothing kept after)
+    kept.keep(model, path, model.optimizer, "compiled")
+    assert kept.take(model, tfsync.BSP(), shared=True) is None  # (auto mode's step is another)
+    kept.keep(model, path, model.optimizer, "compiled")
+    model.make_train_function(force=True)  # (what model.compile does too)
+    assert kept.take(model, tfsync.BSP(), shared=False) is None
+
+
 def test_without_a_fit_there_is_nothing_to_release():
     assert fit_data.FitData().release() is False
