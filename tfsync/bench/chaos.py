@@ -30,7 +30,11 @@ reset and at the end); and what the rest of the time went to: ``to_next_step_s``
 it caused one: one that began before the next fault), ``stalled_s`` (no step anywhere for a second or more) and
 ``stalled_s_by_kind`` (those seconds by the kind of the last fault injected before each stall
 ended: its own stall and its consequences, a replacement's join or a host's return),
-``reduced_s`` (fewer than four workers), the guard's ends of hung workers, the schedule.
+``reduced_s`` (fewer than four workers), the guard's ends of hung workers, the schedule;
+``goodput_ceiling`` and ``ceiling_taken_s_by_kind``: the goodput the schedule's faults leave
+if nothing but the faults themselves took time (a removed host's workers gone, a cut link's
+rounds stopped, a stopped worker told from a flap; :func:`goodput_ceiling`), so that the
+distance to it is the implementation's.
 ``--work-dir`` keeps every run's files (logs, step records, the fault ledger); ``--reanalyze
 WORK_DIR`` rebuilds the records from them (same options) without running; ``--plot`` draws each
 mode's rate, size and faults over the soak.  One run on a shared machine is one sample; never
@@ -49,12 +53,14 @@ import glob
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 
 from tfsync.bench.elastic import adds_up, jsonl_records, read_results, summary
+from tfsync.engine.control.transport import SILENT_LINK_S
 from tfsync.faults import KINDS, HostFaults, Ledger, Schedule
 from tfsync.launch import REPO_ROOT, integer, number
 
@@ -330,6 +336,53 @@ def stalled_by_kind(steps, injected):
     return dict(sorted(out.items()))
 
 
+def goodput_ceiling(injected, soak_s, rows, calm_rate, wait_timeout_s):
+    """The goodput the soak's faults leave a mode whose every round needs every member (the
+    soak's three: a host's link holds two of the four workers, backup workers tolerate one) if
+    nothing but the faults themselves took time, and what each kind takes, in seconds at the
+    undisturbed rate ``calm_rate``:
+
+    * ``host_removed``: its workers are gone for ``duration_s``, the other host's train on at
+      the rate the soak had with them alone: the median of ``rows``' bins (the soak's timeline,
+      :func:`timeline`) with two workers, inside a removal, 2 s or more from its ends and from
+      any other fault;
+    * ``link_cut``: no round closes while the link is down, ``duration_s``;
+    * ``link_flap``: down half of ``duration_s`` (down and up every ``FLAP_S``);
+    * ``stop``: the peers cannot tell a stopped worker from a link that flaps before its links
+      are silent for ``SILENT_LINK_S``;
+    * ``hang``: a blocked step is a slow one until the wait bound;
+    * ``kill``, ``raise``, ``nan``: nothing: a re-form, a replacement's start-up and the steps
+      redone are the implementation's cost, not the fault's.
+
+    ``injected``: ``[(seconds after the schedule's start, fault), ...]``.  Returns ``(ceiling,
+    {kind: seconds})``; the ceiling is None when a host was removed but the soak has no such
+    stretch of two workers to measure their rate on."""
+    removals = [(t, f.duration_s) for t, f in injected if f.kind == "host_removed"]
+    others = [t for t, f in injected if f.kind != "host_removed"]
+    bin_s = TIMELINE_BIN_S
+    two = [
+        rate
+        for t, rate, n in rows
+        if n == FULL - PER_HOST
+        and any(a + 2 <= t and t + bin_s <= a + d - 2 for a, d in removals)
+        and not any(t - 2 < o < t + bin_s + 2 for o in others)
+    ]
+    two_rate = statistics.median(two) if two else None
+    taken = collections.Counter()
+    for _, fault in injected:
+        d = fault.duration_s or 0.0
+        seconds = {
+            "host_removed": d * (1 - (two_rate or 0.0) / calm_rate),
+            "link_cut": d,
+            "link_flap": d / 2,  # (down FLAP_S, up FLAP_S)
+            "stop": SILENT_LINK_S,
+            "hang": wait_timeout_s,
+        }.get(fault.kind, 0.0)
+        taken[fault.kind] += seconds
+    ceiling = None if removals and two_rate is None else 1.0 - sum(taken.values()) / soak_s
+    return ceiling, {k: round(v, 1) for k, v in sorted(taken.items())}
+
+
 def job_record(out, code, steps):
     """What one run's files say: every finisher's result, rank 0's, the first step's and the end's
     times, and the epochs the job finished."""
@@ -362,9 +415,12 @@ def mode_run(args, hosts, mode, work, log):
     if record["job_lost"] is not None:
         log(f"{mode}: the job was LOST ({record['job_lost']['why']}) after {record['faults_survived']} faults survived")
         return record
+    ceiling = record["goodput_ceiling"]
     log(
         f"{mode}: {record['faults_survived']}/{record['faults_injected']} faults survived, {record['resets']} resets, "
-        f"goodput {record['goodput']:.2f}, accuracy {record['final_accuracy']:.4f} (undisturbed "
+        f"goodput {record['goodput']:.2f}"
+        + (f" (the faults alone leave {ceiling:.2f})" if ceiling is not None else "")
+        + f", accuracy {record['final_accuracy']:.4f} (undisturbed "
         f"{record['undisturbed_accuracy']:.4f}), accounting {'ok' if record['accounting_ok'] else 'BROKEN'}"
     )
     return record
@@ -424,6 +480,11 @@ def analyze(args, mode, work):
             survived[kind] += 1
     pairs = [(b["t"] - a["t"], a["n"]) for a, b in zip(steps, steps[1:], strict=False)]
     stalls = stalled_by_kind(steps, [(r["t"], schedule.faults[i].kind) for i, r in faults.items()])
+    rows = timeline(steps, schedule.start_t)
+    ceiling, taken = (None, None)
+    if steps and lost is None:
+        injected_at_s = [(r["t"] - schedule.start_t, schedule.faults[i]) for i, r in faults.items()]
+        ceiling, taken = goodput_ceiling(injected_at_s, end - start, rows, calm_rate, args.wait_timeout_s)
     checks = [c for r in results.values() for pair in r["counts_after_resets"] for c in pair]
     checks += [c for r in results.values() for c in (r["counts"], r["state_counts"])]
     with open(os.path.join(soak_out, "output.log"), errors="replace") as f:
@@ -444,6 +505,8 @@ def analyze(args, mode, work):
         "steps_redone": job and job["steps_redone"],
         "samples_redone": job and job["samples_redone"],
         "goodput": rate and rate / calm_rate,
+        "goodput_ceiling": ceiling,
+        "ceiling_taken_s_by_kind": taken,
         "final_accuracy": lead and lead["accuracy"],
         "undisturbed_accuracy": calm["accuracy"],
         "accounting_ok": bool(checks) and all(adds_up(c) for c in checks),
@@ -468,7 +531,7 @@ def analyze(args, mode, work):
         "step_delay_s": args.step_delay_s,
         "schedule": json.loads(schedule.to_json()),
         "faults": {str(k): v for k, v in sorted(faults.items())},
-        "timeline": timeline(steps, schedule.start_t),
+        "timeline": rows,
         "undisturbed_timeline": timeline(calm_steps, calm_start),
     }
 

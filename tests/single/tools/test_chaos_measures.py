@@ -42,6 +42,28 @@ def test_the_stalls_go_to_the_last_fault_injected_before_they_ended():
     assert chaos.stalled_by_kind(_steps([0.0, 0.5, 1.0]), [(0.2, "nan")]) == {}
 
 
+def test_the_goodput_ceiling_counts_what_each_fault_takes_by_its_definition():
+    from tfsync.faults import Fault
+
+    calm = 800.0
+    # a host removed at 100 s for 20 s: two workers at 480/s in its middle bins (105-115 s), a
+    # bin near a NaN at 120 s left out; a 4-s cut, a 6-s flap, a stop, a kill
+    rows = [[t, calm, 4] for t in range(0, 100, 5)] + [[100, 300, 2], [105, 480, 2], [110, 480, 2], [115, 90, 2]]
+    injected = [
+        (100.0, Fault("host_removed", host=2, at_s=100, duration_s=20.0)),
+        (121.0, Fault("nan", rank=0, at_s=121)),
+        (150.0, Fault("link_cut", host=1, at_s=150, duration_s=4.0)),
+        (170.0, Fault("link_flap", host=1, at_s=170, duration_s=6.0)),
+        (190.0, Fault("stop", rank=1, at_s=190)),
+        (210.0, Fault("kill", rank=2, at_s=210)),
+    ]
+    ceiling, taken = chaos.goodput_ceiling(injected, 400.0, rows, calm, wait_timeout_s=10.0)
+    assert taken == {"host_removed": 8.0, "kill": 0.0, "link_cut": 4.0, "link_flap": 3.0, "nan": 0.0, "stop": 5.0}
+    assert ceiling == pytest.approx(1 - 20.0 / 400.0)
+    # a removal without a stretch of two workers to measure them on: no ceiling
+    assert chaos.goodput_ceiling(injected[:1], 400.0, rows[:20], calm, 10.0)[0] is None
+
+
 def test_the_command_line_wants_its_json_and_known_modes(capsys):
     with pytest.raises(SystemExit):
         chaos.parse_args(["--modes", "bsp"])
