@@ -60,9 +60,6 @@ class KeptStep:
         )
         return (kept.path, kept.train_function) if same else None
 
-    def forget(self) -> None:
-        self._kept = None
-
 
 def _variables(model) -> tuple:
     return (*model.trainable_variables, *model.non_trainable_variables)
