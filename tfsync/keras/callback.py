@@ -139,8 +139,7 @@ class SyncCallback(keras.callbacks.Callback):
         self._fit_data = FitData()  # the fit's input iterators, dropped off the training thread
         self._path = None  # the optimizer path the compiled train step was built on
         self._optimizer = None  # the optimizer whose apply is hooked
-        self._compiled = None  # the compiled train step installed (before the fit data's wrapper)
-        self._kept_step = KeptStep()  # the last fit's compiled step, for the next fit
+        self._kept_step = KeptStep()  # the compiled train step, kept from one fit for the next
 
     @property
     def engine(self):
@@ -217,7 +216,7 @@ class SyncCallback(keras.callbacks.Callback):
         self._path, self._optimizer = path, optimizer
         compiled = kept[1] if kept is not None else None
         self._apply_mean = self.frontend.install(model, path, "tfsync.keras.SyncCallback", compiled=compiled)
-        self._compiled = model.train_function
+        self._kept_step.installed(model, path, optimizer, model.train_function)
         model.train_function = self._fit_data.watching(model.train_function)
 
     def on_epoch_begin(self, epoch, logs=None):
@@ -317,6 +316,6 @@ class SyncCallback(keras.callbacks.Callback):
         Frontend.uninstall(model, self._optimizer)
         if model is not None and plain_step:
             model.make_train_function(force=True)
-        if model is not None and self._path is not None and self._compiled is not None:
-            self._kept_step.keep(model, self._path, self._optimizer, self._compiled)
-        self._optimizer, self._path, self._compiled = None, None, None
+        if model is not None:
+            self._kept_step.keep(model)
+        self._optimizer, self._path = None, None

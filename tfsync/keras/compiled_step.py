@@ -28,20 +28,27 @@ class _Kept:
     optimizer: object
     variables: tuple  # the model's variables when it was compiled (trainable ones first)
     train_function: object  # the compiled step, as installed (before the fit's own wrappers)
-    left: object  # the train function the model had once the callback unhooked it
+    left: object = None  # the train function the model had once the callback unhooked it
 
 
 class KeptStep:
-    """The last fit's compiled train step, while it may serve the next fit."""
+    """The compiled train step installed for a fit, then kept for the next."""
 
     def __init__(self):
-        self._kept = None
+        self._installed = None  # the step of the fit under way
+        self._kept = None  # the last fit's, for the next
 
-    def keep(self, model, path, optimizer, train_function) -> None:
-        """Keep ``train_function``, compiled on ``path`` for ``model`` and ``optimizer``; call it
-        once the callback's hooks are off ``model`` (its train function then is what the next fit
-        must still find)."""
-        self._kept = _Kept(path, optimizer, _variables(model), train_function, model.train_function)
+    def installed(self, model, path, optimizer, train_function) -> None:
+        """``train_function`` was compiled on ``path`` for ``model`` and ``optimizer`` as they are
+        now, and installed for a fit."""
+        self._installed = _Kept(path, optimizer, _variables(model), train_function)
+
+    def keep(self, model) -> None:
+        """The fit's hooks are off ``model``: keep its step, with the train function ``model``
+        has now (the next fit must still find it)."""
+        if self._installed is not None:
+            self._kept = dataclasses.replace(self._installed, left=model.train_function)
+            self._installed = None
 
     def take(self, model, policy, shared):
         """``(path, train_function)`` kept for ``model`` if they serve a fit of ``policy``

@@ -268,14 +268,24 @@ def test_a_kept_step_serves_only_its_own_mode_and_only_once():
     model = build()
     path = optimizer_path(tfsync.BSP(), lambda: None, model.optimizer)
     kept = KeptStep()
+
+    def fit_ends(kept):
+        kept.installed(model, path, model.optimizer, "compiled")
+        kept.keep(model)
+
     for policy, served in ((tfsync.SSP(staleness=2), False), (tfsync.BSP(), True)):
-        kept.keep(model, path, model.optimizer, "compiled")
+        fit_ends(kept)
         assert kept.take(model, policy, shared=False) == ((path, "compiled") if served else None)
         assert kept.take(model, policy, shared=False) is None  # (taken: nothing kept after)
-    kept.keep(model, path, model.optimizer, "compiled")
+    fit_ends(kept)
     assert kept.take(model, tfsync.BSP(), shared=True) is None  # (auto mode's step is another)
-    kept.keep(model, path, model.optimizer, "compiled")
+    fit_ends(kept)
     model.make_train_function(force=True)  # (what model.compile does too)
+    assert kept.take(model, tfsync.BSP(), shared=False) is None
+    # the variables it was compiled for, not those at the fit's end: a layer frozen during the fit
+    kept.installed(model, path, model.optimizer, "compiled")
+    model.layers[0].trainable = False
+    kept.keep(model)
     assert kept.take(model, tfsync.BSP(), shared=False) is None
 
 
