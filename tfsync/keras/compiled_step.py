@@ -2,8 +2,8 @@
 
 ``SyncCallback`` builds its optimizer path into the model's train step and has Keras compile
 it again (:meth:`tfsync.frontend.Frontend.install`); the step is traced at the fit's first
-batch: 0.1 s for a small MLP on an idle core, seconds for a large model, and every rank of
-the job waits for the slowest rank's trace in the first exchange.  Keras itself keeps a
+batch (0.1 s for a two-layer MLP on an idle core here, more for a deeper model), and every
+rank of the job waits for the slowest rank's trace in the first exchange.  Keras itself keeps a
 model's train function from one ``fit`` to the next; a job that calls ``fit`` once per epoch
 (mid-epoch resume does: ``docs/guide/elastic.md``), or again after every elastic reset, would
 otherwise pay a trace each time.  The compiled step needs no new trace for a new engine:
