@@ -222,7 +222,7 @@ def fits(fake, mode, between=None, initial=None, epochs=EPOCHS):
     return results
 
 
-@pytest.mark.parametrize("mode", ["bsp", "backup", "diloco"])
+@pytest.mark.parametrize("mode", ["bsp", "backup", "ssp", "elasticbsp", "diloco"])
 def test_a_later_fit_reuses_the_compiled_train_step_on_its_new_engine(mode):
     """A fit per epoch traces the train step once: each later fit's new engine runs the step
     the first fit compiled, the replicas end identical and every contribution is counted."""
