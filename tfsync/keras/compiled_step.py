@@ -16,7 +16,8 @@ still the one the callback left (``model.compile`` and ``make_train_function(for
 replace it), the optimizer and the model's variables are the same objects (a layer frozen or
 unfrozen changes them), and the path it was compiled on serves the next fit's mode
 (:meth:`~tfsync.engine.protocols.path.OptimizerPath.serves`: the same mode, or under auto
-mode one its shared step serves).  Otherwise the step is compiled again.
+mode one its shared step serves; DC-S3GD's and PSP's partial-pull paths hold their engine's
+state in the step and serve none).  Otherwise the step is compiled again.
 """
 
 import dataclasses
