@@ -253,6 +253,9 @@ class CorrectThenPush(OptimizerPath):
     only), then its update is pushed.  A correction that keeps state (DC-ASGD-a's ``v``) is
     kept from gradients that are not finite."""
 
+    def serves(self, policy):
+        return False  # (its step calls this engine's Corrections.round_mean, bound at the trace)
+
     def before(self, grads):
         engine = self.engine
         raw = gradients_finite(grads) if engine.protocol.stateful_correction else None

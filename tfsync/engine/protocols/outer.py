@@ -447,10 +447,6 @@ class PeriodicAfter(OptimizerPath):
         # an accumulating optimizer's trace: (its update count before the step, the batch's flags)
         self._accumulating = None
 
-    def serves(self, policy):
-        # (its step looks the engine up at every step: a later engine of the same mode and period)
-        return policy == self.policy
-
     def check_optimizer(self, optimizer, who):
         if self.station != "apply":
             super().check_optimizer(optimizer, who)

@@ -88,8 +88,10 @@ class OptimizerPath:
         check_accumulation(optimizer, self.policy, who, instead)
 
     def serves(self, policy) -> bool:
-        """Whether a train step compiled on this path serves ``policy``'s engine as it is."""
-        return False
+        """Whether a train step compiled on this path serves ``policy``'s engine as it is.  By
+        default: an engine of the same mode, since the step looks the engine up at every step; a
+        path whose step holds one engine's state serves none."""
+        return policy == self.policy
 
     def install(self, optimizer, original, variables) -> None:
         """Once, when the frontend hooks ``optimizer`` (``original``: its own ``apply``)."""

@@ -156,10 +156,6 @@ class PushAfter(OptimizerPath):
     def guard(self, to_apply):
         return None if is_loss_scaled(self.optimizer) else gradients_finite(to_apply)
 
-    def serves(self, policy):
-        # (its step looks the engine up at every step: a later engine of the same mode)
-        return policy == self.policy
-
     def after(self, variables, applied):
         push_after_update(self._engine, variables, applied)
 
