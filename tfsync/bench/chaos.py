@@ -27,14 +27,18 @@ the soak over the undisturbed run's; useful: the epochs finished times the epoch
 compensated + dropped + rejected + lost, for every worker's counts and the job's, after every
 reset and at the end); and what the rest of the time went to: ``to_next_step_s`` per kind
 (from the fault to the next step of the workers it did not take, past the stall it caused if
-it caused one: one that began before the next fault), ``stalled_s`` (no step anywhere for a second or more) and
+it caused one: one that began before the next fault), ``to_reformed_step_s`` per kind (from
+the fault to their first step in a job re-formed after it, the survivors' own recovery,
+:func:`to_reformed_step`), ``stalled_s`` (no step anywhere for a second or more) and
 ``stalled_s_by_kind`` (those seconds by the kind of the last fault injected before each stall
 ended: its own stall and its consequences, a replacement's join or a host's return),
 ``reduced_s`` (fewer than four workers), the guard's ends of hung workers, the schedule;
 ``goodput_ceiling`` and ``ceiling_taken_s_by_kind``: the goodput the schedule's faults leave
 if nothing but the faults themselves took time (a removed host's workers gone, a cut link's
 rounds stopped, a stopped worker told from a flap; :func:`goodput_ceiling`), so that the
-distance to it is the implementation's.
+distance to it is the implementation's; ``goodput_lost_s``: the goodput lost, in seconds, split
+into stalls, steps with fewer workers (each by fault kind), slower steps with all of them, and
+steps redone (:func:`goodput_lost`).
 ``--work-dir`` keeps every run's files (logs, step records, the fault ledger); ``--reanalyze
 WORK_DIR`` rebuilds the records from them (same options) without running; ``--plot`` draws each
 mode's rate, size and faults over the soak.  One run on a shared machine is one sample; never
@@ -83,6 +87,7 @@ SOAK_KINDS = tuple(k for k in KINDS if k != "hang")
 STALL_S = 1.0  # a gap between steps this long counts as stalled
 STALL_LIMIT_S = 150.0  # no step anywhere for this long: the job is lost (ended, recorded as such)
 TIMELINE_BIN_S = 5.0  # the records' timeline: samples per second in bins this long
+BATCH = 16  # the worker's batch (_elastic_worker): the samples one step trains
 LOOP_EPOCHS = 100000  # the run stops at the first epoch end after its deadline, long before
 
 
@@ -320,6 +325,67 @@ def to_next_step(steps, fault, window_s, next_t=None):
     return after[0] - t0 if after else None
 
 
+def to_reformed_step(steps, fault, next_t=None):
+    """Seconds from ``fault`` to the first step of the workers it did not take in a job re-formed
+    after it (a step whose resets ``r`` are past the last they had made before it), before
+    ``next_t`` (the next fault's injection); None when none came: a cut or a flap that healed
+    before the peers gave up on it, a NaN the job rejected.  For a worker lost, the survivors'
+    own recovery, apart from the wait for its replacement (:func:`to_next_step` counts the
+    replacement's join when the survivors' re-form took under ``STALL_S``)."""
+    t0, victim = fault["t"], fault.get("pid")
+    others = [s for s in steps if s["pid"] != victim]
+    before = max((s["r"] for s in others if s["t"] <= t0), default=None)
+    if before is None:
+        return None
+    for s in others:
+        if s["t"] > t0 and s["r"] > before:
+            return s["t"] - t0 if next_t is None or s["t"] < next_t else None
+    return None
+
+
+def goodput_lost(steps, injected, lost_s, calm_rate, samples_redone):
+    """Where the soak's lost goodput went: ``lost_s`` (the soak's seconds times one minus its
+    goodput: the seconds the undisturbed run would have needed for nothing) split by what the job
+    was doing, each interval between two of its steps (``steps``, in time order) costing its
+    length less the undisturbed time of the step that ends it:
+
+    * ``stalled_by_kind``: intervals of ``STALL_S`` or more (no step anywhere), by the kind of
+      the last fault injected before each ended, as :func:`stalled_by_kind`;
+    * ``fewer_workers_by_kind``: the shorter ones whose step ran with fewer than all the workers
+      (a host removed, a lost worker's replacement not yet joined), by the same kind;
+    * ``slower_steps``: the shorter ones with every worker (a replacement's or a returning host's
+      start-up beside them, a commit to storage, the machine's noise; negative when faster);
+    * ``steps_redone``: ``samples_redone`` at the undisturbed rate;
+    * ``other``: the rest of ``lost_s`` (a finished job's last partial epoch, the end's wait).
+
+    ``injected``: ``[(t, kind), ...]``; ``calm_rate``: the undisturbed useful samples per
+    second.  The values are seconds and add up to ``lost_s``."""
+    injected = sorted(injected)
+    at = [t for t, _ in injected]
+    stalled, fewer = collections.Counter(), collections.Counter()
+    slower = 0.0
+    for a, b in zip(steps, steps[1:], strict=False):
+        last = bisect.bisect_left(at, b["t"])
+        kind = injected[last - 1][1] if last else "none"
+        cost = b["t"] - a["t"] - BATCH / calm_rate
+        if b["t"] - a["t"] >= STALL_S:
+            stalled[kind] += cost
+        elif b["n"] < FULL:
+            fewer[kind] += cost
+        else:
+            slower += cost
+    redone = samples_redone / calm_rate
+    other = lost_s - sum(stalled.values()) - sum(fewer.values()) - slower - redone
+    rounded = lambda counter: {k: round(v, 1) for k, v in sorted(counter.items())}  # noqa: E731
+    return {
+        "stalled_by_kind": rounded(stalled),
+        "fewer_workers_by_kind": rounded(fewer),
+        "slower_steps": round(slower, 1),
+        "steps_redone": round(redone, 1),
+        "other": round(other, 1),
+    }
+
+
 def stalled_by_kind(steps, injected):
     """Seconds with no step anywhere (gaps of ``STALL_S`` or more between the job's steps, which
     come in time order), by the kind of the last fault injected before each ended (``injected``:
@@ -440,7 +506,7 @@ def timeline(steps, start, bin_s=TIMELINE_BIN_S):
     for b in range(max(bins) + 1):
         count, seen = bins.get(b, (0, 0))
         size = seen or size  # (a bin without steps: the size the job last had)
-        out.append([b * bin_s, 16 * count / bin_s, size])
+        out.append([b * bin_s, BATCH * count / bin_s, size])
     return out
 
 
@@ -468,7 +534,7 @@ def analyze(args, mode, work):
     faults = Ledger(os.path.join(soak_out, "faults")).records()
     hang_timeout_s = args.wait_timeout_s + 2.0
     survived, injected = collections.Counter(), collections.Counter()
-    next_step = collections.defaultdict(list)
+    next_step, reformed = collections.defaultdict(list), collections.defaultdict(list)
     injected_at = sorted(record["t"] for record in faults.values())
     for index, record in sorted(faults.items()):
         kind = schedule.faults[index].kind
@@ -476,6 +542,7 @@ def analyze(args, mode, work):
         next_t = next((t for t in injected_at if t > record["t"]), None)
         s = to_next_step(steps, record, hang_timeout_s + 5, next_t)
         next_step[kind].append(s)
+        reformed[kind].append(to_reformed_step(steps, record, next_t))
         if s is not None and (lost is None or record["t"] + s <= steps[-1]["t"]):
             survived[kind] += 1
     pairs = [(b["t"] - a["t"], a["n"]) for a, b in zip(steps, steps[1:], strict=False)]
@@ -485,6 +552,15 @@ def analyze(args, mode, work):
     if steps and lost is None:
         injected_at_s = [(r["t"] - schedule.start_t, schedule.faults[i]) for i, r in faults.items()]
         ceiling, taken = goodput_ceiling(injected_at_s, end - start, rows, calm_rate, args.wait_timeout_s)
+    lost_by = None
+    if steps and lost is None:
+        lost_by = goodput_lost(
+            steps,
+            [(r["t"], schedule.faults[i].kind) for i, r in faults.items()],
+            (end - start) * (1 - rate / calm_rate),
+            calm_rate,
+            lead["state_counts"]["samples_redone"],
+        )
     checks = [c for r in results.values() for pair in r["counts_after_resets"] for c in pair]
     checks += [c for r in results.values() for c in (r["counts"], r["state_counts"])]
     with open(os.path.join(soak_out, "output.log"), errors="replace") as f:
@@ -512,6 +588,8 @@ def analyze(args, mode, work):
         "accounting_ok": bool(checks) and all(adds_up(c) for c in checks),
         "accounting_checks": len(checks),
         "to_next_step_s": {k: summary(v) for k, v in sorted(next_step.items())},
+        "to_reformed_step_s": {k: summary(v) for k, v in sorted(reformed.items()) if any(x is not None for x in v)},
+        "goodput_lost_s": lost_by,
         "useful_samples_per_s": rate,
         "undisturbed_useful_samples_per_s": calm_rate,
         "epochs": epochs,
@@ -521,7 +599,7 @@ def analyze(args, mode, work):
         "stalled_s": sum(stalls.values()),
         "stalled_s_by_kind": stalls,
         "reduced_s": sum(gap for gap, size in pairs if size < FULL),
-        "samples_trained": 16 * len(steps),  # (every worker's steps, redone ones included: batches of 16)
+        "samples_trained": BATCH * len(steps),  # (every worker's steps, redone ones included)
         "hung_workers_ended": text.count("hang guard: ended"),
         "job_counts": job,
         "finishers": len(results),

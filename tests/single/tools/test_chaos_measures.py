@@ -42,6 +42,43 @@ def test_the_stalls_go_to_the_last_fault_injected_before_they_ended():
     assert chaos.stalled_by_kind(_steps([0.0, 0.5, 1.0]), [(0.2, "nan")]) == {}
 
 
+def test_the_reformed_step_is_the_survivors_first_step_in_the_job_formed_after_the_fault():
+    def step(t, pid, r, n=4):
+        return {"t": t, "pid": pid, "r": r, "n": n}
+
+    # pid 2 killed at 1.0; pid 1 steps once more in the old job, then at 1.8 in a job of three
+    # (one reset), and a replacement joins at 9.0 (another reset)
+    steps = [step(0.5, 1, 0), step(0.6, 2, 0), step(1.3, 1, 0), step(1.8, 1, 1, 3), step(9.0, 3, 2), step(9.1, 1, 2)]
+    kill = {"t": 1.0, "pid": 2}
+    assert chaos.to_reformed_step(steps, kill) == pytest.approx(0.8)
+    assert chaos.to_next_step(steps, kill, window_s=20) == pytest.approx(8.0)  # (the join's stall)
+    # a re-form after the next fault's injection is that fault's
+    assert chaos.to_reformed_step(steps, kill, next_t=1.5) is None
+    # no re-form after it (a NaN rejected, a flap healed): None
+    assert chaos.to_reformed_step(steps, {"t": 9.05}) is None
+    assert chaos.to_reformed_step(steps, {"t": 0.1}) is None  # (no step before it to compare with)
+
+
+def test_the_goodput_lost_adds_up_and_goes_where_the_job_was():
+    calm = 160.0  # a step of 16 samples every 0.1 s undisturbed
+    times = [i / 10 for i in range(11)]  # to 1.0 at the undisturbed pace: nothing lost
+    steps = [{"t": t, "pid": 1, "r": 0, "n": 4} for t in times]
+    # a stall to 3.0 (a kill at 1.5), two steps of three workers 0.2 s apart, then all four,
+    # the second of them 0.2 s after the first
+    steps += [{"t": t, "pid": 1, "r": 1, "n": 3} for t in (3.0, 3.2, 3.4)]
+    steps += [{"t": t, "pid": 1, "r": 2, "n": 4} for t in (3.5, 3.7)]
+    lost = chaos.goodput_lost(steps, [(1.5, "kill"), (0.5, "nan")], lost_s=2.6, calm_rate=calm, samples_redone=16)
+    assert lost == {
+        "stalled_by_kind": {"kill": pytest.approx(1.9)},
+        "fewer_workers_by_kind": {"kill": pytest.approx(0.2)},
+        "slower_steps": pytest.approx(0.1),
+        "steps_redone": pytest.approx(0.1),
+        "other": pytest.approx(0.3),
+    }
+    parts = [*lost["stalled_by_kind"].values(), *lost["fewer_workers_by_kind"].values()]
+    assert sum(parts) + lost["slower_steps"] + lost["steps_redone"] + lost["other"] == pytest.approx(2.6)
+
+
 def test_the_goodput_ceiling_counts_what_each_fault_takes_by_its_definition():
     from tfsync.faults import Fault
 
