@@ -507,9 +507,7 @@ def run(func):
     4. ``state`` is restored from its last commit and ``state.resets`` counted, then synchronized
        from the new rank 0 (a joining worker gets the whole state), and ``func`` is called again.
 
-    Any other error (the program's own) ends this worker: it leaves the job first
-    (:func:`_leave`: its Horovod shut down, so its peers re-form without it at once), then the
-    error is raised as it is.  A state whose model trains under
+    Any other error is raised as it is.  A state whose model trains under
     :class:`tfsync.distribute.SyncStrategy` (``func`` called in the strategy's scope) is refused
     before the sync, as :class:`KerasState` refuses one built under it.  Without an elastic
     launch (``horovodrun`` without ``--min-np``/``--max-np``/``--host-discovery-script``: no
@@ -547,7 +545,6 @@ def run(func):
                     failed = False
                 except Exception as exc:
                     if not is_reset_error(exc):
-                        _leave(hvd, exc)
                         raise
                     reason = f"{type(exc).__name__}: {exc}"
                     failed = True
@@ -567,32 +564,6 @@ def run(func):
                 state.flush_storage()
 
     return wrapper
-
-
-def _leave(hvd, exc):
-    """This worker ends with an error no reset answers: leave the job now.
-
-    Its peers wait in a collective for its next contribution, which will not come, and nothing
-    of that ends their wait before its process exits: then its connections close.  But its exit
-    runs Horovod's shutdown, which waits for Horovod's background thread, itself blocked on those
-    same peers; they give up on it only once its links are silent for ``SILENT_LINK_S``.  So
-    Horovod's waits on peers are ended (:func:`tfsync._horovod.interrupt_gloo`) and Horovod
-    is shut down here: the peers' collectives fail at once and they re-form without this worker
-    while it exits.  Its engines are abandoned at exit, as at any (:mod:`tfsync.engine.lifecycle`)."""
-    t = time.monotonic()
-    interrupted = _horovod.interrupt_gloo()
-    try:
-        hvd.shutdown()
-    except Exception:  # noqa: BLE001 - already shut down is fine: leaving is all that is asked
-        pass
-    log.warning(
-        "tfsync.elastic: this worker leaves the job (%s: %s; no reset answers it): Horovod shut down in %.2f s "
-        "(%s Gloo connections interrupted), so the other workers re-form without it",
-        type(exc).__name__,
-        str(exc).splitlines()[0][:300] if str(exc) else "",
-        time.monotonic() - t,
-        "no" if interrupted is None else interrupted,
-    )
 
 
 def _start_guard(hvd, state):

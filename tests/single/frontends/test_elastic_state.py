@@ -1,7 +1,6 @@
 """tfsync.elastic in one process: the state's commit and restore, the models it refuses, which failures reset, and the
 reset loop of ``run`` against a stand-in for Horovod (the launches are tests/parallel/test_elastic_launcher.py)."""
 
-import logging
 import time
 
 import keras
@@ -238,27 +237,7 @@ def test_a_reset_collects_the_interrupted_fits_garbage_on_a_thread_of_its_own(fa
         gc.enable()
 
 
-def test_run_raises_any_other_error_as_it_is_once_the_worker_left_the_job(fake_horovod, monkeypatch, caplog):
-    """The worker's Horovod is shut down (its waits on peers ended first) before the error goes
-    on, so that its peers' collectives fail now, not when its exit's shutdown stops waiting on them."""
-    interrupted = []
-    monkeypatch.setattr(elastic._horovod, "interrupt_gloo", lambda: interrupted.append(fake_horovod.calls[:]) or 3)
-
-    @elastic.run
-    def train(state):
-        raise ValueError("the program's own error")
-
-    with caplog.at_level(logging.WARNING, logger="tfsync.elastic"):
-        with pytest.raises(ValueError, match="the program's own error"):
-            train(LocalState(_model()))
-    assert interrupted == [[]] and fake_horovod.calls == ["shutdown"]  # (interrupted, then shut down; no init)
-    assert "leaves the job (ValueError: the program's own error" in caplog.text
-    assert "3 Gloo connections interrupted" in caplog.text
-
-
-def test_run_without_an_elastic_launch_leaves_horovod_to_the_program(fake_horovod, monkeypatch):
-    monkeypatch.delenv(elastic.ELASTIC_ENV)
-
+def test_run_raises_any_other_error_as_it_is(fake_horovod):
     @elastic.run
     def train(state):
         raise ValueError("the program's own error")
