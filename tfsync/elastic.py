@@ -473,7 +473,8 @@ def is_reset_error(exc) -> bool:
     peer, a wait past its bound, rank 0's control service out of reach when the engine starts, a
     failed Horovod collective (its TensorFlow op error names Horovod or Gloo), or Horovod's
     ``HorovodInternalError``.  Any other error is the program's own: it ends the worker it
-    happens on (:func:`run` raises it as it is), and the others reset without that worker."""
+    happens on (:func:`run` raises it as it is); under an elastic launch the others reset
+    without that worker."""
     import tensorflow as tf
 
     seen = set()
