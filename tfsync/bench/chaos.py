@@ -343,6 +343,13 @@ def to_reformed_step(steps, fault, next_t=None):
     return None
 
 
+def _kind_before(injected, at, t):
+    """The kind of the last fault in ``injected`` (``[(t, kind), ...]`` sorted, ``at`` their
+    times) injected before ``t``; ``"none"`` before the first."""
+    last = bisect.bisect_left(at, t)
+    return injected[last - 1][1] if last else "none"
+
+
 def goodput_lost(steps, injected, lost_s, calm_rate, samples_redone):
     """Where the soak's lost goodput went: ``lost_s`` (the soak's seconds times one minus its
     goodput: the seconds the undisturbed run would have needed for nothing) split by what the job
@@ -365,8 +372,7 @@ def goodput_lost(steps, injected, lost_s, calm_rate, samples_redone):
     stalled, fewer = collections.Counter(), collections.Counter()
     slower = 0.0
     for a, b in zip(steps, steps[1:], strict=False):
-        last = bisect.bisect_left(at, b["t"])
-        kind = injected[last - 1][1] if last else "none"
+        kind = _kind_before(injected, at, b["t"])
         cost = b["t"] - a["t"] - BATCH / calm_rate
         if b["t"] - a["t"] >= STALL_S:
             stalled[kind] += cost
@@ -397,8 +403,7 @@ def stalled_by_kind(steps, injected):
     out = collections.Counter()
     for a, b in zip(steps, steps[1:], strict=False):
         if b["t"] - a["t"] >= STALL_S:
-            last = bisect.bisect_left(at, b["t"])  # (the injections before the stall's end)
-            out[injected[last - 1][1] if last else "none"] += b["t"] - a["t"]
+            out[_kind_before(injected, at, b["t"])] += b["t"] - a["t"]
     return dict(sorted(out.items()))
 
 
@@ -546,26 +551,20 @@ def analyze(args, mode, work):
         if s is not None and (lost is None or record["t"] + s <= steps[-1]["t"]):
             survived[kind] += 1
     pairs = [(b["t"] - a["t"], a["n"]) for a, b in zip(steps, steps[1:], strict=False)]
-    stalls = stalled_by_kind(steps, [(r["t"], schedule.faults[i].kind) for i, r in faults.items()])
+    kinds_at = [(r["t"], schedule.faults[i].kind) for i, r in faults.items()]
+    stalls = stalled_by_kind(steps, kinds_at)
     rows = timeline(steps, schedule.start_t)
-    ceiling, taken = (None, None)
+    job = lead["state_counts"] if lead else None
+    ceiling, taken, lost_by = None, None, None
     if steps and lost is None:
         injected_at_s = [(r["t"] - schedule.start_t, schedule.faults[i]) for i, r in faults.items()]
         ceiling, taken = goodput_ceiling(injected_at_s, end - start, rows, calm_rate, args.wait_timeout_s)
-    lost_by = None
-    if steps and lost is None:
-        lost_by = goodput_lost(
-            steps,
-            [(r["t"], schedule.faults[i].kind) for i, r in faults.items()],
-            (end - start) * (1 - rate / calm_rate),
-            calm_rate,
-            lead["state_counts"]["samples_redone"],
-        )
+        lost_s = (end - start) * (1 - rate / calm_rate)
+        lost_by = goodput_lost(steps, kinds_at, lost_s, calm_rate, job["samples_redone"])
     checks = [c for r in results.values() for pair in r["counts_after_resets"] for c in pair]
     checks += [c for r in results.values() for c in (r["counts"], r["state_counts"])]
     with open(os.path.join(soak_out, "output.log"), errors="replace") as f:
         text = f.read()
-    job = lead["state_counts"] if lead else None
     return {
         "mode": mode,
         "minutes": args.minutes,
