@@ -178,9 +178,13 @@ class Frontend:
     def collective(self, fn, name, purpose):
         """Run ``fn``, the collective ``name`` on :attr:`cluster` (``purpose``: what it is for, in
         words, for its errors), in the job's order of collectives: on the engine's exchange
-        thread after every queued round while an engine runs, here otherwise; bounded by the
-        wait bound either way (:func:`tfsync.engine.bounded.run_bounded`)."""
-        on = self.engine.exchange.call if self.running else None
+        thread after every queued round while an engine runs (watched as a round's wait is:
+        :meth:`SyncEngine.call <tfsync.engine.SyncEngine.call>`), here otherwise; bounded by
+        the wait bound either way (:func:`tfsync.engine.bounded.run_bounded`)."""
+        on = None
+        if self.running:
+            engine, what = self.engine, f"the collective {name!r} ({purpose})"
+            on = lambda fn_, timeout_s: engine.call(fn_, timeout_s, what)  # noqa: E731
         return run_bounded(self.cluster, fn, name=name, purpose=purpose, timeout_s=self.wait_timeout_s, on=on)
 
     def allgather(self, obj, name, purpose):

@@ -19,6 +19,7 @@ import time
 
 from tfsync import _env
 from tfsync.engine.diagnosis import SyncTimeoutError
+from tfsync.engine.rounds import WorkerLostError
 
 ABORTED_MESSAGE = "has been shut down"  # in the error of a collective that abort() made fail (Horovod's words)
 ARRIVE_AFTER_S = 0.5  # a collective waiting this long records this rank's arrival (at most a quarter of its bound)
@@ -31,9 +32,11 @@ def run_bounded(cluster, fn, *, name, purpose, timeout_s, on=None):
 
     ``purpose`` says in words what the collective is for (it goes in the
     errors).  ``on(fn, timeout_s)``: where ``fn`` runs, e.g. the engine's
-    exchange thread (:meth:`tfsync.engine.exchange.RoundExchange.call`, after
-    every queued round), raising ``TimeoutError`` if it has not returned within
-    ``timeout_s``; default: this thread.
+    exchange thread (:meth:`tfsync.engine.SyncEngine.call`, after every queued
+    round), raising ``TimeoutError`` if it has not returned within
+    ``timeout_s``, or its own diagnosis of the wait (a ``SyncTimeoutError`` or
+    ``WorkerLostError``, raised as it is: a collective still queued then never
+    starts); default: this thread.
 
     One watchdog thread per process (:class:`_Watchdog`) watches every
     collective running.  One that has waited :data:`ARRIVE_AFTER_S` records
@@ -87,6 +90,11 @@ def run_bounded(cluster, fn, *, name, purpose, timeout_s, on=None):
 
 def _failed(watch, exc, name, purpose, elsewhere):
     """The error to raise for a bounded collective that raised ``exc``; None: ``exc`` itself."""
+    if elsewhere and isinstance(exc, SyncTimeoutError | WorkerLostError):
+        # ``on`` diagnosed the wait itself (the engine's watch: a lost peer, a round ahead past its
+        # bound): that error names the ranks; a collective still queued is never to start
+        _WATCHDOG.abandon(watch)
+        return None
     if elsewhere and isinstance(exc, TimeoutError) and watch.state in (_QUEUED, _RUNNING):
         # ``on`` gave up: the collective never started (queued behind a round that does not
         # finish) or the watchdog has not ended it yet; end it here
@@ -142,7 +150,8 @@ def _timeout_error(watch, name, purpose):
     return SyncTimeoutError(
         f"tfsync: rank {rank} waited {watch.timeout_s:g} s for the collective {name!r} ({purpose}); "
         f"{where}. {_fix()}"
-        + (". The job's collectives were aborted, so no rank waits for it any longer" if aborted else "")
+        + (". The job's collectives were aborted, so no rank waits for it any longer" if aborted else ""),
+        ranks=[r for r in watch.missing if r != rank] if watch.started and watch.missing is not None else None,
     )
 
 
@@ -153,7 +162,8 @@ def _aborted_error(watch, name, purpose):
         f"tfsync: the collective {name!r} ({purpose}) failed on rank {rank} because the job's "
         f"collectives were shut down: another rank's wait for peers reached its bound "
         f"({watch.timeout_s:g} s here), or a rank failed or exited (its own error says which); "
-        f"{_who(missing, rank, waited=False)}. {_fix()}"
+        f"{_who(missing, rank, waited=False)}. {_fix()}",
+        ranks=missing,
     )
 
 
@@ -231,6 +241,13 @@ class _Watchdog:
                 self._thread.start()
             self._cond.notify()
         return True
+
+    def abandon(self, watch):
+        """The caller gave up on ``watch``'s collective for a reason of its own: one still queued
+        never starts (a running one is left to end or reach its bound)."""
+        with self._cond:
+            if watch.state == _QUEUED:
+                watch.state = _DONE
 
     def finish(self, watch, completed):
         """``watch``'s collective returned (``completed``) or raised.  A completed one's arrival

@@ -21,10 +21,20 @@ LOSS_POLL_S = 0.2  # how often to look for it meanwhile
 # their keepalives and re-attach graces: after the first, wait this long for the others on its
 # host, so the error names them all (only when the job spans hosts)
 HOST_SETTLE_S = 3.0
+# A rank heard from this recently is alive and answering: a waiting one reports its clock about
+# once a second (check_while_waiting), a stepping one at most every REPORT_INTERVAL_S
+FRESH_S = 3.0
 
 
 class SyncTimeoutError(RuntimeError):
-    """A wait exceeded its bound; the message names the ranks that are behind."""
+    """A wait exceeded its bound; the message names the ranks that are behind.
+
+    ``ranks``: the ranks it names as holding the wait up, sorted (None or ``[]``: it names
+    none), as its message does."""
+
+    def __init__(self, message, ranks=None):
+        super().__init__(message)
+        self.ranks = None if ranks is None else sorted({int(r) for r in ranks})
 
 
 class Diagnosis:
@@ -53,11 +63,15 @@ class Diagnosis:
         names = sorted({self.hosts[r] for r in ranks if 0 <= r < len(self.hosts)})
         return f" on host{'s' if len(names) > 1 else ''} {', '.join(names)}" if names else ""
 
-    def check_while_waiting(self, round_, last_pushed, deadline):
-        """Called about once a second while waiting for ``round_``: raise if the job must stop."""
-        # make sure rank 0's clock table shows this rank's last push, so a
-        # timeout names only the ranks really behind
-        self.control.report(last_pushed, min_interval_s=0.0)
+    def check_while_waiting(self, round_, last_pushed, deadline, what=None):
+        """Called about once a second while waiting for ``round_``: raise if the job must stop.
+
+        ``deadline`` None: only a loss or a peer's stop ends the wait (a collective that runs,
+        whose bound is its own); ``what``: what waits, in words, when it is not the round itself
+        (a collective queued behind it)."""
+        # make sure rank 0's clock table shows this rank's last push, and that it waits for its
+        # peers, so a timeout names only the ranks really behind
+        self.control.report(last_pushed, min_interval_s=0.0, waiting=True)
         lost = self.unexplained(
             self.control.known_lost or self.control.table(timeout_s=TABLE_TIMEOUT_S).get("lost", [])
         )
@@ -70,37 +84,75 @@ class Diagnosis:
         if peer_stop is not None and not lost:
             raise self.stop(peer_stop)
         if lost:
-            raise self.stop(self.lost_error(round_, None, lost))
-        if time.monotonic() >= deadline:
-            raise self.stop(self.timeout_error(round_))
+            raise self.stop(self.lost_error(round_, None, lost, what))
+        if deadline is not None and time.monotonic() >= deadline:
+            raise self.stop(self.timeout_error(round_, what))
 
-    def timeout_error(self, round_):
-        """The error for a wait for ``round_`` that reached its bound (a peer's stop, if one came)."""
+    def timeout_error(self, round_, what=None):
+        """The error for a wait for ``round_`` that reached its bound (a peer's stop, if one came);
+        ``what``: what waited, when not the round itself."""
         peer_stop = self.peer_stop()
         if peer_stop is not None:
             return peer_stop
+        held_by, ranks = self.behind(round_)
+        waited = f"round {round_}" if what is None else f"{what}, queued behind round {round_}"
         return SyncTimeoutError(
-            f"tfsync: rank {self.rank} waited {self.wait_timeout_s:.0f} s for round {round_} "
-            f"(mode {self.mode_name}); {self.behind(round_)}. A worker is hung or far "
+            f"tfsync: rank {self.rank} waited {self.wait_timeout_s:.0f} s for {waited} "
+            f"(mode {self.mode_name}); {held_by}. A worker is hung or far "
             f"slower than the others; raise wait_timeout_s (or {self.timeout_env}) if that "
-            f"is expected"
+            f"is expected",
+            ranks=ranks,
         )
 
     def behind(self, round_):
-        """Which ranks have not pushed ``round_``, from rank 0's (or the last known) clock table."""
-        clocks = [int(c) for c in self.control.table(timeout_s=TABLE_TIMEOUT_S).get("clocks") or []]
-        behind = [r for r, c in enumerate(clocks) if c < round_]
+        """Which ranks hold ``round_`` up, from rank 0's (or the last known) clock table:
+        ``(in words, ranks)``.
+
+        Those whose link to rank 0 is down (detached, within their re-attach grace), and those
+        that have not pushed the round, less those that wait for their peers themselves and were
+        heard from within ``FRESH_S`` (each is held up by the others: a rank that waits for an
+        earlier round, as DSSP's and SSP's may, is no cause).  When that leaves none, the ranks
+        not heard from within ``FRESH_S`` (a stopped process, a cut link: a round every rank
+        pushed cannot complete without them); when it still leaves none, the ranks behind."""
+        table = self.control.table(timeout_s=TABLE_TIMEOUT_S)
+        clocks = [int(c) for c in table.get("clocks") or []]
         if not clocks:
             return (
                 f"rank 0's control service{self.on_hosts([0])} did not answer, so no clock table says "
-                f"which rank is behind"
+                f"which rank is behind",
+                [0],
             )
-        if not behind:
-            return f"every rank had pushed it (last pushed step per rank, as reported at most 1 s ago: {clocks})"
-        return (
-            f"ranks {behind}{self.on_hosts(behind)} have not pushed it (last pushed step per rank, as "
-            f"reported at most 1 s ago: {clocks})"
-        )
+        now, seen, waiting = table.get("now_s"), table.get("last_seen_s") or [], table.get("waiting") or []
+        silent = {r: now - seen[r] for r in range(len(clocks)) if r != self.rank and now is not None and r < len(seen)}
+        silent = {r: s for r, s in silent.items() if s > FRESH_S}
+        behind = [r for r, c in enumerate(clocks) if c < round_]
+        held = [r for r in behind if r not in silent and r < len(waiting) and waiting[r]]
+        detached = [int(r) for r in table.get("detached") or [] if int(r) != self.rank]
+        culprits = sorted(set(detached) | {r for r in behind if r not in held})
+        steps = f"last pushed step per rank: {clocks}"
+        if culprits:
+            why = (
+                f"ranks {culprits}{self.on_hosts(culprits)} have not pushed it"
+                if set(culprits) <= set(behind)
+                else (f"ranks {culprits}{self.on_hosts(culprits)} have not pushed it or their link to rank 0 is down")
+            )
+            if held:
+                why += f" (ranks {held} have not either, but wait for their peers themselves)"
+            return f"{why} ({steps})", culprits
+        if silent:
+            quiet = sorted(silent)
+            return (
+                f"ranks {quiet}{self.on_hosts(quiet)} have not been heard from for {min(silent.values()):.0f} s or "
+                f"more (their process stopped or their host's link is down), and every other rank had pushed it "
+                f"or waits for its peers ({steps})",
+                quiet,
+            )
+        if behind:
+            return (
+                f"ranks {behind}{self.on_hosts(behind)} have not pushed it, and each waits for its peers ({steps})",
+                behind,
+            )
+        return f"every rank had pushed it ({steps})", []
 
     def stop(self, error):
         """Tell every worker why this one stops; returns ``error`` to raise.
@@ -109,7 +161,9 @@ class Diagnosis:
         worker resets rather than exits, and where its link went with the lost peer (its host's
         relay, or rank 0) the answer never came: it waited ``STOP_CALL_TIMEOUT_S`` (3 s) while the
         others waited for it in the next rendezvous, at every loss of rank 0 or of a relay."""
-        self.control.announce_stop(type(error).__name__, str(error), wait=not self.elastic)
+        self.control.announce_stop(
+            type(error).__name__, str(error), wait=not self.elastic, ranks=getattr(error, "ranks", None)
+        )
         return error
 
     def unexplained(self, lost):
@@ -129,7 +183,9 @@ class Diagnosis:
         if notice is None:
             return None
         cls = SyncTimeoutError if notice.get("kind") == "SyncTimeoutError" else WorkerLostError
-        return cls(f"tfsync: rank {int(notice['rank'])} stopped the job: {notice['message']}")
+        return cls(
+            f"tfsync: rank {int(notice['rank'])} stopped the job: {notice['message']}", ranks=notice.get("ranks")
+        )
 
     def _with_their_hosts(self, lost):
         """``lost``, and the other ranks on the lost ranks' hosts once lost too, waited for up to
@@ -145,9 +201,10 @@ class Diagnosis:
             lost = self.unexplained(self.control.known_lost) or lost
         return lost
 
-    def lost_error(self, round_, exc, lost=None):
+    def lost_error(self, round_, exc, lost=None, what=None):
         """The error for a failed collective (``exc``) or reported losses (``lost``); elastic: at
-        once, naming the losses already known."""
+        once, naming the losses already known.  ``round_``: the round waited for (None: none);
+        ``what``: what waited, in words, when not the round itself."""
         deadline = time.monotonic() + (0.0 if self.elastic else LOSS_SETTLE_S)
         while not self.unexplained(self.control.known_lost) and time.monotonic() < deadline:
             lost = self.unexplained(lost or self.control.table(timeout_s=TABLE_TIMEOUT_S).get("lost", []))
@@ -167,16 +224,19 @@ class Diagnosis:
                 + ")"
                 for d in lost
             )
+            waited = f"round {round_}" if what is None else what
             return WorkerLostError(
-                f"tfsync: lost {names} while rank {self.rank} waited for round {round_}; "
+                f"tfsync: lost {names} while rank {self.rank} waited for {waited}; "
                 + (
                     "resetting (elastic training)"
                     if self.elastic
-                    else f"{self.behind(round_)}. Stopping this worker too; restart the job (from a "
-                    "checkpoint, if you keep one)"
-                )
+                    else (f"{self.behind(round_)[0]}. " if round_ is not None else "")
+                    + "Stopping this worker too; restart the job (from a checkpoint, if you keep one)"
+                ),
+                ranks=[int(d["rank"]) for d in lost],
             )
+        failed = f"the collective for round {round_}" if what is None else what
         return WorkerLostError(
-            f"tfsync: the collective for round {round_} failed on rank {self.rank} ({exc}); "
-            "no peer was reported lost by the control path"
+            f"tfsync: {failed} failed on rank {self.rank} ({exc}); no peer was reported lost by the control path",
+            ranks=[],
         )

@@ -368,6 +368,24 @@ class SyncEngine:
         """Tell every worker why this one stops; returns ``error`` to raise."""
         return self._diagnosis.stop(error)
 
+    def call(self, fn, timeout_s: float, what: str):
+        """Run ``fn``, a collective (``what``, in words), on the exchange thread after every queued
+        round (:meth:`RoundExchange.call <tfsync.engine.exchange.RoundExchange.call>`), within
+        ``timeout_s``, its wait watched as a round's is: it ends at once, with the error naming
+        the ranks at fault, when the control path reports a lost rank or a peer's stop, when a
+        round ahead of it failed, or when the round it is queued behind has run for the wait
+        bound (so an epoch's end or a commit does not out-wait the round whose bound names the
+        ranks).  Once ``fn`` runs, its own bound is the caller's
+        (:func:`tfsync.engine.bounded.run_bounded`)."""
+        return self.exchange.call(fn, timeout_s, watch=lambda ahead, since: self._watch_call(ahead, since, what))
+
+    def _watch_call(self, ahead, since, what):
+        error = self.exchange.error
+        if error is not None:  # a round ahead of it failed (the exchange thread ended)
+            raise self.stop(self._diagnosis.lost_error(ahead, error, what=what)) from error
+        deadline = None if ahead is None or since is None else since + self.wait_timeout_s
+        self._diagnosis.check_while_waiting(ahead, self.last_pushed, deadline, what)
+
     # ------------------------------------------------------------------ internals
     @contextlib.contextmanager
     def guard(self):

@@ -69,6 +69,7 @@ from tfsync.engine.pacing import paced_round, payload_bytes
 from tfsync.engine.rounds import META_COLUMNS, REJECTED, RoundResult
 
 INLINE_WATCH_S = 1.0  # how often the watchdog of inline rounds looks (so an abort comes at most this late)
+CALL_WATCH_S = 1.0  # how often a collective waiting on this thread is watched (RoundExchange.call's watch)
 
 
 class RoundExchange(CoordinatedOutbox):
@@ -144,6 +145,8 @@ class RoundExchange(CoordinatedOutbox):
         self._completed = -1
         self._error = None
         self._unfinished = 0  # queued or running items, guarded by _cond
+        self._item_started = None  # when this thread started the item it runs (monotonic), or None
+        self._hurried_at = float("-inf")  # when rounds were last hurried (a paced round's wait starts there)
         self._running = threading.Lock()  # held while an item talks to the collective
         self._thread = threading.Thread(target=self._run, name="tfsync-exchange", daemon=True)
         self._thread.start()
@@ -240,17 +243,54 @@ class RoundExchange(CoordinatedOutbox):
                 self._queued_through = max(self._queued_through, item[0])
         self._queue.put(item)
 
-    def call(self, fn, timeout_s: float):
+    def call(self, fn, timeout_s: float, watch=None):
         """Run ``fn()`` (a collective) on the exchange thread after every queued round (sent
-        unpaced from now on)."""
+        unpaced from now on).
+
+        ``watch(ahead, since)``: called about every ``CALL_WATCH_S`` while it waits, with the
+        round it is queued behind and since when that round has run on this thread (None: not
+        started yet, or ``ahead`` None: ``fn`` itself runs; ``-inf`` at ``timeout_s``, while
+        still queued: the round ahead is as late as the call); whatever it raises ends the wait
+        (the engine's: a lost peer, the round's bound), before the ``TimeoutError`` of
+        ``timeout_s``.  ``fn`` is then left to the thread (it runs if the rounds ahead of it
+        ever complete: the caller stops the job or resets)."""
         future = concurrent.futures.Future()
+        started = threading.Event()
+
+        def started_fn():
+            started.set()
+            return fn()
+
         with self._cond:
             self._hurry(self._queued_through)
-        self._put(("call", fn, future))
-        try:
-            return future.result(timeout_s)
-        except concurrent.futures.TimeoutError:
-            raise TimeoutError(f"tfsync: a collective did not finish within {timeout_s:.0f} s") from None
+        self._put(("call", started_fn, future))
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                return future.result(max(0.0, min(left, CALL_WATCH_S) if watch is not None else left))
+            except concurrent.futures.TimeoutError:
+                pass
+            final = time.monotonic() >= deadline
+            if watch is not None and started.is_set():
+                watch(None, None)
+            elif watch is not None:
+                ahead, since = self.ahead()
+                watch(ahead, float("-inf") if final and ahead is not None else since)
+            if final:
+                raise TimeoutError(f"tfsync: a collective did not finish within {timeout_s:.0f} s")
+
+    def ahead(self):
+        """``(round, since)``: the oldest round not complete and since when this thread has run it
+        (monotonic; None: not started), which whatever is queued now waits behind; ``(None,
+        None)`` when none is."""
+        with self._cond:
+            if self._unfinished == 0:
+                return None, None
+            since = self._item_started
+            if since is not None and self.spread_s is not None:  # (a paced round: its wait starts when hurried)
+                since = max(since, self._hurried_at)
+            return self._completed + 1, since
 
     def wait(self, round_: int, timeout_s: float) -> bool:
         """Block until round ``round_`` is complete; False on timeout. Re-raises thread errors."""
@@ -274,6 +314,7 @@ class RoundExchange(CoordinatedOutbox):
         """Rounds up to ``round_`` are needed: their pieces left go at once (holding ``_cond``)."""
         if round_ > self._hurried_through:
             self._hurried_through = round_
+            self._hurried_at = time.monotonic()
             self._cond.notify_all()
 
     def _pause(self, round_, seconds) -> bool:
@@ -301,6 +342,8 @@ class RoundExchange(CoordinatedOutbox):
             if item is None:
                 return
             with self._running:
+                with self._cond:
+                    self._item_started = time.monotonic()
                 try:
                     if item[0] == "call":
                         _, fn, future = item
@@ -319,6 +362,7 @@ class RoundExchange(CoordinatedOutbox):
                 finally:
                     with self._cond:
                         self._unfinished -= 1
+                        self._item_started = None
 
     def _summed(self, payload, meta):
         """An open round's plain sum (no post-scale in Horovod) divided by its number of

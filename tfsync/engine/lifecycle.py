@@ -336,6 +336,7 @@ def close(engine):
             engine,
             "tfsync.left",
             "the barrier every rank reaches once it left the control path, before rank 0 stops it",
+            watched=False,  # (the control path it would be watched on is closed)
         )
     finally:
         try:
@@ -345,8 +346,10 @@ def close(engine):
             _release(engine)
 
 
-def _barrier(engine, name, purpose):
-    """The cluster's barrier ``name`` on the exchange thread, after every round, bounded.
+def _barrier(engine, name, purpose, watched=True):
+    """The cluster's barrier ``name`` on the exchange thread, after every round, bounded;
+    ``watched``: its wait watched on the control path as a round's is (:meth:`SyncEngine.call
+    <tfsync.engine.SyncEngine.call>`).
 
     A rank can finish its steps before a peer's stop notice reaches it (a coordinated round
     closed without the peer, which then stopped); the barrier then fails for want of that
@@ -358,7 +361,9 @@ def _barrier(engine, name, purpose):
             name=name,
             purpose=purpose,
             timeout_s=engine.wait_timeout_s,
-            on=engine.exchange.call,
+            on=(lambda fn, timeout_s: engine.call(fn, timeout_s, f"the collective {name!r} ({purpose})"))
+            if watched
+            else engine.exchange.call,
         )
     except Exception as exc:
         diagnosis = getattr(engine, "_diagnosis", None)

@@ -95,7 +95,14 @@ class RoundResult:
 
 
 class WorkerLostError(RuntimeError):
-    """A peer stopped: raised on every surviving worker, naming the lost rank(s)."""
+    """A peer stopped: raised on every surviving worker, naming the lost rank(s).
+
+    ``ranks``: the ranks it names as lost or at fault, sorted (None: it names none), as its
+    message does."""
+
+    def __init__(self, message, ranks=None):
+        super().__init__(message)
+        self.ranks = None if ranks is None else sorted({int(r) for r in ranks})
 
 
 def horovod_collective(average: bool, hvd=None, compression=None):

@@ -35,6 +35,7 @@ from tfsync.engine import cluster as cluster_module
 from tfsync.engine.bounded import run_bounded
 from tfsync.engine.cluster import ARRIVALS_SCOPE, HorovodCluster, RendezvousArrivals
 from tfsync.engine.settings import EngineSettings
+from tfsync.frontend import Frontend
 from tfsync.policies import SSP, resolve
 from tfsync.policies.auto import PROFILES
 from tfsync.stragglers import Stragglers
@@ -259,6 +260,52 @@ def test_a_variable_created_in_a_strategys_scope_stops_at_the_bound_naming_the_r
 
 
 # ------------------------------------------------------------- the arrival record, run_bounded
+
+
+def test_a_collective_queued_behind_a_stalled_round_ends_at_the_rounds_bound_naming_its_rank():
+    """An epoch's end (or a commit) of a rank that runs ahead (SSP) queues its collective behind a
+    round that rank 2, hung, never entered.  That round's bound ends the wait, naming rank 2:
+    before, the collective out-waited the round by its own bound and named no rank (it had not
+    started, so no rank had reached it)."""
+    fake = FakeCluster(3, timeout_s=FAKE_TIMEOUT_S)
+    frontends = [
+        Frontend(SSP(staleness=3), stragglers=Stragglers(), wait_timeout_s=BOUND_S, cluster=fake.rank(r))
+        for r in range(3)
+    ]
+    weights = [tf.Variable(tf.zeros([WIDTH])) for _ in range(3)]
+    _, errors = on_threads([lambda r=r: frontends[r].start([weights[r]]) for r in range(3)], JOIN_S)
+    assert_no_errors(errors)
+    pushed, done = {}, threading.Semaphore(0)
+
+    def run(rank):
+        frontend = frontends[rank]
+        if rank == 2:  # hung: it never pushes round 0, until the others stopped
+            for _ in range(2):
+                done.acquire(timeout=JOIN_S)
+            return
+        try:
+            frontend.engine.begin_step()
+            weights[rank].assign_add(tf.ones([WIDTH]))  # (SSP pushes the optimizer's update)
+            frontend.engine.sync_step([])  # round 0 queued; SSP(3) does not wait for it
+            pushed[rank] = time.monotonic()
+            time.sleep(BOUND_S)  # the epoch ends a while after the round began
+            frontend.average([1.0], "tfsync.epoch_logs", "the epoch's logs, averaged over the ranks")
+        finally:
+            done.release()
+
+    try:
+        results = failing_at([lambda r=r: run(r) for r in range(3)])
+    finally:
+        for f in frontends:
+            f.engine.abandon()
+    for rank in (0, 1):
+        error, at = results[rank]
+        assert isinstance(error, SyncTimeoutError), (rank, error)
+        message = str(error)
+        assert "'tfsync.epoch_logs'" in message and "queued behind round 0" in message, message
+        assert "ranks [2] have not pushed it" in message and error.ranks == [2], message
+        # the round's bound, not the collective's own (called BOUND_S after the push)
+        assert at - pushed[rank] <= BOUND_S + MARGIN_S, (rank, at - pushed[rank])
 
 
 def test_a_collective_that_completes_in_time_leaves_no_record_and_returns_its_value():

@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tfsync.engine import diagnosis as diagnosis_module
 from tfsync.engine.control import STOP_CALL_TIMEOUT_S, STOP_NOTICE_GRACE_S, ControlClient, ControlServer
 from tfsync.engine.diagnosis import Diagnosis, SyncTimeoutError
 from tfsync.engine.exchange import INLINE_WATCH_S, RoundExchange
@@ -228,6 +229,58 @@ def test_a_rank_that_stops_and_exits_is_reported_by_its_reason_not_as_lost(contr
         time.sleep(0.01)
     with pytest.raises(WorkerLostError, match=r"lost rank 1 \(its process or connection ended"):
         diagnosis.check_while_waiting(10, last_pushed=10, deadline=time.monotonic() + 60)
+
+
+HOSTS = ["tfh1", "tfh1", "tfh2"]
+
+
+def _table_shows(client, clocks):
+    deadline = time.time() + 5
+    while client.table()["clocks"] != clocks and time.time() < deadline:
+        time.sleep(0.01)
+    assert client.table()["clocks"] == clocks
+
+
+def test_a_timeout_does_not_name_a_rank_that_waits_for_its_peers_itself(control):
+    # SSP and DSSP let ranks wait for different rounds: rank 1 has not pushed rank 0's round 10
+    # because it waits for its own round 8, which rank 2 holds up as it holds up rank 0's.  Only
+    # rank 2 is at fault: naming rank 1 (healthy, on the first host) sent an operator to the
+    # wrong machine
+    server, clients = control
+    clients[1].report(8, min_interval_s=0, waiting=True)
+    clients[2].report(7, min_interval_s=0)
+    clients[0].report(10, min_interval_s=0, waiting=True)
+    _table_shows(clients[0], [10, 8, 7])
+    diagnosis = Diagnosis(clients[0], 0, "dssp", 8, "TFSYNC_WAIT_TIMEOUT_S", hosts=HOSTS)
+    with pytest.raises(SyncTimeoutError) as caught:
+        diagnosis.check_while_waiting(10, last_pushed=10, deadline=time.monotonic())
+    message = str(caught.value)
+    assert caught.value.ranks == [2], message
+    assert "ranks [2] on host tfh2 have not pushed it" in message, message
+    assert "ranks [1] have not either, but wait for their peers themselves" in message, message
+    # rank 1, told why rank 0 stopped, names the same rank
+    waiting = Diagnosis(clients[1], 1, "dssp", 8, "TFSYNC_WAIT_TIMEOUT_S", hosts=HOSTS)
+    with pytest.raises(SyncTimeoutError, match=r"rank 0 stopped the job: .*ranks \[2\] on host tfh2") as told:
+        waiting.check_while_waiting(8, last_pushed=8, deadline=time.monotonic() + 60)
+    assert told.value.ranks == [2]
+
+
+def test_a_round_every_rank_pushed_names_the_rank_gone_silent(control, monkeypatch):
+    # a cut link or a stopped process: rank 2 pushed round 10, then went silent; the round cannot
+    # complete without it, and the ranks still heard from wait for it
+    monkeypatch.setattr(diagnosis_module, "FRESH_S", 0.3)
+    server, clients = control
+    clients[2].report(10, min_interval_s=0)
+    clients[1].report(10, min_interval_s=0, waiting=True)
+    _table_shows(clients[0], [-1, 10, 10])
+    time.sleep(0.5)
+    clients[1].report(10, min_interval_s=0, waiting=True)  # (rank 1 waits, and says so every second)
+    diagnosis = Diagnosis(clients[0], 0, "bsp", 8, "TFSYNC_WAIT_TIMEOUT_S", hosts=HOSTS)
+    with pytest.raises(SyncTimeoutError) as caught:
+        diagnosis.check_while_waiting(10, last_pushed=10, deadline=time.monotonic())
+    message = str(caught.value)
+    assert caught.value.ranks == [2], message
+    assert "ranks [2] on host tfh2 have not been heard from" in message, message
 
 
 def test_unreachable_control_host_reads_as_rank_0_lost():

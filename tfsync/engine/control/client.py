@@ -402,15 +402,16 @@ class ControlClient:
         return reply
 
     # ----------------------------------------------------------------- what it sends
-    def report(self, clock: int, min_interval_s: float = REPORT_INTERVAL_S) -> bool:
+    def report(self, clock: int, min_interval_s: float = REPORT_INTERVAL_S, waiting: bool = False) -> bool:
         """Report this worker's clock, at most one report per ``min_interval_s``; whether one was
         sent.  The live clocks only name the ranks behind when a wait times out (after seconds),
-        so reporting every step would only cost CPU on rank 0."""
+        so reporting every step would only cost CPU on rank 0.  ``waiting``: this worker waits
+        for its peers (a wait that times out does not name a rank held up that way)."""
         now = time.monotonic()
         if now - self._last_report < min_interval_s:
             return False
         self._last_report = now
-        self._send(["report", self.rank, int(clock)])
+        self._send(["report", self.rank, int(clock), int(bool(waiting))])
         return True
 
     def ready(self, round_: int, on_accepted=None):
@@ -451,12 +452,13 @@ class ControlClient:
         ``message``), or None."""
         return next((n for n in self.known_stopped if int(n["rank"]) != self.rank), None)
 
-    def announce_stop(self, kind: str, message: str, wait: bool = True):
+    def announce_stop(self, kind: str, message: str, wait: bool = True, ranks=None):
         """Tell every worker (through rank 0) why this one stops, so they can say so too; waits
         (at most ``STOP_CALL_TIMEOUT_S``) until they have read it, unless ``wait`` is false (a
-        worker that resets instead of exiting: its exit cannot read as a loss to them)."""
+        worker that resets instead of exiting: its exit cannot read as a loss to them).
+        ``ranks``: the ranks the reason names as at fault (None: none)."""
         if self.host_lost is None:
-            answer = self._request("stop", kind, message)
+            answer = self._request("stop", kind, message, None if ranks is None else [int(r) for r in ranks])
             if not wait:
                 return
             try:

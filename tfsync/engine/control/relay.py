@@ -14,8 +14,8 @@ it crosses the network.  The relay
   its own, or for at most :data:`READY_HOLD_S`, so that a round costs rank 0
   one message per host, not one per worker (a host whose workers finish a
   step together, as data-parallel workers do, is never held);
-* sends their clocks together (``["reports", {rank: clock}]``), the newest of
-  each, with the next message that goes to rank 0, or on their own: at once
+* sends their clocks together (``["reports", {rank: clock}, {rank: waiting}]``), the newest of
+  each and whether it waits for its peers, with the next message that goes to rank 0, or on their own: at once
   when none went for ``REPORT_FLUSH_S``, else at the end of that interval (so
   a waiting worker's forced report is as fresh at rank 0 as a direct one's);
 * passes rank 0's answers to the worker that asked, and what rank 0 tells
@@ -130,7 +130,7 @@ class HostRelay(TokenGate):
         self._left = set()
         self._closings = []  # every closing rank 0 sent, for a worker that attaches later
         self._notices = None  # the newest ["notices", lost, stopped]
-        self._clocks = {}  # rank -> newest clock not yet sent
+        self._clocks = {}  # rank -> (newest clock, whether it waits for its peers) not yet sent
         self._flushed = float("-inf")  # when clocks last went to rank 0
         self._pending = []  # (items, [(local link id, its message index)]) for rank 0, not yet sent
         self._held = []  # the same, of ready notices held for the host's others (READY_HOLD_S)
@@ -238,8 +238,9 @@ class HostRelay(TokenGate):
                 local.relay = True
                 continue
             if kind == "reports":  # (a host relay's clocks, together)
+                waiting = item[2] if len(item) > 2 else {}
                 for rank, clock in item[1].items():
-                    self._clocks[int(rank)] = max(self._clocks.get(int(rank), -1), int(clock))
+                    self._clock(int(rank), int(clock), waiting.get(rank, 0))
                 self._clock_due()
                 continue
             rank = int(item[1])
@@ -251,7 +252,7 @@ class HostRelay(TokenGate):
                 reply.append(["attached", rank, 0])
                 catch_up = int(item[2]) if catch_up is None else min(catch_up, int(item[2]))
             elif kind == "report":
-                self._clocks[rank] = max(self._clocks.get(rank, -1), int(item[2]))
+                self._clock(rank, int(item[2]), item[3] if len(item) > 3 else 0)
                 self._clock_due()
             elif kind == "table":
                 self._ask_table(local, rank, item[2])
@@ -277,6 +278,10 @@ class HostRelay(TokenGate):
             # message of reports alone needs no acknowledgement, its sender keeps nothing of it)
             local.acked = local.received
             local.out.put_nowait(encode([["acked", local.received]]))
+
+    def _clock(self, rank, clock, waiting):
+        """A worker's clock (the newest goes on) and whether it waits for its peers (its last say)."""
+        self._clocks[rank] = (max(self._clocks.get(rank, (-1, 0))[0], clock), int(bool(waiting)))
 
     def _clock_due(self):
         """Clocks just came: they go with the next message to rank 0, or at once when none went
@@ -339,7 +344,7 @@ class HostRelay(TokenGate):
         """Every clock not sent yet, to rank 0, in one item."""
         clocks, self._clocks = self._clocks, {}
         self._flushed = time.monotonic()
-        self._pending.append(([["reports", {str(r): c for r, c in clocks.items()}]], []))
+        self._pending.append(([_reports(clocks)], []))
         self._wake.set()
 
     # --------------------------------------------------------------- its link to rank 0
@@ -429,7 +434,7 @@ class HostRelay(TokenGate):
             if self._clocks:  # (the clocks ride along)
                 clocks, self._clocks = self._clocks, {}
                 self._flushed = time.monotonic()
-                pending.append(([["reports", {str(r): c for r, c in clocks.items()}]], []))
+                pending.append(([_reports(clocks)], []))
             items = [item for batch, _ in pending for item in batch]
             acks = [ack for _, carried in pending for ack in carried]
             self._sent += 1
@@ -494,6 +499,11 @@ class HostRelay(TokenGate):
                     replies.setdefault(local_id, []).append(["acked", index])
         if not self._unacked and self._pending:  # (the next message may go)
             self._wake.set()
+
+
+def _reports(clocks):
+    """The ``reports`` item of ``{rank: (clock, waiting)}``."""
+    return ["reports", {str(r): c for r, (c, _) in clocks.items()}, {str(r): w for r, (_, w) in clocks.items()}]
 
 
 def _stops(notices):

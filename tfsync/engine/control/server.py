@@ -61,6 +61,7 @@ class ControlServer(TokenGate, Streams, StopHandshake, RoundCoordinator, Service
         self._lock = threading.Lock()
         self._clocks = [-1] * size
         self._last_seen = [0.0] * size
+        self._waiting = [False] * size  # each rank's last report: it waits for its peers
         self._lost, self._lost_version = {}, 0
         self._stopped, self._stopped_version = {}, 0
         self._stops_seen = {}  # attached rank -> how many stop notices its worker confirmed reading

@@ -9,7 +9,8 @@ keeps more state than closings runs it here as its service (DSSP's
 synchronization controller, :mod:`tfsync.engine.grants`): workers tell it
 (fire-and-forget) and ask it (answered at once), each message with a topic.
 The table holds the clocks, when each rank was last heard
-from, the lost and detached ranks and how many calls were refused.
+from and whether it said it waits for its peers, the lost and detached ranks and how many
+calls were refused.
 """
 
 
@@ -18,18 +19,22 @@ class Services:
     :class:`~tfsync.engine.control.server.ControlServer`); lock held in every handler."""
 
     def _report_item(self, link, item, now):
-        """``["report", rank, clock]``."""
-        self._clock(int(item[1]), int(item[2]), now)
+        """``["report", rank, clock, waiting]`` (``waiting``, optional: 1 while the worker waits
+        for its peers)."""
+        self._clock(int(item[1]), int(item[2]), now, len(item) > 3 and bool(item[3]))
 
     def _reports_item(self, link, item, now):
-        """``["reports", {rank: clock}]``: a relay's workers' clocks, together."""
+        """``["reports", {rank: clock}, {rank: waiting}]``: a relay's workers' clocks, together
+        (the waiting flags optional)."""
+        waiting = item[2] if len(item) > 2 else {}
         for rank, clock in item[1].items():
-            self._clock(int(rank), int(clock), now)
+            self._clock(int(rank), int(clock), now, bool(waiting.get(rank, 0)))
 
-    def _clock(self, rank, clock, now):
+    def _clock(self, rank, clock, now, waiting=False):
         self._served["reports"] += 1
         self._clocks[rank] = max(self._clocks[rank], clock)
         self._last_seen[rank] = now
+        self._waiting[rank] = waiting
 
     def _tell_item(self, link, item, now):
         """``["tell", rank, topic, fields]``: a message for the policy's service (ignored when
@@ -51,14 +56,18 @@ class Services:
         link.reply.append(["answer", rank, request, reply])
 
     def _table_item(self, link, item, now):
-        """``["table", rank, id]``: the clocks, when each rank was last heard from, the lost and
-        detached ranks and how many calls were refused."""
+        """``["table", rank, id]``: the clocks, when each rank was last heard from (and the
+        service's time now) and whether it waits for its peers, the lost and detached ranks and
+        how many calls were refused."""
         link.reply.append(["answer", int(item[1]), item[2], self._table()])
 
     def _table(self):
         return {
             "clocks": list(self._clocks),
             "last_seen_s": list(self._last_seen),
+            "now_s": self._now(),  # (on last_seen_s's clock)
+            # whether each rank's last report said it waits for its peers
+            "waiting": [int(w) for w in self._waiting],
             "lost": list(self._lost.values()),
             # workers whose link ended without Leave, within their re-attach grace
             "detached": sorted(self._detached),

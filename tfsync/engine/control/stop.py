@@ -1,7 +1,7 @@
 """The stop handshake: a worker that stops tells every other one why, before it exits.
 
 A worker that stops (a wait timed out, a peer was lost) sends
-``["stop", rank, id, kind, message]`` with its reason before it exits; rank 0
+``["stop", rank, id, kind, message, ranks]`` with its reason (and the ranks it names) before it exits; rank 0
 pushes the notice on every link, each worker confirms it has read it
 (``["seen", rank, stops]``), and rank 0 answers the stop once all have (at
 most :data:`STOP_NOTICE_GRACE_S`), so the others name the stop's cause, not the
@@ -22,11 +22,14 @@ class StopHandshake:
     """The server's side (a part of :class:`~tfsync.engine.control.server.ControlServer`)."""
 
     def _stop_item(self, link, item, now):
-        """``["stop", rank, id, kind, message]``: record the notice (every link is told) and
-        answer once every attached worker read it, or after the grace (lock held)."""
+        """``["stop", rank, id, kind, message, ranks]``: record the notice (every link is told) and
+        answer once every attached worker read it, or after the grace (lock held).  ``ranks``
+        (optional): the ranks the message names as at fault."""
         rank, request = int(item[1]), item[2]
         if rank not in self._stopped:
             self._stopped[rank] = {"rank": rank, "kind": item[3], "message": item[4]}
+            if len(item) > 5 and item[5] is not None:
+                self._stopped[rank]["ranks"] = [int(r) for r in item[5]]
             self._stopped_version += 1
         count = len(self._stopped)
         self._loop.create_task(self._answer_stop(link, rank, request, count))
