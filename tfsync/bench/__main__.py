@@ -1,4 +1,5 @@
-"""Dispatch ``python -m tfsync.bench [training|ops|scheduler|convergence|network|elastic|control|chaos] [options]``."""
+"""Dispatch ``python -m tfsync.bench [BENCHMARK] [options]``: training (the default), ops, scheduler,
+convergence, network, elastic, control, chaos or faults."""
 
 import importlib
 import sys
@@ -12,6 +13,7 @@ SUBCOMMANDS = {
     "elastic": "tfsync.bench.elastic",
     "control": "tfsync.bench.control",
     "chaos": "tfsync.bench.chaos",
+    "faults": "tfsync.bench.faults",
 }
 
 
