@@ -243,11 +243,12 @@ def inject(args, hosts, launch, fault, marks):
         return None
     if not launch.reach(fault["step"]):
         return None
+    t = time.time()  # (before it: no error it causes can be earlier)
     if args.scenario == "cut":
         hosts.set_link(CUT_HOST, False)
     else:
         os.kill(marks[fault["victim"]]["pid"], signal.SIGKILL if args.scenario == "kill" else signal.SIGSTOP)
-    return time.time()
+    return t
 
 
 def run_once(args, hosts, run, work, log):
@@ -312,7 +313,7 @@ def _outcome(args, events, code, fault_t, taken, taken_pids):
     """What a run's events say: its outcome, the survivors' first errors, its results."""
     errors = [e for e in events if e["kind"] == "error" and e["pid"] not in taken_pids]
     if fault_t is not None:
-        errors = [e for e in errors if e["t"] >= fault_t - 1.0]  # (an error just before the fault: clocks)
+        errors = [e for e in errors if e["t"] >= fault_t]
     firsts = {}
     for e in errors:
         firsts.setdefault(e["pid"], e)
