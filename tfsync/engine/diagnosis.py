@@ -16,6 +16,12 @@ TABLE_TIMEOUT_S = 1.0  # one clock-table query while diagnosing
 # after a failed collective, how long to wait for the loss notice: rank 0 names a worker on
 # another host lost only after its reconnect grace, so wait that and a few seconds more
 LOSS_SETTLE_S = RECONNECT_GRACE_S + 3.0
+# elastic training resets at once, but first waits this long at most for the loss notice, so that
+# its error (the reset's reason) names the lost rank: a process that ended is reported within
+# milliseconds when its link ends on its own host (rank 0's, or its host relay's); none comes
+# in that time for a link that ends between hosts (a relay's own process), named only after
+# its re-attach grace (RECONNECT_GRACE_S)
+ELASTIC_SETTLE_S = 1.0
 LOSS_POLL_S = 0.2  # how often to look for it meanwhile
 # A host that goes away takes every rank on it, whose losses are told apart by the spread of
 # their keepalives and re-attach graces: after the first, wait this long for the others on its
@@ -51,8 +57,9 @@ class Diagnosis:
         self.wait_timeout_s, self.timeout_env = wait_timeout_s, timeout_env
         self.hosts = hosts  # each rank's host name, in rank order (None: not known)
         # elastic training (tfsync.elastic): every survivor resets at its own failed collective, so
-        # the error is raised at once with what is known, without waiting for rank 0's loss
-        # notices (LOSS_SETTLE_S, HOST_SETTLE_S) or for the peers to read its stop notice
+        # the error is raised with what is known within ELASTIC_SETTLE_S, without waiting out
+        # rank 0's loss notices (LOSS_SETTLE_S, HOST_SETTLE_S) or for the peers to read its stop
+        # notice
         self.elastic = elastic
 
     def on_hosts(self, ranks) -> str:
@@ -202,10 +209,10 @@ class Diagnosis:
         return lost
 
     def lost_error(self, round_, exc, lost=None, what=None):
-        """The error for a failed collective (``exc``) or reported losses (``lost``); elastic: at
-        once, naming the losses already known.  ``round_``: the round waited for (None: none);
-        ``what``: what waited, in words, when not the round itself."""
-        deadline = time.monotonic() + (0.0 if self.elastic else LOSS_SETTLE_S)
+        """The error for a failed collective (``exc``) or reported losses (``lost``); elastic: as
+        soon as a loss is known, or after ``ELASTIC_SETTLE_S`` naming none.  ``round_``: the
+        round waited for (None: none); ``what``: what waited, in words, when not the round."""
+        deadline = time.monotonic() + (ELASTIC_SETTLE_S if self.elastic else LOSS_SETTLE_S)
         while not self.unexplained(self.control.known_lost) and time.monotonic() < deadline:
             lost = self.unexplained(lost or self.control.table(timeout_s=TABLE_TIMEOUT_S).get("lost", []))
             if lost or self.peer_stop() is not None:
