@@ -158,7 +158,7 @@ class SyncEngine:
             fallback=fallback,
         )
         # an inline round that waits reports this worker's clock, as the polling wait does
-        self.exchange.on_inline_wait = lambda: self.control.report(self.last_pushed, min_interval_s=0.0)
+        self.exchange.on_inline_wait = lambda: self.control.report(self.last_pushed, min_interval_s=0.0, waiting=True)
         # rounds run inline (on the training thread) only on one host: across hosts a collective can
         # hang in a Gloo transfer to a cut-off or frozen host, which the watchdog's abort cannot end
         self._inline_rounds = len(set(self.hosts)) == 1
@@ -435,7 +435,7 @@ class SyncEngine:
                 done = self.exchange.wait(round_, min(WAIT_POLL_S, max(deadline - time.monotonic(), 0.0)))
             except Exception as exc:  # the collective failed: find out who is gone
                 if self.exchange.inline_expired is not None:  # no: its inline wait reached the bound
-                    self.control.report(self.last_pushed, min_interval_s=0.0)
+                    self.control.report(self.last_pushed, min_interval_s=0.0, waiting=True)
                     raise self.stop(self._diagnosis.timeout_error(self.exchange.inline_expired)) from exc
                 raise self.stop(self._diagnosis.lost_error(round_, exc)) from exc
             if done:
