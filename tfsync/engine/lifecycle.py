@@ -17,6 +17,7 @@ threads.
 import logging
 import secrets
 import socket
+import sys
 import threading
 import time
 import weakref
@@ -309,7 +310,7 @@ def leave_at_exit(engine):
     global _exit_hook_registered
     _running.add(engine)
     if not _exit_hook_registered:
-        threading._register_atexit(_abandon_running)
+        threading._register_atexit(_at_exit)
         _exit_hook_registered = True
 
 
@@ -413,6 +414,37 @@ def abandon_all():
     """Abandon every engine of this process that is still running (local, bounded, no leave):
     before an elastic reset re-forms Horovod (:mod:`tfsync.elastic`)."""
     _abandon_running(leave=False)
+
+
+def _at_exit():
+    """Every engine still running when the interpreter exits: its peers are told why (a stop
+    notice naming this rank), then it is abandoned (:func:`leave_at_exit`)."""
+    for engine in list(_running):
+        try:
+            _announce_exit(engine)
+        except Exception:  # noqa: BLE001 - exiting anyway
+            pass
+    _abandon_running(leave=True)
+
+
+def _announce_exit(engine):
+    """Tell ``engine``'s peers (a stop notice, bounded) that this worker exits with its engine
+    running, and why: the error its program ended on (``sys.last_value``, set by Python's
+    report of an uncaught exception), when it ended on one.  Otherwise its exit reads to the
+    peers waiting for its rounds as a worker that left, or a collective that failed with no
+    loss reported, and their errors name no rank (a step that raised: the program's own
+    error)."""
+    control = engine.__dict__.get("control")
+    if control is None:
+        return
+    error = getattr(sys, "last_value", None)
+    why = (
+        f"{type(error).__name__}: {error}"
+        if error is not None
+        else "its program ended without finishing training (fit raised, or a SyncStrategy was never finished)"
+    )
+    message = f"tfsync: rank {engine.rank} exited with its engine running: {why}"
+    control.announce_stop("WorkerLostError", message[:2000], ranks=[engine.rank])
 
 
 def _abandon_running(leave=True):

@@ -1,7 +1,9 @@
 """The round exchange and the control path, in one process (no Horovod)."""
 
+import sys
 import threading
 import time
+import types
 
 import numpy as np
 import pytest
@@ -9,10 +11,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tfsync.engine import diagnosis as diagnosis_module
+from tfsync.engine import lifecycle
 from tfsync.engine.control import STOP_CALL_TIMEOUT_S, STOP_NOTICE_GRACE_S, ControlClient, ControlServer
 from tfsync.engine.diagnosis import Diagnosis, SyncTimeoutError
 from tfsync.engine.exchange import INLINE_WATCH_S, RoundExchange
 from tfsync.engine.rounds import WorkerLostError, decode_meta, encode_meta
+from tfsync.faults import InjectedFault
 
 TOKEN = "t" * 32
 
@@ -281,6 +285,21 @@ def test_a_round_every_rank_pushed_names_the_rank_gone_silent(control, monkeypat
     message = str(caught.value)
     assert caught.value.ranks == [2], message
     assert "ranks [2] on host tfh2 have not been heard from" in message, message
+
+
+def test_a_worker_that_exits_on_its_own_error_tells_the_others_why(control, monkeypatch):
+    # a training step that raised (the program's own error) ends its process with its engine
+    # running: its peers' collectives fail and no loss is reported (its exit leaves the control
+    # path); the notice it sends at exit names it and the error it ended on
+    server, clients = control
+    raised = InjectedFault("tfsync.faults: injected raise of rank 1 at step 34")
+    monkeypatch.setattr(sys, "last_value", raised, raising=False)  # (Python's report of it)
+    lifecycle._announce_exit(types.SimpleNamespace(control=clients[1], rank=1))
+    diagnosis = Diagnosis(clients[0], 0, "bsp", 8, "TFSYNC_WAIT_TIMEOUT_S", hosts=HOSTS)
+    error = diagnosis.lost_error(12, RuntimeError("Gloo: connection closed by peer"))
+    assert isinstance(error, WorkerLostError), error
+    assert "rank 1 exited with its engine running: InjectedFault: tfsync.faults: injected" in str(error), error
+    assert error.ranks == [1]
 
 
 def test_unreachable_control_host_reads_as_rank_0_lost():
