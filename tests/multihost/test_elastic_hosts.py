@@ -55,16 +55,15 @@ def test_a_host_removed_by_discovery_and_added_back(two_hosts, tmp_path):
 
 
 def test_a_worker_killed_on_the_other_host_costs_a_reset_not_the_job(two_hosts, tmp_path):
-    """Elastic backup workers, two workers a host: rank 3 (second host) is SIGKILLed mid-training
-    (the fault study's harness, ``python -m tfsync.bench faults``, once).  Before, a survivor on
-    its host could abort inside Gloo (its failed allreduce's peer still sent it data as it
-    negotiated the next cycle) and the job was lost; now the job goes on on the first host's
-    two workers, replicas identical."""
+    """Elastic backup workers, two workers a host: one is SIGKILLed mid-training (the fault
+    study's harness, ``python -m tfsync.bench faults``, once).  Before, a survivor could abort
+    inside Gloo (its failed allreduce's peer still sent it data as it negotiated the next cycle)
+    and the job was lost; now the job goes on on the other host's two workers, replicas
+    identical."""
     args = faults.parse_args(
         ["--scenario", "kill", "--mode", "backup", "--seed", "2", "--epochs", "6", "--json", str(tmp_path / "f.json")]
     )
     record = faults.run_once(args, two_hosts, 0, str(tmp_path), log=print)
-    assert record["victim"] == 3 and record["fault_host"] == "tfh2", record
     assert record["outcome"] == "recovered", record.get("output_tail", record)
     assert record["replicas_identical"] and record["final_accuracy"] >= 0.9 and record["size"] == 2, record
     assert "EnforceNotMet" not in open(os.path.join(tmp_path, "run000", "launch.log")).read()
