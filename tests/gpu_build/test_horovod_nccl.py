@@ -12,8 +12,12 @@ loaded, it reports NCCL and CUDA built and registers GPU kernels for Horovod's o
 two ranks under ``horovodrun --gloo`` reduce CPU tensors with it. The NCCL collectives themselves need GPUs
 (docs/install.md, "GPU build").
 
-Slow (Horovod's build with its CUDA kernels, about 15 minutes on 2 cores) and needs
-``nvcc``: skipped where it is missing, except under CI, where it must run.
+Horovod's build with its CUDA kernels is slow (about 15 minutes on 2 cores): it is made
+in the build checks' cached environment (conftest.py), and install.sh reuses it while its
+stamp (the patch's and install.sh's digest, the compiler, TensorFlow's, NCCL's and nvcc's
+versions, the compute capabilities) is the one it would write, and builds again otherwise;
+the checks run every time. Needs ``nvcc``: skipped where it is missing, except under CI,
+where it must run.
 """
 
 import json
@@ -84,13 +88,14 @@ def horovod_nccl(gpu_venv, tmp_path_factory):
 
 def test_install_sh_chooses_the_nccl_build_where_tensorflow_has_cuda_and_nvcc_is_here(horovod_nccl):
     log = horovod_nccl["log"]
-    chosen = re.search(r"^Horovod: building with NCCL \((.*)\)$", log, re.M)
-    assert chosen, f"install.sh did not say it builds with NCCL:\n{log[-6000:]}"
+    chosen = re.search(r"^Horovod: chose NCCL \((.*)\)$", log, re.M)
+    assert chosen, f"install.sh did not say it chose the NCCL build:\n{log[-6000:]}"
     assert "is built with CUDA and nvcc is at" in chosen.group(1), chosen.group(0)
     assert f"from {horovod_nccl['nccl_lib']}" in chosen.group(1), chosen.group(0)
-    assert re.search(r"^Horovod: built and installed \(.*, nccl [\d.]+, cuda [\d.]+, cc [\d,]+\)$", log, re.M), log[
-        -3000:
-    ]
+    # built now, or reused: the build in the environment has this build's stamp (same inputs)
+    done = r"^Horovod: (built and installed|installed) \(.*, inputs [0-9a-f]{16}, .*"
+    done += r", nccl [\d.]+, cuda [\d.]+, cc [\d,]+\)$"
+    assert re.search(done, log, re.M), log[-3000:]
 
 
 def test_a_second_run_finds_the_same_nccl_build_installed(horovod_nccl):
@@ -102,6 +107,17 @@ def test_a_second_run_finds_the_same_nccl_build_installed(horovod_nccl):
     )
     assert re.search(r"^Horovod: installed \(.*, nccl [\d.]+, cuda [\d.]+, cc [\d,]+\)$", out, re.M), out[-3000:]
     assert "building" not in out, out[-3000:]
+
+
+def test_a_changed_input_makes_install_sh_build_again(horovod_nccl):
+    """The stamp that lets a build be reused names every input that can change it: the patch
+    and install.sh (their digest), the compiler, TensorFlow's, NCCL's and nvcc's versions and
+    the compute capabilities. A stamp that differs in any of them is not reused."""
+    stamp = (horovod_nccl["site"] / "horovod" / "tfsync_build.txt").read_text().strip()
+    for field in (r"inputs [0-9a-f]{16}", r"tensorflow \S+,", r"nccl [\d.]+", r"cuda [\d.]+", r"cc [\d,]+"):
+        assert re.search(field, stamp), (field, stamp)
+    cxx = os.environ.get("CXX", "g++")
+    assert subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.splitlines()[0] in stamp, stamp
 
 
 def test_mpi_lib_links_nccl_from_the_pip_package_and_finds_it_at_run_time(horovod_nccl):

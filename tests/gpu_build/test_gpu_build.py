@@ -7,21 +7,25 @@ checked without a device: the CUDA kernels are in the library as SASS for every
 architecture the build chose and as PTX; every CUDA runtime symbol the library needs is
 exported by the wheel's ``libtensorflow_framework`` (so it loads in a TensorFlow
 process); and loaded in that environment, the ops have GPU kernels registered. Running
-the kernels needs a GPU: ``tests/build/test_cuda_kernels.py`` runs them (plain CUDA,
+the kernels needs a GPU: ``tests/gpu_build/test_cuda_kernels.py`` runs them (plain CUDA,
 without TensorFlow) where one is (docs/install.md, "GPU build").
 
-Slow (a TensorFlow install and an nvcc build, a few minutes) and needs ``nvcc``: it is
-skipped where ``nvcc`` is missing, except under CI, where it must run.
+The build is slow (an nvcc build, minutes on two cores): it is kept in the build cache
+(``_build_tools.cached``) and made again whenever setup.py, ``ops/cc``, the environment or
+the toolchain changed; the checks run every time. Needs ``nvcc``: skipped where it is
+missing, except under CI, where it must run.
 """
 
 import json
 import os
+import pathlib
 import re
+import shutil
 import subprocess
 import textwrap
 
 import pytest
-from _build_tools import cuobjdump, nvcc_targets, require_nvcc, run
+from _build_tools import cached, cuobjdump, files_digest, nvcc_targets, require_nvcc, run
 
 from tfsync.launch import REPO_ROOT
 
@@ -54,18 +58,23 @@ pytestmark = [
 
 
 @pytest.fixture(scope="module")
-def gpu_build(gpu_venv, tmp_path_factory):
-    root = tmp_path_factory.mktemp("gpu_build")
-    lib_dir = root / "lib"
+def gpu_build(gpu_venv):
+    """The op library as setup.py builds it against the GPU wheel: made once per change of its
+    sources, setup.py, the environment or the toolchain (the build cache), checked every run."""
     env = {**os.environ, "TFSYNC_BUILD_SCHEDULER": "0"}
-    env.pop("TFSYNC_CUDA_ARCHS", None)
-    build_log = run(
-        [gpu_venv["python"], "setup.py", "build_ext", "--build-lib", str(lib_dir), "--build-temp", str(root / "tmp")],
-        1500,
-        cwd=REPO_ROOT,
-        env=env,
-    )
-    ops_dir = lib_dir / "tfsync" / "ops"
+    env.pop("TFSYNC_CUDA_ARCHS", None)  # (the default architectures: the build chooses)
+    inputs = {"venv": gpu_venv["inputs"], "sources": files_digest(REPO_ROOT, ["setup.py", "ops/cc/**"])}
+
+    def build(folder):
+        cmd = [gpu_venv["python"], "setup.py", "build_ext", "--build-lib", f"{folder}/lib", "--build-temp"]
+        log = run([*cmd, f"{folder}/tmp", "--force"], 1500, cwd=REPO_ROOT, env=env)
+        with open(os.path.join(folder, "build.log"), "w") as f:
+            f.write(log)
+        shutil.rmtree(os.path.join(folder, "tmp"))  # (object files: the library is what is checked)
+
+    folder, _ = cached("gpu-oplib", inputs, build)
+    root = pathlib.Path(folder)
+    ops_dir = root / "lib" / "tfsync" / "ops"
     with open(ops_dir / "_build_info.json") as f:
         info = json.load(f)
     site = gpu_venv["site"]
@@ -76,7 +85,7 @@ def gpu_build(gpu_venv, tmp_path_factory):
         "info": info,
         "framework": str(site / "tensorflow" / "libtensorflow_framework.so.2"),
         "cuobjdump": cuobjdump(site),
-        "log": build_log,
+        "log": (root / "build.log").read_text(),
     }
 
 
@@ -170,12 +179,12 @@ def test_tfsync_runs_the_finiteness_kernels_of_this_library_on_gpu_tensors(gpu_b
 
 
 @pytest.mark.parametrize("archs", ["8.0;9.0", "unsupported"])
-def test_a_bad_architecture_list_stops_the_build_and_says_what_nvcc_has(gpu_build, archs):
+def test_a_bad_architecture_list_stops_the_build_and_says_what_nvcc_has(gpu_build, archs, tmp_path):
     supported = nvcc_targets()
     if archs == "unsupported":
         archs = str(next(a for a in (35, 50, 60, 70, 75) if a not in supported))
     env = {**os.environ, "TFSYNC_BUILD_SCHEDULER": "0", "TFSYNC_CUDA_ARCHS": archs}
-    out = gpu_build["root"] / "bad"
+    out = tmp_path / "bad"
     cmd = [gpu_build["python"], "setup.py", "build_ext", "--build-lib", str(out), "--build-temp", str(out / "tmp")]
     proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0

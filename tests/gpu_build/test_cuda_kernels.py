@@ -9,18 +9,21 @@ kernels (the op library's, through ``tfsync.ops``) on the cases ``kernel_test --
 writes, and the program is shown to fail when a kernel is wrong (a copy of the sources
 with two planted faults).
 
-Needs ``nvcc``: skipped where it is missing, except under CI, where it must run.
+run.sh reuses a program built from the same inputs (the build cache: ``_build_tools``);
+the program runs every time. Needs ``nvcc``: skipped where it is missing, except under CI,
+where it must run.
 """
 
 import json
 import os
+import pathlib
 import re
 import shutil
 import subprocess
 
 import numpy as np
 import pytest
-from _build_tools import require_nvcc
+from _build_tools import cache_root, require_nvcc
 
 from tfsync.launch import REPO_ROOT
 
@@ -49,9 +52,10 @@ def _run_sh(build_dir, *args, env=None, timeout_s=1500):
 
 
 @pytest.fixture(scope="module")
-def kernel_test(tmp_path_factory):
-    """run.sh's build and run, once: the process and the program it built."""
-    build_dir = tmp_path_factory.mktemp("cuda_test")
+def kernel_test():
+    """run.sh's build and run, once: the process and the program it built (in the build cache,
+    where run.sh reuses a program built from the same inputs)."""
+    build_dir = pathlib.Path(cache_root()) / "cuda-test"
     proc = _run_sh(build_dir)
     return {"proc": proc, "binary": build_dir / "kernel_test", "output": proc.stdout + proc.stderr}
 
@@ -102,7 +106,9 @@ def _mutated_tree(root):
 
 def test_the_program_fails_when_a_kernel_is_wrong(tmp_path):
     run_sh = _mutated_tree(tmp_path / "tree")
-    env = {**os.environ, "CUDA_TEST_BUILD_DIR": str(tmp_path / "build"), "CUDA_TEST_ARCH": "sm_90"}
+    # (the planted faults' program is kept in the cache too: run.sh rebuilds it when its sources change)
+    build_dir = pathlib.Path(cache_root()) / "cuda-test-faults"
+    env = {**os.environ, "CUDA_TEST_BUILD_DIR": str(build_dir), "CUDA_TEST_ARCH": "sm_90"}
     # the emulated grid (no GPU needed), up to a size past one block of vectors
     proc = subprocess.run(
         ["bash", str(run_sh), "--host", "--max-elements", "65537"] if not _gpu_listed() else ["bash", str(run_sh)],
