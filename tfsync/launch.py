@@ -73,7 +73,13 @@ def run_bounded_command(cmd, env, timeout_s):
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
-        raise TimeoutError(f"{' '.join(cmd)} ran past {timeout_s} s; output tail:\n{out[-6000:]}") from None
+        raise TimeoutError(f"{' '.join(map(str, cmd))} ran past {timeout_s} s; output tail:\n{out[-6000:]}") from None
+    except BaseException:
+        # interrupted while it runs (a test's own timeout, Ctrl-C): the launch and every process it
+        # started go with it, rather than load the machine under whatever runs next
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise
     return proc.returncode, out
 
 

@@ -65,6 +65,7 @@ def _every_mode_runs():
     return [f"callback:{n}" for n in names] + [f"strategy:{n}" for n in names if n not in refused]
 
 
+@pytest.mark.timeout(EVERY_MODE_S + 120)  # (the first one launches every_mode's job)
 @pytest.mark.parametrize("run", _every_mode_runs())
 def test_every_mode_trains_across_two_hosts_with_identical_replicas(every_mode, run):
     """Replicas identical bit for bit, the weights moved, and every contribution accounted for."""

@@ -34,6 +34,9 @@ def test_all_runs_every_registered_mode_in_three_scenarios(registered):
     assert list(plan) == list(demo.ALL_SCENARIOS)
     modes = plan["straggler"][1]
     assert modes[0] == demo.BASELINE and set(modes[1:]) >= {m.name for m in registry.modes()}
+    # (and the registry's answer to a straggler, last: the table's one configuration beside the defaults)
+    assert modes[-1] == registry.best_for("straggler")[-1] and len(modes) == len(set(modes))
+    assert all(plan[s][1] == modes for s in plan)
     assert "every2" in demo.DEMO_MODES
     assert demo.parse_args(["--all"]).target_accuracy == [0.9, 0.95]
 
