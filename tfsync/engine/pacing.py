@@ -54,7 +54,9 @@ def payload_bytes(payload) -> int:
     return sum(int(np.prod(t.shape, dtype=np.int64)) * tf.as_dtype(t.dtype).size for t in payload)
 
 
-def paced_round(collective, payload, meta, spread_s: float, pause, size: int, wire_bytes: int, divisor=None):
+def paced_round(
+    collective, payload, meta, spread_s: float, pause, size: int, wire_bytes: int, divisor=None, clock=time.monotonic
+):
     """``collective(payload, meta, divisor=...)`` in pieces spread over ``spread_s`` seconds:
     ``(total, meta)`` as the collective returns them for the whole payload.
 
@@ -63,7 +65,8 @@ def paced_round(collective, payload, meta, spread_s: float, pause, size: int, wi
     returns False once the round is needed (no more pauses then).  A payload of several
     dtypes goes whole (its pieces would mix them), as does one small enough for a single
     piece.  Each piece's call gets ``part=i``, so a collective that keeps state per payload
-    layout (4-bit error feedback) keeps one per piece."""
+    layout (4-bit error feedback) keeps one per piece.  ``clock``: seconds, monotonic (a test's
+    own clock makes the schedule exact)."""
     import tensorflow as tf  # (here: the bounds above run without TensorFlow)
 
     kwargs = {} if divisor is None else {"divisor": divisor}
@@ -77,13 +80,13 @@ def paced_round(collective, payload, meta, spread_s: float, pause, size: int, wi
     if len(bounds) == 1:
         return collective(payload, meta, **kwargs)
     flat = tf.concat([tf.reshape(t, [-1]) for t in payload], 0)
-    start, paced, outs = time.monotonic(), True, []
+    start, paced, outs = clock(), True, []
     for i, (a, b) in enumerate(bounds):
         if i == 1:  # (every rank has joined: the pieces left are due over what is left of the spread)
-            joined = time.monotonic()
+            joined = clock()
             left = spread_s - (joined - start)
         if i and paced:
-            paced = pause(joined + left * i / len(bounds) - time.monotonic())
+            paced = pause(joined + left * i / len(bounds) - clock())
         total, meta_out = collective([flat[a:b]], meta, part=i, **kwargs)
         outs.append(tf.reshape(total[0], [-1]))
     whole = tf.concat(outs, 0)
