@@ -24,9 +24,11 @@ BUILD_INPUTS = setup.py requirements.txt requirements-docs.txt constraints.txt $
 install: $(STAMP)
 
 $(STAMP): $(BUILD_INPUTS)
-	@# system packages Horovod's build needs (Debian); skipped when present
-	@command -v cmake >/dev/null && command -v g++ >/dev/null && command -v patch >/dev/null || \
-	  (apt-get update && apt-get install -y --no-install-recommends cmake g++ make patch)
+	@# system packages Horovod's build needs (Debian), and ccache, which keeps the compiled objects of
+	@# Horovod's and tfsync's builds (outside the checkout, keyed by each file's preprocessed source,
+	@# the compiler and its flags): a fresh clone compiles only what changed; skipped when present
+	@command -v cmake >/dev/null && command -v g++ >/dev/null && command -v patch >/dev/null && command -v ccache >/dev/null || \
+	  (apt-get update && apt-get install -y --no-install-recommends cmake g++ make patch ccache)
 	@# what the multi-host tests' simulated hosts need (tests/multihost): skipped when present
 	@command -v ip >/dev/null && command -v unshare >/dev/null && test -x /usr/sbin/sshd && command -v ssh-keygen >/dev/null || \
 	  (apt-get update && apt-get install -y --no-install-recommends iproute2 util-linux openssh-server openssh-client)
@@ -34,7 +36,9 @@ $(STAMP): $(BUILD_INPUTS)
 	@# Horovod from its sdist with our patch, compiled against the installed TensorFlow
 	@# (rebuilt when TensorFlow or the patch changes): third_party/horovod/
 	bash third_party/horovod/install.sh $(PYTHON) $(HOROVOD_VERSION) build
-	$(PIP_INSTALL) --no-build-isolation --no-deps -e .
+	@# (the op library's and the scheduler's compiles through ccache where it is installed)
+	if command -v ccache >/dev/null; then export CC="ccache $${CC:-gcc}" CXX="ccache $${CXX:-g++}"; fi; \
+	  $(PIP_INSTALL) --no-build-isolation --no-deps -e .
 	$(PYTHON) -c "import horovod.tensorflow, tfsync.ops, tfsync.scheduler; tfsync.ops.load_library(); tfsync.scheduler.zipline([[1.0, 2.0], [1.5, 2.5]]); import keras_cv"
 	@mkdir -p build && touch $@
 

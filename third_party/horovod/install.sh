@@ -56,6 +56,12 @@ fi
 
 build_env=(HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 HOROVOD_WITHOUT_PYTORCH=1
   HOROVOD_WITHOUT_MXNET=1 MAKEFLAGS=-j2)
+# ccache, where installed (make install installs it), keeps the compiled objects between builds,
+# keyed by each file's preprocessed source, the compiler and its flags: a build after a change of
+# the patch compiles only the files it changed (CMake reads these for Horovod's targets)
+if command -v ccache >/dev/null; then
+  build_env+=(CMAKE_C_COMPILER_LAUNCHER=ccache CMAKE_CXX_COMPILER_LAUNCHER=ccache CMAKE_CUDA_COMPILER_LAUNCHER=ccache)
+fi
 # a GPU setting left in the environment must not change the build decided here
 unset_gpu=(-u HOROVOD_GPU_OPERATIONS -u HOROVOD_GPU_ALLREDUCE -u HOROVOD_GPU_ALLGATHER -u HOROVOD_GPU_BROADCAST
   -u HOROVOD_GPU_ALLTOALL -u HOROVOD_GPU_REDUCESCATTER -u HOROVOD_GPU)
