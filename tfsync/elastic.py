@@ -82,11 +82,11 @@ from tfsync import _env, _horovod
 from tfsync._commit_store import CommitStore
 from tfsync._data import REDONE
 from tfsync._hang_guard import FIRST_STEP_FACTOR, HANG_MARGIN_S, STEP_FACTOR, HangGuard
+from tfsync.control.client import ControlUnreachableError
+from tfsync.control.transport import SILENT_LINK_S
 from tfsync.engine import lifecycle
 from tfsync.engine.bounded import run_bounded
 from tfsync.engine.cluster import HorovodCluster
-from tfsync.engine.control.client import ControlUnreachableError
-from tfsync.engine.control.transport import SILENT_LINK_S
 from tfsync.engine.diagnosis import SyncTimeoutError
 from tfsync.engine.rounds import WorkerLostError
 from tfsync.engine.tally import COUNTS
@@ -427,7 +427,7 @@ def hang_timeout(state) -> float | None:
 def stopped_timeout(state) -> float | None:
     """The seconds after which ``state``'s hang guard ends a worker stopped by a signal (SIGSTOP;
     None: no guard): under ``hang_timeout_s="auto"``, once its peers have dropped it: its control
-    links' keepalive drops them after :data:`~tfsync.engine.control.transport.SILENT_LINK_S`
+    links' keepalive drops them after :data:`~tfsync.control.transport.SILENT_LINK_S`
     (5 s), or the wait bound if shorter.  Such a process is certainly not running (the hang
     timeout's margin is for a silent heartbeat that may be a long call holding Python's lock),
     and ending it lets the launcher, which waits for its exit, re-form the job at once.  Given

@@ -64,7 +64,7 @@ import tempfile
 import time
 
 from tfsync.bench.elastic import adds_up, jsonl_records, read_results, summary
-from tfsync.engine.control.transport import SILENT_LINK_S
+from tfsync.control.transport import SILENT_LINK_S
 from tfsync.faults import KINDS, HostFaults, Ledger, Schedule
 from tfsync.launch import REPO_ROOT, integer, number
 

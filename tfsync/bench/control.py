@@ -175,17 +175,14 @@ def _address_of(rank0):
 
 
 def _start_hosts(address, token, workers, rounds, args, tmp):
-    """Start the simulated hosts, relayed as a job's would be (``lifecycle.relay_leaders`` and
-    ``relay_groups``): a group's first host before the others, which attach to its group relay."""
-    from tfsync.engine.lifecycle import relay_groups, relay_leaders
+    """Start the simulated hosts, relayed as a job's would be (:func:`tfsync.control.topology.relays`):
+    a group's first host before the others, which attach to its group relay."""
+    from tfsync.control import topology
 
     per_host = args.ranks_per_host
     firsts = list(range(0, workers, per_host))
     names = [f"host{first // per_host}" for first in range(workers)]
-    leaders = relay_leaders(names) if args.relays != "off" else {}
-    groups = relay_groups(leaders) if args.relays == "auto" else {}
-    if groups:
-        leaders = relay_leaders(names, home=True)
+    leaders, groups = topology.relays(names, args.relays)
     heads = {first: None for first in firsts if groups.get(first) == first}  # first rank -> its group relay
 
     def start(h, first, relay):
@@ -216,13 +213,10 @@ def rank0_links(workers, per_host, relays):
     """The ranks each of rank 0's links carries in a job of ``workers`` on hosts of ``per_host``
     relayed as ``relays`` (``TFSYNC_CONTROL_RELAYS``) says: a worker's own link, a host relay's
     or a group relay's."""
-    from tfsync.engine.lifecycle import relay_groups, relay_leaders
+    from tfsync.control import topology
 
     names = [f"host{rank // per_host}" for rank in range(workers)]
-    leaders = relay_leaders(names) if relays != "off" else {}
-    groups = relay_groups(leaders) if relays == "auto" else {}
-    if groups:
-        leaders = relay_leaders(names, home=True)
+    leaders, groups = topology.relays(names, relays)
     links = {}
     for rank in range(workers):
         lead = leaders.get(rank)

@@ -1,7 +1,7 @@
 """The sync engine: rounds over Horovod allreduce, clocks, control path, waits, metrics.
 
 The names below load on first use, so a process that only needs the control path
-(:mod:`tfsync.engine.control`: a simulated worker of ``python -m tfsync.bench control``)
+(:mod:`tfsync.control`: a simulated worker of ``python -m tfsync.bench control``)
 imports neither TensorFlow nor Horovod.
 """
 

@@ -5,7 +5,7 @@ The engine runs numbered rounds for every mode alike.  Its policy
 passes the synchronization point of a step; the round exchange
 (:mod:`tfsync.engine.exchange`, a communication thread over
 ``hvd.grouped_allreduce``) runs the rounds, and the control path
-(:mod:`tfsync.engine.control`) carries clocks, losses and rank 0's
+(:mod:`tfsync.control`) carries clocks, losses and rank 0's
 decisions.  Everything it takes from its peers goes through one injected
 cluster object (:mod:`tfsync.engine.cluster`): Horovod in production, N
 ranks on threads in the single-process tests.
@@ -49,10 +49,10 @@ import time
 import numpy as np
 
 from tfsync import _env
+from tfsync.control import ControlClient
+from tfsync.control.client import connect_bound
 from tfsync.engine import bindings, lifecycle, protocols
 from tfsync.engine.cluster import HorovodCluster
-from tfsync.engine.control import ControlClient
-from tfsync.engine.control.client import connect_bound
 from tfsync.engine.diagnosis import Diagnosis
 from tfsync.engine.entry import CoordinatedRounds, OpenRounds
 from tfsync.engine.nonfinite import NonFinite

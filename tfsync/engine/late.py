@@ -7,7 +7,7 @@ withdraws it from the outbox with a snapshot of the weights it was computed
 on (before the round's mean moves them), corrects it at the worker's next
 computed step, whose weights are those that step's round applies to, and
 offers it to that round (``Late`` on the control path, :meth:`ControlClient.join_late
-<tfsync.engine.control.client.ControlClient.join_late>`); a round that closed
+<tfsync.control.client.ControlClient.join_late>`); a round that closed
 meanwhile makes the step skip and the offer is made again at the next.  A
 worker holds one at most: an older one is dropped.  Those still held when
 training ends go into one final round that every replica applies

@@ -22,12 +22,12 @@ import time
 import weakref
 
 from tfsync import _env
+from tfsync.control import ControlServer, topology
+from tfsync.control.address import choose as choose_control_address
+from tfsync.control.address import choose_relay as choose_relay_address
+from tfsync.control.relay import HostRelay
 from tfsync.engine import bindings
-from tfsync.engine.address import choose as choose_control_address
-from tfsync.engine.address import choose_relay as choose_relay_address
 from tfsync.engine.bounded import run_bounded
-from tfsync.engine.control import ControlServer
-from tfsync.engine.control.relay import GROUP_HOSTS, HostRelay
 
 log = logging.getLogger("tfsync.control")
 
@@ -141,9 +141,10 @@ def agree_t0(cluster, timeout_s: float) -> float:
 def open_control(engine, cluster):
     """Rank 0 starts the control service; every rank learns its address and the job's token;
     the first rank of each host but rank 0's with several ranks starts the host's relay
-    (:mod:`tfsync.engine.control.relay`; ``TFSYNC_CONTROL_RELAYS``), and its host's ranks learn
-    its address; past ``GROUP_HOSTS`` relaying hosts, the first of each group of them also
-    starts the group's relay, which the group's host relays attach to (:func:`relay_groups`),
+    (:mod:`tfsync.control.relay`; ``TFSYNC_CONTROL_RELAYS``), and its host's ranks learn
+    its address; past :data:`~tfsync.control.topology.GROUP_HOSTS` relaying hosts, the first of each group of
+    them also starts the group's relay, which the group's host relays attach to
+    (:func:`tfsync.control.topology.relays`),
     and rank 0's host's other ranks attach through a relay too (in rank 1's process).
 
     Returns ``(address, fallback, token)``: where this rank attaches (its host's relay, or rank
@@ -179,14 +180,11 @@ def open_control(engine, cluster):
         purpose="the address and token of rank 0's control service, broadcast when the engine starts",
         timeout_s=engine.wait_timeout_s,
     )
-    relaying = _env.control_relays()
-    leaders = relay_leaders(engine.hosts) if relaying != "off" else {}
+    leaders, groups = topology.relays(engine.hosts, _env.control_relays())
     if not leaders:
         return address, None, token
     upstream, fallback = address, None
-    groups = relay_groups(leaders) if relaying == "auto" else {}
-    if groups:  # (a job this large: rank 0's host's other workers through a relay too)
-        leaders = relay_leaders(engine.hosts, home=True)
+    if groups:
         group = None
         if groups.get(engine.rank) == engine.rank:
             group = _group_relay(address, token, engine.t0)
@@ -217,8 +215,8 @@ def _gather_address(engine, cluster, relay, name, what):
 
 
 def _group_relay(address, token, t0):
-    """A group relay (:mod:`tfsync.engine.control.relay`) listening where the other hosts reach
-    this one (as rank 0's service would, :func:`tfsync.engine.address.choose_relay`); None, with a
+    """A group relay (:mod:`tfsync.control.relay`) listening where the other hosts reach
+    this one (as rank 0's service would, :func:`tfsync.control.address.choose_relay`); None, with a
     warning, where this host has no such address or it cannot listen there: its group's host
     relays then attach to rank 0 themselves."""
     try:
@@ -267,34 +265,6 @@ def rest_steps(policy):
     if period is None or not all(c.rests for c in [*protocol.components(policy), *bindings.components(policy)]):
         return None
     return period
-
-
-def relay_leaders(hosts, home=False) -> dict:
-    """``{rank: the first rank of its host}`` for the ranks whose host is not rank 0's and holds
-    several ranks (``hosts``: every rank's host name, in rank order): those attach through their
-    host's relay.  ``home``: rank 0's host's other ranks too, if there are several (their relay
-    runs in rank 1's process; rank 0 attaches to its own service directly)."""
-    ranks_of = {}
-    for rank, host in enumerate(hosts):
-        if rank > 0 and (home or host != hosts[0]):
-            ranks_of.setdefault(host, []).append(rank)
-    return {rank: ranks[0] for ranks in ranks_of.values() if len(ranks) > 1 for rank in ranks}
-
-
-def relay_groups(leaders) -> dict:
-    """``{host relay's rank: the rank of its group relay}`` (``leaders`` as :func:`relay_leaders`
-    gives them): past :data:`~tfsync.engine.control.relay.GROUP_HOSTS` relaying hosts, the relays
-    of each ``GROUP_HOSTS`` consecutive hosts attach to the group relay of the first of them
-    (a host left alone attaches to rank 0); ``{}`` for fewer."""
-    heads = sorted(set(leaders.values()))
-    if len(heads) <= GROUP_HOSTS:
-        return {}
-    groups = {}
-    for start in range(0, len(heads), GROUP_HOSTS):
-        chunk = heads[start : start + GROUP_HOSTS]
-        if len(chunk) > 1:
-            groups.update(dict.fromkeys(chunk, chunk[0]))
-    return groups
 
 
 def leave_at_exit(engine):

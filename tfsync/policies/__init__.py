@@ -35,7 +35,7 @@ partial modes (:mod:`tfsync.policies.partial`: PSP, backup workers) close a
 round without the slow workers; that needs one observer of every worker's
 readiness, so rank 0's coordinator evaluates their third question,
 ``close_round``, and tells every worker which contributions round ``r``
-aggregates (see :mod:`tfsync.engine.control`).
+aggregates (see :mod:`tfsync.control`).
 """
 
 from tfsync.policies.auto import Auto

@@ -141,7 +141,7 @@ class Policy(abc.ABC):
         """What rank 0's coordinator runs for this mode, or None: an object with
         ``tell(rank, topic, message, now_s)`` and ``ask(rank, topic, message, now_s) -> dict``,
         which workers reach through :meth:`ControlClient.tell` and :meth:`ControlClient.ask`
-        (:mod:`tfsync.engine.control`)."""
+        (:mod:`tfsync.control`)."""
         return None
 
     def config(self) -> dict:

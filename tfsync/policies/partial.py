@@ -16,7 +16,7 @@
   round ``t`` aggregates the first ``N`` contributions stamped ``t``.
 
 The parameter server of the papers becomes rank 0's coordinator
-(:mod:`tfsync.engine.control`): it sees every worker's "ready" notice, applies
+(:mod:`tfsync.control`): it sees every worker's "ready" notice, applies
 :meth:`close_round` (a pure function of the notices and the clock) and tells
 every worker which ranks round ``t`` aggregates; every worker's communication
 thread then enters the round's allreduce, the accepted ranks with their

@@ -13,11 +13,12 @@ import types
 import pytest
 from control_helpers import Closes, TcpProxy, rounds, vanish, wait_until
 
+from tfsync.control import RECONNECT_GRACE_S, ControlClient, ControlServer
+from tfsync.control.outgoing import REPORT_FLUSH_S
+from tfsync.control.relay import HostRelay
+from tfsync.control.topology import GROUP_HOSTS, relay_groups, relay_leaders
+from tfsync.control.transport import ATTEMPT_S
 from tfsync.engine import bindings
-from tfsync.engine.control import RECONNECT_GRACE_S, ControlClient, ControlServer
-from tfsync.engine.control.relay import GROUP_HOSTS, REPORT_FLUSH_S, HostRelay
-from tfsync.engine.control.transport import ATTEMPT_S
-from tfsync.engine.lifecycle import relay_groups, relay_leaders
 from tfsync.policies import BackupWorkers
 
 TOKEN = "g" * 32
@@ -159,8 +160,8 @@ def test_a_large_jobs_ranks_start_group_relays_and_attach_through_them(monkeypat
     # directly (a relay needs several)
     from fake_cluster import FakeCluster, on_threads
 
+    from tfsync.control.address import ControlAddress
     from tfsync.engine import lifecycle
-    from tfsync.engine.address import ControlAddress
 
     monkeypatch.setenv("TFSYNC_CONTROL_HOST", "127.0.0.1")
     monkeypatch.setattr(lifecycle, "choose_relay_address", lambda: ControlAddress("127.0.0.1", "127.0.0.1", "test"))

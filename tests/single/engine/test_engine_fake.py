@@ -377,7 +377,7 @@ def test_bsp_every_rank_applies_the_mean_of_all(tmp_path_factory, delays):
 
 def test_rank_0_stops_the_control_server_only_after_every_rank_has_left_it(tmp_path, monkeypatch):
     # a server that goes away under a worker's open stream races that worker's channel close
-    from tfsync.engine.control import ControlClient, ControlServer
+    from tfsync.control import ControlClient, ControlServer
 
     job = Job(PSP(), [[0.0] * 3, [0.01] * 3, [0.0] * 3], str(tmp_path))
     left_at_stop = []
@@ -648,9 +648,9 @@ def test_a_rank_0_gone_after_its_address_went_out_ends_its_peers_attach(monkeypa
     # (the chaos soak: a rank 0 killed as the engines started; its peers waited 30 s to attach
     # before their reset could begin).  Its service refuses connections: they give up at once;
     # a link that answers nothing waits the engine's wait bound (10 s there), not 30 s
+    from tfsync.control.client import CONNECT_TIMEOUT_S, ControlUnreachableError, connect_bound
     from tfsync.engine import engine as engine_module
     from tfsync.engine import lifecycle
-    from tfsync.engine.control.client import CONNECT_TIMEOUT_S, ControlUnreachableError, connect_bound
 
     open_control, client = lifecycle.open_control, engine_module.ControlClient
     bounds = []

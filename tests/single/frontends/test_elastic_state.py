@@ -12,9 +12,9 @@ from horovod.common.exceptions import HorovodInternalError, HostsUpdatedInterrup
 
 import tfsync
 import tfsync.elastic as elastic
+from tfsync.control.client import ControlUnreachableError
 from tfsync.engine import SyncTimeoutError, WorkerLostError
 from tfsync.engine.cluster import HorovodCluster
-from tfsync.engine.control.client import ControlUnreachableError
 from tfsync.engine.tally import Tally
 
 
@@ -345,7 +345,7 @@ def test_the_callback_commits_at_epoch_ends_and_counts_what_a_reset_lost(monkeyp
     restore, and a second fit from the committed epoch."""
     from fake_cluster import FakeCluster
 
-    from tfsync.engine.control import ControlClient
+    from tfsync.control import ControlClient
 
     leaves, close = [], ControlClient.close
     monkeypatch.setattr(ControlClient, "close", lambda self, leave=True: (leaves.append(leave), close(self, leave))[1])

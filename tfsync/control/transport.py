@@ -2,7 +2,7 @@
 
 Everything on the control path travels on **links**: one gRPC bidirectional stream
 (``/tfsync.Control/Link``) from a worker (or from its host's relay,
-:mod:`~tfsync.engine.control.relay`) to rank 0's service.  A message on a link
+:mod:`~tfsync.control.relay`) to rank 0's service.  A message on a link
 is a batch of items, JSON-encoded (:func:`encode`, :func:`decode`): whatever a
 sender has queued goes out as one message, so a busy link sends fewer, larger
 messages, and a message rank 0 sends to every link (a round's closing) is
@@ -24,7 +24,7 @@ nothing: a flood of refused calls, even from clients that withhold their
 request, delays no ready notice past its round.  The token is not encryption:
 the traffic is plaintext gRPC on one host or the cluster network, readable by
 anyone who can capture that network.  The server listens only on the address
-the workers use (chosen by :mod:`tfsync.engine.address`), not on every
+the workers use (chosen by :mod:`tfsync.control.address`), not on every
 interface.
 """
 
@@ -210,7 +210,7 @@ def gate(admits, links, refuse):
 
 class TokenGate:
     """The server's side of the token: admits this job's calls, records and refuses the rest
-    (a part of :class:`~tfsync.engine.control.server.ControlServer`)."""
+    (a part of :class:`~tfsync.control.server.ControlServer`)."""
 
     def _admits(self, metadata) -> bool:
         """Whether a call's metadata carries this job's token (compared in constant time)."""

@@ -11,12 +11,12 @@ it crosses the network.  The relay
   acknowledges a worker's message once rank 0 acknowledged what carried it
   (what rank 0 did not acknowledge goes again after a re-attach);
 * holds its workers' ready notices until every worker of the host has sent
-  its own, or for at most :data:`READY_HOLD_S`, so that a round costs rank 0
+  its own, or for at most :data:`~tfsync.control.outgoing.READY_HOLD_S`, so that a round costs rank 0
   one message per host, not one per worker (a host whose workers finish a
   step together, as data-parallel workers do, is never held);
 * sends their clocks together (``["reports", {rank: clock}]``), the newest of
   each, with the next message that goes to rank 0, or on their own: at once
-  when none went for ``REPORT_FLUSH_S``, else at the end of that interval (so
+  when none went for :data:`~tfsync.control.outgoing.REPORT_FLUSH_S`, else at the end of that interval (so
   a waiting worker's forced report is as fresh at rank 0 as a direct one's);
 * passes rank 0's answers to the worker that asked, and what rank 0 tells
   every worker (notices, closings) to each of its workers as rank 0 encoded it,
@@ -26,16 +26,16 @@ it crosses the network.  The relay
   (``["ended", rank]``): on its host, only the end of the worker's process
   does that;
 * re-attaches when its link to rank 0 breaks, within
-  :data:`~tfsync.engine.control.transport.RECONNECT_GRACE_S`; past it, tells its
+  :data:`~tfsync.control.transport.RECONNECT_GRACE_S`; past it, tells its
   workers so (``["host_lost"]``), closes their links and takes no new ones:
   each worker tries rank 0 itself before it reports rank 0 unreachable.
 
 A worker's link to the relay carries the token too; a worker whose relay is
 gone (the relay's process ended) re-attaches to rank 0 directly
-(:class:`~tfsync.engine.control.client.ControlClient`'s ``fallback``).
+(:class:`~tfsync.control.client.ControlClient`'s ``fallback``).
 
-Relays of relays: in a job of more than :data:`GROUP_HOSTS` relaying hosts, the
-host relays of each :data:`GROUP_HOSTS` hosts attach to a *group relay* (the same
+Relays of relays: in a job of more than :data:`~tfsync.control.topology.GROUP_HOSTS` relaying hosts, the
+host relays of each :data:`~tfsync.control.topology.GROUP_HOSTS` hosts attach to a *group relay* (the same
 class, run by the group's first host, listening where other hosts reach it),
 which relays them to rank 0 as a host relay does its workers: rank 0 holds one
 link per group, and a round of 1024 workers on hosts of 8 costs it about 16
@@ -47,7 +47,7 @@ lost the network): the group relay tells rank 0 they are ``detached``, and
 rank 0 names them lost only if they do not re-attach within the grace.  A host
 relay whose group relay is gone (its process ended, or it gave up on rank 0)
 re-attaches to rank 0 itself (``fallback``), each attempt bounded by
-:data:`~tfsync.engine.control.transport.ATTEMPT_S`, well within the grace.
+:data:`~tfsync.control.transport.ATTEMPT_S`, well within the grace.
 """
 
 import asyncio
@@ -60,13 +60,12 @@ import time
 import grpc
 import grpc.aio
 
-from tfsync.engine.control.streams import LINK_DRAIN_S, REPORTS
-from tfsync.engine.control.transport import (
-    ATTEMPT_S,
+from tfsync.control import link as reliable
+from tfsync.control.outgoing import REPORT_FLUSH_S, Outgoing
+from tfsync.control.streams import LINK_DRAIN_S, REPORTS
+from tfsync.control.transport import (
     CHANNEL_OPTIONS,
     LINK_METHOD,
-    RECONNECT_BACKOFF_MS,
-    RECONNECT_GRACE_S,
     SERVER_OPTIONS,
     TOKEN_METADATA_KEY,
     TokenGate,
@@ -77,11 +76,8 @@ from tfsync.engine.control.transport import (
     gate,
 )
 
-REPORT_FLUSH_S = 0.25  # a host's clocks go to rank 0 on their own at most this often
-READY_HOLD_S = 0.002  # a ready notice waits at most this for the host's other workers' notices
 RELAY_START_S = 30.0  # the relay starts (binds its port) within this
 RELAY_STOP_S = 2.0  # how long HostRelay.stop waits for its server and link to end
-GROUP_HOSTS = 8  # host relays per group relay, once a job has more relaying hosts than this
 BROADCAST = ("notices", "closed")  # what rank 0 tells every worker: passed on as it came
 
 log = logging.getLogger("tfsync.control")
@@ -116,8 +112,7 @@ class HostRelay(TokenGate):
 
     def __init__(self, upstream: str, token: str, t0: float, host: str = "127.0.0.1", fallback: str | None = None):
         self.upstream, self.t0 = upstream, t0
-        self._addresses = [upstream] + ([fallback] if fallback else [])
-        self._upstream_gone = False  # its group relay gave up on rank 0: it tries rank 0 itself
+        self._reattach = reliable.Reattach([upstream] + ([fallback] if fallback else []), retry_first=True)
         self._token = _check_token(token).encode("ascii")
         self._metadata = ((TOKEN_METADATA_KEY, token),)
         self._lock = threading.Lock()
@@ -129,18 +124,14 @@ class HostRelay(TokenGate):
         self._attached = {}  # rank -> the attach item it sent (re-sent to rank 0 after a re-attach)
         self._left = set()
         self._closings = []  # every closing rank 0 sent, for a worker that attaches later
+        self._closing_log = reliable.ClosingLog()
         self._notices = None  # the newest ["notices", lost, stopped]
-        self._clocks = {}  # rank -> newest clock not yet sent
-        self._flushed = float("-inf")  # when clocks last went to rank 0
-        self._pending = []  # (items, [(local link id, its message index)]) for rank 0, not yet sent
-        self._held = []  # the same, of ready notices held for the host's others (READY_HOLD_S)
-        self._held_ranks = set()  # the ranks whose notice is held
-        self._hold_timer = None
-        self._unacked = []  # (upstream message index, items, [(local link id, its message index)])
-        self._sent = 0  # messages sent on the current upstream link
+        self._out = None  # what goes to rank 0 next (tfsync.control.outgoing), made on the relay's loop
+        # what went to rank 0 on the current link, not yet acknowledged, with the worker
+        # messages each carried ((local link id, its message index): acknowledged to them in turn)
+        self._window = reliable.SendWindow(unkept=("reports",))
         self._table_waiters = None  # (request id to rank 0, [(local link id, rank, its request id)])
         self._ids = itertools.count(1)
-        self._wake = None  # set when there is something to send upstream
         self.host_lost = None
         self.reattached = 0
         self._loop = asyncio.new_event_loop()
@@ -164,7 +155,7 @@ class HostRelay(TokenGate):
         self._loop.run_forever()
 
     async def _start(self, host, started):
-        self._wake = asyncio.Event()
+        self._out = Outgoing(self._loop, asyncio.Event(), lambda: self._attached.keys() - self._left)
         self._server = grpc.aio.server(options=SERVER_OPTIONS)
         self._server.add_generic_rpc_handlers([gate(self._admits, self._serve_local, self._refuse)])
         port = self._server.add_insecure_port(_host_port(host, 0))
@@ -228,7 +219,7 @@ class HostRelay(TokenGate):
                     del self._rank_local[rank]
                     self._attached.pop(rank, None)
                     if rank not in self._left and not self._stopping.is_set():
-                        self._forward([[end, rank]], None)
+                        self._out.forward([[end, rank]])
 
     def _from_local(self, local, items):
         forwarded, reply, ready, catch_up = [], [], [], None
@@ -239,8 +230,8 @@ class HostRelay(TokenGate):
                 continue
             if kind == "reports":  # (a host relay's clocks, together)
                 for rank, clock in item[1].items():
-                    self._clocks[int(rank)] = max(self._clocks.get(int(rank), -1), int(clock))
-                self._clock_due()
+                    self._out.clock(int(rank), int(clock))
+                self._out.clocks_came()
                 continue
             rank = int(item[1])
             if kind == "attach":
@@ -251,8 +242,8 @@ class HostRelay(TokenGate):
                 reply.append(["attached", rank, 0])
                 catch_up = int(item[2]) if catch_up is None else min(catch_up, int(item[2]))
             elif kind == "report":
-                self._clocks[rank] = max(self._clocks.get(rank, -1), int(item[2]))
-                self._clock_due()
+                self._out.clock(rank, int(item[2]))
+                self._out.clocks_came()
             elif kind == "table":
                 self._ask_table(local, rank, item[2])
             elif kind == "ready":
@@ -270,19 +261,13 @@ class HostRelay(TokenGate):
         if catch_up is not None:  # (once for a message: a host relay attaches its workers together)
             self._catch_up(local, catch_up)
         if ready:
-            self._hold(ready, local)
-        self._forward(forwarded, local if forwarded else None)
+            self._out.hold(ready, [(local.id, local.received)])
+        self._out.forward(forwarded, [(local.id, local.received)])
         if not forwarded and not ready and any(item[0] not in REPORTS for item in items):
             # (its table question, which the relay answers: nothing for rank 0 to acknowledge; a
             # message of reports alone needs no acknowledgement, its sender keeps nothing of it)
             local.acked = local.received
             local.out.put_nowait(encode([["acked", local.received]]))
-
-    def _clock_due(self):
-        """Clocks just came: they go with the next message to rank 0, or at once when none went
-        for ``REPORT_FLUSH_S`` (a lone report goes at once)."""
-        if time.monotonic() - self._flushed >= REPORT_FLUSH_S:
-            self._send_clocks()
 
     def _catch_up(self, local, closings):
         """A worker attaching with the first ``closings`` closings: the notices and the closings
@@ -297,102 +282,51 @@ class HostRelay(TokenGate):
         """One table question to rank 0 for every worker that asks while it is out."""
         if self._table_waiters is None:
             self._table_waiters = (next(self._ids), [])
-            self._forward([["table", -1, self._table_waiters[0]]], None)
+            self._out.forward([["table", -1, self._table_waiters[0]]])
         self._table_waiters[1].append((local.id, rank, request))
-
-    def _forward(self, items, local):
-        """Queue ``items`` for rank 0 (``local``: the worker link they came from, acknowledged once
-        rank 0 acknowledged them); what is held goes with them."""
-        if not items:
-            return
-        self._release()
-        self._pending.append((items, [] if local is None else [(local.id, local.received)]))
-        self._wake.set()
-
-    def _hold(self, items, local):
-        """Hold ready notices until every worker of the host has sent one, or ``READY_HOLD_S``."""
-        self._held.append((items, [(local.id, local.received)]))
-        self._held_ranks.update(int(item[1]) for item in items)
-        if self._held_ranks >= self._attached.keys() - self._left:
-            self._release()
-        elif self._hold_timer is None:
-            self._hold_timer = self._loop.call_later(READY_HOLD_S, self._release)
-
-    def _release(self):
-        """Queue the held ready notices for rank 0."""
-        if self._hold_timer is not None:
-            self._hold_timer.cancel()
-            self._hold_timer = None
-        if self._held:
-            self._pending.extend(self._held)
-            self._held, self._held_ranks = [], set()
-            self._wake.set()
 
     async def _flush_reports(self):
         """Clocks that no message took along go on their own, ``REPORT_FLUSH_S`` after the last went."""
         while True:
             await asyncio.sleep(REPORT_FLUSH_S / 4)
-            if self._clocks and time.monotonic() - self._flushed >= REPORT_FLUSH_S:
-                self._send_clocks()
-
-    def _send_clocks(self):
-        """Every clock not sent yet, to rank 0, in one item."""
-        clocks, self._clocks = self._clocks, {}
-        self._flushed = time.monotonic()
-        self._pending.append(([["reports", {str(r): c for r, c in clocks.items()}]], []))
-        self._wake.set()
+            self._out.flush_due()
 
     # --------------------------------------------------------------- its link to rank 0
     async def _follow_upstream(self):
         """Keep one link to rank 0 (or to its group relay): re-attach within the grace when it
-        breaks; past the grace, rank 0 is unreachable.  With two addresses (its group relay, then
-        rank 0), an attempt that did not get through moves to the other, each attempt bounded by
-        ``ATTEMPT_S``; once its group relay gave up on rank 0, it tries rank 0 itself, once."""
-        deadline = None
+        breaks; past the grace, rank 0 is unreachable (:class:`~tfsync.control.link.Reattach`:
+        with two addresses, its group relay then rank 0, each attempt bounded; once its group
+        relay gave up on rank 0, rank 0 itself, once)."""
+        attempt_end = None
         while not self._stopping.is_set():
             call = self._channel.stream_stream(LINK_METHOD)(metadata=self._metadata, wait_for_ready=True)
-            attempt_end = deadline
-            if deadline is not None and len(self._addresses) > 1:
-                attempt_end = min(deadline, time.monotonic() + ATTEMPT_S)
             attached = await self._run_upstream(call, attempt_end)
             if self._stopping.is_set():
                 return
-            if attached or deadline is None:
-                deadline = time.monotonic() + RECONNECT_GRACE_S
+            if attached or self._reattach.deadline is None:
                 log.warning("tfsync: the relay's link to %s broke; re-attaching", self.upstream)
-            if self._upstream_gone:
-                self._upstream_gone = False
-                if len(self._addresses) > 1:  # (its group relay gave up: rank 0 itself, once)
-                    self._addresses = self._addresses[1:]
-                    deadline = min(deadline, time.monotonic() + ATTEMPT_S)
-                else:
-                    deadline = time.monotonic()
-            elif len(self._addresses) > 1 and not attached:
-                self._addresses.append(self._addresses.pop(0))
-            if self._addresses[0] != self.upstream:
-                await self._channel.close()
-                self.upstream = self._addresses[0]
-                self._channel = grpc.aio.insecure_channel(self.upstream, options=CHANNEL_OPTIONS)
-            if time.monotonic() >= deadline:
+            attempt = self._reattach.next(attached)
+            if attempt is None:
                 self.host_lost = time.time()
-                log.warning("tfsync: the relay could not re-attach to rank 0 within %g s", RECONNECT_GRACE_S)
+                log.warning("tfsync: the relay could not re-attach to rank 0 within %g s", reliable.RECONNECT_GRACE_S)
                 for local in list(self._locals.values()):
                     local.out.put_nowait(encode([["host_lost"]]))
                     local.task.cancel()  # (its link ends once the notice is written)
                 return
-            await asyncio.sleep(RECONNECT_BACKOFF_MS[0] / 1e3)
+            address, attempt_end, pause = attempt
+            if address != self.upstream:
+                await self._channel.close()
+                self.upstream = address
+                self._channel = grpc.aio.insecure_channel(self.upstream, options=CHANNEL_OPTIONS)
+            await asyncio.sleep(pause)
 
     async def _run_upstream(self, call, deadline):
         """One link to rank 0, until it ends; whether it attached."""
-        self._sent = 0
-        resend = [item for _, items, _ in self._unacked for item in items]
-        acks = [ack for _, _, carried in self._unacked for ack in carried]
-        self._unacked = []
+        resend, acks = self._window.restart()
         attach = [["attach", rank, len(self._closings), _stops(self._notices)] for rank in self._attached]
         if self._table_waiters is not None:  # (asked on the link that broke: its answer may never come)
             resend.append(["table", -1, self._table_waiters[0]])
-        self._pending.insert(0, ([["relay"], *attach, *resend], acks))
-        self._wake.set()
+        self._out.first([["relay"], *attach, *resend], acks)
         sender = asyncio.ensure_future(self._send_upstream(call))
         attached = False
         timer = None
@@ -404,7 +338,7 @@ class HostRelay(TokenGate):
                     attached = True
                     if timer is not None:
                         timer.cancel()
-                    if deadline is not None:
+                    if self._reattach.deadline is not None:
                         self.reattached += 1
                         log.warning("tfsync: the relay re-attached to %s", self.upstream)
                 self._from_upstream(data)
@@ -420,22 +354,14 @@ class HostRelay(TokenGate):
         """Send what is queued for rank 0, one message at a time: what is queued while a message
         is unacknowledged goes together after its acknowledgement, so a busy host sends fewer,
         larger messages and rank 0 reads one per host per turn, not one per worker item."""
+        out = self._out
         while True:
-            await self._wake.wait()
-            self._wake.clear()
-            if not self._pending or self._unacked:
+            await out.wake.wait()
+            out.wake.clear()
+            if not out.pending or self._window.waiting():
                 continue
-            pending, self._pending = self._pending, []
-            if self._clocks:  # (the clocks ride along)
-                clocks, self._clocks = self._clocks, {}
-                self._flushed = time.monotonic()
-                pending.append(([["reports", {str(r): c for r, c in clocks.items()}]], []))
-            items = [item for batch, _ in pending for item in batch]
-            acks = [ack for _, carried in pending for ack in carried]
-            self._sent += 1
-            kept = [i for i in items if i[0] != "reports"]
-            if kept or acks:  # (clocks alone: not resent, not acknowledged, not in the window)
-                self._unacked.append((self._sent, kept, acks))
+            items, acks = out.take()
+            self._window.sent_message(items, acks)  # (clocks alone: not resent, not acknowledged)
             await call.write(encode(items))
 
     def _from_upstream(self, data):
@@ -447,7 +373,7 @@ class HostRelay(TokenGate):
         for item in items:
             kind = item[0]
             if kind == "host_lost":  # (its group relay could not re-attach to rank 0 within the grace)
-                self._upstream_gone = True
+                self._reattach.upstream_gave_up()
             elif kind == "acked":
                 self._acked(item[1], replies)
             elif kind == "answer":
@@ -472,8 +398,7 @@ class HostRelay(TokenGate):
                 if item[0] == "notices":
                     self._notices = item
                 else:
-                    start, entries = item[1], item[2]
-                    self._closings.extend(entries[max(len(self._closings) - start, 0) :])
+                    self._closings.extend(self._closing_log.fresh(item[1], item[2]))
             shared = data if len(broadcast) == len(items) else encode(broadcast)
         for local_id, local in self._locals.items():
             own = replies.get(local_id)
@@ -485,15 +410,13 @@ class HostRelay(TokenGate):
     def _acked(self, count, replies):
         """Rank 0 acknowledged the first ``count`` messages of this link: so are the worker
         messages they carried."""
-        while self._unacked and self._unacked[0][0] <= count:
-            _, _, acks = self._unacked.pop(0)
-            for local_id, index in acks:
-                local = self._locals.get(local_id)
-                if local is not None and index > local.acked:
-                    local.acked = index
-                    replies.setdefault(local_id, []).append(["acked", index])
-        if not self._unacked and self._pending:  # (the next message may go)
-            self._wake.set()
+        for local_id, index in self._window.acked(count):
+            local = self._locals.get(local_id)
+            if local is not None and index > local.acked:
+                local.acked = index
+                replies.setdefault(local_id, []).append(["acked", index])
+        if not self._window.waiting() and self._out.pending:  # (the next message may go)
+            self._out.wake.set()
 
 
 def _stops(notices):

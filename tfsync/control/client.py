@@ -1,9 +1,9 @@
 """A worker's end of the control path (:class:`ControlClient`).
 
-It holds one link (:mod:`~tfsync.engine.control.transport`) to its host's relay
+It holds one link (:mod:`~tfsync.control.transport`) to its host's relay
 or to rank 0's service, and sends on it its clock (throttled), its ready
 notices, late offers, its policy's messages, and its stop
-(:mod:`~tfsync.engine.control.stop`); whatever is queued when the link is free
+(:mod:`~tfsync.control.stop`); whatever is queued when the link is free
 goes out as one message.  Rank 0 acknowledges every message; what is not
 acknowledged when the link breaks goes out again on the next one, and rank 0
 takes a repeated item as once (every item is idempotent), so a flap loses
@@ -12,7 +12,7 @@ the round closings, in order and each once (the worker says, when it
 re-attaches, how many it has).
 
 When the link breaks while the worker is not closing, it re-attaches within
-:data:`~tfsync.engine.control.transport.RECONNECT_GRACE_S`, to the same address
+:data:`~tfsync.control.transport.RECONNECT_GRACE_S`, to the same address
 or, if that is gone (its host's relay died with its process), to rank 0's
 service directly; only when no re-attach gets through within the grace, or at once
 when nothing listens at any of its addresses any more (the service closed: a
@@ -28,31 +28,20 @@ import collections
 import concurrent.futures
 import itertools
 import logging
-import queue
-import socket
 import threading
 import time
 
 import grpc
 
-from tfsync.engine.control.stop import STOP_CALL_TIMEOUT_S
-from tfsync.engine.control.transport import (
-    ATTEMPT_S,
-    CHANNEL_OPTIONS,
-    LINK_METHOD,
-    RECONNECT_BACKOFF_MS,
-    RECONNECT_GRACE_S,
-    TOKEN_METADATA_KEY,
-    _check_token,
-    decode,
-    encode,
-)
+from tfsync.control import link as reliable
+from tfsync.control.client_link import LinkCall
+from tfsync.control.stop import STOP_CALL_TIMEOUT_S
+from tfsync.control.transport import CHANNEL_OPTIONS, TOKEN_METADATA_KEY, _check_token, decode
 
 REPORT_INTERVAL_S = 0.25  # at most one clock report per this
 CONNECT_TIMEOUT_S = 30.0  # how long a worker waits for rank 0's control service at most
 CONNECT_MIN_S = 5.0  # ... and at least, where the engine's wait bound is shorter (a loaded machine's attach)
 ATTACH_POLL_S = 0.5  # while the first attach waits: how often it looks whether anything listens there
-PROBE_S = 0.5  # one such look (a TCP connect) gives up after this
 CALL_TIMEOUT_S = 2.0  # how long leave and table wait for rank 0's answer
 LEAVE_POLL_S = 0.05  # how often ControlClient.close looks whether its link broke while it waits
 WATCHER_JOIN_S = 2.0  # how long ControlClient.close waits for its link's reader to end
@@ -80,65 +69,8 @@ def connect_bound(wait_timeout_s: float) -> float:
     return max(CONNECT_MIN_S, min(CONNECT_TIMEOUT_S, wait_timeout_s))
 
 
-def _refused(address: str) -> bool:
-    """Whether a TCP connect to ``address`` (``host:port``, ``[v6]:port``) is refused: nothing
-    listens there.  A timeout or an unreachable network is not a refusal (a link down)."""
-    host, _, port = address.rpartition(":")
-    try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=PROBE_S):
-            return False
-    except ConnectionRefusedError:
-        return True
-    except (OSError, ValueError):
-        return False
-
-
-class _Link:
-    """One attempt at a link: its call, the queue its messages are taken from, what it sent."""
-
-    def __init__(self, channel, metadata):
-        self.attached = False  # rank 0 (or the relay) answered its attach
-        self.failed = False  # it ended without getting through: connecting failed or was given up
-        self.queue = queue.Queue()
-        self.sent = 0  # messages handed to gRPC on this link
-        self.unacked = collections.deque()  # (index, items) sent and not yet acknowledged
-        self.lock = threading.Lock()
-        self.call = channel.stream_stream(LINK_METHOD)(self._messages(), metadata=metadata, wait_for_ready=True)
-
-    def _messages(self):
-        """What gRPC sends: everything queued when it asks, as one message (reports are not
-        kept for resending: a later one supersedes them)."""
-        while True:
-            first = self.queue.get()
-            if first is None:
-                return
-            items, end = list(first), False
-            while True:
-                try:
-                    more = self.queue.get_nowait()
-                except queue.Empty:
-                    break
-                if more is None:
-                    end = True
-                    break
-                items.extend(more)
-            with self.lock:
-                self.sent += 1
-                kept = [i for i in items if i[0] != "report"]
-                if kept:
-                    self.unacked.append((self.sent, kept))
-            yield encode(items)
-            if end:
-                return
-
-    def acked(self, count):
-        with self.lock:
-            while self.unacked and self.unacked[0][0] <= count:
-                self.unacked.popleft()
-
-    def pending(self):
-        with self.lock:
-            return [item for _, items in self.unacked for item in items]
+def _all_refused(addresses) -> bool:
+    return all(reliable.refused(a) for a in addresses)
 
 
 class ControlClient:
@@ -163,9 +95,9 @@ class ControlClient:
         fallback=None,
     ):
         self.address, self.rank = address, rank
-        self._addresses = [address] + ([fallback] if fallback and fallback != address else [])
+        self._reattach_plan = reliable.Reattach([address] + ([fallback] if fallback and fallback != address else []))
         self._on_close = on_close
-        self._closes_seen = 0
+        self._closings = reliable.ClosingLog()
         self._metadata = ((TOKEN_METADATA_KEY, _check_token(token)),)
         self._ids = itertools.count(1)
         self._requests = {}  # request id -> Future of its answer
@@ -180,7 +112,7 @@ class ControlClient:
         self._last_table = {"clocks": [], "last_seen_s": [], "lost": []}
         self._last_report = float("-inf")
         self._attach_error = None
-        self._relay_gone = False  # its relay gave up on rank 0: it tries rank 0 itself, once
+        self._relay_gone = False  # its relay gave up on rank 0 (it tried rank 0 itself, once)
         self._broken = False  # its link broke and no re-attach has got through yet
         self._lock = threading.Lock()  # the current link; a re-attach does not start once close() has begun
         self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
@@ -208,13 +140,14 @@ class ControlClient:
         relay's worker) exited or reset, as when a peer dies while the engines start.  A link
         that is down answers nothing (no refusal): that waits out the bound."""
         deadline = time.monotonic() + connect_timeout_s
+        addresses = self._reattach_plan.addresses
         while not first.wait(min(ATTACH_POLL_S, max(deadline - time.monotonic(), 0.0))):
-            gone = all(_refused(a) for a in self._addresses)
+            gone = _all_refused(addresses)
             if gone or time.monotonic() >= deadline:
                 self._closing = True
                 self._link.queue.put(None)
                 self._link.call.cancel()
-                where = " and ".join(self._addresses)
+                where = " and ".join(addresses)
                 if gone:
                     raise ControlUnreachableError(
                         f"tfsync: rank {self.rank} could not reach the control service of rank 0: nothing "
@@ -235,8 +168,8 @@ class ControlClient:
 
     def _open(self, channel, resend):
         """A new link on ``channel``: attach, then what the last one left unacknowledged."""
-        link = _Link(channel, self._metadata)
-        link.queue.put([["attach", self.rank, self._closes_seen, len(self.known_stopped)], *resend])
+        link = LinkCall(channel, self._metadata)
+        link.queue.put([["attach", self.rank, self._closings.seen, len(self.known_stopped)], *resend])
         return link
 
     def _send(self, item):
@@ -244,67 +177,53 @@ class ControlClient:
             self._link.queue.put([item])
 
     def _watch(self, first):
-        """Follow the link; when it breaks, re-attach within the grace, else rank 0 is lost."""
-        link, deadline = self._link, None
+        """Follow the link; when it breaks, re-attach within the grace, else rank 0 is lost
+        (:class:`~tfsync.control.link.Reattach` says where and until when)."""
+        link, plan = self._link, self._reattach_plan
         while True:
             attached = self._read(link, first)
             self._broken = True
             if self._closing or self._local:  # (on rank 0's host only its process's end ends a link)
                 break
-            if attached:  # the grace runs from the end of a link that worked
-                deadline = time.monotonic() + RECONNECT_GRACE_S
+            where = " and ".join(plan.addresses)
+            attempt = plan.next(attached, gone=_all_refused)
+            if attached:
                 log.warning(
                     "tfsync: rank %d's control link to %s broke; re-attaching for up to %g s",
                     self.rank,
                     self.address,
-                    RECONNECT_GRACE_S,
+                    reliable.RECONNECT_GRACE_S,
                 )
-            elif deadline is None:  # its first attach failed: nothing to come back to
+            if attempt is None:
+                if plan.gave_up == "gone":
+                    # nothing listens at any of its addresses: the service closed (rank 0, or the
+                    # relay's worker with it, reset or exited) and never reopens there, so no
+                    # re-attach can get through: rank 0 is unreachable now, not after the grace
+                    log.warning(
+                        "tfsync: rank %d's control service is gone: nothing listens at %s any more", self.rank, where
+                    )
+                elif plan.gave_up == "grace":
+                    log.warning(
+                        "tfsync: rank %d could not re-attach to rank 0 at %s within %g s",
+                        self.rank,
+                        self.address,
+                        reliable.RECONNECT_GRACE_S,
+                    )
                 break
-            elif all(_refused(a) for a in self._addresses):  # (an attempt that did not get through)
-                # nothing listens at any of its addresses: the service closed (rank 0, or the
-                # relay's worker with it, reset or exited) and never reopens there, so no
-                # re-attach can get through: rank 0 is unreachable now, not after the grace
-                log.warning(
-                    "tfsync: rank %d's control service is gone: nothing listens at %s any more",
-                    self.rank,
-                    " and ".join(self._addresses),
-                )
-                break
-            else:  # not at once again
-                time.sleep(RECONNECT_BACKOFF_MS[0] / 1e3)
-            if self._relay_gone:  # its relay gave up on rank 0 after the grace: one try at rank 0 itself
-                deadline = min(deadline, time.monotonic() + ATTEMPT_S)
-            if time.monotonic() >= deadline:
-                log.warning(
-                    "tfsync: rank %d could not re-attach to rank 0 at %s within %g s",
-                    self.rank,
-                    self.address,
-                    RECONNECT_GRACE_S,
-                )
-                break
-            link = self._reattach(link, deadline)
+            time.sleep(attempt[2])
+            link = self._reattach(link, *attempt[:2])
             if link is None:
                 break
         if not self._closing:
             self.host_lost = time.time()
         first.set()
 
-    def _reattach(self, broken, deadline):
-        """A new link resuming after what this worker has, given up at ``deadline`` unless attached
-        by then; None once closing.  With two addresses (its host's relay, then rank 0), an attempt
-        that did not get through moves to the other, and each attempt gets ``ATTEMPT_S``: a relay
-        that died with its process does not keep the worker from rank 0 for the whole grace."""
+    def _reattach(self, broken, address, deadline):
+        """A new link to ``address`` resuming after what this worker has, given up at ``deadline``
+        unless attached by then; None once closing."""
         with self._lock:
             if self._closing:
                 return None
-            if self._relay_gone and len(self._addresses) > 1:
-                self._addresses = self._addresses[1:]  # (rank 0 itself, from now on)
-            elif len(self._addresses) > 1:
-                if broken.failed or not broken.attached:
-                    self._addresses.append(self._addresses.pop(0))
-                deadline = min(deadline, time.monotonic() + ATTEMPT_S)
-            address = self._addresses[0]
             if address != self.address:
                 self._channel.close()
                 self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
@@ -323,7 +242,7 @@ class ControlClient:
         would): the watch then moves on, or reports rank 0 unreachable if nothing listens anywhere."""
         while not link.attached and not self._closing:
             left = deadline - time.monotonic()
-            if left <= 0 or _refused(address):
+            if left <= 0 or reliable.refused(address):
                 link.call.cancel()
                 return
             time.sleep(min(ATTACH_POLL_S, left))
@@ -335,7 +254,6 @@ class ControlClient:
                 for item in decode(data):
                     self._take(link, item, first)
         except grpc.RpcError as exc:
-            link.failed = not link.attached
             if not first.is_set():
                 self._attach_error = exc
         return link.attached
@@ -369,16 +287,13 @@ class ControlClient:
             if len(self.known_stopped) > stops_before:  # confirm only after recording them: the stopper waits
                 self._confirm_stops(len(self.known_stopped))
         elif kind == "closed":
-            start, entries = item[1], item[2]
-            for k, entry in enumerate(entries):
-                if start + k < self._closes_seen:  # (resent after a re-attach)
-                    continue
+            for entry in self._closings.fresh(item[1], item[2]):  # (some resent after a re-attach)
                 round_, accepted, late = entry[0], entry[1], entry[2] if len(entry) > 2 else ()
                 if self._on_close is not None:
                     self._on_close(int(round_), tuple(int(r) for r in accepted), tuple(int(r) for r in late))
-                self._closes_seen += 1
         elif kind == "host_lost":  # (its relay could not re-attach to rank 0 within the grace)
             self._relay_gone = True
+            self._reattach_plan.upstream_gave_up()
 
     def _confirm_stops(self, count):
         """Tell rank 0 this worker has read the first ``count`` stop notices."""

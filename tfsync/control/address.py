@@ -84,7 +84,7 @@ def choose(environ=None, hostname=None, interfaces=interface_addresses, resolver
 
 
 def choose_relay(environ=None, hostname=None, interfaces=interface_addresses, resolver=resolve):
-    """Where a control group relay (:mod:`tfsync.engine.control.relay`) on this host listens:
+    """Where a control group relay (:mod:`tfsync.control.relay`) on this host listens:
     rules 2 and 3 of the module docstring (``TFSYNC_CONTROL_HOST`` names rank 0's host, not
     this one), on a free port.
 

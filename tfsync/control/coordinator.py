@@ -21,7 +21,7 @@ its notice and enters at once; the coordinator checks at every closing that it
 took each rank it told so, and stops the job if not.  Under PSP
 (``Policy.enters_when_ready``) a ready worker enters without waiting for the
 answer, so a closing that took every rank moves nobody: it is kept
-(:attr:`ControlServer.closed <tfsync.engine.control.server.ControlServer.closed>`)
+(:attr:`ControlServer.closed <tfsync.control.server.ControlServer.closed>`)
 but not sent down the streams, which then carry only the closings some rank is
 still waiting for.  BSP and SSP need no coordinator: their rounds close when
 every worker has contributed, which each worker's own allreduce enforces.
@@ -38,7 +38,7 @@ log = logging.getLogger("tfsync.control")
 
 class RoundCoordinator:
     """Closes rounds on the policy's decision (a part of
-    :class:`~tfsync.engine.control.server.ControlServer`); runs on the server's event loop."""
+    :class:`~tfsync.control.server.ControlServer`); runs on the server's event loop."""
 
     def _ready_item(self, link, item, now):
         """``["ready", rank, id, round]``: a worker's contribution to a round is in its outbox

@@ -15,7 +15,7 @@ from, the lost and detached ranks and how many calls were refused.
 
 class Services:
     """The table and the policy's service (a part of
-    :class:`~tfsync.engine.control.server.ControlServer`); lock held in every handler."""
+    :class:`~tfsync.control.server.ControlServer`); lock held in every handler."""
 
     def _report_item(self, link, item, now):
         """``["report", rank, clock]``."""

@@ -1,7 +1,7 @@
 """Rank 0's links: who is attached where, what each has been told, and what a link's end means.
 
 A link (:class:`Link`) carries one worker, or the workers of one host through
-its relay (:mod:`~tfsync.engine.control.relay`).  A worker attaches on it with
+its relay (:mod:`~tfsync.control.relay`).  A worker attaches on it with
 ``["attach", rank, closings, stops]``, saying how many closings and stop
 notices it already has; the link then carries, in order and each once, what
 rank 0 tells every worker (:meth:`Streams._broadcast`): the losses and stop
@@ -19,7 +19,7 @@ relay tells rank 0 the same of a worker whose local link ended
 look the same to rank 0, so a link that ends without ``Leave`` leaves its
 workers detached (``"detached"`` in the table), and rank 0 records a worker lost
 only if it has not re-attached within
-:data:`~tfsync.engine.control.transport.RECONNECT_GRACE_S`: its link flapped
+:data:`~tfsync.control.transport.RECONNECT_GRACE_S`: its link flapped
 and came back (a worker or a relay re-attaches with the same rank and token,
 and resumes after what it has, so nothing is delivered twice or skipped), or
 its relay died and it attached to rank 0 directly.  A flap that heals within
@@ -34,7 +34,7 @@ import time
 
 import grpc.aio
 
-from tfsync.engine.control.transport import RECONNECT_GRACE_S, _peer_ip, decode, encode
+from tfsync.control.transport import RECONNECT_GRACE_S, _peer_ip, decode, encode
 
 REPORTS = ("report", "reports")  # a message of only these needs no acknowledgement of its own
 LINK_DRAIN_S = 1.0  # a link that ends writes what it was told before the call ends, within this
@@ -63,7 +63,7 @@ class Link:
 
 
 class Streams:
-    """The server's links (a part of :class:`~tfsync.engine.control.server.ControlServer`);
+    """The server's links (a part of :class:`~tfsync.control.server.ControlServer`);
     everything here runs on the server's event loop."""
 
     async def _serve_link(self, request_iterator, context):

@@ -1,15 +1,15 @@
 """Rank 0's control service (:class:`ControlServer`): one asyncio gRPC server, its parts by concern.
 
-* the transport and the token gate (:mod:`~tfsync.engine.control.transport`);
-* the links, with keepalive, re-attach and what a link's end means (:mod:`~tfsync.engine.control.streams`);
-* the stop handshake (:mod:`~tfsync.engine.control.stop`);
-* the round coordinator of PSP and backup workers (:mod:`~tfsync.engine.control.coordinator`);
-* the clock table and the policy's service (:mod:`~tfsync.engine.control.services`).
+* the transport and the token gate (:mod:`~tfsync.control.transport`);
+* the links, with keepalive, re-attach and what a link's end means (:mod:`~tfsync.control.streams`);
+* the stop handshake (:mod:`~tfsync.control.stop`);
+* the round coordinator of PSP and backup workers (:mod:`~tfsync.control.coordinator`);
+* the clock table and the policy's service (:mod:`~tfsync.control.services`).
 
 Everything runs on one event loop on a thread of its own: no thread is held per
 worker or per link, so rank 0's threads do not grow with the job.  A link is a
 worker's, or a host relay's carrying its host's workers
-(:mod:`~tfsync.engine.control.relay`): rank 0 reads one message and writes one
+(:mod:`~tfsync.control.relay`): rank 0 reads one message and writes one
 reply per message a link sends, and one message per link for what every worker
 is told (a round's closing, encoded once).  A lock guards the state for the
 readers on other threads (:attr:`ControlServer.closed`, :meth:`ControlServer.served`).
@@ -25,11 +25,11 @@ import time
 import grpc
 import grpc.aio
 
-from tfsync.engine.control.coordinator import RoundCoordinator
-from tfsync.engine.control.services import Services
-from tfsync.engine.control.stop import StopHandshake
-from tfsync.engine.control.streams import Streams
-from tfsync.engine.control.transport import SERVER_OPTIONS, TokenGate, _addresses_of, _check_token, _host_port, gate
+from tfsync.control.coordinator import RoundCoordinator
+from tfsync.control.services import Services
+from tfsync.control.stop import StopHandshake
+from tfsync.control.streams import Streams
+from tfsync.control.transport import SERVER_OPTIONS, TokenGate, _addresses_of, _check_token, _host_port, gate
 
 SERVER_START_S = 30.0  # the service starts (binds its port) within this
 SERVER_STOP_WAIT_S = 2.0  # how long ControlServer.stop waits for the gRPC server to end

@@ -1,4 +1,8 @@
-"""The control path: which workers are alive and where their clocks are, served by rank 0.
+"""The control plane: which workers are alive and where their clocks are, served by rank 0.
+
+A package beside the engine, not inside it: it imports nothing of :mod:`tfsync.engine` (nor
+TensorFlow, nor Horovod), so a process that only speaks the control path (a simulated worker
+of ``python -m tfsync.bench control``) loads gRPC alone.
 
 Rank 0 runs one gRPC service (:class:`ControlServer`, asyncio: one event loop,
 no thread per worker); every worker holds a :class:`ControlClient`, one
@@ -10,16 +14,16 @@ workers send one ready notice per step and get the coordinator's round
 closings on their link; DSSP's workers tell the coordinator of each push and
 ask it for grants.  One module per concern:
 
-* :mod:`~tfsync.engine.control.transport`: gRPC with keepalive, the wire (batches of items), the job's token;
-* :mod:`~tfsync.engine.control.streams`: rank 0's links, the broadcast, losses, re-attach;
-* :mod:`~tfsync.engine.control.relay`: a host's relay, and a group of hosts' relay;
-* :mod:`~tfsync.engine.control.stop`: the stop handshake;
-* :mod:`~tfsync.engine.control.coordinator`: the rounds rank 0 closes;
-* :mod:`~tfsync.engine.control.services`: the clock table, the policy's service;
-* :mod:`~tfsync.engine.control.server` and :mod:`~tfsync.engine.control.client`: the two ends.
+* :mod:`~tfsync.control.transport`: gRPC with keepalive, the wire (batches of items), the job's token;
+* :mod:`~tfsync.control.streams`: rank 0's links, the broadcast, losses, re-attach;
+* :mod:`~tfsync.control.relay`: a host's relay, and a group of hosts' relay;
+* :mod:`~tfsync.control.stop`: the stop handshake;
+* :mod:`~tfsync.control.coordinator`: the rounds rank 0 closes;
+* :mod:`~tfsync.control.services`: the clock table, the policy's service;
+* :mod:`~tfsync.control.server` and :mod:`~tfsync.control.client`: the two ends.
 """
 
-from tfsync.engine.control.client import (
+from tfsync.control.client import (
     ASK_TIMEOUT_S,
     CALL_TIMEOUT_S,
     CONNECT_TIMEOUT_S,
@@ -28,10 +32,10 @@ from tfsync.engine.control.client import (
     REPORT_INTERVAL_S,
     ControlClient,
 )
-from tfsync.engine.control.relay import HostRelay
-from tfsync.engine.control.server import ControlServer
-from tfsync.engine.control.stop import STOP_CALL_TIMEOUT_S, STOP_NOTICE_GRACE_S
-from tfsync.engine.control.transport import (
+from tfsync.control.relay import HostRelay
+from tfsync.control.server import ControlServer
+from tfsync.control.stop import STOP_CALL_TIMEOUT_S, STOP_NOTICE_GRACE_S
+from tfsync.control.transport import (
     CONNECT_ATTEMPT_MS,
     KEEPALIVE_TIME_MS,
     KEEPALIVE_TIMEOUT_MS,

@@ -19,7 +19,7 @@ STOP_NOTICE_POLL_S = 0.05  # how often a held stop rechecks the confirmations
 
 
 class StopHandshake:
-    """The server's side (a part of :class:`~tfsync.engine.control.server.ControlServer`)."""
+    """The server's side (a part of :class:`~tfsync.control.server.ControlServer`)."""
 
     def _stop_item(self, link, item, now):
         """``["stop", rank, id, kind, message]``: record the notice (every link is told) and
