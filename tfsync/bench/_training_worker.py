@@ -14,7 +14,7 @@ import time
 import keras
 import numpy as np
 
-from tfsync.engine.supersteps import Supersteps
+from tfsync.engine.components.supersteps import Supersteps
 from tfsync.launch import add_mode_arguments
 
 # name -> (input width, hidden widths, batch size); 10 classes

@@ -55,7 +55,7 @@ class ControlServer(TokenGate, Streams, StopHandshake, RoundCoordinator, Service
         """Binds ``host`` (one address or name, not every interface); ``address`` is
         ``advertise:port`` (default ``host``), what the workers dial.  ``policy``: a coordinated
         policy closes rounds here; ``service``: what the mode's coordinator keeps beyond that
-        (DSSP's controller, :mod:`tfsync.engine.bindings`), or None."""
+        (DSSP's controller, :mod:`tfsync.engine.components.bindings`), or None."""
         self.size, self.t0 = size, t0
         self._token = _check_token(token).encode("ascii")
         self._lock = threading.Lock()

@@ -6,7 +6,7 @@ once a second), and a host's relay sends its workers' clocks together
 (``["reports", {rank: clock}]``), so a wait that times out can say which rank
 is behind from clocks at most about a second old.  A mode whose coordinator
 keeps more state than closings runs it here as its service (DSSP's
-synchronization controller, :mod:`tfsync.engine.grants`): workers tell it
+synchronization controller, :mod:`tfsync.engine.components.grants`): workers tell it
 (fire-and-forget) and ask it (answered at once), each message with a topic.
 The table holds the clocks, when each rank was last heard
 from, the lost and detached ranks and how many calls were refused.

@@ -23,7 +23,7 @@ its exchange once:
 * the step components (:mod:`tfsync.engine.components`): what only its
   protocol or its mode does to a step (DC-S3GD's wait before the optimizer,
   DSSP's grants, ElasticBSP's supersteps, partial pulling, late
-  contributions; :mod:`tfsync.engine.bindings`).
+  contributions; :mod:`tfsync.engine.components.bindings`).
 
 A step runs as one :meth:`SyncEngine.sync_step`, called from inside the
 compiled train step by the protocol's optimizer path
@@ -51,7 +51,8 @@ import numpy as np
 from tfsync import _env
 from tfsync.control import ControlClient
 from tfsync.control.client import connect_bound
-from tfsync.engine import bindings, lifecycle, protocols
+from tfsync.engine import lifecycle, protocols
+from tfsync.engine.components import bindings
 from tfsync.engine.cluster import HorovodCluster
 from tfsync.engine.diagnosis import Diagnosis
 from tfsync.engine.entry import CoordinatedRounds, OpenRounds
@@ -175,8 +176,16 @@ class SyncEngine:
         self._t_step_start = self.now()
 
     def find(self, kind):
-        """The policy's component of class ``kind`` (e.g. :class:`tfsync.engine.pull.PartialPull`), or None."""
+        """The component of class ``kind`` (e.g. :class:`tfsync.engine.components.pull.PartialPull`), or None."""
         return next((c for c in self.components if isinstance(c, kind)), None)
+
+    def epoch_logs(self) -> dict:
+        """What the components add to the epoch logs (:meth:`StepComponent.epoch_logs
+        <tfsync.engine.components.base.StepComponent.epoch_logs>`), by name."""
+        logs = {}
+        for c in self.components:
+            logs.update(c.epoch_logs())
+        return logs
 
     @property
     def counts(self) -> dict:

@@ -26,7 +26,7 @@ from tfsync.control import ControlServer, topology
 from tfsync.control.address import choose as choose_control_address
 from tfsync.control.address import choose_relay as choose_relay_address
 from tfsync.control.relay import HostRelay
-from tfsync.engine import bindings
+from tfsync.engine.components import bindings
 from tfsync.engine.bounded import run_bounded
 
 log = logging.getLogger("tfsync.control")

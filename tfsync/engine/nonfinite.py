@@ -39,7 +39,7 @@ engine's ``on_nonfinite``:
   the row (a coordinated round that closed without this rank), from the stop
   notice the control path brings.
 
-A late contribution (``compensate=``, :mod:`tfsync.engine.late`) is checked
+A late contribution (``compensate=``, :mod:`tfsync.engine.components.late`) is checked
 once corrected, before it is offered: one that is not finite is rejected the
 same way and never offered.
 

@@ -82,7 +82,7 @@ class Policy(abc.ABC):
 
     What a mode does beyond choosing rounds is in engine components and a
     service on rank 0's coordinator: the engine binds the built-in modes to
-    theirs (:mod:`tfsync.engine.bindings`); a mode defined outside tfsync
+    theirs (:mod:`tfsync.engine.components.bindings`); a mode defined outside tfsync
     supplies its own through :meth:`components` and :meth:`service`.
     """
 
@@ -134,7 +134,7 @@ class Policy(abc.ABC):
     def components(self) -> list:
         """The engine components a mode defined outside tfsync adds to every step, built once per
         engine (:class:`tfsync.engine.components.StepComponent`; called when the engine starts,
-        after the built-in modes' own, :mod:`tfsync.engine.bindings`)."""
+        after the built-in modes' own, :mod:`tfsync.engine.components.bindings`)."""
         return []
 
     def service(self, size: int):

@@ -64,7 +64,7 @@ has passed since the ``⌈b·B⌉``-th arrived, or once all are (Algorithm 1, li
 responded", the same form as ``τ1``); it keeps its previous values of the
 others and applies each late block at its first step after it lands, in round
 order per block, so no block is ever replaced by an older round's
-(:mod:`tfsync.engine.pull`).  Each block goes
+(:mod:`tfsync.engine.components.pull`).  Each block goes
 through the worker's own optimizer with ``optimizer.iterations`` set to the
 block's round, so once every block has landed, weights and optimizer state are
 the same as if every block had come on time (identical on every replica).

@@ -18,7 +18,7 @@ from tfsync.control.outgoing import REPORT_FLUSH_S
 from tfsync.control.relay import HostRelay
 from tfsync.control.topology import GROUP_HOSTS, relay_groups, relay_leaders
 from tfsync.control.transport import ATTEMPT_S
-from tfsync.engine import bindings
+from tfsync.engine.components import bindings
 from tfsync.policies import BackupWorkers
 
 TOKEN = "g" * 32

@@ -24,7 +24,7 @@ from tfsync.control import outgoing as outgoing_module
 from tfsync.control.outgoing import REPORT_FLUSH_S
 from tfsync.control.relay import HostRelay
 from tfsync.control.topology import relay_leaders
-from tfsync.engine import bindings
+from tfsync.engine.components import bindings
 from tfsync.policies import DSSP, BackupWorkers
 
 TOKEN = "r" * 32

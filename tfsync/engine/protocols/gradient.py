@@ -3,7 +3,7 @@
 The raw gradients are pushed before the optimizer runs; the round's result is
 the workers' mean gradient, which every worker's optimizer applies (what
 ``hvd.allreduce`` + optimizer does).  A late gradient of PSP or backup workers
-(``compensate=``, :mod:`tfsync.engine.late`) is corrected against the weights
+(``compensate=``, :mod:`tfsync.engine.components.late`) is corrected against the weights
 it is applied at (:class:`~tfsync.engine.protocols.compensated.Compensator`),
 so with compensation the protocol keeps the weights it was computed on.
 
@@ -17,7 +17,7 @@ step's gradients to the engine through one ``tf.py_function`` and the
 optimizer applies the mean that comes back.  Under a ``LossScaleOptimizer``
 every rank must skip the same steps (:class:`LossScaledExchange`); under PSP's
 partial pulling the engine applies the rounds block by block itself
-(:class:`BlockwiseExchange`, :mod:`tfsync.engine.pull`).
+(:class:`BlockwiseExchange`, :mod:`tfsync.engine.components.pull`).
 """
 
 import numpy as np
@@ -39,7 +39,7 @@ from tfsync.engine.protocols.path import (
     static_loss_scale,
     unscaled_or_zeros,
 )
-from tfsync.engine.pull import PartialPull
+from tfsync.engine.components.pull import PartialPull
 
 
 class GradientProtocol(StepProtocol):
@@ -274,7 +274,7 @@ class BlockwiseExchange(ExchangeBefore):
 
 
 class OptimizerBlocks:
-    """Partial pulling's applier (:attr:`tfsync.engine.pull.BlockPull.applier`): one block of a
+    """Partial pulling's applier (:attr:`tfsync.engine.components.pull.BlockPull.applier`): one block of a
     round's mean through the optimizer, with ``optimizer.iterations`` at that round's count.
 
     Keras 3 optimizers update each weight from its gradient, its own slots and

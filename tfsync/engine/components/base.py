@@ -3,10 +3,10 @@
 The engine core (:mod:`tfsync.engine.engine`) runs rounds, waits, counts and
 faults for every mode alike.  What only some modes do is a component, built
 once when the engine starts: the engine binds the built-in modes to theirs
-(:mod:`tfsync.engine.bindings`: DSSP's grants, :mod:`tfsync.engine.grants`;
-ElasticBSP's supersteps, :mod:`tfsync.engine.supersteps`; PSP's partial
-pulling, :mod:`tfsync.engine.pull`; holding and offering late contributions,
-:mod:`tfsync.engine.late`), a step protocol adds its own (DC-S3GD's wait before
+(:mod:`tfsync.engine.components.bindings`: DSSP's grants, :mod:`tfsync.engine.components.grants`;
+ElasticBSP's supersteps, :mod:`tfsync.engine.components.supersteps`; PSP's partial
+pulling, :mod:`tfsync.engine.components.pull`; holding and offering late contributions,
+:mod:`tfsync.engine.components.late`), a step protocol adds its own (DC-S3GD's wait before
 the optimizer, :class:`tfsync.engine.protocols.compensated.Corrections`), and a
 mode defined outside tfsync supplies its own (:meth:`Policy.components
 <tfsync.policies.Policy.components>`).  How a contribution enters its round, on
@@ -115,6 +115,11 @@ class StepComponent:
 
     def end_step(self, step: int, wait_s: float, skipped: bool) -> dict:
         """The step is over: extra fields for its trace record."""
+        return {}
+
+    def epoch_logs(self) -> dict:
+        """What this component adds to the frontends' epoch logs (numbers by name, each logged as
+        ``tfsync_<name>``): default none."""
         return {}
 
     def at_rest(self) -> bool:

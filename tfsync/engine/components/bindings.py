@@ -4,13 +4,13 @@ A policy is pure (:mod:`tfsync.policies`: no threads, no TensorFlow, nothing
 of the engine); the engine binds the built-in ones to the machinery that
 serves them, here, once:
 
-* DSSP: its grants (:class:`~tfsync.engine.grants.Grants` on every worker, the
-  synchronization controller :class:`~tfsync.engine.grants.GrantService` on
+* DSSP: its grants (:class:`~tfsync.engine.components.grants.Grants` on every worker, the
+  synchronization controller :class:`~tfsync.engine.components.grants.GrantService` on
   rank 0);
-* ElasticBSP: its supersteps (:class:`~tfsync.engine.supersteps.Supersteps`);
-* PSP: partial pulling (:class:`~tfsync.engine.pull.PartialPull`) when it pulls
+* ElasticBSP: its supersteps (:class:`~tfsync.engine.components.supersteps.Supersteps`);
+* PSP: partial pulling (:class:`~tfsync.engine.components.pull.PartialPull`) when it pulls
   partially; PSP and backup workers: late contributions held and compensated
-  (:class:`~tfsync.engine.late.LateContributions`) with ``compensate=``.
+  (:class:`~tfsync.engine.components.late.LateContributions`) with ``compensate=``.
 
 A mode defined outside tfsync supplies its own through the policy's hooks
 (:meth:`Policy.components <tfsync.policies.Policy.components>`,
@@ -19,10 +19,10 @@ for every policy, after these.  A subclass of a built-in policy keeps its
 parent's binding.
 """
 
-from tfsync.engine.grants import Grants, GrantService
-from tfsync.engine.late import LateContributions
-from tfsync.engine.pull import PartialPull
-from tfsync.engine.supersteps import Supersteps
+from tfsync.engine.components.grants import Grants, GrantService
+from tfsync.engine.components.late import LateContributions
+from tfsync.engine.components.pull import PartialPull
+from tfsync.engine.components.supersteps import Supersteps
 from tfsync.policies import DSSP, PSP, BackupWorkers, ElasticBSP
 
 

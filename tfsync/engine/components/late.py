@@ -18,7 +18,7 @@ way counted.  A corrected contribution with a NaN or an infinity is rejected
 final round, and counted as such.
 """
 
-from tfsync.engine.components import StepComponent
+from tfsync.engine.components.base import StepComponent
 
 
 class LateContributions(StepComponent):

@@ -18,7 +18,7 @@ import statistics
 
 import numpy as np
 
-from tfsync.engine.components import StepComponent
+from tfsync.engine.components.base import StepComponent
 
 POST_PUSH_SMOOTHING = 0.2  # weight of the newest step in the post-push time's average
 

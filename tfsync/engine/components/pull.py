@@ -29,7 +29,7 @@ import time
 
 import numpy as np
 
-from tfsync.engine.components import StepComponent
+from tfsync.engine.components.base import StepComponent
 
 # a wait for blocks sleeps at most this long between checks (a landing time is known in
 # advance, so the wait normally sleeps exactly until the next one)
@@ -250,6 +250,10 @@ class PartialPull(StepComponent):
     def counts(self) -> dict:
         """Blocks applied, applied after their step went on, delayed (simulated)."""
         return dict(self.blocks.counts)
+
+    def epoch_logs(self):
+        """Its block counts since the engine started (:attr:`counts`)."""
+        return self.counts
 
     @property
     def applier(self):

@@ -15,7 +15,7 @@ which the simulator (:mod:`tfsync.simulate`) plays too.
 
 import threading
 
-from tfsync.engine.components import StepComponent
+from tfsync.engine.components.base import StepComponent
 from tfsync.policies.dynamic import PushTable
 
 
