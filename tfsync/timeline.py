@@ -163,7 +163,7 @@ def _check_step(record, path, lineno, file_rank, previous):
         "dropped": record.get("dropped", 0),
         "compensated": record.get("compensated", 0),
         "skipped": bool(record.get("skipped", False)),
-        # the rounds' bytes on the wire settled in this step (tfsync.engine.compression; 0 in older traces)
+        # the rounds' bytes on the wire settled in this step (tfsync.engine.wire.counting; 0 in older traces)
         **{k: float(record.get(k, 0.0)) for k in _BYTES},
     }
 
@@ -419,7 +419,7 @@ def summarize(trace, start_step=None, end_step=None) -> dict:
         when an elastic job reset, its ``reset`` event) and ``skipped`` (steps that computed
         nothing because their round had closed: PSP, backup workers), ``bytes_sent``,
         ``bytes_received`` and their ``uncompressed_`` twins (what its rounds put on the wire,
-        :mod:`tfsync.engine.compression`; with no ``end_step`` also the rounds after its last step).
+        :mod:`tfsync.engine.wire.counting`; with no ``end_step`` also the rounds after its last step).
         Overall: the same sums over all ranks and ``max_clock_gap``, in SSP's
         sense (a worker's clock is the number of steps it has pushed, so SSP(s)
         keeps it <= s and BSP at 0): at each step's t_end a worker moves to

@@ -58,7 +58,14 @@ import numpy as np
 
 from tfsync.launch import integer, number
 
-POLICIES = ("backup", "psp", "dssp")
+# the modes whose control path is on the step's path, each with the settings the benchmark runs it
+# with on ``size`` workers (module docstring), built through the registry
+SETTINGS = {
+    "backup": lambda size: {"backups": 0},
+    "psp": lambda size: {"min_contributions": max(1, size - 1), "push_timeout_s": 0.0},
+    "dssp": lambda size: {},
+}
+POLICIES = tuple(SETTINGS)
 START_TIMEOUT_S = 60.0  # rank 0's service prints its address within this
 LAUNCH_MARGIN_S = 600.0  # the hosts' whole run is bounded by this plus a second a round
 ATTACH_TIMEOUT_S = 600.0  # every simulated host has attached its workers within this (a thousand on 2 cores)
@@ -66,15 +73,11 @@ ATTACH_TIMEOUT_S = 600.0  # every simulated host has attached its workers within
 
 def policy_for(name, size):
     """The policy the benchmark runs as ``name`` on ``size`` workers (module docstring)."""
-    from tfsync.policies import DSSP, PSP, BackupWorkers
+    from tfsync.policies import registry
 
-    if name == "backup":
-        return BackupWorkers(backups=0)
-    if name == "psp":
-        return PSP(min_contributions=max(1, size - 1), push_timeout_s=0.0)
-    if name == "dssp":
-        return DSSP()
-    raise ValueError(f"--policy {name!r}: expected one of {', '.join(POLICIES)}")
+    if name not in SETTINGS:
+        raise ValueError(f"--policy {name!r}: expected one of {', '.join(POLICIES)}")
+    return registry.get(name).build(**SETTINGS[name](size))
 
 
 def parse_args(argv):

@@ -51,9 +51,9 @@ import numpy as np
 from tfsync import _env
 from tfsync.control import ControlClient
 from tfsync.control.client import connect_bound
-from tfsync.engine import lifecycle, protocols
-from tfsync.engine.components import bindings
+from tfsync.engine import agreement, lifecycle, protocols
 from tfsync.engine.cluster import HorovodCluster
+from tfsync.engine.components import bindings
 from tfsync.engine.diagnosis import Diagnosis
 from tfsync.engine.entry import CoordinatedRounds, OpenRounds
 from tfsync.engine.nonfinite import NonFinite
@@ -104,8 +104,8 @@ class SyncEngine:
         self._cluster = cluster
         self.started = False
         self.error = None
-        self._server, self._relays = None, []
-        self._trace = Trace(None, None)
+        self.life = lifecycle.Life(self)  # what it starts, stopped together (tfsync.engine.lifecycle)
+        self._trace = self.life.trace
         self.tally = Tally()  # (an engine whose start failed counts nothing: an elastic reset folds it)
 
     # ----------------------------------------------------------------- lifecycle
@@ -125,7 +125,7 @@ class SyncEngine:
         policy = self.policy
         policy.validate(self.size)
         self.stragglers.validate(self.size)
-        lifecycle.check_trainable(tensors)
+        agreement.check_trainable(tensors)
         protocol_cls = protocols.for_policy(policy)
         self.entry = (CoordinatedRounds if policy.coordinated else OpenRounds)(self)
         self.shapes = [[int(d) for d in t.shape] for t in tensors]
@@ -142,15 +142,15 @@ class SyncEngine:
             "on_nonfinite": self.on_nonfinite,
             **(extra_config or {}),
         }
-        self.hosts = lifecycle.agree_config(cluster, config, self.wait_timeout_s)
-        self.t0 = lifecycle.agree_t0(cluster, self.wait_timeout_s)
-        address, fallback, token = lifecycle.open_control(self, cluster)  # (sets self._server, self._relays)
+        self.hosts = agreement.agree_config(cluster, config, self.wait_timeout_s)
+        self.t0 = agreement.agree_t0(cluster, self.wait_timeout_s)
+        address, fallback, token = lifecycle.open_control(self, cluster)  # (rank 0's service, the relays)
         # the exchange first: a frontend may route the protocol's variable creation
         # (SyncStrategy broadcasts initial values) through it
-        self.exchange = lifecycle.open_exchange(self, cluster, protocol_cls)  # (sets the wire settings)
+        self.exchange = lifecycle.open_exchange(self, cluster, protocol_cls)  # (and self.wire, opened once)
         self.protocol = protocol_cls(tensors, self.size, policy)
         self.protocol.bind(self)
-        self.control = ControlClient(
+        self.control = self.life.control = ControlClient(
             address,
             self.rank,
             token,
@@ -168,7 +168,7 @@ class SyncEngine:
         self.step, self.last_pushed, self.applied_through = 0, -1, -1
         self.last = {}
         self._full_round_times = None
-        self._trace = Trace(self.trace_dir, self.rank)
+        self._trace = self.life.trace = Trace(self.trace_dir, self.rank)
         self.trace({"event": "start", "rank": self.rank, "size": self.size, "t0": self.t0, **config})
         for c in self.components:
             c.bind(self)
@@ -194,8 +194,8 @@ class SyncEngine:
 
     @property
     def bytes(self) -> dict:
-        """This engine's bytes on the wire so far (:mod:`tfsync.engine.compression`'s model)."""
-        return self.wire_bytes.total
+        """This engine's bytes on the wire so far (:mod:`tfsync.engine.wire.counting`'s model)."""
+        return self.wire.bytes.total
 
     @property
     def totals(self) -> dict:
@@ -229,7 +229,7 @@ class SyncEngine:
             drained = c.finish(apply_mean) or drained
         drained = self.entry.drain() or drained
         drops = self.tally.settle(self.exchange)  # (and what the components counted: a final round's rejection)
-        sent = self.tally.add_bytes(self.wire_bytes.take())  # (the rounds since the last step's, a final one's)
+        sent = self.tally.add_bytes(self.wire.bytes.take())  # (the rounds since the last step's, a final one's)
         if drained:
             self.trace({"event": "drain", "rank": self.rank, "t": self.now(), "drops": drops, "dropped": len(drops)})
         if any(sent.values()):
@@ -238,13 +238,20 @@ class SyncEngine:
         self.tally.check(self.rank)
 
     def close(self):
-        """Leave the control path and stop the threads (collective: call on every rank)."""
-        lifecycle.close(self)
+        """Leave the control path and stop the threads (collective: call on every rank;
+        :meth:`Life.close <tfsync.engine.lifecycle.Life.close>`)."""
+        if not self.started:
+            return
+        self.started = False
+        self.life.close()
 
     def abandon(self, leave=True):
         """Leave without :meth:`close`'s handshake with the other ranks (local, bounded): for an
-        engine still running when the interpreter exits (see :func:`tfsync.engine.lifecycle.abandon`)."""
-        lifecycle.abandon(self, leave=leave)
+        engine still running when the interpreter exits (see :meth:`Life.abandon
+        <tfsync.engine.lifecycle.Life.abandon>`)."""
+        if self.life.running:
+            self.started = False
+            self.life.abandon(leave=leave)
 
     def job_went_on(self) -> bool:
         """Whether the job no longer waits for this worker (a peer's stop, a lost rank, rank 0
@@ -453,7 +460,7 @@ class SyncEngine:
             "compensated": compensated,
             "skipped": int(skipped),
         }
-        sent = self.tally.add_bytes(self.wire_bytes.take())
+        sent = self.tally.add_bytes(self.wire.bytes.take())
         self.last.update(sent)
         tot = self.tally.totals
         tot["steps"] += 1

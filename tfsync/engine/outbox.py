@@ -53,7 +53,7 @@ ends, with the same weight.
 
 import numpy as np
 
-from tfsync.engine.rounds import META_COLUMNS, REJECTED
+from tfsync.engine.wire.layout import META_COLUMNS, REJECTED
 
 
 class CoordinatedOutbox:

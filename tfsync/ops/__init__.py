@@ -15,7 +15,7 @@ protocol's state updates, and the finiteness check of a worker's contribution.
 * :func:`quantize_blocks`, :func:`dequantize_blocks`, :func:`dequantize_sum`: int8 and
   4-bit codes with one float32 scale per block, the residual for error feedback, and
   the fused dequantize-and-sum of received rows (Local SGD's and DiLoCo's quantized
-  outer rounds, :mod:`tfsync.engine.quantized`).
+  outer rounds, :mod:`tfsync.engine.wire.quantized`).
 
 Each op has a compiled kernel (``ops/cc``, loaded lazily by
 :mod:`tfsync.ops._loader`) and a pure-TensorFlow twin (:mod:`tfsync.ops._reference`);

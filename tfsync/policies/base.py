@@ -48,7 +48,7 @@ class Policy(abc.ABC):
     ``"bf16"`` sends the floating tensors of each round's exchange in that
     16-bit type (half float32's bytes) and casts the result back, as Horovod's
     ``Compression.fp16`` does; what that does to overflow and rounding is in
-    :mod:`tfsync.engine.compression`.  The round's metadata stays float32 and exact.
+    :mod:`tfsync.engine.wire.compression`.  The round's metadata stays float32 and exact.
 
     Class attributes:
         name: the mode's string (``mode="ssp"``).

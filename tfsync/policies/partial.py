@@ -166,7 +166,7 @@ class PSP(Policy):
             balanced by size); at most the number of weight tensors.  Default
             ``None``: one block per weight tensor.
         compression: None (default), ``"fp16"`` or ``"bf16"``, keyword only: the rounds' floating
-            tensors in 16 bits on the wire (:mod:`tfsync.engine.compression`).
+            tensors in 16 bits on the wire (:mod:`tfsync.engine.wire.compression`).
 
     Example:
 
@@ -289,7 +289,7 @@ class BackupWorkers(Policy):
             in the next round its worker computes for (counted as
             ``compensated``), so no worker's computation is wasted.
         compression: None (default), ``"fp16"`` or ``"bf16"``, keyword only: the rounds' floating
-            tensors in 16 bits on the wire (:mod:`tfsync.engine.compression`).
+            tensors in 16 bits on the wire (:mod:`tfsync.engine.wire.compression`).
 
     Example:
 

@@ -24,7 +24,8 @@ import numpy as np
 import tensorflow as tf
 
 from tfsync import ops
-from tfsync.engine.protocols._tf import compile_flat, copy_values, dense, py_step, state_variable, tf_variable
+from tfsync.engine._tf import compile_flat, copy_values, dense, py_step, state_variable, tf_variable
+from tfsync.engine.components.pull import PartialPull
 from tfsync.engine.protocols.base import StepProtocol
 from tfsync.engine.protocols.compensated import Compensator
 from tfsync.engine.protocols.path import (
@@ -39,7 +40,6 @@ from tfsync.engine.protocols.path import (
     static_loss_scale,
     unscaled_or_zeros,
 )
-from tfsync.engine.components.pull import PartialPull
 
 
 class GradientProtocol(StepProtocol):

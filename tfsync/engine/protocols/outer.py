@@ -33,7 +33,7 @@ passes them, ride in the same round and are averaged plainly.  The worker's
 own optimizer state is not touched (it stays local, as in both papers).
 
 With fragments (``fragments=P``) and ``overlap_steps=τ``, each fragment's
-round is paced (:mod:`tfsync.engine.pacing`): its pieces are spread over
+round is paced (:mod:`tfsync.engine.wire.pacing`): its pieces are spread over
 :data:`PACED_SHARE` of the time ``τ`` inner steps take (the median of the
 last :data:`STEP_WINDOW` inner steps' intervals), so the link carries the
 model at about its period's average rate instead of in bursts at line rate.
@@ -48,16 +48,17 @@ import keras
 import tensorflow as tf
 
 from tfsync import ops
-from tfsync.engine.components import StepComponent
-from tfsync.engine.protocols._tf import (
+from tfsync.engine._tf import (
     compile_flat,
     floating_statistics,
     gradients_finite,
     state_variable,
     tf_variable,
 )
+from tfsync.engine.components import StepComponent
 from tfsync.engine.protocols.base import StepProtocol
 from tfsync.engine.protocols.path import OptimizerPath, accumulation_steps, finish_in_graph, is_loss_scaled
+from tfsync.engine.wire import Round
 
 PACED_SHARE = 0.8  # a paced fragment's round spreads over this share of its overlap window ...
 STEP_WINDOW = 8  # ... estimated from the median interval of this many last inner steps
@@ -83,12 +84,9 @@ class OuterStepProtocol(StepProtocol):
         return [FinalOuterStep()]
 
     @classmethod
-    def collective(cls, cluster, policy, averages, compression=None):
-        """With ``quantize`` set, the quantized round (:mod:`tfsync.engine.quantized`)."""
-        quantize = getattr(policy, "quantize", None)
-        if quantize is None:
-            return super().collective(cluster, policy, averages, compression)
-        return cluster.quantized_collective(quantize, averages)
+    def round(cls, policy):
+        """With ``quantize`` set, a quantized round (:mod:`tfsync.engine.wire.quantized`)."""
+        return Round(averages=cls.averages, quantize=policy.quantize)
 
     @classmethod
     def optimizer_path(cls, policy, engine, optimizer=None, station="apply", shared=False):

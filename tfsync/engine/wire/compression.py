@@ -16,7 +16,7 @@ on this project's machine; NCCL on GPUs).  The sum is cast back to each
 tensor's dtype and scaled there (the mean's ``1 / size`` or the engine's
 divisor).  Horovod's allreduce takes no bfloat16, so a round's bfloat16 tensors
 are reduced as torchft reduces its quantized ones (and as
-:mod:`tfsync.engine.quantized` does): concatenated in the wire type and cut
+:mod:`tfsync.engine.wire.quantized` does): concatenated in the wire type and cut
 into ``size`` chunks, an alltoall (of 16-bit words) sends chunk ``j`` to rank
 ``j``, which sums the ``size`` chunks it receives in float32 (converted
 exactly) and casts its summed chunk to bfloat16 once; an all-gather gives
@@ -44,49 +44,14 @@ each costs across slow links: docs/results/compression.
 * ``"bf16"``: bfloat16 has float32's range (8 exponent bits) and 8 bits of
   mantissa: it rounds more than float16 and overflows only where float32
   would; the bound is bfloat16's largest value over ``n`` as above.
-
-Bytes on the wire (:class:`WireBytes`), counted by the engine for every
-collective a round runs (a redone BSP round counts twice) and for nothing
-else (broadcasts, the control path and the epoch logs' averages are not
-counted).  The model is a ring: an allreduce of ``B`` bytes over ``n``
-workers sends and receives ``2·(n-1)/n·B`` bytes on each worker
-(reduce-scatter then all-gather: NCCL's ring and Gloo's ring algorithms),
-float16 ones included; a bfloat16 round's alltoall and all-gather send and
-receive ``n - 1`` chunks each (:func:`chunk_length` values of 2 bytes).
-``bytes_sent``/``bytes_received``: what went on the wire (the payload in its
-wire dtype plus the float32 metadata, ``META_WIDTH`` per worker);
-``uncompressed_bytes_sent``/``uncompressed_bytes_received``: the same rounds
-with the payload in its own dtype (what they cost without compression).
-With one worker nothing crosses a wire: all are 0.
 """
-
-import threading
 
 import numpy as np
 
-from tfsync.engine.tally import BYTES
 from tfsync.policies.base import COMPRESSIONS, check_compression
 
 # the wire type's largest finite value and its unit roundoff (half an ulp at 1)
 _WIRE = {"fp16": ("float16", 65504.0, 2.0**-11), "bf16": ("bfloat16", 3.3895313892515355e38, 2.0**-8)}
-
-
-def chunk_length(values: int, size: int) -> int:
-    """The values in each rank's chunk of a compressed round of ``values`` (the round is padded
-    with zeros to ``size`` equal chunks)."""
-    return -(-max(values, 1) // size)
-
-
-def as_chunks(tensors, size: int, length: int):
-    """``tensors`` flattened in order and padded with zeros into ``size`` rows (chunks) of
-    ``length`` values, in their common dtype: the padding joins the same concat, so the round's
-    values are copied once."""
-    import tensorflow as tf
-
-    flat = [tf.reshape(t, [-1]) for t in tensors]
-    values = sum(int(np.prod(t.shape, dtype=np.int64)) for t in tensors)
-    padding = tf.zeros([size * length - values], flat[0].dtype)
-    return tf.reshape(tf.concat([*flat, padding], 0), [size, length])
 
 
 def wire_dtype(compression):
@@ -141,7 +106,7 @@ class WireFormat:
         import tensorflow as tf
 
         if self._check is None:
-            from tfsync.engine.protocols._tf import compile_flat
+            from tfsync.engine._tf import compile_flat
 
             specs = [tf.TensorSpec(t.shape, t.dtype) for t in payload]
             limit = self.limit
@@ -160,105 +125,4 @@ class WireFormat:
         return np.asarray(self._check(*payload), bool)
 
 
-class WireBytes:
-    """The bytes this worker's rounds put on the wire (module docstring), counted per collective
-    call from the exchange thread (from the payload the call carried: DiLoCo's fragments make
-    rounds of different sizes) and taken per step from the training thread.
-
-    Args:
-        size: the number of workers.
-        compression: None, ``"fp16"`` or ``"bf16"``.
-        meta_width: the metadata's float32 values per worker.
-        quantize: None, ``"int8"`` or ``"int4"`` (Local SGD's and DiLoCo's quantized rounds,
-            :func:`tfsync.engine.quantized.wire_bytes`; their metadata goes in an allreduce of
-            its own).
-    """
-
-    def __init__(self, size: int, compression=None, meta_width: int = 0, quantize=None):
-        self.size, self.compression, self.quantize = size, compression, quantize
-        self._meta = size * meta_width * 4
-        self._ring = 2.0 * (size - 1) / size if size > 1 else 0.0
-        self._layouts = {}  # (shapes, dtypes) -> per-call bytes
-        self._lock = threading.Lock()
-        self._total = dict.fromkeys(BYTES, 0.0)
-        self._taken = dict.fromkeys(BYTES, 0.0)
-
-    def per_call(self, shapes, dtypes) -> dict:
-        """The bytes one call carrying tensors of ``shapes`` and ``dtypes`` puts on the wire, each way."""
-        import tensorflow as tf
-
-        dtypes = [tf.as_dtype(d) for d in dtypes]
-        key = (tuple(tuple(s) for s in shapes), tuple(d.name for d in dtypes))
-        if key in self._layouts:
-            return self._layouts[key]
-        counts = [int(np.prod(s, dtype=np.int64)) for s in shapes]
-        ring, meta, compression = self._ring, self._meta, self.compression
-        raw = sum(n * d.size for n, d in zip(counts, dtypes))
-        if self.quantize is not None:
-            from tfsync.engine.quantized import wire_bytes
-
-            wire = wire_bytes(sum(counts), self.size, self.quantize) + ring * meta
-        elif compression is None:
-            wire = ring * (raw + meta)
-        else:
-            squeezed = sum(n for n, d in zip(counts, dtypes) if compresses(d, compression))
-            kept = sum(n * d.size for n, d in zip(counts, dtypes) if not compresses(d, compression))
-            if compression == "fp16":  # (a float16 allreduce: a ring of 2-byte values)
-                wire = ring * (2 * squeezed + kept + meta)
-            else:  # the alltoall's and the all-gather's n - 1 chunks of 2-byte values each way
-                chunks = 2 * (self.size - 1) * chunk_length(squeezed, self.size) * 2 if squeezed else 0
-                wire = chunks + ring * (kept + meta)
-        uncompressed = ring * (raw + meta)
-        self._layouts[key] = {
-            "bytes_sent": wire,
-            "bytes_received": wire,
-            "uncompressed_bytes_sent": uncompressed,
-            "uncompressed_bytes_received": uncompressed,
-        }
-        return self._layouts[key]
-
-    def count(self, payload):
-        """One collective call of a round ran, carrying ``payload``."""
-        call = self.per_call([tuple(t.shape) for t in payload], [t.dtype for t in payload])
-        with self._lock:
-            for k, v in call.items():
-                self._total[k] += v
-
-    @property
-    def total(self) -> dict:
-        """Every call so far (this engine's run)."""
-        with self._lock:
-            return dict(self._total)
-
-    def take(self) -> dict:
-        """The bytes of the calls since the last :meth:`take`."""
-        with self._lock:
-            out = {k: self._total[k] - self._taken[k] for k in BYTES}
-            self._taken = dict(self._total)
-        return out
-
-
-def wire_settings(policy, size: int):
-    """``(compression, WireBytes, WireFormat or None)`` of an engine running ``policy``: its
-    compression, checked; its bytes, counted per round; the range a contribution must keep to."""
-    from tfsync.engine.rounds import META_WIDTH
-
-    compression = check_compression(type(policy).__name__, policy.compression)
-    wire_bytes = WireBytes(size, compression, META_WIDTH, getattr(policy, "quantize", None))
-    per_rank = 2 if getattr(policy, "compensate", None) is not None else 1  # (a late contribution beside a fresh one)
-    return compression, wire_bytes, WireFormat(compression, size, per_rank) if compression else None
-
-
-def counted(collective, wire_bytes):
-    """``collective`` that counts each call in ``wire_bytes``."""
-
-    def run(payload, meta, divisor=None, part=None):
-        # (``part``: a paced round's piece, given only to a collective that paces)
-        out = collective(payload, meta, divisor=divisor, **({} if part is None else {"part": part}))
-        wire_bytes.count(payload)
-        return out
-
-    return run
-
-
-__all__ = ["BYTES", "WireBytes", "WireFormat", "compresses", "counted", "wire_dtype", "wire_settings"]
+__all__ = ["WireFormat", "compresses", "wire_dtype"]

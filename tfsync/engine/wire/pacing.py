@@ -19,7 +19,7 @@ collective starts when its last rank enters it, and the first piece's end,
 when every rank has entered, is where each rank's schedule starts, so a rank
 that pushed late does not find its pieces overdue.  A piece begins at a
 multiple of ``size × 256`` values, so a quantized round's blocks of 256 values
-(:mod:`tfsync.engine.quantized`) are those of the whole round: a paced round
+(:mod:`tfsync.engine.wire.quantized`) are those of the whole round: a paced round
 decodes to the bytes an unpaced one would.  When a worker needs the round
 (its wait, a collective queued behind it, the exchange closing), the pieces
 left go at once: pacing never holds a round someone is waiting for (the

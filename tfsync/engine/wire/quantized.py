@@ -22,7 +22,7 @@ all-gather of the quantized result:
    for every worker, so nothing is owed to anyone).
 3. An all-gather gives every worker every chunk of the result: the same bytes
    on every worker, decoded alike, so the replicas stay bit-identical.
-4. The round's metadata (:mod:`tfsync.engine.rounds`) rides in a float32
+4. The round's metadata (:mod:`tfsync.engine.wire.layout`) rides in a float32
    allreduce of its own: a few hundred bytes.
 
 Per worker and round, each collective sends and receives ``size - 1`` rows, so
@@ -37,8 +37,8 @@ zeros, which quantize to zeros exactly; its error feedback is left as it was.
 import numpy as np
 
 from tfsync import _horovod, ops
-from tfsync.engine import compression
-from tfsync.engine.rounds import decode_meta, encode_meta
+from tfsync.engine.wire import layout
+from tfsync.engine.wire.layout import decode_meta, encode_meta
 from tfsync.policies.local import QUANTIZE
 from tfsync.policies.local import QUANTIZE_BLOCK as BLOCK  # values per float32 scale
 
@@ -47,8 +47,8 @@ BITS = {"int8": 8, "int4": 4}
 
 def chunk_length(values: int, size: int) -> int:
     """``L``: each worker's chunk of a round of ``values`` floats (a compressed round's,
-    :func:`tfsync.engine.compression.chunk_length`), rounded up to a whole number of blocks."""
-    return -(-compression.chunk_length(values, size) // BLOCK) * BLOCK
+    :func:`tfsync.engine.wire.layout.chunk_length`), rounded up to a whole number of blocks."""
+    return -(-layout.chunk_length(values, size) // BLOCK) * BLOCK
 
 
 def wire_bytes(values: int, size: int, quantize) -> int:
@@ -65,7 +65,7 @@ def wire_bytes(values: int, size: int, quantize) -> int:
 
 def quantized_collective(quantize: str, average: bool, hvd=None):
     """``collective(payload, meta, divisor=None)`` whose payload travels quantized (the module
-    docstring), with :func:`tfsync.engine.rounds.horovod_collective`'s meaning: the payload's
+    docstring), with :func:`tfsync.engine.wire.horovod.horovod_collective`'s meaning: the payload's
     mean over every rank with ``average`` (and no ``divisor``), its sum divided by ``divisor``
     when given; the metadata summed.
 
@@ -82,19 +82,19 @@ def quantized_collective(quantize: str, average: bool, hvd=None):
     errors = {}  # 4-bit: this worker's quantization error per payload layout (a DiLoCo fragment's, a piece's own)
 
     def collective(payload, meta, divisor=None, part=None):
-        # ``part``: a paced round's piece (tfsync.engine.pacing), whose error feedback is its own
+        # ``part``: a paced round's piece (tfsync.engine.wire.pacing), whose error feedback is its own
         shapes = [tuple(t.shape) for t in payload]
         dtypes = [t.dtype for t in payload]
         counts = [int(np.prod(s, dtype=np.int64)) for s in shapes]
         values = sum(counts)
         length = chunk_length(values, size)
-        flat = compression.as_chunks([tf.cast(t, tf.float32) for t in payload], size, length)
+        flat = layout.as_chunks([tf.cast(t, tf.float32) for t in payload], size, length)
         present = bool(np.asarray(meta)[rank, 0] > 0)
         if bits == 4 and present:
-            layout = (part, *zip(shapes, dtypes))
-            if layout in errors:
-                flat = flat + errors[layout]
-            rows, errors[layout] = ops.quantize_blocks(flat, bits, BLOCK, residual=True)
+            key = (part, *zip(shapes, dtypes))
+            if key in errors:
+                flat = flat + errors[key]
+            rows, errors[key] = ops.quantize_blocks(flat, bits, BLOCK, residual=True)
         else:
             rows = ops.quantize_blocks(flat, bits, BLOCK)
         received = hvd.alltoall(rows, name="tfsync.quantized.scatter")

@@ -9,7 +9,7 @@ import time
 
 import keras
 
-from tfsync.faults import WORKER_KINDS, InjectedFault, Ledger, Schedule
+from tfsync.faults.schedule import WORKER_KINDS, InjectedFault, Ledger, Schedule
 
 
 class FaultInjector(keras.callbacks.Callback):

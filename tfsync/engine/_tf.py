@@ -1,7 +1,8 @@
-"""TensorFlow helpers every step protocol uses: variables, dense gradients, compiled state updates.
+"""TensorFlow helpers the engine's layers share: variables, dense gradients, compiled state updates.
 
-A leaf: it imports nothing of tfsync but the ops, so each protocol module and
-the optimizer paths build on it without importing each other.
+A leaf: it imports nothing of tfsync but the ops, so each protocol module, the optimizer
+paths, the wire (a compressed round's range check) and the cluster build on it without
+importing each other.
 """
 
 import tensorflow as tf
