@@ -11,19 +11,15 @@ cluster object (:mod:`tfsync.engine.cluster`): Horovod in production, N
 ranks on threads in the single-process tests.
 
 The engine takes a resolved policy and checked settings
-(:class:`~tfsync.engine.settings.EngineSettings`); three things are decided
+(:class:`~tfsync.engine.settings.EngineSettings`); four things are decided
 once, when it starts, as Horovod's ``DistributedOptimizer`` factory decides
-its exchange once:
-
-* the step protocol the policy names (:mod:`tfsync.engine.protocols`): what a
-  worker contributes (gradients before the optimizer, or its update after)
-  and what a completed round does to its weights;
-* the round entry (:mod:`tfsync.engine.entry`): every worker enters every
-  round, or rank 0's coordinator closes rounds on the policy's decision;
-* the step components (:mod:`tfsync.engine.components`): what only its
-  protocol or its mode does to a step (DC-S3GD's wait before the optimizer,
-  DSSP's grants, ElasticBSP's supersteps, partial pulling, late
-  contributions; :mod:`tfsync.engine.components.bindings`).
+its exchange once: the step protocol the policy names
+(:mod:`tfsync.engine.protocols`: what a worker contributes and what a completed
+round does to its weights), the wire that protocol's round asks for
+(:mod:`tfsync.engine.wire`), the round entry (:mod:`tfsync.engine.entry`: every
+worker enters every round, or rank 0's coordinator closes rounds) and the step
+components (:mod:`tfsync.engine.components`: what only its protocol or its mode
+does to a step).  What it starts is owned by one object (:mod:`tfsync.engine.lifecycle`).
 
 A step runs as one :meth:`SyncEngine.sync_step`, called from inside the
 compiled train step by the protocol's optimizer path
@@ -46,17 +42,9 @@ and checked when training finishes.
 import contextlib
 import time
 
-import numpy as np
-
 from tfsync import _env
-from tfsync.control import ControlClient
-from tfsync.control.client import connect_bound
-from tfsync.engine import agreement, lifecycle, protocols
-from tfsync.engine.cluster import HorovodCluster
-from tfsync.engine.components import bindings
+from tfsync.engine import lifecycle
 from tfsync.engine.diagnosis import Diagnosis
-from tfsync.engine.entry import CoordinatedRounds, OpenRounds
-from tfsync.engine.nonfinite import NonFinite
 from tfsync.engine.settings import EngineSettings
 from tfsync.engine.tally import COUNTS, Tally, Trace, round_stamps, settled_fields
 from tfsync.policies import Policy
@@ -110,54 +98,15 @@ class SyncEngine:
 
     # ----------------------------------------------------------------- lifecycle
     def start(self, tensors, extra_config=None):
-        """Check the job, agree on t0, start the control path, the exchange and the protocol.
+        """Check the job, agree on t0, start the control path, the exchange and the protocol
+        (:func:`tfsync.engine.lifecycle.start`).
 
         ``tensors``: the model's trainable variables (in the order the
         optimizer sees them), already identical on every rank.  A gradient
         protocol needs only their shapes and dtypes (symbolic gradients do);
         an update protocol keeps its state beside the variables themselves.
         """
-        self.cluster = cluster = self._cluster if self._cluster is not None else HorovodCluster()
-        tensors = list(tensors)
-        if not tensors:
-            raise ValueError("tfsync: the model has no trainable weights to synchronize")
-        self.rank, self.size = cluster.rank(), cluster.size()
-        policy = self.policy
-        policy.validate(self.size)
-        self.stragglers.validate(self.size)
-        agreement.check_trainable(tensors)
-        protocol_cls = protocols.for_policy(policy)
-        self.entry = (CoordinatedRounds if policy.coordinated else OpenRounds)(self)
-        self.shapes = [[int(d) for d in t.shape] for t in tensors]
-        self.num_params = int(sum(np.prod(s, dtype=np.int64) for s in self.shapes))
-        self.nonfinite = NonFinite(self.on_nonfinite)
-        self.components = [*protocol_cls.components(policy), *bindings.components(policy), self.nonfinite]
-        for c in self.components:  # the model against the mode's settings, before any collective
-            c.plan(self.shapes, self.num_params)
-        config = {
-            "policy": policy.config(),
-            "num_params": self.num_params,
-            "weights": self.shapes,
-            "stragglers": self.stragglers.spec(),
-            "on_nonfinite": self.on_nonfinite,
-            **(extra_config or {}),
-        }
-        self.hosts = agreement.agree_config(cluster, config, self.wait_timeout_s)
-        self.t0 = agreement.agree_t0(cluster, self.wait_timeout_s)
-        address, fallback, token = lifecycle.open_control(self, cluster)  # (rank 0's service, the relays)
-        # the exchange first: a frontend may route the protocol's variable creation
-        # (SyncStrategy broadcasts initial values) through it
-        self.exchange = lifecycle.open_exchange(self, cluster, protocol_cls)  # (and self.wire, opened once)
-        self.protocol = protocol_cls(tensors, self.size, policy)
-        self.protocol.bind(self)
-        self.control = self.life.control = ControlClient(
-            address,
-            self.rank,
-            token,
-            connect_timeout_s=connect_bound(self.wait_timeout_s),
-            on_close=self.entry.on_close(),
-            fallback=fallback,
-        )
+        config = lifecycle.start(self, list(tensors), extra_config)
         # an inline round that waits reports this worker's clock, as the polling wait does
         self.exchange.on_inline_wait = lambda: self.control.report(self.last_pushed, min_interval_s=0.0)
         # rounds run inline (on the training thread) only on one host: across hosts a collective can
@@ -217,13 +166,7 @@ class SyncEngine:
         round, and drop them without it.
         """
         if self.applied_through < self.step - 1:  # the rounds still in flight: waited for, recorded
-            t = self.now()
-            applied = self.wait_and_apply(self.step - 1)
-            self.tally.totals["wait_s"] += (wait_s := self.now() - t)
-            drops, compensated = self.tally.settle_step(self.exchange)
-            if self.tracing:
-                settled = settled_fields(applied, self.step - 1, self.applied_through, drops, compensated)
-                self.trace({"event": "finish", "rank": self.rank, "t": t, "wait_s": wait_s, **settled})
+            self._apply_between_steps(self.step - 1, "finish")
         drained = False
         for c in self.components:
             drained = c.finish(apply_mean) or drained
@@ -342,13 +285,7 @@ class SyncEngine:
             self.delays.sleep()
             if required_round is None or required_round <= self.applied_through:
                 return
-            t = self.now()
-            applied = self.wait_and_apply(required_round)
-            self.tally.totals["wait_s"] += (wait_s := self.now() - t)
-            drops, compensated = self.tally.settle_step(self.exchange)
-            if self.tracing:
-                settled = settled_fields(applied, self.step - 1, self.applied_through, drops, compensated)
-                self.trace({"event": "apply", "rank": self.rank, "t": t, "wait_s": wait_s, **settled})
+            self._apply_between_steps(required_round, "apply")
 
     def skip_step(self):
         """A skipped step: no contribution; wait for its round and return its result."""
@@ -425,6 +362,17 @@ class SyncEngine:
         for c in self.components:
             c.rounds_applied(required_round, hand_back)
         return applied
+
+    def _apply_between_steps(self, required_round, event):
+        """Wait for ``required_round`` and apply the rounds up to it outside a step (its wait
+        counted, what settled traced as an ``event``)."""
+        t = self.now()
+        applied = self.wait_and_apply(required_round)
+        self.tally.totals["wait_s"] += (wait_s := self.now() - t)
+        drops, compensated = self.tally.settle_step(self.exchange)
+        if self.tracing:
+            settled = settled_fields(applied, self.step - 1, self.applied_through, drops, compensated)
+            self.trace({"event": event, "rank": self.rank, "t": t, "wait_s": wait_s, **settled})
 
     def _wait_round(self, round_):
         deadline = time.monotonic() + self.wait_timeout_s

@@ -17,13 +17,20 @@ import secrets
 import threading
 import weakref
 
+import numpy as np
+
 from tfsync import _env
-from tfsync.control import ControlServer, topology
+from tfsync.control import ControlClient, ControlServer, topology
 from tfsync.control.address import choose as choose_control_address
 from tfsync.control.address import choose_relay as choose_relay_address
+from tfsync.control.client import connect_bound
 from tfsync.control.relay import HostRelay
+from tfsync.engine import agreement, protocols
 from tfsync.engine.bounded import run_bounded
+from tfsync.engine.cluster import HorovodCluster
 from tfsync.engine.components import bindings
+from tfsync.engine.entry import CoordinatedRounds, OpenRounds
+from tfsync.engine.nonfinite import NonFinite
 from tfsync.engine.tally import Trace
 
 log = logging.getLogger("tfsync.control")
@@ -136,6 +143,49 @@ class Life:
             self.trace.close()
 
 
+def start(engine, tensors, extra_config=None) -> dict:
+    """What :meth:`SyncEngine.start <tfsync.engine.SyncEngine.start>` does before its first step:
+    decide once (the step protocol the policy names, the round entry, the components), check the
+    model against the mode and the ranks against each other (:mod:`tfsync.engine.agreement`),
+    agree on t0, then open the control path (:func:`open_control`), the wire and the exchange
+    (:func:`open_exchange`), the protocol and this worker's link (:func:`attach`), each recorded
+    in ``engine.life``.  Returns the configuration the ranks agreed on."""
+    engine.cluster = cluster = engine._cluster if engine._cluster is not None else HorovodCluster()
+    if not tensors:
+        raise ValueError("tfsync: the model has no trainable weights to synchronize")
+    engine.rank, engine.size = cluster.rank(), cluster.size()
+    policy = engine.policy
+    policy.validate(engine.size)
+    engine.stragglers.validate(engine.size)
+    agreement.check_trainable(tensors)
+    protocol_cls = protocols.for_policy(policy)
+    engine.entry = (CoordinatedRounds if policy.coordinated else OpenRounds)(engine)
+    engine.shapes = [[int(d) for d in t.shape] for t in tensors]
+    engine.num_params = int(sum(np.prod(s, dtype=np.int64) for s in engine.shapes))
+    engine.nonfinite = NonFinite(engine.on_nonfinite)
+    engine.components = [*protocol_cls.components(policy), *bindings.components(policy), engine.nonfinite]
+    for c in engine.components:  # the model against the mode's settings, before any collective
+        c.plan(engine.shapes, engine.num_params)
+    config = {
+        "policy": policy.config(),
+        "num_params": engine.num_params,
+        "weights": engine.shapes,
+        "stragglers": engine.stragglers.spec(),
+        "on_nonfinite": engine.on_nonfinite,
+        **(extra_config or {}),
+    }
+    engine.hosts = agreement.agree_config(cluster, config, engine.wait_timeout_s)
+    engine.t0 = agreement.agree_t0(cluster, engine.wait_timeout_s)
+    address, fallback, token = open_control(engine, cluster)  # (rank 0's service, the relays)
+    # the exchange first: a frontend may route the protocol's variable creation
+    # (SyncStrategy broadcasts initial values) through it
+    engine.exchange = open_exchange(engine, cluster, protocol_cls)  # (and engine.wire, opened once)
+    engine.protocol = protocol_cls(tensors, engine.size, policy)
+    engine.protocol.bind(engine)
+    engine.control = attach(engine, address, fallback, token)
+    return config
+
+
 def open_control(engine, cluster):
     """Rank 0 starts the control service; every rank learns its address and the job's token;
     the first rank of each host but rank 0's with several ranks starts the host's relay
@@ -199,6 +249,22 @@ def open_control(engine, cluster):
     return (relays[leader], address, token) if leader is not None else (address, None, token)
 
 
+def attach(engine, address, fallback, token):
+    """This worker's :class:`~tfsync.control.client.ControlClient`, attached to ``address`` (its
+    host's relay, or rank 0's service; ``fallback``: rank 0's, where it re-attaches if the relay is
+    gone), its closings handed to the engine's round entry; recorded in ``engine.life``.  The first
+    attach waits for the engine's wait bound at most (:func:`~tfsync.control.client.connect_bound`)."""
+    engine.life.control = ControlClient(
+        address,
+        engine.rank,
+        token,
+        connect_timeout_s=connect_bound(engine.wait_timeout_s),
+        on_close=engine.entry.on_close(),
+        fallback=fallback,
+    )
+    return engine.life.control
+
+
 def _gather_address(engine, cluster, relay, name, what):
     """Every rank's ``relay``'s address (None where it runs none), gathered (collective, bounded
     by the engine's wait bound)."""
@@ -250,8 +316,6 @@ def rest_steps(policy):
     """How often every worker of ``policy``'s engine is sure to be at rest
     (:meth:`SyncEngine.at_rest <tfsync.engine.SyncEngine.at_rest>`): every that many steps (1:
     after every step), or None (no step is sure to be)."""
-    from tfsync.engine import protocols
-
     protocol = protocols.for_policy(policy)
     period = protocol.rest_steps(policy)
     if period is None or not all(c.rests for c in [*protocol.components(policy), *bindings.components(policy)]):

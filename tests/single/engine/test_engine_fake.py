@@ -650,10 +650,9 @@ def test_a_rank_0_gone_after_its_address_went_out_ends_its_peers_attach(monkeypa
     # before their reset could begin).  Its service refuses connections: they give up at once;
     # a link that answers nothing waits the engine's wait bound (10 s there), not 30 s
     from tfsync.control.client import CONNECT_TIMEOUT_S, ControlUnreachableError, connect_bound
-    from tfsync.engine import engine as engine_module
     from tfsync.engine import lifecycle
 
-    open_control, client = lifecycle.open_control, engine_module.ControlClient
+    open_control, client = lifecycle.open_control, lifecycle.ControlClient
     bounds = []
 
     def rank_0_gone(engine, cluster):
@@ -667,7 +666,7 @@ def test_a_rank_0_gone_after_its_address_went_out_ends_its_peers_attach(monkeypa
         return client(*args, **kwargs)
 
     monkeypatch.setattr(lifecycle, "open_control", rank_0_gone)
-    monkeypatch.setattr(engine_module, "ControlClient", recording)
+    monkeypatch.setattr(lifecycle, "ControlClient", recording)
     wait_s = 6.0
     assert connect_bound(wait_s) == wait_s < CONNECT_TIMEOUT_S
     assert connect_bound(0.5) >= 5.0 and connect_bound(120.0) == CONNECT_TIMEOUT_S
