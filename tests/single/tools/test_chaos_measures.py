@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from tfsync.bench import chaos
+from tfsync.bench import _stacks, chaos
 
 
 def _steps(times, pid=1):
@@ -156,7 +156,7 @@ def test_the_workers_hang_guards_are_stopped_while_their_stacks_are_read(tmp_pat
         )
     worker = subprocess.Popen([sys.executable, marker], stdout=subprocess.PIPE, text=True)
     seen = {}
-    dump = chaos._dump_stacks
+    dump = _stacks._dump_stacks
 
     def watched(*args):
         deadline = time.monotonic() + 5.0  # (a signal lands when the process is next scheduled)
@@ -165,7 +165,7 @@ def test_the_workers_hang_guards_are_stopped_while_their_stacks_are_read(tmp_pat
         seen["during"] = psutil.Process(guard_pid).status()
         return dump(*args)
 
-    monkeypatch.setattr(chaos, "_dump_stacks", watched)
+    monkeypatch.setattr(_stacks, "_dump_stacks", watched)
     try:
         guard_pid = int(worker.stdout.readline())
         chaos.dump_stacks(worker.pid, str(tmp_path / "stacks.txt"), match="guarded_worker.py")
