@@ -69,7 +69,14 @@ Example:
     train(state)
 """
 
-from tfsync.elastic.loop import (
+try:  # (Horovod's elastic classes, which the state and the loop build on)
+    import horovod.common.elastic  # noqa: F401
+except ImportError as _exc:  # pragma: no cover - Horovod is a dependency
+    raise ImportError(
+        f"tfsync.elastic needs Horovod ({_exc}); install it with `make install` (builds horovod==0.28.1)"
+    ) from _exc
+
+from tfsync.elastic.loop import (  # noqa: E402
     ELASTIC_ENV,
     ElasticResetError,
     hang_timeout,
@@ -77,7 +84,7 @@ from tfsync.elastic.loop import (
     run,
     stopped_timeout,
 )
-from tfsync.elastic.state import DEFAULT_COMMIT_EVERY_STEPS, KerasState
+from tfsync.elastic.state import DEFAULT_COMMIT_EVERY_STEPS, KerasState  # noqa: E402
 
 __all__ = [
     "DEFAULT_COMMIT_EVERY_STEPS",

@@ -11,6 +11,9 @@ import re
 import threading
 import time
 
+from horovod.common.elastic import State, notification_manager  # (checked by tfsync.elastic, imported first)
+from horovod.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
+
 from tfsync import _horovod
 from tfsync._hang_guard import FIRST_STEP_FACTOR, HANG_MARGIN_S, STEP_FACTOR, HangGuard
 from tfsync.control.client import ControlUnreachableError
@@ -20,14 +23,6 @@ from tfsync.engine import lifecycle
 from tfsync.engine.cluster import HorovodCluster
 from tfsync.engine.diagnosis import SyncTimeoutError
 from tfsync.engine.rounds import WorkerLostError
-
-try:
-    from horovod.common.elastic import State, notification_manager
-    from horovod.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
-except ImportError as _exc:  # pragma: no cover - Horovod is a dependency
-    raise ImportError(
-        f"tfsync.elastic needs Horovod ({_exc}); install it with `make install` (builds horovod==0.28.1)"
-    ) from _exc
 
 log = logging.getLogger("tfsync.elastic")
 

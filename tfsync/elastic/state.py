@@ -7,19 +7,14 @@ import copy
 import logging
 import time
 
+from horovod.common.elastic import ObjectState  # (checked by tfsync.elastic, which is imported first)
+
 from tfsync import _env, _horovod
 from tfsync._commit_store import CommitStore
 from tfsync._data import REDONE
 from tfsync.engine.bounded import run_bounded
 from tfsync.engine.cluster import HorovodCluster
 from tfsync.engine.tally import COUNTS
-
-try:
-    from horovod.common.elastic import ObjectState
-except ImportError as _exc:  # pragma: no cover - Horovod is a dependency
-    raise ImportError(
-        f"tfsync.elastic needs Horovod ({_exc}); install it with `make install` (builds horovod==0.28.1)"
-    ) from _exc
 
 log = logging.getLogger("tfsync.elastic")
 

@@ -260,16 +260,3 @@ class HostFaults:
                 up = not up
         finally:
             self.hosts.set_link(fault.host, True)  # (every fault ends with the link up)
-
-
-__all__ = [
-    "FLAP_S",
-    "HOST_KINDS",
-    "KINDS",
-    "WORKER_KINDS",
-    "Fault",
-    "HostFaults",
-    "InjectedFault",
-    "Ledger",
-    "Schedule",
-]
