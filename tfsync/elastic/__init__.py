@@ -76,23 +76,10 @@ except ImportError as _exc:  # pragma: no cover - Horovod is a dependency
         f"tfsync.elastic needs Horovod ({_exc}); install it with `make install` (builds horovod==0.28.1)"
     ) from _exc
 
-from tfsync.elastic.loop import (  # noqa: E402
-    ELASTIC_ENV,
-    ElasticResetError,
-    hang_timeout,
-    is_reset_error,
-    run,
-    stopped_timeout,
-)
+from tfsync.elastic.loop import ELASTIC_ENV as ELASTIC_ENV  # noqa: E402
+from tfsync.elastic.loop import ElasticResetError, is_reset_error, run  # noqa: E402
+from tfsync.elastic.loop import hang_timeout as hang_timeout  # noqa: E402
+from tfsync.elastic.loop import stopped_timeout as stopped_timeout  # noqa: E402
 from tfsync.elastic.state import DEFAULT_COMMIT_EVERY_STEPS, KerasState  # noqa: E402
 
-__all__ = [
-    "DEFAULT_COMMIT_EVERY_STEPS",
-    "ELASTIC_ENV",
-    "ElasticResetError",
-    "KerasState",
-    "hang_timeout",
-    "is_reset_error",
-    "run",
-    "stopped_timeout",
-]
+__all__ = ["DEFAULT_COMMIT_EVERY_STEPS", "ElasticResetError", "KerasState", "is_reset_error", "run"]
