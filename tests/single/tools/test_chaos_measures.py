@@ -67,7 +67,9 @@ def test_the_goodput_lost_adds_up_and_goes_where_the_job_was():
     # the second of them 0.2 s after the first
     steps += [{"t": t, "pid": 1, "r": 1, "n": 3} for t in (3.0, 3.2, 3.4)]
     steps += [{"t": t, "pid": 1, "r": 2, "n": 4} for t in (3.5, 3.7)]
-    lost = _chaos_figures.goodput_lost(steps, [(1.5, "kill"), (0.5, "nan")], lost_s=2.6, calm_rate=calm, samples_redone=16)
+    lost = _chaos_figures.goodput_lost(
+        steps, [(1.5, "kill"), (0.5, "nan")], lost_s=2.6, calm_rate=calm, samples_redone=16
+    )
     assert lost == {
         "stalled_by_kind": {"kill": pytest.approx(1.9)},
         "fewer_workers_by_kind": {"kill": pytest.approx(0.2)},

@@ -3,7 +3,7 @@
 Horovod's meaning (``horovod.tensorflow.compression``): each floating tensor
 of 32 or 64 bits is cast to the wire type for the exchange and the result is
 cast back to its own dtype; integer and 16-bit tensors go as they are.  The
-round's metadata (:mod:`tfsync.engine.rounds`) is not compressed: it goes in
+round's metadata (:mod:`tfsync.engine.wire.layout`) is not compressed: it goes in
 a float32 call of its own, exact as ever, so a compressed round is two
 grouped allreduces (one more negotiation; its bytes are counted).
 
