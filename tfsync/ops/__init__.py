@@ -31,8 +31,8 @@ import tensorflow as tf  # noqa: E402
 
 from tfsync.ops import _loader  # noqa: E402
 from tfsync.ops._loader import OpLibraryError, load_library  # noqa: E402
+from tfsync.ops._quantize import QUANTIZE_BITS as QUANTIZE_BITS  # noqa: E402
 from tfsync.ops._quantize import (  # noqa: E402
-    QUANTIZE_BITS,
     dequantize_blocks,
     dequantize_sum,
     quantize_blocks,
@@ -44,7 +44,6 @@ from tfsync.ops._select import backend as _backend
 from tfsync.ops._select import get_implementation, set_implementation
 
 __all__ = [
-    "QUANTIZE_BITS",
     "OpLibraryError",
     "all_finite",
     "delay_compensate",

@@ -291,7 +291,7 @@ def test_a_rendezvous_that_fails_is_tried_again_after_a_shutdown(fake_horovod, i
 
 
 def test_a_job_that_cannot_re_form_gives_up_after_the_tries(fake_horovod, init_fails):
-    fake_horovod.init_error = [ValueError("Horovod initialization failed")] * elastic.REFORM_ATTEMPTS
+    fake_horovod.init_error = [ValueError("Horovod initialization failed")] * elastic.loop.REFORM_ATTEMPTS
 
     @elastic.run
     def train(state):
@@ -306,7 +306,7 @@ def test_a_job_that_cannot_re_form_gives_up_after_the_tries(fake_horovod, init_f
 def test_a_worker_whose_host_was_removed_does_not_try_again(fake_horovod, init_fails):
     # (a try would record it as ready in the launcher's next round, which it is not part of)
     init_fails["why"] = "198.18.0.2[0] has been removed from elastic job"
-    fake_horovod.init_error = [ValueError("Horovod initialization failed")] * elastic.REFORM_ATTEMPTS
+    fake_horovod.init_error = [ValueError("Horovod initialization failed")] * elastic.loop.REFORM_ATTEMPTS
 
     @elastic.run
     def train(state):
