@@ -15,12 +15,18 @@ closings on their link; DSSP's workers tell the coordinator of each push and
 ask it for grants.  One module per concern:
 
 * :mod:`~tfsync.control.transport`: gRPC with keepalive, the wire (batches of items), the job's token;
+* :mod:`~tfsync.control.link`: the reliable link, written once for the worker's end and a relay's
+  (what goes again after a re-attach, the closings in order, where and until when to re-attach);
 * :mod:`~tfsync.control.streams`: rank 0's links, the broadcast, losses, re-attach;
-* :mod:`~tfsync.control.relay`: a host's relay, and a group of hosts' relay;
+* :mod:`~tfsync.control.relay`: a host's relay, and a group of hosts' relay
+  (:mod:`~tfsync.control.outgoing`: what it sends rank 0 next, batched);
+* :mod:`~tfsync.control.topology`: which ranks run a relay, from the ranks' hosts;
+* :mod:`~tfsync.control.address`: the address rank 0's service (and a group relay) listens on;
 * :mod:`~tfsync.control.stop`: the stop handshake;
 * :mod:`~tfsync.control.coordinator`: the rounds rank 0 closes;
 * :mod:`~tfsync.control.services`: the clock table, the policy's service;
-* :mod:`~tfsync.control.server` and :mod:`~tfsync.control.client`: the two ends.
+* :mod:`~tfsync.control.server` and :mod:`~tfsync.control.client` (:mod:`~tfsync.control.client_link`:
+  one attempt at its link): the two ends.
 """
 
 from tfsync.control.client import (
