@@ -17,7 +17,7 @@ _RANK_FILE = re.compile(r"^rank(\d+)\.jsonl$")
 _TIME_SLACK_S = 1e-6
 # the rounds' bytes on the wire a step record carries: tfsync.engine.tally.BYTES (not imported: it
 # would import TensorFlow)
-_BYTES = ("bytes_sent", "bytes_received", "uncompressed_bytes_sent", "uncompressed_bytes_received")
+BYTES = ("bytes_sent", "bytes_received", "uncompressed_bytes_sent", "uncompressed_bytes_received")
 
 
 def is_number(value):
@@ -132,7 +132,7 @@ def _check_step(record, path, lineno, file_rank, previous):
         "compensated": record.get("compensated", 0),
         "skipped": bool(record.get("skipped", False)),
         # the rounds' bytes on the wire settled in this step (tfsync.engine.wire.counting; 0 in older traces)
-        **{k: float(record.get(k, 0.0)) for k in _BYTES},
+        **{k: float(record.get(k, 0.0)) for k in BYTES},
     }
 
 
@@ -161,7 +161,7 @@ def _check_finish(record, path, lineno, file_rank, previous):
 
 def _load_rank_file(path, file_rank):
     start, steps, finish, drained, final_compensated, lost = None, [], None, 0, 0, 0
-    final_bytes = dict.fromkeys(_BYTES, 0.0)
+    final_bytes = dict.fromkeys(BYTES, 0.0)
     rejected = []  # the steps of this rank's contributions rejected as not finite
     barriers, grants = [], []  # ElasticBSP's barrier decisions, DSSP's grant decisions
     with open(path, encoding="utf-8") as handle:
@@ -214,7 +214,7 @@ def _load_rank_file(path, file_rank):
             elif event == "reset" and _is_int(record.get("lost")):  # in flight when an elastic job reset
                 lost += record["lost"]
             elif event == "bytes":  # the rounds' bytes on the wire after the last step record
-                for k in _BYTES:
+                for k in BYTES:
                     final_bytes[k] += float(record.get(k, 0.0))
             elif event == "rejected" and _is_int(record.get("step")):  # not finite (tfsync.engine.nonfinite)
                 rejected.append(record["step"])
@@ -348,4 +348,4 @@ def select(trace, start_step, end_step):
     return selected
 
 
-__all__ = ["check_range", "in_range", "is_number", "load_trace", "select"]
+__all__ = ["BYTES", "check_range", "in_range", "is_number", "load_trace", "select"]

@@ -31,13 +31,10 @@ import math
 import os
 import sys
 
-from tfsync._trace_files import in_range, is_number, load_trace, select
+from tfsync._trace_files import BYTES, in_range, is_number, load_trace, select
 
 __all__ = ["load_trace", "summarize", "plot_timeline", "format_summary", "mode_label", "main"]
 
-# the rounds' bytes on the wire a step record carries: tfsync.engine.tally.BYTES (not imported: it
-# would import TensorFlow)
-_BYTES = ("bytes_sent", "bytes_received", "uncompressed_bytes_sent", "uncompressed_bytes_received")
 
 # Colors: two shades of one blue alternate between consecutive steps so step
 # boundaries stay visible; waits are light red with a darker hatch.
@@ -63,6 +60,61 @@ def mode_label(policy) -> str:
         f"{k}={short(v)}" for k, v in policy.items() if k != "mode" and not (k == "compression" and v is None)
     )
     return policy["mode"].upper() + (f" ({params})" if params else "")
+
+
+def _rank_numbers(data, steps, finish, start_step, end_step) -> dict:
+    """One rank's numbers (:func:`summarize`) from its selected ``steps`` and ``finish`` event
+    (``data``: the rank's whole trace)."""
+    compute_s = sum(rec["t_push"] - rec["t_start"] for rec in steps)
+    wait_s = sum(rec["t_end"] - rec["t_push"] for rec in steps) + (finish["wait_s"] if finish else 0.0)
+    total = compute_s + wait_s
+    staleness = [s for rec in steps for _, s, _ in rec["applied"]]
+    whole = end_step is None  # (what came after the last step counts only for the whole run)
+    final_bytes = data.get("final_bytes", {})  # (the rounds after the last step)
+    return {
+        "steps": len(steps),
+        "compute_s": compute_s,
+        "wait_s": wait_s,
+        "wait_fraction": wait_s / total if total > 0 else 0.0,
+        "max_staleness": max(staleness) if staleness else 0,
+        "compensated": sum(rec["compensated"] for rec in steps)
+        + (finish["compensated"] if finish else 0)
+        + (data.get("final_compensated", 0) if whole else 0),
+        "dropped": sum(rec["dropped"] for rec in steps) + (data.get("drained", 0) if whole else 0),
+        "rejected": sum(in_range(step, start_step, end_step) for step in data.get("rejected", [])),
+        "lost": data.get("lost", 0) if whole else 0,
+        "skipped": sum(rec["skipped"] for rec in steps),
+        **{k: sum(r[k] for r in steps) + (final_bytes.get(k, 0.0) if whole else 0.0) for k in BYTES},
+    }
+
+
+def _max_clock_gap(trace, selected):
+    """``(gap, where)``: the largest clock gap between two workers at the selected steps' ends
+    (:func:`summarize`; ``(None, None)`` for one worker), from every rank's push history over the
+    whole trace, so gaps at the range's edges are right."""
+    pushes = {
+        rank: ([rec["t_push"] for rec in data["steps"]], [rec["step"] for rec in data["steps"]])
+        for rank, data in trace["ranks"].items()
+    }
+    max_gap, max_gap_at = None, None
+    for rank, (steps, _) in selected.items():
+        for rec in steps:
+            for peer, (push_times, push_steps) in pushes.items():
+                if peer == rank:
+                    continue
+                index = bisect.bisect_right(push_times, rec["t_end"])
+                last_pushed = push_steps[index - 1] if index else -1
+                gap = rec["step"] - last_pushed
+                if max_gap is None or gap > max_gap:
+                    max_gap = gap
+                    max_gap_at = {
+                        "rank": rank,
+                        "step": rec["step"] + 1,
+                        "peer": peer,
+                        "peer_last_pushed": last_pushed,
+                        "t": rec["t_end"],
+                    }
+    return max_gap, max_gap_at
 
 
 def summarize(trace, start_step=None, end_step=None) -> dict:
@@ -98,51 +150,11 @@ def summarize(trace, start_step=None, end_step=None) -> dict:
         one-worker job).
     """
     selected = select(trace, start_step, end_step)
-    # Push history of every rank over the whole trace, so gaps at the range's edges are right.
-    pushes = {
-        rank: ([rec["t_push"] for rec in data["steps"]], [rec["step"] for rec in data["steps"]])
-        for rank, data in trace["ranks"].items()
+    per_rank = {
+        rank: _rank_numbers(trace["ranks"][rank], steps, finish, start_step, end_step)
+        for rank, (steps, finish) in selected.items()
     }
-    per_rank = {}
-    max_gap, max_gap_at = None, None
-    for rank, (steps, finish) in selected.items():
-        compute_s = sum(rec["t_push"] - rec["t_start"] for rec in steps)
-        wait_s = sum(rec["t_end"] - rec["t_push"] for rec in steps) + (finish["wait_s"] if finish else 0.0)
-        total = compute_s + wait_s
-        staleness = [s for rec in steps for _, s, _ in rec["applied"]]
-        final_bytes = trace["ranks"][rank].get("final_bytes", {})  # (the rounds after the last step)
-        per_rank[rank] = {
-            "steps": len(steps),
-            "compute_s": compute_s,
-            "wait_s": wait_s,
-            "wait_fraction": wait_s / total if total > 0 else 0.0,
-            "max_staleness": max(staleness) if staleness else 0,
-            "compensated": sum(rec["compensated"] for rec in steps)
-            + (finish["compensated"] if finish else 0)
-            + (trace["ranks"][rank].get("final_compensated", 0) if end_step is None else 0),
-            "dropped": sum(rec["dropped"] for rec in steps)
-            + (trace["ranks"][rank].get("drained", 0) if end_step is None else 0),
-            "rejected": sum(in_range(step, start_step, end_step) for step in trace["ranks"][rank].get("rejected", [])),
-            "lost": trace["ranks"][rank].get("lost", 0) if end_step is None else 0,
-            "skipped": sum(rec["skipped"] for rec in steps),
-            **{k: sum(r[k] for r in steps) + (final_bytes.get(k, 0.0) if end_step is None else 0.0) for k in _BYTES},
-        }
-        for rec in steps:
-            for peer, (push_times, push_steps) in pushes.items():
-                if peer == rank:
-                    continue
-                index = bisect.bisect_right(push_times, rec["t_end"])
-                last_pushed = push_steps[index - 1] if index else -1
-                gap = rec["step"] - last_pushed
-                if max_gap is None or gap > max_gap:
-                    max_gap = gap
-                    max_gap_at = {
-                        "rank": rank,
-                        "step": rec["step"] + 1,
-                        "peer": peer,
-                        "peer_last_pushed": last_pushed,
-                        "t": rec["t_end"],
-                    }
+    max_gap, max_gap_at = _max_clock_gap(trace, selected)
     compute_s = sum(r["compute_s"] for r in per_rank.values())
     wait_s = sum(r["wait_s"] for r in per_rank.values())
     overall = {
@@ -156,7 +168,7 @@ def summarize(trace, start_step=None, end_step=None) -> dict:
         "rejected": sum(r["rejected"] for r in per_rank.values()),
         "lost": sum(r["lost"] for r in per_rank.values()),
         "skipped": sum(r["skipped"] for r in per_rank.values()),
-        **{k: sum(r[k] for r in per_rank.values()) for k in _BYTES},
+        **{k: sum(r[k] for r in per_rank.values()) for k in BYTES},
         "max_clock_gap": max_gap if max_gap is not None else 0,
         "max_clock_gap_at": max_gap_at,
     }
