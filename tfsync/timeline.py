@@ -259,40 +259,8 @@ def plot_timeline(trace, path, title=None, start_step=None, end_step=None):
     dense = n_steps_max > 150
     wait_face, wait_hatch = (_WAIT_DENSE, None) if dense else (_WAIT_FACE, "////")
     for lane, rank in enumerate(ranks):
-        steps, finish = selected[rank]
-        y = lane - lane_height / 2
-        for parity in (0, 1):
-            spans = [(rec["t_start"], rec["t_push"] - rec["t_start"]) for rec in steps if rec["step"] % 2 == parity]
-            if spans:
-                ax.broken_barh(spans, (y, lane_height), facecolors=_COMPUTE_COLORS[parity], linewidth=0)
-        waits = [(rec["t_push"], rec["t_end"] - rec["t_push"]) for rec in steps if rec["t_end"] > rec["t_push"]]
-        if finish is not None and finish["wait_s"] > 0:
-            waits.append((finish["t"], finish["wait_s"]))
-        if waits:
-            ax.broken_barh(
-                waits,
-                (y + 0.1 * lane_height, 0.8 * lane_height),
-                facecolors=wait_face,
-                edgecolors=_WAIT_HATCH,
-                hatch=wait_hatch,
-                linewidth=0,
-            )
-        for rec in steps:
-            t_lo, t_hi = min(t_lo, rec["t_start"]), max(t_hi, rec["t_end"])
-        if finish is not None:
-            t_lo, t_hi = min(t_lo, finish["t"]), max(t_hi, finish["t"] + finish["wait_s"])
-        if label_steps:
-            for rec in steps:
-                ax.text(
-                    (rec["t_start"] + rec["t_push"]) / 2,
-                    lane,
-                    str(rec["step"]),
-                    ha="center",
-                    va="center",
-                    fontsize=7,
-                    color="white" if rec["step"] % 2 == 0 else "#1b3a5c",
-                    clip_on=True,
-                )
+        lo, hi = _draw_lane(ax, lane, *selected[rank], lane_height, (wait_face, wait_hatch), label_steps)
+        t_lo, t_hi = min(t_lo, lo), max(t_hi, hi)
     marks = _mark_decisions(ax, trace, ranks, t_lo, t_hi)
     span = max(t_hi - t_lo, 1e-9)
     ax.set_xlim(t_lo - 0.01 * span, t_hi + 0.01 * span)
@@ -304,19 +272,7 @@ def plot_timeline(trace, path, title=None, start_step=None, end_step=None):
     ax.set_axisbelow(True)
     for side in ("top", "right"):
         ax.spines[side].set_visible(False)
-    # Per-rank wait fraction at the right end of each lane.
-    for lane, rank in enumerate(ranks):
-        r = summary["ranks"][rank]
-        ax.annotate(
-            f"wait {100 * r['wait_fraction']:.1f}%",
-            xy=(1.0, lane),
-            xycoords=("axes fraction", "data"),
-            xytext=(8, 0),
-            textcoords="offset points",
-            va="center",
-            fontsize=9,
-            color=_WAIT_HATCH if r["wait_fraction"] >= 0.2 else "#333333",
-        )
+    _annotate_waits(ax, ranks, summary)
     head = title if title else f"tfsync timeline: {os.path.basename(os.path.normpath(trace['dir']))}"
     shown = (
         "all steps"
@@ -342,6 +298,63 @@ def plot_timeline(trace, path, title=None, start_step=None, end_step=None):
     fig.savefig(path, format=fmt, bbox_inches="tight")
     plt.close(fig)
     return summary
+
+
+def _draw_lane(ax, lane, steps, finish, lane_height, wait_style, label_steps):
+    """One worker's lane: its compute spans (two shades, alternating steps), its waits, the step
+    numbers where they fit; returns the lane's ``(first, last)`` time."""
+    wait_face, wait_hatch = wait_style
+    y = lane - lane_height / 2
+    for parity in (0, 1):
+        spans = [(rec["t_start"], rec["t_push"] - rec["t_start"]) for rec in steps if rec["step"] % 2 == parity]
+        if spans:
+            ax.broken_barh(spans, (y, lane_height), facecolors=_COMPUTE_COLORS[parity], linewidth=0)
+    waits = [(rec["t_push"], rec["t_end"] - rec["t_push"]) for rec in steps if rec["t_end"] > rec["t_push"]]
+    if finish is not None and finish["wait_s"] > 0:
+        waits.append((finish["t"], finish["wait_s"]))
+    if waits:
+        ax.broken_barh(
+            waits,
+            (y + 0.1 * lane_height, 0.8 * lane_height),
+            facecolors=wait_face,
+            edgecolors=_WAIT_HATCH,
+            hatch=wait_hatch,
+            linewidth=0,
+        )
+    t_lo, t_hi = math.inf, -math.inf
+    for rec in steps:
+        t_lo, t_hi = min(t_lo, rec["t_start"]), max(t_hi, rec["t_end"])
+    if finish is not None:
+        t_lo, t_hi = min(t_lo, finish["t"]), max(t_hi, finish["t"] + finish["wait_s"])
+    if label_steps:
+        for rec in steps:
+            ax.text(
+                (rec["t_start"] + rec["t_push"]) / 2,
+                lane,
+                str(rec["step"]),
+                ha="center",
+                va="center",
+                fontsize=7,
+                color="white" if rec["step"] % 2 == 0 else "#1b3a5c",
+                clip_on=True,
+            )
+    return t_lo, t_hi
+
+
+def _annotate_waits(ax, ranks, summary):
+    """Each rank's wait fraction at the right end of its lane (in red from 20 %)."""
+    for lane, rank in enumerate(ranks):
+        r = summary["ranks"][rank]
+        ax.annotate(
+            f"wait {100 * r['wait_fraction']:.1f}%",
+            xy=(1.0, lane),
+            xycoords=("axes fraction", "data"),
+            xytext=(8, 0),
+            textcoords="offset points",
+            va="center",
+            fontsize=9,
+            color=_WAIT_HATCH if r["wait_fraction"] >= 0.2 else "#333333",
+        )
 
 
 def _mark_decisions(ax, trace, ranks, t_lo, t_hi):
