@@ -19,12 +19,6 @@ class Every3(BSP):
     name = "every3"
 
 
-@pytest.fixture
-def registered(monkeypatch):
-    """A copy of the registry that a test may add to (the real one is left as it was)."""
-    monkeypatch.setattr(registry, "_MODES", dict(registry._MODES))
-
-
 def test_the_launcher_takes_every_registered_mode_auto_included(registered):
     registry.register("every2", Every2, "every 2")
     names = launch.mode_names()
