@@ -7,9 +7,9 @@ import time
 import grpc
 import pytest
 
-from tfsync.engine.control import READY_TIMEOUT_S, ControlClient, ControlServer
-from tfsync.engine.control import transport as control_transport
-from tfsync.engine.control.transport import LINK_METHOD, decode, encode
+from tfsync.control import READY_TIMEOUT_S, ControlClient, ControlServer
+from tfsync.control import transport as control_transport
+from tfsync.control.transport import LINK_METHOD, decode, encode
 from tfsync.policies import PSP
 
 TOKEN = "a" * 32

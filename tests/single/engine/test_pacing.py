@@ -1,4 +1,4 @@
-"""Paced rounds (:mod:`tfsync.engine.pacing`): DiLoCo's overlapped fragments spread their bytes
+"""Paced rounds (:mod:`tfsync.engine.wire.pacing`): DiLoCo's overlapped fragments spread their bytes
 over their overlap window in pieces that are the same on every rank, decode to what an unpaced
 round decodes, and go at once when the round is needed."""
 
@@ -14,11 +14,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tfsync
-from tfsync.engine import pacing
 from tfsync.engine.exchange import RoundExchange
 from tfsync.engine.protocols import outer
 from tfsync.engine.protocols.outer import OuterStepProtocol
-from tfsync.engine.rounds import META_COLUMNS
+from tfsync.engine.wire import pacing
+from tfsync.engine.wire.horovod import horovod_collective
+from tfsync.engine.wire.layout import META_COLUMNS
+from tfsync.engine.wire.quantized import quantized_collective
 
 
 @settings(max_examples=200, deadline=None)
@@ -102,7 +104,10 @@ def test_a_paced_round_decodes_to_the_bytes_of_an_unpaced_one(monkeypatch, quant
 
         def rank(r):
             c = fake.rank(r)
-            collective = c.collective(True) if quantize is None else c.quantized_collective(quantize, True)
+            ops = c.wire_ops()
+            collective = (
+                horovod_collective(True, hvd=ops) if quantize is None else quantized_collective(quantize, True, hvd=ops)
+            )
             meta = np.zeros((size, META_COLUMNS))
             meta[r, 0] = 1.0
             out = []

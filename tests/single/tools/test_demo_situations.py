@@ -10,12 +10,6 @@ class Every2(BSP):
     name = "every2"
 
 
-@pytest.fixture
-def registered(monkeypatch):
-    """A copy of the registry that a test may add to (the real one is left as it was)."""
-    monkeypatch.setattr(registry, "_MODES", dict(registry._MODES))
-
-
 def test_the_demo_shows_plain_horovod_beside_what_the_registry_names_for_each_situation(registered):
     before = demo.local_plan(demo.parse_args([]))["straggler"][1]
     variants = {"every2+": registry.Variant((), "every 2+")}
