@@ -32,7 +32,7 @@ ACCURACY = 0.9  # its test accuracy after a fault (the study's 10 epochs reach 0
 START_S = 180  # until every rank has passed the marked step (four TensorFlow start-ups on two cores)
 END_S = 90  # from the fault to the end of the launch
 SSH_PORT = 22
-GLOO_S = 20  # HOROVOD_GLOO_TIMEOUT_SECONDS: longer than the 2 s flap, shorter than the harness's default
+GLOO_S = 20  # HOROVOD_GLOO_TIMEOUT_SECONDS: shorter than the harness's default
 # how long the job's processes may take to go once the launch ended: a remote rank whose ssh
 # session the launcher closed still says why it stops (up to diagnosis.LOSS_SETTLE_S), and one
 # resumed after a SIGSTOP leaves once its pending Gloo transfer has timed out (GLOO_S)
@@ -179,31 +179,4 @@ def test_rank_0s_host_cut_off_is_named_on_both_sides(two_hosts, job):
     _check_survivors(results, [0, 1], ("SyncTimeoutError", "WorkerLostError"), ["tfh2"], fault_at)
     assert all("rank 2" in results[r]["error"] or "rank 3" in results[r]["error"] for r in (0, 1)), results
     _check_survivors(results, [2, 3], ("SyncTimeoutError", "WorkerLostError"), ["rank 0", "tfh1"], fault_at)
-    assert not _left_behind(two_hosts)
-
-
-FLAP_S = 2.0  # how long the link stays down
-
-
-def test_a_two_second_flap_is_survived_in_every_mode(two_hosts, job):
-    """The second host's link goes down for 2 s in the middle of each mode's run and comes back:
-    every run finishes, replicas identical, every contribution accounted for."""
-    from tfsync.policies import registry
-
-    runs = list(registry.configurations())
-    j = job(["--runs", *runs, "--epochs", 6])
-    for i, _ in enumerate(runs):
-        j.marks(i)
-        two_hosts.set_link(2, up=False)
-        time.sleep(FLAP_S)
-        two_hosts.set_link(2, up=True)
-    results = j.end([0, 1, 2, 3])
-    for rank in range(4):
-        assert results[rank]["error"] is None, (rank, results[rank]["error"], j.output())
-    for name in runs:
-        per_rank = [results[r]["runs"][name] for r in range(4)]
-        for rank, res in enumerate(per_rank):
-            assert res["weights"] == per_rank[0]["weights"], (name, rank)
-            c = res["counts"]
-            assert c["produced"] == c["applied"] + c["compensated"] + c["dropped"], (name, rank, c)
     assert not _left_behind(two_hosts)

@@ -1,5 +1,4 @@
-"""Dispatch ``python -m tfsync.bench [BENCHMARK] [options]``: training (the default), ops, scheduler,
-convergence, network, elastic, control, chaos or faults."""
+"""Dispatch ``python -m tfsync.bench [training|ops|scheduler|convergence|network|elastic|control|chaos] [options]``."""
 
 import importlib
 import sys
@@ -11,9 +10,9 @@ SUBCOMMANDS = {
     "convergence": "tfsync.bench.convergence",
     "network": "tfsync.bench.network",
     "elastic": "tfsync.bench.elastic",
+    "faults": "tfsync.bench.faults",
     "control": "tfsync.bench.control",
     "chaos": "tfsync.bench.chaos",
-    "faults": "tfsync.bench.faults",
 }
 
 

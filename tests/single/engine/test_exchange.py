@@ -10,12 +10,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tfsync.control import STOP_CALL_TIMEOUT_S, STOP_NOTICE_GRACE_S, ControlClient, ControlServer
 from tfsync.engine import diagnosis as diagnosis_module
 from tfsync.engine import lifecycle
-from tfsync.engine.control import STOP_CALL_TIMEOUT_S, STOP_NOTICE_GRACE_S, ControlClient, ControlServer
 from tfsync.engine.diagnosis import Diagnosis, SyncTimeoutError
 from tfsync.engine.exchange import INLINE_WATCH_S, RoundExchange
-from tfsync.engine.rounds import WorkerLostError, decode_meta, encode_meta
+from tfsync.engine.rounds import WorkerLostError
+from tfsync.engine.wire.layout import decode_meta, encode_meta
 from tfsync.faults import InjectedFault
 
 TOKEN = "t" * 32
@@ -294,7 +295,7 @@ def test_a_worker_that_exits_on_its_own_error_tells_the_others_why(control, monk
     server, clients = control
     raised = InjectedFault("tfsync.faults: injected raise of rank 1 at step 34")
     monkeypatch.setattr(sys, "last_value", raised, raising=False)  # (Python's report of it)
-    lifecycle._announce_exit(types.SimpleNamespace(control=clients[1], rank=1))
+    lifecycle._announce_exit(types.SimpleNamespace(control=clients[1], engine=types.SimpleNamespace(rank=1)))
     diagnosis = Diagnosis(clients[0], 0, "bsp", 8, "TFSYNC_WAIT_TIMEOUT_S", hosts=HOSTS)
     error = diagnosis.lost_error(12, RuntimeError("Gloo: connection closed by peer"))
     assert isinstance(error, WorkerLostError), error
