@@ -54,6 +54,7 @@ import os
 import random
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -370,10 +371,15 @@ def summary(args, runs):
         "accuracy_min": min((r["final_accuracy"] for r in finished), default=None),
         "replicas_identical_every_run": all(r["replicas_identical"] for r in finished) if finished else None,
         "first_errors": len(firsts),
+        "first_error_after_fault_s_median": statistics.median(latencies) if latencies else None,
         "first_error_after_fault_s_max": max(latencies, default=None),
         "first_error_within_bound_plus_5_s": sum(t <= args.wait_timeout_s + 5.0 for t in latencies),
         "first_error_named_exactly": sum(f["named_exactly"] for f in firsts),
         "first_error_named_healthy": sum(f["named_healthy"] for f in firsts),
+        # (any survivor's first error, not only the earliest)
+        "runs_any_error_named_healthy": sum(
+            any(e["named_healthy"] for e in r.get("survivor_errors", [])) for r in runs
+        ),
         "first_error_named_none": sum(not f["named_ranks"] for f in firsts),
     }
 
@@ -400,6 +406,8 @@ def run(args, log=print, argv=()):
 
     settings = {k: v for k, v in vars(args).items() if k != "json"}
     out = {"settings": settings, "command": "python -m tfsync.bench faults " + " ".join(argv), "runs": []}
+    with contextlib.suppress(OSError, subprocess.CalledProcessError):  # (the code the runs ran)
+        out["commit"] = subprocess.check_output(["git", "-C", REPO_ROOT, "rev-parse", "HEAD"], text=True).strip()
     work = args.work_dir or tempfile.mkdtemp(prefix="tfsync-faults-")
     os.makedirs(work, exist_ok=True)
     try:

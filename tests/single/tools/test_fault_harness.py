@@ -80,6 +80,11 @@ def test_a_cut_run_judges_each_survivors_first_error_by_what_it_named():
     assert first["named_hosts"] == ["tfh1", "tfh2"] and first["named_healthy"] and not first["named_exactly"]
     assert out["first_error"] == first
     assert second["named_ranks"] == [2, 3] and second["named_exactly"] and not second["named_healthy"]
+    # a run whose earliest error is right but whose other survivor named a healthy rank still counts
+    later = faults._outcome(cut, _events((10, 109.0, [2, 3]), (11, 110.0, [1, 2, 3], 1)), 1, 100.0, taken, taken_pids)
+    summary = faults.summary(cut, [{"outcome": "stopped", **out}, {"outcome": "stopped", **later}])
+    assert summary["first_error_named_healthy"] == 1 and summary["runs_any_error_named_healthy"] == 2
+    assert (summary["first_error_after_fault_s_median"], summary["first_error_after_fault_s_max"]) == (8.5, 9.0)
 
 
 def test_an_error_that_names_nobody_is_counted_as_such():
