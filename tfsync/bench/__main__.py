@@ -1,4 +1,5 @@
-"""Dispatch ``python -m tfsync.bench [training|ops|scheduler|convergence|network|elastic|control|chaos] [options]``."""
+"""Dispatch ``python -m tfsync.bench [training|ops|scheduler|convergence|network|elastic|control|chaos|lm]
+[options]``."""
 
 import importlib
 import sys
@@ -12,6 +13,7 @@ SUBCOMMANDS = {
     "elastic": "tfsync.bench.elastic",
     "control": "tfsync.bench.control",
     "chaos": "tfsync.bench.chaos",
+    "lm": "tfsync.bench.lm",
 }
 
 
