@@ -253,7 +253,7 @@ def format_table(rows):
 
     for r in rows:
         lines.append(
-            f"| {r['link']} | {r['label']} | {r['runs']} | {r['val_loss']:.4f} | {ratio(r.get('loss_vs_horovod'))} | "
+            f"| {r['link']} | {r['method']} | {r['runs']} | {r['val_loss']:.4f} | {ratio(r.get('loss_vs_horovod'))} | "
             f"{r['wall_s']:.0f} | {ratio(r.get('wall_vs_horovod'), '{:.2f}×')} | {reached(r, 2)} | {reached(r, 3)} | "
             f"{r['bytes_sent'] / 1e6:.1f} | {ratio(r.get('horovod_bytes_over_these'), '{:.1f}')} | "
             f"{r['ms_per_step']:.0f} | {r['tokens_per_s']:.0f} |"
@@ -269,7 +269,7 @@ def plot(runs, rows, directory):
 
     methods = list(dict.fromkeys(r["method"] for r in runs if r["method"] != FLOOR))
     colours = {m: plt.get_cmap("tab10")(i % 10) for i, m in enumerate(methods)}
-    label = {r["method"]: r["label"] for r in rows}
+    label = {r["method"]: "plain Horovod" if r["method"] == BASELINE else r["method"] for r in rows}
     links = list(dict.fromkeys(r["link"] for r in runs))
     parameters = runs[0]["parameters"]
     paths = []
