@@ -27,7 +27,7 @@ After every epoch each worker computes the loss of its own weights on its share 
 loss is their mean over every window.  Rank 0 prints one JSON line (``TFSYNC_RESULT {...}``):
 ``val_loss`` (nats per byte, after training), ``perplexity`` (its exponential),
 ``bits_per_byte``, ``tokens_per_s``, ``bytes_sent`` (what this worker put on the wire over
-every round, counted by the engine's model, :mod:`tfsync.engine.compression`; under
+every round, counted by the engine's model, :mod:`tfsync.engine.wire.compression`; under
 ``--plain-horovod`` the same ring model for its allreduce of every gradient,
 ``tfsync.bench.baseline.ring_bytes``), ``wall_s`` (rank 0's training time from the end of its
 first step, which compiles the train step, its evaluations left out), ``replicas_identical``

@@ -1,6 +1,6 @@
-"""``keras_examples/text_lm.py`` trains under plain Horovod and every registered mode: two workers,
-a tiny transformer, a few steps on one package of the standard library.  One ``horovodrun``
-launch (``workers/text_lm_modes.py``) runs them all; the tests read its result lines."""
+"""``keras_examples/text_lm.py`` trains under plain Horovod and every registered mode (``auto``
+included): two workers, a tiny transformer, a few steps on one package of the standard library.
+One ``horovodrun`` launch (``workers/text_lm_modes.py``) runs them all; the tests read its result lines."""
 
 import math
 import os
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.parallel
 EPOCHS, STEPS_PER_EPOCH, BATCH, CONTEXT = 2, 8, 4, 32
 FLAGS = ["--epochs", EPOCHS, "--steps-per-epoch", STEPS_PER_EPOCH, "--batch-size", BATCH, "--context", CONTEXT]
 FLAGS += ["--layers", 1, "--width", 32, "--heads", 2, "--warmup-steps", 2, "--val-sequences", 16]
-MODES = [m.name for m in registry.modes()]
+MODES = [m.name for m in registry.modes(switching=True)]
 
 
 @pytest.fixture(scope="module")
