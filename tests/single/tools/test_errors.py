@@ -949,22 +949,13 @@ BAD_INPUTS = [
     Bad(
         "cli-lm-model",
         C,
-        "`--width` not divided by `--heads`, or `--warmup-steps` not below the run's steps (language-model example)",
+        "`--width` not divided by `--heads`, `--warmup-steps` not below the run's steps, or `--corpus` not a "
+        "directory (language-model example)",
         _text_lm("--width", "100", "--heads", "3"),
         SystemExit,
         r"--width 100 --heads 3",
         r"the heads split the width evenly",
         r"pass a width that --heads divides \(e\.g\. --width 99\)",
-    ),
-    Bad(
-        "cli-lm-corpus",
-        C,
-        "`--corpus` not a directory (language-model example)",
-        _text_lm("--corpus", "/nonexistent/text"),
-        SystemExit,
-        r"--corpus /nonexistent/text: no such directory",
-        r"a directory of text files",
-        r"or leave it out",
     ),
     Bad(
         "cli-workers",
@@ -1205,6 +1196,18 @@ VARIANTS = [
     ("cli-dc-adaptive", _digits("--mode", "backup", "--dc-adaptive"), SystemExit, r"add --compensate"),
     ("cli-resnet-blocks", _resnet("--filters", "16", "32", "--blocks", "1"), SystemExit, r"as many positive block"),
     ("cli-resnet-filters", _resnet("--filters", "0"), SystemExit, r"argument --filters: expected a whole number >= 1"),
+    (
+        "cli-lm-warmup",
+        _text_lm("--epochs", "2", "--steps-per-epoch", "10", "--warmup-steps", "20"),
+        SystemExit,
+        r"--warmup-steps 20: the run has 20 steps \(--epochs × --steps-per-epoch\); warm up for fewer steps than that",
+    ),
+    (
+        "cli-lm-corpus",
+        _text_lm("--corpus", "/nonexistent/text"),
+        SystemExit,
+        r"--corpus /nonexistent/text: no such directory; pass a directory of text files \(or leave it out\)",
+    ),
     ("cli-demo-epochs", _demo("--epochs", "0"), SystemExit, r"argument --epochs: expected a whole number >= 1"),
     ("cli-demo-staleness", _demo("--staleness", "-1"), SystemExit, r"argument --staleness: expected a whole number"),
     ("cli-demo-target", _demo("--target-accuracy", "2"), SystemExit, r"argument --target-accuracy: expected"),
