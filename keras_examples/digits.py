@@ -56,6 +56,24 @@ def parse_args(argv=None):
         default=[0.9, 0.95],
         help="record the wall time at which the test accuracy first reaches each",
     )
+    add_run_arguments(p)
+    p.add_argument(
+        "--elastic",
+        action="store_true",
+        help="elastic training (tfsync.elastic): the job goes on from the last epoch end when a worker dies or "
+        "the hosts change; launch with horovodrun --min-np/--max-np/--host-discovery-script "
+        "(horovodrun_scripts/elastic.sh)",
+    )
+    args = p.parse_args(argv)
+    check_mode_args(p, args)  # a bad mode setting stops here, before any worker starts
+    if args.elastic and args.plain_horovod:
+        p.error("--elastic trains with tfsync's SyncCallback; leave out --plain-horovod (or --elastic)")
+    return args
+
+
+def add_run_arguments(p):
+    """The flags every example of this folder shares beside the mode's: ``--stragglers``,
+    ``--trace-dir``, ``--plain-horovod``, ``--seed`` and ``--verbose``."""
     p.add_argument(
         "--stragglers",
         type=stragglers_spec,
@@ -69,20 +87,8 @@ def parse_args(argv=None):
         help="train with plain Horovod BSP (in-graph hvd.grouped_allreduce) instead of tfsync: the "
         "anchor tfsync's modes are compared with (--mode is then ignored; --stragglers still applies)",
     )
-    p.add_argument(
-        "--elastic",
-        action="store_true",
-        help="elastic training (tfsync.elastic): the job goes on from the last epoch end when a worker dies or "
-        "the hosts change; launch with horovodrun --min-np/--max-np/--host-discovery-script "
-        "(horovodrun_scripts/elastic.sh)",
-    )
     p.add_argument("--seed", type=integer(0), default=0)
     p.add_argument("--verbose", type=int, default=0, choices=(0, 1, 2), help="Keras' fit verbosity (rank 0)")
-    args = p.parse_args(argv)
-    check_mode_args(p, args)  # a bad mode setting stops here, before any worker starts
-    if args.elastic and args.plain_horovod:
-        p.error("--elastic trains with tfsync's SyncCallback; leave out --plain-horovod (or --elastic)")
-    return args
 
 
 def load_data(batch_size):
@@ -131,6 +137,25 @@ def init_horovod():
     return hvd
 
 
+def plain_horovod_callback(model, hvd, stragglers=None):
+    """Plain Horovod for ``model``: rank 0's weights broadcast, the optimizer averaging the gradients
+    with in-graph ``hvd.grouped_allreduce`` (:mod:`tfsync.bench.baseline`); returns the callback
+    that sleeps this rank's ``stragglers`` (default: ``$TFSYNC_STRAGGLERS``) each step."""
+    import tfsync
+    from tfsync.bench.baseline import SleepEachStep, broadcast_model, use_horovod_allreduce
+
+    broadcast_model(model, hvd)
+    use_horovod_allreduce(model, hvd)
+    return SleepEachStep((stragglers or tfsync.Stragglers.from_env()).for_rank(hvd.rank()))
+
+
+def replicas_identical(model, hvd):
+    """Whether every replica holds the same weights: a float64 checksum compared across the ranks
+    (collective)."""
+    checksum = float(sum(np.sum(w.astype(np.float64)) for w in model.get_weights()))
+    return len(set(hvd.allgather_object(checksum))) == 1
+
+
 def main(argv=None):
     args = parse_args(argv)
     hvd = init_horovod()
@@ -145,12 +170,7 @@ def main(argv=None):
     samples_per_epoch = len(x_local) * hvd.size()
     progress = TargetAccuracy(x_test, y_test, args.target_accuracy, samples_per_epoch)
     if args.plain_horovod:
-        from tfsync.bench.baseline import SleepEachStep, broadcast_model, use_horovod_allreduce
-
-        broadcast_model(model, hvd)
-        use_horovod_allreduce(model, hvd)
-        delays = (stragglers or tfsync.Stragglers.from_env()).for_rank(hvd.rank())
-        callbacks, label = [SleepEachStep(delays), progress], "horovod"
+        callbacks, label = [plain_horovod_callback(model, hvd, stragglers), progress], "horovod"
     else:
         mode = mode_from_args(args)
         state = None
@@ -212,10 +232,7 @@ def main(argv=None):
         # totals across every switch, mid-epoch ones included
         logged = {k: sum(history.history[f"tfsync_{k}"]) * hvd.size() for k in tfsync.engine.COUNTS}
         result["counts_from_epoch_logs"] = {k: round(v) for k, v in logged.items()}
-    # every replica must hold the same weights: compare a checksum across ranks
-    checksum = float(sum(np.sum(w.astype(np.float64)) for w in model.get_weights()))
-    checksums = hvd.allgather_object(checksum)
-    result["replicas_identical"] = len(set(checksums)) == 1
+    result["replicas_identical"] = replicas_identical(model, hvd)
     if hvd.rank() == 0:
         print_result(result)
     return 0

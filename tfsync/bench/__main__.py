@@ -1,4 +1,5 @@
-"""Dispatch ``python -m tfsync.bench [training|ops|scheduler|convergence|network|elastic|control|chaos] [options]``."""
+"""Dispatch ``python -m tfsync.bench [training|ops|scheduler|convergence|network|elastic|control|chaos|lm]
+[options]``."""
 
 import importlib
 import sys
@@ -13,6 +14,7 @@ SUBCOMMANDS = {
     "faults": "tfsync.bench.faults",
     "control": "tfsync.bench.control",
     "chaos": "tfsync.bench.chaos",
+    "lm": "tfsync.bench.lm",
 }
 
 

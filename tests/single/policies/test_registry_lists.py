@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from tfsync import launch, simulate
-from tfsync.bench import convergence, digits, training
+from tfsync.bench import convergence, digits, lm, training
 from tfsync.policies import BSP, DSSP, ElasticBSP, registry, resolve_mode, switching
 
 
@@ -36,6 +36,8 @@ def test_the_benches_and_the_example_take_their_modes_from_the_registry():
     per_step = [m.name for m in registry.modes() if m.every_step]
     assert training.DEFAULT_MODES[0] == "horovod" and set(per_step) <= set(training.DEFAULT_MODES)
     assert not {"localsgd", "diloco"} & set(training.DEFAULT_MODES)  # (steps that are not each a contribution)
+    # the language-model study's methods are registered modes and variants (beside its anchor and floor)
+    assert set(lm.DEFAULT_METHODS) - {lm.BASELINE, lm.FLOOR} <= set(registry.configurations())
 
 
 def test_auto_is_registered_as_the_mode_that_switches():

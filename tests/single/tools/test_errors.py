@@ -17,6 +17,7 @@ import importlib.util
 import math
 import os
 import re
+import sys
 from collections.abc import Callable
 from unittest import mock
 
@@ -64,12 +65,16 @@ def _env_var(name, raw, read):
 
 
 def _example(name):
-    """``keras_examples/<name>.py`` as a module (its ``parse_args`` is the command line)."""
-    spec = importlib.util.spec_from_file_location(
-        f"example_{name}", os.path.join(REPO_ROOT, "keras_examples", f"{name}.py")
-    )
+    """``keras_examples/<name>.py`` as a module (its ``parse_args`` is the command line; the folder
+    on ``sys.path`` while it loads, as when it runs: an example may import ``digits.py``'s helpers)."""
+    examples = os.path.join(REPO_ROOT, "keras_examples")
+    spec = importlib.util.spec_from_file_location(f"example_{name}", os.path.join(examples, f"{name}.py"))
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    sys.path.insert(0, examples)
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(examples)
     return module
 
 
@@ -87,6 +92,10 @@ def _demo(*argv):
 
 def _resnet(*argv):
     return lambda: _example("resnet_digits").parse_args(list(argv))
+
+
+def _text_lm(*argv):
+    return lambda: _example("text_lm").parse_args(list(argv))
 
 
 def _fit_on_no_data():
@@ -938,6 +947,17 @@ BAD_INPUTS = [
         r"e\.g\. 32",
     ),
     Bad(
+        "cli-lm-model",
+        C,
+        "`--width` not divided by `--heads`, `--warmup-steps` not below the run's steps, or `--corpus` not a "
+        "directory (language-model example)",
+        _text_lm("--width", "100", "--heads", "3"),
+        SystemExit,
+        r"--width 100 --heads 3",
+        r"the heads split the width evenly",
+        r"pass a width that --heads divides \(e\.g\. --width 99\)",
+    ),
+    Bad(
         "cli-workers",
         C,
         "`--workers` below 2 (`python -m tfsync.demo`, `python -m tfsync.bench`)",
@@ -1176,6 +1196,18 @@ VARIANTS = [
     ("cli-dc-adaptive", _digits("--mode", "backup", "--dc-adaptive"), SystemExit, r"add --compensate"),
     ("cli-resnet-blocks", _resnet("--filters", "16", "32", "--blocks", "1"), SystemExit, r"as many positive block"),
     ("cli-resnet-filters", _resnet("--filters", "0"), SystemExit, r"argument --filters: expected a whole number >= 1"),
+    (
+        "cli-lm-warmup",
+        _text_lm("--epochs", "2", "--steps-per-epoch", "10", "--warmup-steps", "20"),
+        SystemExit,
+        r"--warmup-steps 20: the run has 20 steps \(--epochs × --steps-per-epoch\); warm up for fewer steps than that",
+    ),
+    (
+        "cli-lm-corpus",
+        _text_lm("--corpus", "/nonexistent/text"),
+        SystemExit,
+        r"--corpus /nonexistent/text: no such directory; pass a directory of text files \(or leave it out\)",
+    ),
     ("cli-demo-epochs", _demo("--epochs", "0"), SystemExit, r"argument --epochs: expected a whole number >= 1"),
     ("cli-demo-staleness", _demo("--staleness", "-1"), SystemExit, r"argument --staleness: expected a whole number"),
     ("cli-demo-target", _demo("--target-accuracy", "2"), SystemExit, r"argument --target-accuracy: expected"),
