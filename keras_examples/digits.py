@@ -5,11 +5,10 @@ One process per worker, as Horovod's examples do::
     horovodrun -np 4 -H localhost:4 --gloo python keras_examples/digits.py --mode ssp --staleness 3 \
         --stragglers "base=0.02,slow=3:0.04"
 
-``--mode`` is ``bsp``, ``ssp`` (``--staleness``), ``dssp`` (``--low``, ``--high``),
-``elasticbsp`` (``--lookahead``, ``--zipline``), ``psp`` (``--min-contributions``, ``--pull-fraction``,
-``--push-timeout-s``), ``backup`` (``--backups``), ``dcs3gd`` (``--dc-lambda``,
-``--dc-adaptive``) or ``auto`` (picked from the measured iteration times,
-first after 16 steps, then at epoch ends: ``tfsync.Auto``).
+``--mode`` takes every registered mode with its own flags (``--help`` lists them, as
+:func:`tfsync.launch.add_mode_arguments` takes them from :mod:`tfsync.policies.registry`),
+``auto`` included (picked from the measured iteration times, first after 16 steps, then at
+epoch ends: ``tfsync.Auto``).
 
 Each worker pins one GPU by local rank when GPUs are present, trains on its
 equal shard of the training set and, on rank 0, prints a JSON summary line

@@ -8,6 +8,22 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import pytest  # noqa: E402
 
+# Each test's time limit (pytest-timeout), by folder: a test that needs more says so with its own
+# pytest.mark.timeout(...). Past it the test fails with every thread's stack (where it hung), and the
+# launches it started are killed with it (tfsync.launch.run_bounded_command), so a hang costs its
+# folder's limit once, not the suite.
+TIMEOUT_S = {"single": 60, "packaging": 60, "parallel": 300, "multihost": 480}
+
+
+def pytest_collection_modifyitems(config, items):
+    tests = os.path.join(ROOT, "tests")
+    for item in items:
+        if item.get_closest_marker("timeout") is not None:
+            continue
+        folder = os.path.relpath(str(item.path), tests).split(os.sep)[0]
+        if folder in TIMEOUT_S:
+            item.add_marker(pytest.mark.timeout(TIMEOUT_S[folder]))
+
 
 def pytest_sessionfinish(session, exitstatus):
     session.config._tfsync_exitstatus = int(exitstatus)

@@ -2,13 +2,13 @@
 
 Public API::
 
-    tfsync.BSP(), tfsync.SSP(staleness=3)       # modes (or the strings "bsp", "ssp", "dssp",
-    tfsync.DSSP(low=3, high=15)                  #   "elasticbsp", "psp", "backup", "dcs3gd")
+    tfsync.BSP(), tfsync.SSP(staleness=3)       # modes (or their registered names, "bsp", "ssp",
+    tfsync.DSSP(low=3, high=15)                  #   ...: tfsync.policies.registry.names())
     tfsync.ElasticBSP(lookahead=15)
     tfsync.PSP(), tfsync.BackupWorkers()
     tfsync.DCS3GD(compensation=tfsync.DelayCompensation(lam=0.04))
-    tfsync.LocalSGD(period=8), tfsync.DiLoCo(inner_steps=8)   # "localsgd", "diloco"
-    tfsync.Auto()                                # "auto": picked from measured times (SyncCallback)
+    tfsync.LocalSGD(period=8), tfsync.DiLoCo(inner_steps=8)
+    tfsync.Auto()                                # picked from measured times (SyncCallback)
     tfsync.Stragglers(...)                       # simulated device time and stragglers
     tfsync.keras.SyncCallback(mode=...)          # model.fit(..., callbacks=[...])
     tfsync.distribute.SyncStrategy(mode=...)     # with strategy.scope(): ...

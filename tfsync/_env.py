@@ -36,7 +36,7 @@ CONTROL_HOST = Var(
     "TFSYNC_CONTROL_HOST",
     "",
     "address rank 0's control service listens on and the workers dial; empty: the address of "
-    "Horovod's Gloo interface (HOROVOD_GLOO_IFACE), else of rank 0's host name (tfsync.engine.address)",
+    "Horovod's Gloo interface (HOROVOD_GLOO_IFACE), else of rank 0's host name (tfsync.control.address)",
 )
 CONTROL_PORT = Var(
     "TFSYNC_CONTROL_PORT",
@@ -48,7 +48,7 @@ CONTROL_RELAYS = Var(
     "auto",
     "auto | hosts | off: auto, the workers of each host but rank 0's reach rank 0's control service "
     "through one relay on their host, and past 8 such hosts the relays of 8 hosts through a group relay "
-    "(tfsync.engine.control.relay); hosts, the host relays only; off, each worker holds its own link to rank 0",
+    "(tfsync.control.relay); hosts, the host relays only; off, each worker holds its own link to rank 0",
 )
 SINGLE_PROCESS = Var("TFSYNC_SINGLE_PROCESS", "0", "1: train one worker without horovodrun, on purpose")
 OPS_IMPL = Var("TFSYNC_OPS_IMPL", "compiled", "compiled | reference: the kernels tfsync.ops runs")

@@ -25,7 +25,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfsync.engine import SyncEngine, lifecycle, protocols
+from tfsync.engine import SyncEngine, agreement, protocols
 from tfsync.engine.bounded import run_bounded
 from tfsync.engine.cluster import HorovodCluster
 from tfsync.engine.settings import EngineSettings
@@ -37,36 +37,16 @@ class Frontend:
     Args:
         policy: the resolved mode (a policy object; auto mode's frontend passes each mode it runs
             to :meth:`start`).
-        stragglers, trace_dir, wait_timeout_s: the engine's settings, checked now
-            (:class:`tfsync.engine.settings.EngineSettings`).
-        on_nonfinite: ``"reject"`` (default) or ``"raise"``: what the engine does with a
-            contribution that has a NaN or an infinity (:mod:`tfsync.engine.nonfinite`), checked now.
-        elastic: the engines run under ``tfsync.elastic.run`` (default False; see
-            :class:`tfsync.engine.SyncEngine`).
+        settings: the engines' :class:`~tfsync.engine.settings.EngineSettings`, checked when they
+            were built (:meth:`EngineSettings.of <tfsync.engine.settings.EngineSettings.of>`: a
+            frontend's keyword arguments).
         cluster: the job's ranks; default ``None``: Horovod's
             (:class:`~tfsync.engine.cluster.HorovodCluster`, built at first use, which checks
             that Horovod is initialized and the process was launched by ``horovodrun``).
     """
 
-    def __init__(
-        self,
-        policy,
-        *,
-        stragglers=None,
-        trace_dir=None,
-        wait_timeout_s=None,
-        cluster=None,
-        on_nonfinite="reject",
-        elastic=False,
-    ):
-        self.policy = policy
-        self.settings = EngineSettings(
-            stragglers=stragglers,
-            trace_dir=trace_dir,
-            wait_timeout_s=wait_timeout_s,
-            on_nonfinite=on_nonfinite,
-            elastic=elastic,
-        )
+    def __init__(self, policy, settings: EngineSettings, cluster=None):
+        self.policy, self.settings = policy, settings
         self._cluster = cluster
         self.engine = None
 
@@ -195,10 +175,10 @@ class Frontend:
     def agree(self, config, name, purpose, what, fix):
         """Check that every rank's ``config`` (plain data) is rank 0's (collective): raise
         ``ValueError`` naming the ranks that differ and the first difference
-        (:func:`tfsync.engine.lifecycle.check_agreement`); ``what`` the configs hold and how
+        (:func:`tfsync.engine.agreement.check_agreement`); ``what`` the configs hold and how
         to ``fix`` a difference, in words.  Returns every rank's config."""
         configs = self.allgather(config, name, purpose)
-        lifecycle.check_agreement(configs, what, fix)
+        agreement.check_agreement(configs, what, fix)
         return configs
 
     def broadcast_variables(self, variables, name, purpose):
@@ -250,7 +230,7 @@ def check_start(frontend, steps, mode, model) -> int:
             f"at least one batch (e.g. tfsync.shard(x, y, batch_size=...) on data with at least "
             f"batch_size samples per worker)"
         )
-    lifecycle.check_agreement(configs, "mode, model and optimizer", FINGERPRINT_FIX)
+    agreement.check_agreement(configs, "mode, model and optimizer", FINGERPRINT_FIX)
     frontend.broadcast_variables(
         model.variables + list(optimizer.variables),
         "tfsync.weights",

@@ -73,7 +73,13 @@ def run_bounded_command(cmd, env, timeout_s):
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
-        raise TimeoutError(f"{' '.join(cmd)} ran past {timeout_s} s; output tail:\n{out[-6000:]}") from None
+        raise TimeoutError(f"{' '.join(map(str, cmd))} ran past {timeout_s} s; output tail:\n{out[-6000:]}") from None
+    except BaseException:
+        # interrupted while it runs (a test's own timeout, Ctrl-C): the launch and every process it
+        # started go with it, rather than load the machine under whatever runs next
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise
     return proc.returncode, out
 
 
@@ -214,10 +220,10 @@ def check_mode_args(parser, args):
 
 
 def mode_names() -> tuple:
-    """Every ``--mode`` choice: the registered modes and ``auto``."""
+    """Every ``--mode`` choice: the registered modes, ``auto`` included (:func:`tfsync.policies.registry.names`)."""
     from tfsync.policies import registry
 
-    return tuple(m.name for m in registry.modes()) + ("auto",)
+    return registry.names()
 
 
 def add_mode_arguments(parser, baselines=()):
@@ -251,12 +257,11 @@ def add_mode_arguments(parser, baselines=()):
 def mode_from_args(args):
     """The policy object the parsed ``--mode`` flags describe; a flag set that the mode does not
     take stops with the modes that take it."""
-    import tfsync
     from tfsync.policies import registry
 
-    if args.mode == "auto":  # the profile's modes with their defaults (tfsync.policies.auto)
-        return tfsync.Auto(compression=getattr(args, "compression", None))
     mode = registry.get(args.mode)
+    if mode.switches:  # (auto: the profile's modes with their defaults, tfsync.policies.auto)
+        return mode.from_args(args)
     taken = {o.flag for o in mode.options}
     stray = [o for o in registry.options() if o.flag not in taken and getattr(args, o.dest) != o.default]
     if stray:

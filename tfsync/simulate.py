@@ -53,7 +53,7 @@ import numpy as np
 
 from tfsync.bench.training import DEFAULT_SCENARIOS, add_scenario_arguments, scenario_spec
 from tfsync.launch import number
-from tfsync.policies import DSSP, ElasticBSP, Policy, registry
+from tfsync.policies import Policy, registry
 from tfsync.policies.base import decide_round
 from tfsync.policies.dynamic import PushTable
 from tfsync.stragglers import Stragglers
@@ -103,12 +103,13 @@ def simulate(
     workers, steps = iteration_s.shape
     policy.validate(workers)
     log = _NoLog() if log is None else log
+    how = simulation(policy)
     if policy.coordinated:
         run = _coordinated(policy, iteration_s, allreduce_s, control_s, log)
-    elif isinstance(policy, ElasticBSP):
+    elif how == "supersteps":
         run = _elastic(policy, iteration_s, allreduce_s, log)
     else:
-        run = _bounded(policy, iteration_s, allreduce_s, control_s, log)
+        run = _bounded(policy, iteration_s, allreduce_s, control_s, log, grants=how == "grants")
     wall = run.pop("wall_s")
     decisions = run.pop("decision_s")
     mean_iteration = float(iteration_s.mean())
@@ -137,10 +138,18 @@ def simulate(
     return result
 
 
-def _bounded(policy, d, allreduce_s, control_s, log):
-    """BSP, SSP, DSSP: rounds that every worker enters after computing its step."""
+def simulation(policy) -> str:
+    """How ``policy``'s rounds are played (:data:`tfsync.policies.registry.SIMULATIONS`), as its
+    registered mode says: ``"rounds"`` for a policy no simulated mode registers (its
+    ``sync_round`` is its rule)."""
+    mode = registry.of(policy)
+    return mode.simulated if mode is not None and mode.simulated else "rounds"
+
+
+def _bounded(policy, d, allreduce_s, control_s, log, grants=False):
+    """BSP, SSP, DSSP (``grants``): rounds that every worker enters after computing its step."""
     workers, steps = d.shape
-    dssp = isinstance(policy, DSSP)
+    dssp = grants
     complete_s = np.full(steps, np.inf)  # when each round's allreduce ends; known once all pushed
     pushes = np.zeros(steps, np.int64)
     latest_push = np.zeros(steps)

@@ -27,21 +27,14 @@ copied to.
 
 import argparse
 import bisect
-import json
 import math
 import os
-import re
 import sys
+
+from tfsync._trace_files import BYTES, in_range, is_number, load_trace, select
 
 __all__ = ["load_trace", "summarize", "plot_timeline", "format_summary", "mode_label", "main"]
 
-_RANK_FILE = re.compile(r"^rank(\d+)\.jsonl$")
-# Times are floats written by the same process; allow rounding slack when
-# checking that t_start <= t_push <= t_end and that steps do not overlap.
-_TIME_SLACK_S = 1e-6
-# the rounds' bytes on the wire a step record carries: tfsync.engine.tally.BYTES (not imported: it
-# would import TensorFlow)
-_BYTES = ("bytes_sent", "bytes_received", "uncompressed_bytes_sent", "uncompressed_bytes_received")
 
 # Colors: two shades of one blue alternate between consecutive steps so step
 # boundaries stay visible; waits are light red with a darker hatch.
@@ -52,334 +45,6 @@ _WAIT_DENSE = "#ec8c8c"
 
 
 # ---------------------------------------------------------------------------- loading
-def _is_number(value):
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _is_int(value):
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _bad(path, lineno, what, expected, fix=None):
-    message = f"tfsync.timeline: {path}, line {lineno}: {what}; expected {expected}"
-    if fix:
-        message += f" ({fix})"
-    return ValueError(message)
-
-
-def _require(record, key, check, expected, path, lineno):
-    if key not in record:
-        raise _bad(path, lineno, f"field {key!r} is missing", expected)
-    if not check(record[key]):
-        raise _bad(path, lineno, f"field {key!r} is {record[key]!r}", expected)
-    return record[key]
-
-
-def _check_start(record, path, lineno, file_rank):
-    rank = _require(record, "rank", _is_int, "'rank' to be an integer", path, lineno)
-    if rank != file_rank:
-        raise _bad(
-            path,
-            lineno,
-            f"the start event says rank {rank} but the file is named for rank {file_rank}",
-            "a file rank<R>.jsonl to hold rank R's trace",
-            "rename the file or regenerate the trace",
-        )
-    size = _require(record, "size", lambda v: _is_int(v) and v >= 1, "'size' to be a positive integer", path, lineno)
-    if rank >= size:
-        raise _bad(path, lineno, f"rank {rank} is not below the job size {size}", "0 <= rank < size")
-    policy = _require(
-        record,
-        "policy",
-        lambda v: isinstance(v, dict) and isinstance(v.get("mode"), str),
-        '\'policy\' to be an object with a string \'mode\', e.g. {"mode": "ssp", "staleness": 3}',
-        path,
-        lineno,
-    )
-    return {"rank": rank, "size": size, "policy": dict(policy), "t0": record.get("t0"), "record": record}
-
-
-def _check_applied(value):
-    return isinstance(value, list) and all(
-        isinstance(item, list) and len(item) == 3 and all(_is_int(v) for v in item) for item in value
-    )
-
-
-def _check_step(record, path, lineno, file_rank, previous):
-    rank = _require(record, "rank", _is_int, "'rank' to be an integer", path, lineno)
-    if rank != file_rank:
-        raise _bad(
-            path,
-            lineno,
-            f"a step record of rank {rank} is in rank {file_rank}'s file",
-            f"every record in rank{file_rank}.jsonl to have rank {file_rank}",
-        )
-    step = _require(record, "step", lambda v: _is_int(v) and v >= 0, "'step' to be an integer >= 0", path, lineno)
-    times = {
-        key: _require(record, key, _is_number, f"{key!r} to be a number of seconds since t0", path, lineno)
-        for key in ("t_start", "t_push", "t_end")
-    }
-    if not times["t_start"] - _TIME_SLACK_S <= times["t_push"] <= times["t_end"] + _TIME_SLACK_S:
-        raise _bad(
-            path,
-            lineno,
-            f"step {step} has t_start={times['t_start']}, t_push={times['t_push']}, t_end={times['t_end']}",
-            "t_start <= t_push <= t_end (compute, then wait)",
-        )
-    applied = _require(
-        record,
-        "applied",
-        _check_applied,
-        "'applied' to be a list of [round, staleness, contributors] integer triples",
-        path,
-        lineno,
-    )
-    for key in ("compute_s", "wait_s"):
-        if key in record and not _is_number(record[key]):
-            raise _bad(path, lineno, f"field {key!r} is {record[key]!r}", f"{key!r} to be a number of seconds")
-    if previous is not None:
-        if step <= previous["step"]:
-            raise _bad(
-                path,
-                lineno,
-                f"step {step} follows step {previous['step']}",
-                "steps in increasing order",
-                "was the file appended to by two runs? use one directory per run",
-            )
-        if times["t_start"] < previous["t_end"] - _TIME_SLACK_S:
-            raise _bad(
-                path,
-                lineno,
-                f"step {step} starts at t={times['t_start']}, before step {previous['step']} ended "
-                f"(t={previous['t_end']})",
-                "steps that do not overlap in time",
-            )
-    return {
-        "rank": rank,
-        "step": step,
-        **times,
-        "applied": [tuple(item) for item in applied],
-        "applied_through": record.get("applied_through"),
-        "dropped": record.get("dropped", 0),
-        "compensated": record.get("compensated", 0),
-        "skipped": bool(record.get("skipped", False)),
-        # the rounds' bytes on the wire settled in this step (tfsync.engine.compression; 0 in older traces)
-        **{k: float(record.get(k, 0.0)) for k in _BYTES},
-    }
-
-
-def _check_finish(record, path, lineno, file_rank, previous):
-    rank = _require(record, "rank", _is_int, "'rank' to be an integer", path, lineno)
-    if rank != file_rank:
-        raise _bad(
-            path,
-            lineno,
-            f"a finish event of rank {rank} is in rank {file_rank}'s file",
-            f"every record in rank{file_rank}.jsonl to have rank {file_rank}",
-        )
-    t = _require(record, "t", _is_number, "'t' to be a number of seconds since t0", path, lineno)
-    wait_s = _require(
-        record, "wait_s", lambda v: _is_number(v) and v >= 0, "'wait_s' to be a number of seconds >= 0", path, lineno
-    )
-    if previous is not None and t < previous["t_end"] - _TIME_SLACK_S:
-        raise _bad(
-            path,
-            lineno,
-            f"the finish event at t={t} is before the last step ended (t={previous['t_end']})",
-            "the finish event after the last step",
-        )
-    return {"rank": rank, "t": t, "wait_s": wait_s, "compensated": record.get("compensated", 0)}
-
-
-def _load_rank_file(path, file_rank):
-    start, steps, finish, drained, final_compensated, lost = None, [], None, 0, 0, 0
-    final_bytes = dict.fromkeys(_BYTES, 0.0)
-    rejected = []  # the steps of this rank's contributions rejected as not finite
-    barriers, grants = [], []  # ElasticBSP's barrier decisions, DSSP's grant decisions
-    with open(path, encoding="utf-8") as handle:
-        for lineno, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise _bad(
-                    path,
-                    lineno,
-                    f"the line is not valid JSON ({exc.msg})",
-                    "one JSON object per line",
-                    "a worker killed mid-write leaves a cut last line; delete that line",
-                ) from None
-            if not isinstance(record, dict):
-                raise _bad(path, lineno, f"the line is a JSON {type(record).__name__}", "one JSON object per line")
-            event = record.get("event")
-            if start is None:
-                if event != "start":
-                    raise _bad(
-                        path,
-                        lineno,
-                        f"the first record is {line.strip()[:80]!r}",
-                        'a first line {"event": "start", "rank": R, "size": N, "policy": {...}}',
-                        "is this a tfsync trace written by the engine's trace_dir option?",
-                    )
-                start = _check_start(record, path, lineno, file_rank)
-            elif event == "start":
-                raise _bad(
-                    path,
-                    lineno,
-                    "a second start event",
-                    "one start event, on the first line",
-                    "two runs wrote to the same file; use one trace directory per run",
-                )
-            elif finish is not None and event is None:
-                raise _bad(path, lineno, "a step record after the finish event", "the finish event to be last")
-            elif event == "finish":
-                if finish is not None:
-                    raise _bad(path, lineno, "a second finish event", "at most one finish event")
-                finish = _check_finish(record, path, lineno, file_rank, steps[-1] if steps else None)
-            elif event is None:
-                steps.append(_check_step(record, path, lineno, file_rank, steps[-1] if steps else None))
-            elif event == "drain":  # contributions dropped when training ended
-                drained += int(record.get("dropped", 0))
-            elif event == "final_round":  # late gradients compensated after the last step
-                final_compensated += int(record.get("compensated", 0))
-            elif event == "reset" and _is_int(record.get("lost")):  # in flight when an elastic job reset
-                lost += record["lost"]
-            elif event == "bytes":  # the rounds' bytes on the wire after the last step record
-                for k in _BYTES:
-                    final_bytes[k] += float(record.get(k, 0.0))
-            elif event == "rejected" and _is_int(record.get("step")):  # not finite (tfsync.engine.nonfinite)
-                rejected.append(record["step"])
-            elif event == "barrier" and _is_number(record.get("t")):
-                barriers.append(record)
-            elif event == "grant" and _is_number(record.get("t")):
-                grants.append(record)
-            # any other event: a newer engine's record this reader does not know; skipped on purpose
-    if start is None:
-        raise ValueError(
-            f"tfsync.timeline: {path} is empty; expected a first line "
-            '{"event": "start", ...} (the worker may have failed before training started)'
-        )
-    return {
-        "file": path,
-        "start": start["record"],
-        "size": start["size"],
-        "policy": start["policy"],
-        "t0": start["t0"],
-        "steps": steps,
-        "finish": finish,
-        "drained": drained,
-        "final_compensated": final_compensated,
-        "lost": lost,
-        "rejected": rejected,
-        "barriers": barriers,
-        "grants": grants,
-        "final_bytes": final_bytes,
-    }
-
-
-def load_trace(trace_dir) -> dict:
-    """Read and check a trace directory written by the engine.
-
-    Args:
-        trace_dir: directory holding one ``rank<R>.jsonl`` per worker.
-
-    Returns:
-        ``{"dir", "size", "policy", "t0", "ranks"}`` where ``ranks`` maps each
-        rank to ``{"file", "start", "steps", "finish"}``; ``steps`` is the list
-        of step records (``rank, step, t_start, t_push, t_end, applied,
-        applied_through, dropped``) in step order and ``finish`` is
-        ``{"rank", "t", "wait_s"}`` or None.
-
-    Raises:
-        ValueError: the directory is missing, holds no ``rank*.jsonl``, lacks a
-            rank, or a line is malformed (the message names file and line).
-    """
-    trace_dir = os.fspath(trace_dir)
-    if not os.path.isdir(trace_dir):
-        raise ValueError(
-            f"tfsync.timeline: trace directory {trace_dir!r} does not exist or is not a directory; "
-            "expected the directory passed as trace_dir to the engine / SyncCallback"
-        )
-    files = {}
-    for name in os.listdir(trace_dir):
-        match = _RANK_FILE.match(name)
-        if match:
-            files[int(match.group(1))] = os.path.join(trace_dir, name)
-    if not files and os.path.exists(os.path.join(trace_dir, "auto.jsonl")):
-        segments = sorted(n for n in os.listdir(trace_dir) if os.path.isdir(os.path.join(trace_dir, n)))
-        raise ValueError(
-            f"tfsync.timeline: {trace_dir!r} is the trace of a mode='auto' run: each mode it ran traced to "
-            f"its own subdirectory ({', '.join(segments)}); draw one of them, e.g. "
-            f"python -m tfsync.timeline {os.path.join(trace_dir, segments[0]) if segments else trace_dir}"
-        )
-    if not files:
-        raise ValueError(
-            f"tfsync.timeline: {trace_dir!r} holds no rank<R>.jsonl files; expected one per worker "
-            "(rank0.jsonl, rank1.jsonl, ...); was training run with trace_dir set to this directory?"
-        )
-    ranks = {rank: _load_rank_file(files[rank], rank) for rank in sorted(files)}
-    first = ranks[min(ranks)]
-    for _rank, data in ranks.items():
-        for key in ("size", "policy", "t0"):
-            if data[key] != first[key]:
-                raise ValueError(
-                    f"tfsync.timeline: {data['file']} has {key}={data[key]!r} but {first['file']} has "
-                    f"{key}={first[key]!r}; expected the files of one run (use one trace directory per run)"
-                )
-    size = first["size"]
-    missing = [r for r in range(size) if r not in ranks]
-    extra = [r for r in ranks if r >= size]
-    if missing or extra:
-        raise ValueError(
-            f"tfsync.timeline: {trace_dir!r} has files for ranks {sorted(ranks)} but the job had {size} workers; "
-            f"expected rank0.jsonl .. rank{size - 1}.jsonl"
-            + (f" (missing: {missing}; copy every worker's file into this directory)" if missing else "")
-        )
-    return {"dir": trace_dir, "size": size, "policy": first["policy"], "t0": first["t0"], "ranks": ranks}
-
-
-# ---------------------------------------------------------------------------- summary
-def _check_range(start_step, end_step):
-    for name, value in (("start_step", start_step), ("end_step", end_step)):
-        if value is not None and (not _is_int(value) or value < 0):
-            raise ValueError(f"tfsync.timeline: {name}={value!r}; expected an integer >= 0 or None")
-    if start_step is not None and end_step is not None and start_step > end_step:
-        raise ValueError(
-            f"tfsync.timeline: start_step={start_step} is after end_step={end_step}; "
-            "expected start_step <= end_step (both inclusive)"
-        )
-
-
-def _in_range(step, start_step, end_step):
-    return (start_step is None or step >= start_step) and (end_step is None or step <= end_step)
-
-
-def _select(trace, start_step, end_step):
-    """Per rank: the step records in [start_step, end_step] and the finish event if the range reaches the end."""
-    _check_range(start_step, end_step)
-    selected = {}
-    for rank, data in trace["ranks"].items():
-        steps = [rec for rec in data["steps"] if _in_range(rec["step"], start_step, end_step)]
-        finish = data["finish"] if end_step is None else None
-        selected[rank] = (steps, finish)
-    if not any(steps for steps, _ in selected.values()):
-        all_steps = [rec["step"] for data in trace["ranks"].values() for rec in data["steps"]]
-        if not all_steps:
-            raise ValueError(
-                f"tfsync.timeline: the trace in {trace['dir']!r} has a start line but no step "
-                "records for any rank; expected at least one finished step (did training fail "
-                "before its first step? see the workers' logs)"
-            )
-        raise ValueError(
-            f"tfsync.timeline: no step of any rank lies in "
-            f"{start_step if start_step is not None else 'first'}.."
-            f"{end_step if end_step is not None else 'last'}; the trace has steps "
-            f"{min(all_steps)}..{max(all_steps)}; choose --start-step/--end-step inside that range"
-        )
-    return selected
-
-
 def mode_label(policy) -> str:
     """``"SSP (staleness=3)"`` from a policy config ``{"mode": "ssp", "staleness": 3}``; a
     serialized optimizer in it (DiLoCo's outer one) by its class and learning rate."""
@@ -395,6 +60,61 @@ def mode_label(policy) -> str:
         f"{k}={short(v)}" for k, v in policy.items() if k != "mode" and not (k == "compression" and v is None)
     )
     return policy["mode"].upper() + (f" ({params})" if params else "")
+
+
+def _rank_numbers(data, steps, finish, start_step, end_step) -> dict:
+    """One rank's numbers (:func:`summarize`) from its selected ``steps`` and ``finish`` event
+    (``data``: the rank's whole trace)."""
+    compute_s = sum(rec["t_push"] - rec["t_start"] for rec in steps)
+    wait_s = sum(rec["t_end"] - rec["t_push"] for rec in steps) + (finish["wait_s"] if finish else 0.0)
+    total = compute_s + wait_s
+    staleness = [s for rec in steps for _, s, _ in rec["applied"]]
+    whole = end_step is None  # (what came after the last step counts only for the whole run)
+    final_bytes = data.get("final_bytes", {})  # (the rounds after the last step)
+    return {
+        "steps": len(steps),
+        "compute_s": compute_s,
+        "wait_s": wait_s,
+        "wait_fraction": wait_s / total if total > 0 else 0.0,
+        "max_staleness": max(staleness) if staleness else 0,
+        "compensated": sum(rec["compensated"] for rec in steps)
+        + (finish["compensated"] if finish else 0)
+        + (data.get("final_compensated", 0) if whole else 0),
+        "dropped": sum(rec["dropped"] for rec in steps) + (data.get("drained", 0) if whole else 0),
+        "rejected": sum(in_range(step, start_step, end_step) for step in data.get("rejected", [])),
+        "lost": data.get("lost", 0) if whole else 0,
+        "skipped": sum(rec["skipped"] for rec in steps),
+        **{k: sum(r[k] for r in steps) + (final_bytes.get(k, 0.0) if whole else 0.0) for k in BYTES},
+    }
+
+
+def _max_clock_gap(trace, selected):
+    """``(gap, where)``: the largest clock gap between two workers at the selected steps' ends
+    (:func:`summarize`; ``(None, None)`` for one worker), from every rank's push history over the
+    whole trace, so gaps at the range's edges are right."""
+    pushes = {
+        rank: ([rec["t_push"] for rec in data["steps"]], [rec["step"] for rec in data["steps"]])
+        for rank, data in trace["ranks"].items()
+    }
+    max_gap, max_gap_at = None, None
+    for rank, (steps, _) in selected.items():
+        for rec in steps:
+            for peer, (push_times, push_steps) in pushes.items():
+                if peer == rank:
+                    continue
+                index = bisect.bisect_right(push_times, rec["t_end"])
+                last_pushed = push_steps[index - 1] if index else -1
+                gap = rec["step"] - last_pushed
+                if max_gap is None or gap > max_gap:
+                    max_gap = gap
+                    max_gap_at = {
+                        "rank": rank,
+                        "step": rec["step"] + 1,
+                        "peer": peer,
+                        "peer_last_pushed": last_pushed,
+                        "t": rec["t_end"],
+                    }
+    return max_gap, max_gap_at
 
 
 def summarize(trace, start_step=None, end_step=None) -> dict:
@@ -419,7 +139,7 @@ def summarize(trace, start_step=None, end_step=None) -> dict:
         when an elastic job reset, its ``reset`` event) and ``skipped`` (steps that computed
         nothing because their round had closed: PSP, backup workers), ``bytes_sent``,
         ``bytes_received`` and their ``uncompressed_`` twins (what its rounds put on the wire,
-        :mod:`tfsync.engine.compression`; with no ``end_step`` also the rounds after its last step).
+        :mod:`tfsync.engine.wire.counting`; with no ``end_step`` also the rounds after its last step).
         Overall: the same sums over all ranks and ``max_clock_gap``, in SSP's
         sense (a worker's clock is the number of steps it has pushed, so SSP(s)
         keeps it <= s and BSP at 0): at each step's t_end a worker moves to
@@ -429,52 +149,12 @@ def summarize(trace, start_step=None, end_step=None) -> dict:
         over all steps and peers (``max_clock_gap_at`` says where; None for a
         one-worker job).
     """
-    selected = _select(trace, start_step, end_step)
-    # Push history of every rank over the whole trace, so gaps at the range's edges are right.
-    pushes = {
-        rank: ([rec["t_push"] for rec in data["steps"]], [rec["step"] for rec in data["steps"]])
-        for rank, data in trace["ranks"].items()
+    selected = select(trace, start_step, end_step)
+    per_rank = {
+        rank: _rank_numbers(trace["ranks"][rank], steps, finish, start_step, end_step)
+        for rank, (steps, finish) in selected.items()
     }
-    per_rank = {}
-    max_gap, max_gap_at = None, None
-    for rank, (steps, finish) in selected.items():
-        compute_s = sum(rec["t_push"] - rec["t_start"] for rec in steps)
-        wait_s = sum(rec["t_end"] - rec["t_push"] for rec in steps) + (finish["wait_s"] if finish else 0.0)
-        total = compute_s + wait_s
-        staleness = [s for rec in steps for _, s, _ in rec["applied"]]
-        final_bytes = trace["ranks"][rank].get("final_bytes", {})  # (the rounds after the last step)
-        per_rank[rank] = {
-            "steps": len(steps),
-            "compute_s": compute_s,
-            "wait_s": wait_s,
-            "wait_fraction": wait_s / total if total > 0 else 0.0,
-            "max_staleness": max(staleness) if staleness else 0,
-            "compensated": sum(rec["compensated"] for rec in steps)
-            + (finish["compensated"] if finish else 0)
-            + (trace["ranks"][rank].get("final_compensated", 0) if end_step is None else 0),
-            "dropped": sum(rec["dropped"] for rec in steps)
-            + (trace["ranks"][rank].get("drained", 0) if end_step is None else 0),
-            "rejected": sum(_in_range(step, start_step, end_step) for step in trace["ranks"][rank].get("rejected", [])),
-            "lost": trace["ranks"][rank].get("lost", 0) if end_step is None else 0,
-            "skipped": sum(rec["skipped"] for rec in steps),
-            **{k: sum(r[k] for r in steps) + (final_bytes.get(k, 0.0) if end_step is None else 0.0) for k in _BYTES},
-        }
-        for rec in steps:
-            for peer, (push_times, push_steps) in pushes.items():
-                if peer == rank:
-                    continue
-                index = bisect.bisect_right(push_times, rec["t_end"])
-                last_pushed = push_steps[index - 1] if index else -1
-                gap = rec["step"] - last_pushed
-                if max_gap is None or gap > max_gap:
-                    max_gap = gap
-                    max_gap_at = {
-                        "rank": rank,
-                        "step": rec["step"] + 1,
-                        "peer": peer,
-                        "peer_last_pushed": last_pushed,
-                        "t": rec["t_end"],
-                    }
+    max_gap, max_gap_at = _max_clock_gap(trace, selected)
     compute_s = sum(r["compute_s"] for r in per_rank.values())
     wait_s = sum(r["wait_s"] for r in per_rank.values())
     overall = {
@@ -488,7 +168,7 @@ def summarize(trace, start_step=None, end_step=None) -> dict:
         "rejected": sum(r["rejected"] for r in per_rank.values()),
         "lost": sum(r["lost"] for r in per_rank.values()),
         "skipped": sum(r["skipped"] for r in per_rank.values()),
-        **{k: sum(r[k] for r in per_rank.values()) for k in _BYTES},
+        **{k: sum(r[k] for r in per_rank.values()) for k in BYTES},
         "max_clock_gap": max_gap if max_gap is not None else 0,
         "max_clock_gap_at": max_gap_at,
     }
@@ -566,7 +246,7 @@ def plot_timeline(trace, path, title=None, start_step=None, end_step=None):
             "create it or choose another -o path"
         )
     summary = summarize(trace, start_step, end_step)
-    selected = _select(trace, start_step, end_step)
+    selected = select(trace, start_step, end_step)
     ranks = sorted(selected)
     n = len(ranks)
     fig_height = min(1.6 + 0.55 * n, 40.0)
@@ -579,40 +259,8 @@ def plot_timeline(trace, path, title=None, start_step=None, end_step=None):
     dense = n_steps_max > 150
     wait_face, wait_hatch = (_WAIT_DENSE, None) if dense else (_WAIT_FACE, "////")
     for lane, rank in enumerate(ranks):
-        steps, finish = selected[rank]
-        y = lane - lane_height / 2
-        for parity in (0, 1):
-            spans = [(rec["t_start"], rec["t_push"] - rec["t_start"]) for rec in steps if rec["step"] % 2 == parity]
-            if spans:
-                ax.broken_barh(spans, (y, lane_height), facecolors=_COMPUTE_COLORS[parity], linewidth=0)
-        waits = [(rec["t_push"], rec["t_end"] - rec["t_push"]) for rec in steps if rec["t_end"] > rec["t_push"]]
-        if finish is not None and finish["wait_s"] > 0:
-            waits.append((finish["t"], finish["wait_s"]))
-        if waits:
-            ax.broken_barh(
-                waits,
-                (y + 0.1 * lane_height, 0.8 * lane_height),
-                facecolors=wait_face,
-                edgecolors=_WAIT_HATCH,
-                hatch=wait_hatch,
-                linewidth=0,
-            )
-        for rec in steps:
-            t_lo, t_hi = min(t_lo, rec["t_start"]), max(t_hi, rec["t_end"])
-        if finish is not None:
-            t_lo, t_hi = min(t_lo, finish["t"]), max(t_hi, finish["t"] + finish["wait_s"])
-        if label_steps:
-            for rec in steps:
-                ax.text(
-                    (rec["t_start"] + rec["t_push"]) / 2,
-                    lane,
-                    str(rec["step"]),
-                    ha="center",
-                    va="center",
-                    fontsize=7,
-                    color="white" if rec["step"] % 2 == 0 else "#1b3a5c",
-                    clip_on=True,
-                )
+        lo, hi = _draw_lane(ax, lane, *selected[rank], lane_height, (wait_face, wait_hatch), label_steps)
+        t_lo, t_hi = min(t_lo, lo), max(t_hi, hi)
     marks = _mark_decisions(ax, trace, ranks, t_lo, t_hi)
     span = max(t_hi - t_lo, 1e-9)
     ax.set_xlim(t_lo - 0.01 * span, t_hi + 0.01 * span)
@@ -624,19 +272,7 @@ def plot_timeline(trace, path, title=None, start_step=None, end_step=None):
     ax.set_axisbelow(True)
     for side in ("top", "right"):
         ax.spines[side].set_visible(False)
-    # Per-rank wait fraction at the right end of each lane.
-    for lane, rank in enumerate(ranks):
-        r = summary["ranks"][rank]
-        ax.annotate(
-            f"wait {100 * r['wait_fraction']:.1f}%",
-            xy=(1.0, lane),
-            xycoords=("axes fraction", "data"),
-            xytext=(8, 0),
-            textcoords="offset points",
-            va="center",
-            fontsize=9,
-            color=_WAIT_HATCH if r["wait_fraction"] >= 0.2 else "#333333",
-        )
+    _annotate_waits(ax, ranks, summary)
     head = title if title else f"tfsync timeline: {os.path.basename(os.path.normpath(trace['dir']))}"
     shown = (
         "all steps"
@@ -664,6 +300,63 @@ def plot_timeline(trace, path, title=None, start_step=None, end_step=None):
     return summary
 
 
+def _draw_lane(ax, lane, steps, finish, lane_height, wait_style, label_steps):
+    """One worker's lane: its compute spans (two shades, alternating steps), its waits, the step
+    numbers where they fit; returns the lane's ``(first, last)`` time."""
+    wait_face, wait_hatch = wait_style
+    y = lane - lane_height / 2
+    for parity in (0, 1):
+        spans = [(rec["t_start"], rec["t_push"] - rec["t_start"]) for rec in steps if rec["step"] % 2 == parity]
+        if spans:
+            ax.broken_barh(spans, (y, lane_height), facecolors=_COMPUTE_COLORS[parity], linewidth=0)
+    waits = [(rec["t_push"], rec["t_end"] - rec["t_push"]) for rec in steps if rec["t_end"] > rec["t_push"]]
+    if finish is not None and finish["wait_s"] > 0:
+        waits.append((finish["t"], finish["wait_s"]))
+    if waits:
+        ax.broken_barh(
+            waits,
+            (y + 0.1 * lane_height, 0.8 * lane_height),
+            facecolors=wait_face,
+            edgecolors=_WAIT_HATCH,
+            hatch=wait_hatch,
+            linewidth=0,
+        )
+    t_lo, t_hi = math.inf, -math.inf
+    for rec in steps:
+        t_lo, t_hi = min(t_lo, rec["t_start"]), max(t_hi, rec["t_end"])
+    if finish is not None:
+        t_lo, t_hi = min(t_lo, finish["t"]), max(t_hi, finish["t"] + finish["wait_s"])
+    if label_steps:
+        for rec in steps:
+            ax.text(
+                (rec["t_start"] + rec["t_push"]) / 2,
+                lane,
+                str(rec["step"]),
+                ha="center",
+                va="center",
+                fontsize=7,
+                color="white" if rec["step"] % 2 == 0 else "#1b3a5c",
+                clip_on=True,
+            )
+    return t_lo, t_hi
+
+
+def _annotate_waits(ax, ranks, summary):
+    """Each rank's wait fraction at the right end of its lane (in red from 20 %)."""
+    for lane, rank in enumerate(ranks):
+        r = summary["ranks"][rank]
+        ax.annotate(
+            f"wait {100 * r['wait_fraction']:.1f}%",
+            xy=(1.0, lane),
+            xycoords=("axes fraction", "data"),
+            xytext=(8, 0),
+            textcoords="offset points",
+            va="center",
+            fontsize=9,
+            color=_WAIT_HATCH if r["wait_fraction"] >= 0.2 else "#333333",
+        )
+
+
 def _mark_decisions(ax, trace, ranks, t_lo, t_hi):
     """ElasticBSP's barriers (when each was reached, solid; where ZipLine predicted the
     next, dotted) and DSSP's grants (a triangle on the worker's lane: the extra steps);
@@ -676,7 +369,7 @@ def _mark_decisions(ax, trace, ranks, t_lo, t_hi):
     for b in barriers:
         ax.axvline(b["t"], color="#444444", linewidth=0.9, zorder=3)
         t_sync = b.get("predicted_t_sync_s")
-        if _is_number(t_sync) and t_lo <= t_sync <= t_hi:
+        if is_number(t_sync) and t_lo <= t_sync <= t_hi:
             ax.axvline(t_sync, color="#444444", linewidth=0.9, linestyle=":", zorder=3)
     if barriers:
         handles += [

@@ -6,7 +6,7 @@
 #
 # Usage: ops/cuda_test/run.sh [kernel_test arguments...]   (`make cuda-test` runs it)
 # Environment: NVCC (default: nvcc on the PATH), CUDA_TEST_BUILD_DIR (default:
-# build/cuda_test), CUDA_TEST_ARCH (default: native on a GPU, else sm_80 and sm_90
+# build/cuda_test; a program there built from the same inputs is reused), CUDA_TEST_ARCH (default: native on a GPU, else sm_80 and sm_90
 # with PTX), CUDA_TEST_TIMEOUT_S (bound on each build and run, default 900).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
@@ -42,10 +42,19 @@ binary=$build_dir/kernel_test
 # -ffp-contract=off: the CPU reference and the emulated grid must not fuse a multiply-add
 # (the kernels do not: they use the _rn intrinsics); -fno-strict-aliasing: the emulated
 # grid reads the host buffers through the kernels' 16-byte packs, as the GPU does.
-echo "cuda-test: building $binary with $nvcc ($("$nvcc" --version | grep -o 'release [0-9.]*'))"
-timeout "$timeout_s" "$nvcc" -std=c++17 -O2 "${arch[@]}" \
-  -Xcompiler -ffp-contract=off -Xcompiler -fno-strict-aliasing \
-  -o "$binary" "$here/kernel_test.cu" "$root"/ops/cc/kernels/cuda/*.cu
+flags=(-std=c++17 -O2 "${arch[@]}" -Xcompiler -ffp-contract=off -Xcompiler -fno-strict-aliasing)
+sources=("$here/kernel_test.cu" "$root"/ops/cc/kernels/cuda/*.cu)
+# a program built from the same sources, headers, script, flags and nvcc is reused
+inputs=$( (cat "$0" "${sources[@]}" "$root"/ops/cc/kernels/cuda/*.h* "$here"/*.h* 2>/dev/null; "$nvcc" --version; echo "${flags[*]}") |
+  sha256sum | cut -c1-16)
+if [ -x "$binary" ] && [ "$(cat "$binary.inputs" 2>/dev/null)" = "$inputs" ]; then
+  echo "cuda-test: reusing $binary (built from the same inputs, $inputs)"
+else
+  echo "cuda-test: building $binary with $nvcc ($("$nvcc" --version | grep -o 'release [0-9.]*'))"
+  rm -f "$binary.inputs"
+  timeout "$timeout_s" "$nvcc" "${flags[@]}" -o "$binary" "${sources[@]}"
+  echo "$inputs" >"$binary.inputs"
+fi
 
 if [ -z "$gpu" ]; then
   timeout "$timeout_s" "$binary" --host "$@"

@@ -1,5 +1,7 @@
 """The network-bound benchmark (python -m tfsync.bench network) runs on two hosts whose link it
-shapes, and reports each mode against the compute floor and plain Horovod."""
+shapes, and reports each mode against the compute floor and plain Horovod (its digits task, plain
+Horovod against DiLoCo across the link: tests/multihost/test_demo_slow_link.py, which runs it as
+the demo does)."""
 
 import subprocess
 import sys
@@ -42,25 +44,6 @@ def test_a_rate_tc_does_not_take_is_refused_when_parsed(raw):
     )
     assert out.returncode == 2, out
     assert "argument --rates: expected a link rate as tc writes it" in out.stderr and "e.g. 1gbit" in out.stderr
-
-
-def test_the_digits_task_trains_each_mode_across_the_shaped_link_against_plain_horovod(two_hosts):
-    argv = ["--task", "digits", "--rates", LINK, "--modes", "horovod", "diloco", "--hidden", "32"]
-    args = network.parse_args([*argv, "--epochs", "2", "--target-accuracy", "0.5", "--lr", "0.2", "--timeout-s", "240"])
-    records = network.run(two_hosts, args, log=lambda line: None)
-    assert [r["key"] for r in records] == ["horovod", "diloco"]
-    horovod, diloco = records
-    for r in records:
-        assert r["link"] == LINK and r["workers"] == 2 and r["epochs"] == 2 and r["hidden"] == [32], r
-        assert r["parameters"] == 64 * 32 + 32 + 32 * 10 + 10, r
-        assert len(r["curve"]) == 2 and 0 < r["final_accuracy"] <= 1 and r["replicas_identical"], r
-        assert r["accuracy_vs_horovod"] == pytest.approx(r["final_accuracy"] - horovod["final_accuracy"]), r
-    assert horovod["mode"] == "horovod" and diloco["mode"].startswith("diloco(H=8"), records
-    assert diloco["produced"] == diloco["applied"], diloco  # (nothing dropped, rejected or lost here)
-    if horovod["target_s"] is not None and diloco["target_s"] is not None:
-        assert diloco["target_time_vs_horovod"] == pytest.approx(diloco["target_s"] / horovod["target_s"])
-    table = network.format_digits_table(records)
-    assert table.count(f"| {LINK} |") == 2 and "| diloco(H=8" in table, table
 
 
 def test_each_task_takes_its_own_modes():

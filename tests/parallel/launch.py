@@ -8,11 +8,10 @@ output so far, so no launch can hang the suite.
 
 import json
 import os
-import subprocess
 import sys
 
 from tfsync.launch import REPO_ROOT as ROOT
-from tfsync.launch import run_elastic_job, run_local_job
+from tfsync.launch import run_bounded_command, run_elastic_job, run_local_job
 
 WORKERS = os.path.join(ROOT, "tests", "parallel", "workers")
 
@@ -68,13 +67,13 @@ def run_elastic_workers(
     )
 
 
-def run(cmd, timeout_s=300, env=None):
+def run(cmd, timeout_s=240, env=None):
     """Run ``cmd`` (a launch script, ``horovodrun`` on an example) from the repository root as a
-    user does, within ``timeout_s``; its output, or the test fails with it."""
+    user does, within ``timeout_s`` (:func:`tfsync.launch.run_bounded_command`: past it, or when the
+    test is interrupted, every process it started is killed); its output, or the test fails with it."""
     full_env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2", PYTHON=sys.executable, **(env or {}))
-    proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout_s)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"{cmd} failed:\n{out[-6000:]}"
+    code, out = run_bounded_command(cmd, full_env, timeout_s)
+    assert code == 0, f"{cmd} failed:\n{out[-6000:]}"
     return out
 
 

@@ -1,7 +1,6 @@
-"""Delay compensation under horovodrun, as a user runs it (the digits examples).
-
-DC-S3GD against BSP on the same data and seed; backup workers with
-``--compensate`` under a persistent straggler, through both frontends.
+"""Delay compensation under horovodrun, as a user runs it (the digits examples): backup workers
+with ``--compensate`` under a persistent straggler, through both frontends. (DC-S3GD against
+BSP on the same data and seed is tests/parallel/test_examples.py's, from the launch scripts' runs.)
 """
 
 import pytest
@@ -9,14 +8,6 @@ import pytest
 from tests.parallel.launch import digits
 
 pytestmark = pytest.mark.parallel
-
-
-def test_dcs3gd_ends_within_one_point_of_bsp():
-    bsp = digits("digits.py", "--mode", "bsp", "--epochs", 12)
-    dc = digits("digits.py", "--mode", "dcs3gd", "--epochs", 12)
-    assert dc["replicas_identical"] and bsp["replicas_identical"], (dc, bsp)
-    assert abs(dc["final_accuracy"] - bsp["final_accuracy"]) <= 0.01, (dc, bsp)
-    assert dc["dropped"] == 0 and dc["skipped"] == 0, dc
 
 
 @pytest.mark.parametrize("script", ["digits.py", "digits_strategy.py"])

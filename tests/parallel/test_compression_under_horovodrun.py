@@ -1,12 +1,12 @@
 """BSP with ``compression=`` under ``horovodrun`` (2 workers): identical replicas, close to plain
 Horovod's float32 allreduce-average but rounded, every contribution counted, and the bytes on the
-wire those of the model (:mod:`tfsync.engine.compression`): half the payload's bytes."""
+wire those of the model (:mod:`tfsync.engine.wire.counting`): half the payload's bytes."""
 
 import numpy as np
 import pytest
 
 from tests.parallel.launch import results_of
-from tfsync.engine.rounds import META_WIDTH
+from tfsync.engine.wire.layout import META_WIDTH
 
 pytestmark = pytest.mark.parallel
 

@@ -36,4 +36,8 @@ def test_the_demo_compares_the_registrys_straggler_modes_with_plain_horovod(tmp_
     # digits' MLP passes 0.5 within its first epoch under every mode: each is timed against Horovod's
     assert rows[0]["speedup_vs_horovod"] == 1.0 and all(r["speedup_vs_horovod"] > 0 for r in rows), rows
     assert "time to 0.5 vs plain Horovod |" in out and "- custom: " in out and "plain Horovod in " in out
+    header = "| scenario | mode | samples/s | effective samples/s | compensated | dropped | skipped | wait fraction |"
+    assert header in out and all(f"| custom | {r['mode']} |" in out for r in rows), out[-3000:]
+    assert all(r["samples_per_s"] > 0 for r in rows), rows
+    assert rows[0]["wait_fraction"] is None and all(0 <= r["wait_fraction"] < 1 for r in rows[1:]), rows
     assert f"wrote {plot}" in out and plot.stat().st_size > 10_000

@@ -18,3 +18,11 @@ def engines_on_localhost():
         mp.setenv("TFSYNC_CONTROL_HOST", "localhost")
         mp.delenv("TFSYNC_STRAGGLERS", raising=False)
         yield
+
+
+@pytest.fixture
+def registered(monkeypatch):
+    """A copy of the mode registry that a test may add to (the real one is left as it was)."""
+    from tfsync.policies import registry
+
+    monkeypatch.setattr(registry, "_MODES", dict(registry._MODES))

@@ -12,7 +12,7 @@ arrival record (``arrival_key``, ``arrive``, ``leave``, ``missing``) is kept
 here, per rank, as production's keeps it in Horovod's rendezvous store.
 
 The round collective is production's own
-:func:`tfsync.engine.rounds.horovod_collective` (grouping by dtype, the
+:func:`tfsync.engine.wire.horovod.horovod_collective` (grouping by dtype, the
 metadata row appended to the float32 group as :func:`encode_meta` digits,
 :func:`decode_meta` of the result), run over this module's
 ``grouped_allreduce``, which reduces as Horovod does: the element-wise sum
@@ -36,7 +36,7 @@ import time
 import numpy as np
 import tensorflow as tf
 
-from tfsync.engine import protocols, quantized, rounds
+from tfsync.engine import protocols
 
 DEFAULT_TIMEOUT_S = 10.0
 
@@ -134,7 +134,7 @@ def _scale(total, factor):
 class FakeRank:
     """One rank's view: the engine's cluster interface, plus the few Horovod names
     (``size``, ``Sum``, ``Average``, ``grouped_allreduce``) production's
-    :func:`~tfsync.engine.rounds.horovod_collective` calls."""
+    :func:`~tfsync.engine.wire.horovod.horovod_collective` calls."""
 
     Sum, Average = FakeCluster.Sum, FakeCluster.Average
 
@@ -192,11 +192,9 @@ class FakeRank:
     def average(self, tensors, name):
         return self.grouped_allreduce(tensors, self.Average, name)
 
-    def collective(self, average, compression=None):
-        return rounds.horovod_collective(average, hvd=self, compression=compression)
-
-    def quantized_collective(self, quantize, average):
-        return quantized.quantized_collective(quantize, average, hvd=self)
+    def wire_ops(self):
+        """This rank itself: production's rounds (tfsync.engine.wire) run over its Horovod names."""
+        return self
 
     def barrier(self, name):
         return lambda: self._cluster.meet(self._rank, "barrier", name, None, lambda objs: [None] * len(objs))
@@ -227,7 +225,7 @@ class FakeRank:
         with self._cluster._cond:
             return sorted(set(range(self._cluster.size)) - self._cluster.arrivals.get(key, set()))
 
-    # what horovod_collective and quantized_collective need from Horovod
+    # what the wire's collectives need from Horovod (horovod_collective, quantized_collective)
     def alltoall(self, tensor, name):
         """Equal splits of the first dimension: row block ``j`` goes to rank ``j``."""
         value = np.asarray(tensor)

@@ -38,34 +38,10 @@ def _summary(values):
     return {"n": len(values), "median": statistics.median(values), "max": values[-1]}
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="large", choices=sorted(MODELS))
-    p.add_argument("--optimizer", default="sgd", choices=("sgd", "adam"))
-    p.add_argument("--commit-every", type=int, required=True)
-    p.add_argument("--steps", type=int, required=True)
-    args = p.parse_args(argv)
-
-    import horovod.tensorflow as hvd
-
-    hvd.init()
-    import tfsync
-    import tfsync.elastic
-    from tfsync.launch import print_result
-
-    width, _, batch_size = MODELS[args.model]
-    rank, size = hvd.rank(), hvd.size()
-    keras.utils.set_random_seed(0)
-    model = build_model(args.model)
-    optimizer = keras.optimizers.SGD(0.01, momentum=0.9) if args.optimizer == "sgd" else keras.optimizers.Adam(1e-4)
-    model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    samples = args.steps * batch_size * size
-    x = np.random.default_rng(0).normal(size=(samples, width)).astype("float32")
-    y = np.random.default_rng(1).integers(0, 10, size=samples)
-
-    state = tfsync.elastic.KerasState(model, epoch=0, commit_every_steps=args.commit_every)
-    sync = tfsync.keras.SyncCallback("bsp", elastic=state, average_epoch_logs=False)
-    commits = sync.elastic
+def _timed(state, commits):
+    """Time every commit (its save and the next step's check of the launcher's notices) and every
+    step between commits, by wrapping the state's ``save`` and the commits' batch hooks (which
+    the callback calls); the seconds go to the dict returned."""
     timed = {"commit_s": [], "save_s": [], "step_s": []}
     save = state.save
 
@@ -99,6 +75,50 @@ def main(argv=None):
         clock["last_end"] = now
 
     commits.batch_begin, commits.batch_end = batch_begin, batch_end  # (the callback calls these)
+    return timed
+
+
+def _storage(state, rank):
+    """Rank 0's writes to ``TFSYNC_COMMIT_DIR`` (a thread of its own) and their mean seconds, after
+    the last is flushed; zeros elsewhere or without one."""
+    store = state._store
+    if store is not None and rank == 0:
+        state.flush_storage()
+        storage = {"storage_writes": store.written, "storage_failed": store.failed}
+        storage["storage_write_s"] = store.write_s / store.written if store.written else None
+    else:
+        storage = {"storage_writes": 0, "storage_write_s": None, "storage_failed": 0}
+    return storage
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="large", choices=sorted(MODELS))
+    p.add_argument("--optimizer", default="sgd", choices=("sgd", "adam"))
+    p.add_argument("--commit-every", type=int, required=True)
+    p.add_argument("--steps", type=int, required=True)
+    args = p.parse_args(argv)
+
+    import horovod.tensorflow as hvd
+
+    hvd.init()
+    import tfsync
+    import tfsync.elastic
+    from tfsync.launch import print_result
+
+    width, _, batch_size = MODELS[args.model]
+    rank, size = hvd.rank(), hvd.size()
+    keras.utils.set_random_seed(0)
+    model = build_model(args.model)
+    optimizer = keras.optimizers.SGD(0.01, momentum=0.9) if args.optimizer == "sgd" else keras.optimizers.Adam(1e-4)
+    model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    samples = args.steps * batch_size * size
+    x = np.random.default_rng(0).normal(size=(samples, width)).astype("float32")
+    y = np.random.default_rng(1).integers(0, 10, size=samples)
+
+    state = tfsync.elastic.KerasState(model, epoch=0, commit_every_steps=args.commit_every)
+    sync = tfsync.keras.SyncCallback("bsp", elastic=state, average_epoch_logs=False)
+    timed = _timed(state, sync.elastic)
     x_local, y_local = tfsync.shard(x, y, batch_size=batch_size, resume=state)
     model.fit(
         x_local,
@@ -109,13 +129,7 @@ def main(argv=None):
         verbose=0,
         callbacks=[sync],
     )
-    store = state._store
-    if store is not None and rank == 0:  # (rank 0 writes: its writes and their seconds, after the last)
-        state.flush_storage()
-        storage = {"storage_writes": store.written, "storage_failed": store.failed}
-        storage["storage_write_s"] = store.write_s / store.written if store.written else None
-    else:
-        storage = {"storage_writes": 0, "storage_write_s": None, "storage_failed": 0}
+    storage = _storage(state, rank)
     every = hvd.allgather_object(timed)
     if rank == 0:
         merged = {k: [v for t in every for v in t[k]] for k in timed}

@@ -19,9 +19,9 @@ of their policy's control traffic:
   ``["ask", rank, id, "grant", ...]``, timed.
 
 Meanwhile the host reports every worker's clock ``REPORTS_HZ`` times a second, and at the end
-every worker leaves.  The workers speak the link's wire (:mod:`tfsync.engine.control.transport`)
+every worker leaves.  The workers speak the link's wire (:mod:`tfsync.control.transport`)
 as coroutines on one event loop, each with its own channel, not as
-:class:`~tfsync.engine.control.client.ControlClient` threads: in a job each worker's client runs
+:class:`~tfsync.control.client.ControlClient` threads: in a job each worker's client runs
 in its own process on its own host, and a thousand clients of threads would saturate this
 process's machine long before rank 0 (what is measured).  Writes to ``OUT_PATH`` (JSON): per
 worker, when it sent each round's notice and when its closing reached it (or its asks' round
@@ -38,8 +38,8 @@ import time
 import grpc
 import grpc.aio
 
-from tfsync.engine.control.relay import HostRelay
-from tfsync.engine.control.transport import CHANNEL_OPTIONS, LINK_METHOD, TOKEN_METADATA_KEY, decode, encode
+from tfsync.control.relay import HostRelay
+from tfsync.control.transport import CHANNEL_OPTIONS, LINK_METHOD, TOKEN_METADATA_KEY, decode, encode
 
 ROUND_TIMEOUT_S = 60.0  # one round's closing must come within this, or the host gives up (and says so)
 CONNECT_TIMEOUT_S = 300.0  # a thousand workers attach at once on a loaded machine

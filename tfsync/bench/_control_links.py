@@ -9,7 +9,7 @@ when its workers' notices come within its hold, as data-parallel workers' do), t
 (bounded) for the round's closing (under ``psp`` the last rank is the straggler: its notice goes
 once the round closed without it, late); meanwhile every rank's clock goes up ``REPORTS_HZ`` times a
 second, in one ``reports`` item per link every
-:data:`~tfsync.engine.control.relay.REPORT_FLUSH_S` (as a relay batches them).  The links are
+:data:`~tfsync.control.outgoing.REPORT_FLUSH_S` (as a relay batches them).  The links are
 coroutines of this one process: rank 0 sees a large job's traffic, while the simulation costs a
 few links' messages a round, not a thousand workers' (``--simulate hosts``), so rank 0, not the
 simulation, sets the pace.  Writes ``OUT_PATH`` as :mod:`tfsync.bench._control_host` does (per
@@ -22,7 +22,7 @@ import sys
 import time
 
 from tfsync.bench._control_host import ROUND_TIMEOUT_S, Stream
-from tfsync.engine.control.relay import REPORT_FLUSH_S
+from tfsync.control.outgoing import REPORT_FLUSH_S
 
 
 class Link(Stream):

@@ -17,8 +17,8 @@ import time
 import psutil
 
 from tfsync.bench.control import policy_for
-from tfsync.engine import bindings
-from tfsync.engine.control import ControlServer
+from tfsync.control import ControlServer
+from tfsync.engine.components import bindings
 
 SAMPLE_S = 0.25  # (each sample costs rank 0 about half a millisecond of CPU: not often)
 

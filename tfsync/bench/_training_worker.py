@@ -14,7 +14,7 @@ import time
 import keras
 import numpy as np
 
-from tfsync.engine.supersteps import Supersteps
+from tfsync.engine.components.supersteps import Supersteps
 from tfsync.launch import add_mode_arguments
 
 # name -> (input width, hidden widths, batch size); 10 classes
@@ -84,7 +84,7 @@ def main():
     peak_rss_mb = hvd.allgather_object(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
     wait = waits = barriers = None
     counts = {"produced": total * size, "applied": total * size, "compensated": 0, "dropped": 0, "skipped": 0}
-    # bytes on the wire per training step, one worker's (the ring model: tfsync.engine.compression)
+    # bytes on the wire per training step, one worker's (the ring model: tfsync.engine.wire.counting)
     per_step = ring_bytes(model, size, args.compression) if args.mode == "horovod" else None
     if args.mode == "local":
         per_step = dict.fromkeys(ring_bytes(model, size), 0.0)

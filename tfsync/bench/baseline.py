@@ -37,7 +37,7 @@ def use_horovod_allreduce(model, hvd, compression=None):
 
 def ring_bytes(model, size, compression=None) -> dict:
     """Plain Horovod's bytes on the wire per step, counted as tfsync counts its rounds'
-    (:mod:`tfsync.engine.compression`): one allreduce of every trainable weight's gradient,
+    (:mod:`tfsync.engine.wire.counting`): one allreduce of every trainable weight's gradient,
     ``2·(n-1)/n`` of its bytes each way, 16 bits a floating value under fp16; no metadata."""
     ring = 2.0 * (size - 1) / size if size > 1 else 0.0
     raw = sum(int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size for v in model.trainable_variables)

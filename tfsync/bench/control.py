@@ -58,7 +58,14 @@ import numpy as np
 
 from tfsync.launch import integer, number
 
-POLICIES = ("backup", "psp", "dssp")
+# the modes whose control path is on the step's path, each with the settings the benchmark runs it
+# with on ``size`` workers (module docstring), built through the registry
+SETTINGS = {
+    "backup": lambda size: {"backups": 0},
+    "psp": lambda size: {"min_contributions": max(1, size - 1), "push_timeout_s": 0.0},
+    "dssp": lambda size: {},
+}
+POLICIES = tuple(SETTINGS)
 START_TIMEOUT_S = 60.0  # rank 0's service prints its address within this
 LAUNCH_MARGIN_S = 600.0  # the hosts' whole run is bounded by this plus a second a round
 ATTACH_TIMEOUT_S = 600.0  # every simulated host has attached its workers within this (a thousand on 2 cores)
@@ -66,15 +73,11 @@ ATTACH_TIMEOUT_S = 600.0  # every simulated host has attached its workers within
 
 def policy_for(name, size):
     """The policy the benchmark runs as ``name`` on ``size`` workers (module docstring)."""
-    from tfsync.policies import DSSP, PSP, BackupWorkers
+    from tfsync.policies import registry
 
-    if name == "backup":
-        return BackupWorkers(backups=0)
-    if name == "psp":
-        return PSP(min_contributions=max(1, size - 1), push_timeout_s=0.0)
-    if name == "dssp":
-        return DSSP()
-    raise ValueError(f"--policy {name!r}: expected one of {', '.join(POLICIES)}")
+    if name not in SETTINGS:
+        raise ValueError(f"--policy {name!r}: expected one of {', '.join(POLICIES)}")
+    return registry.get(name).build(**SETTINGS[name](size))
 
 
 def parse_args(argv):
@@ -175,17 +178,14 @@ def _address_of(rank0):
 
 
 def _start_hosts(address, token, workers, rounds, args, tmp):
-    """Start the simulated hosts, relayed as a job's would be (``lifecycle.relay_leaders`` and
-    ``relay_groups``): a group's first host before the others, which attach to its group relay."""
-    from tfsync.engine.lifecycle import relay_groups, relay_leaders
+    """Start the simulated hosts, relayed as a job's would be (:func:`tfsync.control.topology.relays`):
+    a group's first host before the others, which attach to its group relay."""
+    from tfsync.control import topology
 
     per_host = args.ranks_per_host
     firsts = list(range(0, workers, per_host))
     names = [f"host{first // per_host}" for first in range(workers)]
-    leaders = relay_leaders(names) if args.relays != "off" else {}
-    groups = relay_groups(leaders) if args.relays == "auto" else {}
-    if groups:
-        leaders = relay_leaders(names, home=True)
+    leaders, groups = topology.relays(names, args.relays)
     heads = {first: None for first in firsts if groups.get(first) == first}  # first rank -> its group relay
 
     def start(h, first, relay):
@@ -216,13 +216,10 @@ def rank0_links(workers, per_host, relays):
     """The ranks each of rank 0's links carries in a job of ``workers`` on hosts of ``per_host``
     relayed as ``relays`` (``TFSYNC_CONTROL_RELAYS``) says: a worker's own link, a host relay's
     or a group relay's."""
-    from tfsync.engine.lifecycle import relay_groups, relay_leaders
+    from tfsync.control import topology
 
     names = [f"host{rank // per_host}" for rank in range(workers)]
-    leaders = relay_leaders(names) if relays != "off" else {}
-    groups = relay_groups(leaders) if relays == "auto" else {}
-    if groups:
-        leaders = relay_leaders(names, home=True)
+    leaders, groups = topology.relays(names, relays)
     links = {}
     for rank in range(workers):
         lead = leaders.get(rank)

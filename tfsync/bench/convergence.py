@@ -51,7 +51,7 @@ from tfsync.policies import registry
 
 # plain Horovod (the anchor), every registered mode and variant the study runs by default
 # (tfsync.policies.registry.study_configurations), and auto mode
-STUDY_MODES = ("horovod", *registry.study_configurations(), "auto")
+STUDY_MODES = ("horovod", *registry.study_configurations(switching=True))
 
 # Each paper's comparison, reproduced in shape from the study's runs: (name, title, scenario,
 # modes, how many of them the study must have run for the comparison to mean something)

@@ -12,10 +12,10 @@ from tfsync.policies import registry
 
 EXAMPLE = os.path.join(REPO_ROOT, "keras_examples", "digits.py")
 BASELINE = "horovod"  # plain Horovod (in-graph hvd.grouped_allreduce), not a tfsync mode
-# mode -> the example's flags: every registered mode and named variant (tfsync.policies.registry;
-# psp+dc, backup+dc: late gradients compensated instead of dropped), plus plain Horovod BSP
-# (the anchor of python -m tfsync.bench convergence) and auto
-MODES = {BASELINE: ["--plain-horovod"], **registry.configurations(), "auto": ["--mode", "auto"]}
+# mode -> the example's flags: plain Horovod BSP (the anchor of python -m tfsync.bench
+# convergence), then every registered mode and named variant, auto included
+# (tfsync.policies.registry; psp+dc, backup+dc: late gradients compensated instead of dropped)
+MODES = {BASELINE: ["--plain-horovod"], **registry.configurations(switching=True)}
 SCENARIOS = {
     "none": "base=0.02,seed=1",
     "straggler": "base=0.02,slow=3:0.04,seed=1",

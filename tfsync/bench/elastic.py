@@ -59,14 +59,13 @@ def survivable_modes():
     ``{name: reason}`` for those whose ``validate(1)`` refuses (``auto`` included: its default modes
     take backup workers)."""
     names, refused = [], {}
-    for m in registry.modes():
+    for m in registry.modes(switching=True):
         try:
             m.build().validate(1)
         except ValueError as exc:
             refused[m.name] = str(exc)
         else:
             names.append(m.name)
-    refused["auto"] = "its default modes include backup workers, which need at least 2 workers"
     return names, refused
 
 

@@ -284,6 +284,10 @@ class Hosts:
             kill(p)
             out, _ = p.communicate()
             return 124, out
+        except BaseException:  # (interrupted: a test's own time limit, Ctrl-C) the launch goes with it
+            kill(p)
+            p.wait()
+            raise
         return p.returncode, out
 
 

@@ -33,7 +33,7 @@ Example:
 ``--inner-steps H`` and ``--overlap-steps T`` set DiLoCo's period and overlap for
 every DiLoCo mode (a variant's own flags win): e.g. ``--inner-steps 16
 --overlap-steps 3 --modes diloco diloco+fragments`` compares the whole model's
-overlapped round with four paced fragments (:mod:`tfsync.engine.pacing`) by
+overlapped round with four paced fragments (:mod:`tfsync.engine.wire.pacing`) by
 ``link_peak_bytes_per_100ms``.
 
 ``--compression none fp16`` runs every mode but ``local`` once per listed wire
@@ -42,7 +42,7 @@ format (``compression=``; plain Horovod's fp16 is its own
 each labelled with it (``tfsync BSP+fp16``), against the plain-Horovod
 float32 reference; every record carries the bytes one worker sends and
 receives per step (``bytes_sent_per_step``, ...; the ring model of
-:mod:`tfsync.engine.compression`, plain Horovod's counted the same way).
+:mod:`tfsync.engine.wire.counting`, plain Horovod's counted the same way).
 """
 
 import argparse

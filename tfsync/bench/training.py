@@ -31,7 +31,7 @@ and skip steps); ``compensated``, ``dropped`` and ``skipped`` are summed over
 the workers.  ``bytes_sent_per_step`` and ``bytes_received_per_step`` (and
 ``uncompressed_...``: without ``compression=``) are one worker's bytes on the
 wire per training step, the mean over the workers, as the engine counts them
-(:mod:`tfsync.engine.compression`: a ring allreduce moves ``2·(n-1)/n`` of its
+(:mod:`tfsync.engine.wire.counting`: a ring allreduce moves ``2·(n-1)/n`` of its
 bytes each way); plain Horovod's are counted the same way (its one gradient
 allreduce per step, no metadata).
 
@@ -54,6 +54,9 @@ from tfsync.stragglers import Stragglers
 # baselines the worker runs itself: no synchronization, plain Horovod
 MODE_FLAGS = {"local": ["--mode", "local"], "horovod": ["--mode", "horovod"], **registry.configurations()}
 MODES = tuple(MODE_FLAGS)
+# plain Horovod and the registry's per-step configurations (Local SGD's and DiLoCo's steps are not
+# each a contribution: python -m tfsync.bench network compares those)
+DEFAULT_MODES = ("horovod", *registry.study_configurations(every_step=True))
 MODELS = ("small", "21k", "1.3m", "medium", "large")
 SCENARIOS = ("none", "straggler", "heterogeneous", "jitter", "rare", "rare-pull")
 DEFAULT_SCENARIOS = tuple(s for s in SCENARIOS if s != "rare-pull")  # rare-pull: opt-in (psp+pull's case)
@@ -105,9 +108,10 @@ def parse_args(argv):
     p.add_argument(
         "--modes",
         nargs="+",
-        default=["horovod", "bsp", "ssp", "dssp", "elasticbsp", "psp", "backup", "dcs3gd", "psp+dc", "backup+dc"],
+        default=list(DEFAULT_MODES),
         choices=MODES,
-        help="'local' (no synchronization) is the compute floor the overhead is measured against",
+        help="'local' (no synchronization) is the compute floor the overhead is measured against; default: "
+        "plain Horovod and the study's configurations of every mode whose every step contributes",
     )
     p.add_argument("--models", nargs="+", default=["small"], choices=MODELS)
     p.add_argument(
@@ -233,7 +237,7 @@ def format_table(records):
         overhead = "—" if "sync_overhead_ms" not in r else f"{r['sync_overhead_ms']:.1f}"
         vs_hvd = "—" if "vs_horovod" not in r else f"{r['vs_horovod']:.2f}×"
         vs_bsp = "—" if not bsp else f"{r['samples_per_s'] / bsp:.2f}×"
-        # one worker's bytes per step (tfsync.engine.compression's ring model; plain Horovod's counted alike)
+        # one worker's bytes per step (tfsync.engine.wire.counting's ring model; plain Horovod's counted alike)
         sent = "—" if r.get("bytes_sent_per_step") is None else f"{r['bytes_sent_per_step'] / 1e6:.3f}"
         lines.append(
             f"| {r.get('model', 'small')} | {r['scenario']} | {r['mode']} | {r['samples_per_s']:.0f} | "

@@ -51,7 +51,8 @@ import threading
 import tensorflow as tf
 from tensorflow.python.distribute import one_device_strategy
 
-from tfsync.engine.protocols import tf_variable
+from tfsync.engine._tf import tf_variable
+from tfsync.engine.settings import EngineSettings
 from tfsync.frontend import FINGERPRINT_FIX, Frontend, fingerprint, once_per_step_error
 from tfsync.policies import resolve
 
@@ -60,17 +61,19 @@ class SyncStrategy(tf.distribute.OneDeviceStrategy):
     """A tf.distribute strategy that synchronizes Horovod workers with tfsync.
 
     Args:
-        mode: ``"bsp"`` (default), ``"ssp"``, ``"psp"``, ``"backup"``, ``"dcs3gd"``,
-            ``"localsgd"``, ``"diloco"`` or a policy such as ``tfsync.SSP(staleness=3)`` or
-            ``tfsync.DiLoCo(inner_steps=8)``.
-        stragglers: ``tfsync.Stragglers`` (default: from ``TFSYNC_STRAGGLERS``).
-        trace_dir: JSON-lines trace directory (default: none).
-        wait_timeout_s: bound on one wait for peers (default 120 s).
+        mode: a registered mode's name (``"bsp"``, the default, ``"ssp"``, ...:
+            :func:`tfsync.policies.registry.names` lists them; not ``"auto"``, which switches
+            modes between epochs: ``SyncCallback`` only) or a policy such as
+            ``tfsync.SSP(staleness=3)`` or ``tfsync.DiLoCo(inner_steps=8)``.
         device: local device (default: ``/gpu:<local_rank>`` if GPUs exist, else ``/cpu:0``).
         cluster: the job's ranks (:mod:`tfsync.engine.cluster`); default: Horovod's.
-        on_nonfinite: ``"reject"`` (default): a worker's contribution with a NaN or an infinity
-            goes into no round (counted as ``rejected`` in ``engine.counts``); ``"raise"``: the
-            job stops with ``tfsync.engine.NonFiniteError`` naming the rank and the step.
+        **settings: the engine's settings by keyword, declared and checked by
+            :class:`tfsync.engine.EngineSettings`: ``stragglers`` (simulated delays; default from
+            ``TFSYNC_STRAGGLERS``), ``trace_dir`` (a JSON-lines trace per worker; default none),
+            ``wait_timeout_s`` (bound on one wait for peers; default 120 s), ``on_nonfinite``
+            (``"reject"``, the default: a contribution with a NaN or an infinity goes into no
+            round, counted as ``rejected`` in ``engine.counts``; ``"raise"``: the job stops with
+            ``tfsync.engine.NonFiniteError`` naming the rank and the step).
 
     Before the first train step of a Keras model runs, every rank's mode, model (each
     variable's path, dtype, shape and trainability; the layers' classes) and optimizer
@@ -105,26 +108,9 @@ class SyncStrategy(tf.distribute.OneDeviceStrategy):
         strategy.finish()
     """
 
-    def __init__(
-        self,
-        mode="bsp",
-        *,
-        stragglers=None,
-        trace_dir=None,
-        wait_timeout_s=None,
-        device=None,
-        cluster=None,
-        on_nonfinite="reject",
-    ):
+    def __init__(self, mode="bsp", *, device=None, cluster=None, **settings):
         policy = resolve(mode)
-        frontend = Frontend(
-            policy,
-            stragglers=stragglers,
-            trace_dir=trace_dir,
-            wait_timeout_s=wait_timeout_s,
-            cluster=cluster,
-            on_nonfinite=on_nonfinite,
-        )
+        frontend = Frontend(policy, EngineSettings.of("tfsync.distribute.SyncStrategy", settings), cluster)
         # what this mode's optimizer path refuses whatever the optimizer (partial pulling), now
         frontend.optimizer_path(station="all_reduce").check_optimizer(None, "tfsync.SyncStrategy")
         local_rank = frontend.cluster.local_rank()  # (Horovod's checks, now rather than at the first step)

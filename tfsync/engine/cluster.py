@@ -7,11 +7,10 @@ of everything that talks to the outside world:
 * ``rank()``, ``size()``: this worker's rank and the number of workers;
 * ``allgather_object(obj, name)``: every rank's ``obj``, in rank order;
 * ``broadcast_object(obj, root_rank, name)``: ``root_rank``'s ``obj`` on every rank;
-* ``collective(average, compression=None)``: the round collective the
-  :class:`~tfsync.engine.exchange.RoundExchange` runs,
-  ``collective(payload, meta, divisor=None) -> (total, meta)``, its floating
-  tensors sent in ``compression``'s wire type (:mod:`tfsync.engine.compression`;
-  the engine passes ``compression`` only when the mode sets one);
+* ``wire_ops()``: the Horovod operations the engine's rounds are built from
+  (:mod:`tfsync.engine.wire`): ``size()``, ``rank()``, ``Sum``, ``Average``,
+  ``grouped_allreduce(tensors, op, name, postscale_factor=...)``, ``alltoall(tensor, name)``
+  and ``allgather(tensor, name)``, with Horovod's meaning;
 * ``local_rank()``: this worker's index among the workers of its host;
 * ``broadcast(tensor, root_rank, name)``: ``root_rank``'s tensor on every rank;
 * ``broadcast_variables(variables, root_rank, name)``: set every rank's
@@ -59,8 +58,7 @@ import urllib.parse
 import urllib.request
 
 from tfsync import _horovod
-from tfsync.engine.protocols import tf_variable
-from tfsync.engine.rounds import horovod_collective
+from tfsync.engine._tf import tf_variable
 
 ARRIVALS_SCOPE = "tfsync.arrivals"  # tfsync's scope in Horovod's rendezvous store
 STORE_TIMEOUT_S = 1.0  # one HTTP call to Horovod's rendezvous store
@@ -213,16 +211,10 @@ class HorovodCluster:
     def broadcast_object(self, obj, root_rank, name):
         return self.hvd.broadcast_object(obj, root_rank=root_rank, name=name)
 
-    def collective(self, average: bool, compression=None):
-        """One ``hvd.grouped_allreduce`` per round: :func:`tfsync.engine.rounds.horovod_collective`."""
-        return horovod_collective(average, compression=compression)
-
-    def quantized_collective(self, quantize, average: bool):
-        """A round whose payload travels quantized, over an alltoall and an all-gather
-        (:func:`tfsync.engine.quantized.quantized_collective`)."""
-        from tfsync.engine.quantized import quantized_collective
-
-        return quantized_collective(quantize, average)
+    def wire_ops(self):
+        """``horovod.tensorflow`` itself, checked (:func:`tfsync._horovod.horovod`): the rounds
+        are Horovod's own calls (:mod:`tfsync.engine.wire`)."""
+        return _horovod.horovod()
 
     def abort(self):
         """``hvd.shutdown()``: a pending collective on this rank raises at once (Horovod's

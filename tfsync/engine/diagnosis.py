@@ -3,13 +3,13 @@
 Kept apart from the engine, as Horovod keeps its stall diagnosis in its own
 ``StallInspector``: the engine waits, and asks this module what to raise when
 the collective fails or the wait outlasts its bound.  Everything it knows
-comes from the control path (:mod:`tfsync.engine.control`): the losses and
+comes from the control path (:mod:`tfsync.control`): the losses and
 stop notices rank 0 pushes to every worker, and rank 0's clock table.
 """
 
 import time
 
-from tfsync.engine.control import RECONNECT_GRACE_S
+from tfsync.control import RECONNECT_GRACE_S
 from tfsync.engine.rounds import WorkerLostError
 
 TABLE_TIMEOUT_S = 1.0  # one clock-table query while diagnosing

@@ -5,25 +5,21 @@ The engine runs numbered rounds for every mode alike.  Its policy
 passes the synchronization point of a step; the round exchange
 (:mod:`tfsync.engine.exchange`, a communication thread over
 ``hvd.grouped_allreduce``) runs the rounds, and the control path
-(:mod:`tfsync.engine.control`) carries clocks, losses and rank 0's
+(:mod:`tfsync.control`) carries clocks, losses and rank 0's
 decisions.  Everything it takes from its peers goes through one injected
 cluster object (:mod:`tfsync.engine.cluster`): Horovod in production, N
 ranks on threads in the single-process tests.
 
 The engine takes a resolved policy and checked settings
-(:class:`~tfsync.engine.settings.EngineSettings`); three things are decided
+(:class:`~tfsync.engine.settings.EngineSettings`); four things are decided
 once, when it starts, as Horovod's ``DistributedOptimizer`` factory decides
-its exchange once:
-
-* the step protocol the policy names (:mod:`tfsync.engine.protocols`): what a
-  worker contributes (gradients before the optimizer, or its update after)
-  and what a completed round does to its weights;
-* the round entry (:mod:`tfsync.engine.entry`): every worker enters every
-  round, or rank 0's coordinator closes rounds on the policy's decision;
-* the step components (:mod:`tfsync.engine.components`): what only its
-  protocol or its mode does to a step (DC-S3GD's wait before the optimizer,
-  DSSP's grants, ElasticBSP's supersteps, partial pulling, late
-  contributions; :mod:`tfsync.engine.bindings`).
+its exchange once: the step protocol the policy names
+(:mod:`tfsync.engine.protocols`: what a worker contributes and what a completed
+round does to its weights), the wire that protocol's round asks for
+(:mod:`tfsync.engine.wire`), the round entry (:mod:`tfsync.engine.entry`: every
+worker enters every round, or rank 0's coordinator closes rounds) and the step
+components (:mod:`tfsync.engine.components`: what only its protocol or its mode
+does to a step).  What it starts is owned by one object (:mod:`tfsync.engine.lifecycle`).
 
 A step runs as one :meth:`SyncEngine.sync_step`, called from inside the
 compiled train step by the protocol's optimizer path
@@ -46,16 +42,9 @@ and checked when training finishes.
 import contextlib
 import time
 
-import numpy as np
-
 from tfsync import _env
-from tfsync.engine import bindings, lifecycle, protocols
-from tfsync.engine.cluster import HorovodCluster
-from tfsync.engine.control import ControlClient
-from tfsync.engine.control.client import connect_bound
+from tfsync.engine import lifecycle
 from tfsync.engine.diagnosis import Diagnosis
-from tfsync.engine.entry import CoordinatedRounds, OpenRounds
-from tfsync.engine.nonfinite import NonFinite
 from tfsync.engine.settings import EngineSettings
 from tfsync.engine.tally import COUNTS, Tally, Trace, round_stamps, settled_fields
 from tfsync.policies import Policy
@@ -103,60 +92,21 @@ class SyncEngine:
         self._cluster = cluster
         self.started = False
         self.error = None
-        self._server, self._relays = None, []
-        self._trace = Trace(None, None)
+        self.life = lifecycle.Life(self)  # what it starts, stopped together (tfsync.engine.lifecycle)
+        self._trace = self.life.trace
         self.tally = Tally()  # (an engine whose start failed counts nothing: an elastic reset folds it)
 
     # ----------------------------------------------------------------- lifecycle
     def start(self, tensors, extra_config=None):
-        """Check the job, agree on t0, start the control path, the exchange and the protocol.
+        """Check the job, agree on t0, start the control path, the exchange and the protocol
+        (:func:`tfsync.engine.lifecycle.start`).
 
         ``tensors``: the model's trainable variables (in the order the
         optimizer sees them), already identical on every rank.  A gradient
         protocol needs only their shapes and dtypes (symbolic gradients do);
         an update protocol keeps its state beside the variables themselves.
         """
-        self.cluster = cluster = self._cluster if self._cluster is not None else HorovodCluster()
-        tensors = list(tensors)
-        if not tensors:
-            raise ValueError("tfsync: the model has no trainable weights to synchronize")
-        self.rank, self.size = cluster.rank(), cluster.size()
-        policy = self.policy
-        policy.validate(self.size)
-        self.stragglers.validate(self.size)
-        lifecycle.check_trainable(tensors)
-        protocol_cls = protocols.for_policy(policy)
-        self.entry = (CoordinatedRounds if policy.coordinated else OpenRounds)(self)
-        self.shapes = [[int(d) for d in t.shape] for t in tensors]
-        self.num_params = int(sum(np.prod(s, dtype=np.int64) for s in self.shapes))
-        self.nonfinite = NonFinite(self.on_nonfinite)
-        self.components = [*protocol_cls.components(policy), *bindings.components(policy), self.nonfinite]
-        for c in self.components:  # the model against the mode's settings, before any collective
-            c.plan(self.shapes, self.num_params)
-        config = {
-            "policy": policy.config(),
-            "num_params": self.num_params,
-            "weights": self.shapes,
-            "stragglers": self.stragglers.spec(),
-            "on_nonfinite": self.on_nonfinite,
-            **(extra_config or {}),
-        }
-        self.hosts = lifecycle.agree_config(cluster, config, self.wait_timeout_s)
-        self.t0 = lifecycle.agree_t0(cluster, self.wait_timeout_s)
-        address, fallback, token = lifecycle.open_control(self, cluster)  # (sets self._server, self._relays)
-        # the exchange first: a frontend may route the protocol's variable creation
-        # (SyncStrategy broadcasts initial values) through it
-        self.exchange = lifecycle.open_exchange(self, cluster, protocol_cls)  # (sets the wire settings)
-        self.protocol = protocol_cls(tensors, self.size, policy)
-        self.protocol.bind(self)
-        self.control = ControlClient(
-            address,
-            self.rank,
-            token,
-            connect_timeout_s=connect_bound(self.wait_timeout_s),
-            on_close=self.entry.on_close(),
-            fallback=fallback,
-        )
+        config = lifecycle.start(self, list(tensors), extra_config)
         # an inline round that waits reports this worker's clock, as the polling wait does
         self.exchange.on_inline_wait = lambda: self.control.report(self.last_pushed, min_interval_s=0.0)
         # rounds run inline (on the training thread) only on one host: across hosts a collective can
@@ -167,7 +117,7 @@ class SyncEngine:
         self.step, self.last_pushed, self.applied_through = 0, -1, -1
         self.last = {}
         self._full_round_times = None
-        self._trace = Trace(self.trace_dir, self.rank)
+        self._trace = self.life.trace = Trace(self.trace_dir, self.rank)
         self.trace({"event": "start", "rank": self.rank, "size": self.size, "t0": self.t0, **config})
         for c in self.components:
             c.bind(self)
@@ -175,8 +125,16 @@ class SyncEngine:
         self._t_step_start = self.now()
 
     def find(self, kind):
-        """The policy's component of class ``kind`` (e.g. :class:`tfsync.engine.pull.PartialPull`), or None."""
+        """The component of class ``kind`` (e.g. :class:`tfsync.engine.components.pull.PartialPull`), or None."""
         return next((c for c in self.components if isinstance(c, kind)), None)
+
+    def epoch_logs(self) -> dict:
+        """What the components add to the epoch logs (:meth:`StepComponent.epoch_logs
+        <tfsync.engine.components.base.StepComponent.epoch_logs>`), by name."""
+        logs = {}
+        for c in self.components:
+            logs.update(c.epoch_logs())
+        return logs
 
     @property
     def counts(self) -> dict:
@@ -185,8 +143,8 @@ class SyncEngine:
 
     @property
     def bytes(self) -> dict:
-        """This engine's bytes on the wire so far (:mod:`tfsync.engine.compression`'s model)."""
-        return self.wire_bytes.total
+        """This engine's bytes on the wire so far (:mod:`tfsync.engine.wire.counting`'s model)."""
+        return self.wire.bytes.total
 
     @property
     def totals(self) -> dict:
@@ -208,19 +166,13 @@ class SyncEngine:
         round, and drop them without it.
         """
         if self.applied_through < self.step - 1:  # the rounds still in flight: waited for, recorded
-            t = self.now()
-            applied = self.wait_and_apply(self.step - 1)
-            self.tally.totals["wait_s"] += (wait_s := self.now() - t)
-            drops, compensated = self.tally.settle_step(self.exchange)
-            if self.tracing:
-                settled = settled_fields(applied, self.step - 1, self.applied_through, drops, compensated)
-                self.trace({"event": "finish", "rank": self.rank, "t": t, "wait_s": wait_s, **settled})
+            self._apply_between_steps(self.step - 1, "finish")
         drained = False
         for c in self.components:
             drained = c.finish(apply_mean) or drained
         drained = self.entry.drain() or drained
         drops = self.tally.settle(self.exchange)  # (and what the components counted: a final round's rejection)
-        sent = self.tally.add_bytes(self.wire_bytes.take())  # (the rounds since the last step's, a final one's)
+        sent = self.tally.add_bytes(self.wire.bytes.take())  # (the rounds since the last step's, a final one's)
         if drained:
             self.trace({"event": "drain", "rank": self.rank, "t": self.now(), "drops": drops, "dropped": len(drops)})
         if any(sent.values()):
@@ -229,13 +181,20 @@ class SyncEngine:
         self.tally.check(self.rank)
 
     def close(self):
-        """Leave the control path and stop the threads (collective: call on every rank)."""
-        lifecycle.close(self)
+        """Leave the control path and stop the threads (collective: call on every rank;
+        :meth:`Life.close <tfsync.engine.lifecycle.Life.close>`)."""
+        if not self.started:
+            return
+        self.started = False
+        self.life.close()
 
     def abandon(self, leave=True):
         """Leave without :meth:`close`'s handshake with the other ranks (local, bounded): for an
-        engine still running when the interpreter exits (see :func:`tfsync.engine.lifecycle.abandon`)."""
-        lifecycle.abandon(self, leave=leave)
+        engine still running when the interpreter exits (see :meth:`Life.abandon
+        <tfsync.engine.lifecycle.Life.abandon>`)."""
+        if self.life.running:
+            self.started = False
+            self.life.abandon(leave=leave)
 
     def job_went_on(self) -> bool:
         """Whether the job no longer waits for this worker (a peer's stop, a lost rank, rank 0
@@ -326,13 +285,7 @@ class SyncEngine:
             self.delays.sleep()
             if required_round is None or required_round <= self.applied_through:
                 return
-            t = self.now()
-            applied = self.wait_and_apply(required_round)
-            self.tally.totals["wait_s"] += (wait_s := self.now() - t)
-            drops, compensated = self.tally.settle_step(self.exchange)
-            if self.tracing:
-                settled = settled_fields(applied, self.step - 1, self.applied_through, drops, compensated)
-                self.trace({"event": "apply", "rank": self.rank, "t": t, "wait_s": wait_s, **settled})
+            self._apply_between_steps(required_round, "apply")
 
     def skip_step(self):
         """A skipped step: no contribution; wait for its round and return its result."""
@@ -410,6 +363,17 @@ class SyncEngine:
             c.rounds_applied(required_round, hand_back)
         return applied
 
+    def _apply_between_steps(self, required_round, event):
+        """Wait for ``required_round`` and apply the rounds up to it outside a step (its wait
+        counted, what settled traced as an ``event``)."""
+        t = self.now()
+        applied = self.wait_and_apply(required_round)
+        self.tally.totals["wait_s"] += (wait_s := self.now() - t)
+        drops, compensated = self.tally.settle_step(self.exchange)
+        if self.tracing:
+            settled = settled_fields(applied, self.step - 1, self.applied_through, drops, compensated)
+            self.trace({"event": event, "rank": self.rank, "t": t, "wait_s": wait_s, **settled})
+
     def _wait_round(self, round_):
         deadline = time.monotonic() + self.wait_timeout_s
         while True:
@@ -444,7 +408,7 @@ class SyncEngine:
             "compensated": compensated,
             "skipped": int(skipped),
         }
-        sent = self.tally.add_bytes(self.wire_bytes.take())
+        sent = self.tally.add_bytes(self.wire.bytes.take())
         self.last.update(sent)
         tot = self.tally.totals
         tot["steps"] += 1

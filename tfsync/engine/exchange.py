@@ -7,7 +7,7 @@ production the tensors go straight into ``hvd.grouped_allreduce`` (on a GPU
 they stay on the device and Horovod's NCCL path serves them), and a test can
 pass NumPy arrays and an in-process fake.
 
-The round's metadata (:mod:`tfsync.engine.rounds`) rides in the same
+The round's metadata (:mod:`tfsync.engine.wire.layout`) rides in the same
 collective, so after every round each worker holds every worker's step, push
 time and compute time for it.
 
@@ -25,17 +25,10 @@ fail when two threads of one process run collectives at once, and one queue
 also keeps every rank's collectives in the same order.
 
 An open round of gradients (BSP) checks its *sum* instead of each
-contribution (:attr:`RoundExchange.sum_check`, set by the engine): it asks
-the collective for the plain sum (Horovod makes no post-scale pass) and
-divides it by its number of contributions with one pass that also says
-whether it is finite (:func:`tfsync.ops.scale_all_finite`), so a finite
-round costs no pass of its own.  Every rank receives the same sum, so every
-rank sees a non-finite one, and the round is redone: a rank whose own
-contribution is not finite sends zeros and a ``rejected`` row, the others
-theirs again; a redone sum still not finite came from finite contributions
-whose sum overflowed, and the round is rejected whole (zeros, every row
-``rejected``).  The engine counts what :attr:`RoundResult.rejected_after_sum`
-says when it applies the round.
+contribution (:attr:`RoundExchange.sum_check`, set by the engine;
+:mod:`tfsync.engine.wire.checked`): a non-finite sum is redone without the
+contributions that are not finite, and the engine counts what
+:attr:`RoundResult.rejected_after_sum` says when it applies the round.
 Elsewhere a contribution that is not finite is rejected by the engine before it gets
 here (:mod:`tfsync.engine.nonfinite`): it comes as zeros with ``rejected``
 set, and its row says ``present`` 0, ``rejected`` 1.  So an open round whose
@@ -50,7 +43,7 @@ neither dropped nor withdrawn, since it was counted when it was rejected.
 Coordinated rounds (PSP, backup workers), entered on rank 0's decision, are
 the outbox's (:mod:`tfsync.engine.outbox`).
 
-A round queued for this thread may be paced (:mod:`tfsync.engine.pacing`:
+A round queued for this thread may be paced (:mod:`tfsync.engine.wire.pacing`:
 DiLoCo's overlapped fragments): :attr:`RoundExchange.spread_s`, set by the
 protocol, says over how many seconds its pieces may go; waiting for the
 round, queueing a collective behind it or closing sends the rest at once.
@@ -65,8 +58,10 @@ import time
 import numpy as np
 
 from tfsync.engine.outbox import CoordinatedOutbox
-from tfsync.engine.pacing import paced_round, payload_bytes
-from tfsync.engine.rounds import META_COLUMNS, REJECTED, RoundResult
+from tfsync.engine.rounds import RoundResult
+from tfsync.engine.wire.checked import checked_round
+from tfsync.engine.wire.layout import META_COLUMNS, REJECTED
+from tfsync.engine.wire.pacing import paced_round, payload_bytes
 
 INLINE_WATCH_S = 1.0  # how often the watchdog of inline rounds looks (so an abort comes at most this late)
 
@@ -100,7 +95,8 @@ class RoundExchange(CoordinatedOutbox):
         # protocol exists): scale_sum(total, d) -> (total / d, finite), finite(payload), absent()
         self.sum_check = None
         # in_range(payload) -> a bool per tensor: under compression=, whether a contribution fits the
-        # wire type (tfsync.engine.compression; set by the engine); a checked round's redo rejects one that does not
+        # wire type (tfsync.engine.wire.compression; set by the engine); a checked round's redo
+        # rejects one that does not
         self.in_range = None
         # abort(): make the pending collective fail (the cluster's); bounds a round run inline
         self._abort = abort
@@ -320,53 +316,6 @@ class RoundExchange(CoordinatedOutbox):
                     with self._cond:
                         self._unfinished -= 1
 
-    def _summed(self, payload, meta):
-        """An open round's plain sum (no post-scale in Horovod) divided by its number of
-        contributions ``d`` in one checked pass: ``(total, meta, finite per tensor)``."""
-        total, wire = self._collective(payload, meta, divisor=1)
-        meta = np.asarray(wire, np.float64).reshape(self.size, META_COLUMNS)
-        d = int(np.count_nonzero(meta[:, 0]))
-        total, finite = self.sum_check.scale_sum(total, max(d, 1))
-        return list(total), meta, np.asarray(finite, bool)
-
-    def _checked_round(self, payload, meta):
-        """An open round whose sum is checked instead of each contribution (module docstring):
-        ``(payload, total, meta, after_sum)``.
-
-        A finite sum is the round (every rank sees the same sum, so every rank
-        takes this branch).  A sum with a NaN or an infinity is redone: each rank
-        checks its own contribution, and one that is not finite goes in as zeros
-        with a ``rejected`` row; a redone sum still not finite came from finite
-        contributions whose sum overflowed, and the round is rejected whole
-        (zeros; every row ``rejected``).  ``after_sum``: ``("own", tensors)``
-        when this rank's contribution was rejected, ``("sum", tensors)`` when
-        the round was, else None.
-        """
-        sent = meta
-        total, meta, finite = self._summed(payload, sent)
-        if finite.all():
-            return payload, total, meta, None
-        after_sum = None
-        if sent[self.rank, 0] == 1.0:
-            ok = np.asarray(self.sum_check.finite(payload), bool)
-            if self.in_range is not None and ok.all():  # (finite, but beyond the wire type's range)
-                ok = ok & self.in_range(payload)
-            bad = np.flatnonzero(~ok).tolist()
-            if bad:
-                after_sum = ("own", bad)
-                payload = self.sum_check.absent()
-                sent = sent.copy()
-                sent[self.rank, 0], sent[self.rank, REJECTED] = 0.0, 1.0
-        total, meta, finite = self._summed(payload, sent)
-        if not finite.all():
-            meta = meta.copy()
-            if after_sum is None and meta[self.rank, 0] == 1.0:
-                after_sum = ("sum", np.flatnonzero(~finite).tolist())
-            meta[:, REJECTED] += meta[:, 0]
-            meta[:, 0] = 0.0
-            payload = total = self.sum_check.absent()
-        return payload, list(total), meta, after_sum
-
     def _fail(self, exc) -> bool:
         with self._cond:
             self._error = exc
@@ -393,7 +342,9 @@ class RoundExchange(CoordinatedOutbox):
         after_sum = None
         try:
             if not coordinated and self.sum_check is not None:
-                payload, total, meta, after_sum = self._checked_round(payload, meta)
+                payload, total, meta, after_sum = checked_round(
+                    self._collective, payload, meta, self.rank, self.size, self.sum_check, self.in_range
+                )
             elif not coordinated:
                 spread = self.spread_s() if self.spread_s is not None else None
                 if spread is not None and threading.current_thread() is self._thread:  # (the same on every rank)

@@ -1,163 +1,212 @@
-"""An engine's life: what every rank agrees on before the first step, and how it ends.
+"""An engine's life: what it starts and how that ends, owned by one object (:class:`Life`).
 
-Each runs once per :meth:`SyncEngine.start <tfsync.engine.SyncEngine.start>`
-through the cluster's own collectives (Horovod's in production), each bounded
-by the engine's wait bound (:func:`tfsync.engine.bounded.run_bounded`: a rank
-that does not come stops every rank with an error naming it), so a job
-whose ranks disagree stops with both sides named before any round runs, and
-the control path's token reaches the workers over Horovod's channel, never
-the control path itself (its settings are checked earlier still, by
-:class:`~tfsync.engine.settings.EngineSettings`, when a frontend is built).  An engine ends
-with :func:`close` (collective) or,
-when the interpreter exits with it still running, :func:`abandon` (local),
-so a failed ``fit`` cannot leave the process hanging on the control path's
-threads.
+Starting an engine starts things that must not outlive it: rank 0's control service, the
+hosts' relays (:mod:`tfsync.control`), the exchange's threads, the worker's control link, the
+trace file.  Each is recorded in the engine's :class:`Life` as it starts (before anything
+after it can fail), and one object stops them all: :meth:`Life.close` (collective: every
+rank's rounds done and every rank off the control path before rank 0's service stops) or,
+when the interpreter exits with the engine still running, :meth:`Life.abandon` (local,
+bounded), so a failed ``fit`` cannot leave the process hanging on the control path's threads.
+The control path's token reaches the workers over Horovod's channel (:func:`open_control`),
+never over the control path itself.  What the ranks agree on before all that is
+:mod:`tfsync.engine.agreement`'s.
 """
 
 import logging
 import secrets
-import socket
 import threading
-import time
 import weakref
 
+import numpy as np
+
 from tfsync import _env
-from tfsync.engine import bindings
-from tfsync.engine.address import choose as choose_control_address
-from tfsync.engine.address import choose_relay as choose_relay_address
+from tfsync.control import ControlClient, ControlServer, topology
+from tfsync.control.address import choose as choose_control_address
+from tfsync.control.address import choose_relay as choose_relay_address
+from tfsync.control.client import connect_bound
+from tfsync.control.relay import HostRelay
+from tfsync.engine import agreement, protocols
 from tfsync.engine.bounded import run_bounded
-from tfsync.engine.control import ControlServer
-from tfsync.engine.control.relay import GROUP_HOSTS, HostRelay
+from tfsync.engine.cluster import HorovodCluster
+from tfsync.engine.components import bindings
+from tfsync.engine.entry import CoordinatedRounds, OpenRounds
+from tfsync.engine.nonfinite import NonFinite
+from tfsync.engine.tally import Trace
 
 log = logging.getLogger("tfsync.control")
 
 ABANDON_JOIN_S = 2.0  # at exit, how long an unclosed engine waits for its communication thread
 
-_running = weakref.WeakSet()  # engines started and not closed, in this process
+_running = weakref.WeakSet()  # what engines of this process started and did not close (Life)
 _exit_hook_registered = False
 
 
-def check_trainable(tensors) -> None:
-    """Refuse a trainable variable that is not floating point, before any collective: rounds
-    average the workers' contributions, which only floating-point weights have."""
-    import tensorflow as tf
+class Life:
+    """What one engine started, each recorded as it starts, stopped together.
 
-    for i, t in enumerate(tensors):
-        dtype = tf.as_dtype(t.dtype)
-        if not dtype.is_floating:
-            name = getattr(t, "path", None) or getattr(t, "name", None) or f"#{i}"
-            raise TypeError(
-                f"tfsync: trainable variable {name} has dtype {dtype.name}; every trainable variable "
-                f"must be floating point (tfsync averages them across workers). Create it with "
-                f"trainable=False, or with a float dtype"
+    ``server`` (rank 0's control service), ``relays`` (this process's host and group relays, a
+    host relay before its group relay), ``exchange`` (the rounds' threads), ``control`` (this
+    worker's link) and ``trace`` (its trace file): None (or empty) until started.
+    """
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.server, self.relays = None, []
+        self.exchange = self.control = None
+        self.trace = Trace(None, None)
+
+    @property
+    def running(self) -> bool:
+        """Whether something started and was not stopped yet."""
+        return self in _running
+
+    def close(self):
+        """Leave the control path and stop the threads (collective: every rank calls it).
+
+        Two barriers on the exchange thread, after every round, each bounded: every rank is
+        done with the control path before any leaves it, and every rank has left it (its
+        stream ended, its channel closed) before rank 0 stops the server, so no server goes
+        away under a worker's open stream.  A barrier that failed (a rank did not come within
+        the bound) ends the job: everything is released all the same, or rank 0's server's
+        threads would keep the process alive."""
+        _running.discard(self)
+        try:
+            self._barrier(
+                "tfsync.close",
+                "the barrier every rank reaches, its rounds done, before any leaves the control path",
             )
+            self.control.close()
+            self._barrier(
+                "tfsync.left",
+                "the barrier every rank reaches once it left the control path, before rank 0 stops it",
+            )
+        finally:
+            try:
+                self.exchange.close()
+                self.control.close()
+            finally:
+                self.release()
+
+    def _barrier(self, name, purpose):
+        """The cluster's barrier ``name`` on the exchange thread, after every round, bounded.
+
+        A rank can finish its steps before a peer's stop notice reaches it (a coordinated round
+        closed without the peer, which then stopped); the barrier then fails for want of that
+        peer, and the peer's reason, if it announced one, is the error, not the barrier's."""
+        engine = self.engine
+        try:
+            run_bounded(
+                engine.cluster,
+                engine.cluster.barrier(name),
+                name=name,
+                purpose=purpose,
+                timeout_s=engine.wait_timeout_s,
+                on=self.exchange.call,
+            )
+        except Exception as exc:
+            diagnosis = getattr(engine, "_diagnosis", None)
+            stop = diagnosis.peer_stop() if diagnosis is not None else None
+            if stop is not None:
+                raise stop from exc
+            raise
+
+    def abandon(self, leave=True):
+        """Stop what started without :meth:`close`'s handshake with the other ranks (local,
+        bounded): for an engine still running when the interpreter exits (``fit`` raised, and
+        Keras calls no ``on_train_end`` then; a ``SyncStrategy`` never finished), whose control
+        path's gRPC handler threads would otherwise keep the process alive forever, and for a
+        start that failed after rank 0's control server came up.  The replicas' weights may
+        differ; nothing is drained.
+
+        ``leave``: tell rank 0 this worker left (bounded); ``False`` in an elastic reset, where
+        every member abandons its engine and rank 0 its service (:meth:`ControlClient.close
+        <tfsync.control.client.ControlClient.close>`)."""
+        if self not in _running:
+            return
+        _running.discard(self)
+        try:
+            if self.exchange is not None:
+                self.exchange.close(timeout_s=ABANDON_JOIN_S)
+        finally:
+            if self.control is not None:
+                self.control.close(leave=leave)
+            self.release()
+
+    def release(self):
+        """Stop the relays and rank 0's service, close the trace."""
+        try:
+            for relay in self.relays:  # (a host relay before its group relay)
+                relay.stop()
+        finally:
+            if self.server is not None:
+                self.server.stop()
+            self.trace.close()
 
 
-def agree_config(cluster, config: dict, timeout_s: float) -> list:
-    """Raise ``ValueError`` naming the ranks whose ``config`` differs from rank 0's, and the first
-    difference (collective, bounded by ``timeout_s``; :func:`check_agreement`).  Returns every
-    rank's host name, in rank order (gathered with the configs: the errors name the host of a
-    rank at fault)."""
-    gathered = run_bounded(
-        cluster,
-        lambda: cluster.allgather_object((config, socket.gethostname()), name="tfsync.config"),
-        name="tfsync.config",
-        purpose="every rank's mode, model and straggler settings, gathered when the engine starts to check they match",
-        timeout_s=timeout_s,
-    )
-    check_agreement([c for c, _ in gathered], "mode, model and straggler settings")
-    return [h for _, h in gathered]
-
-
-def check_agreement(
-    configs: list, what: str, fix: str = "launch the same script with the same arguments on every rank"
-):
-    """Raise ``ValueError`` if any rank's config (``configs``, in rank order, plain data) differs
-    from rank 0's: the error names those ranks and, for the first of them, only the first
-    difference (``rank 1: variable dense_1/kernel dtype float16, rank 0 float32``), not the
-    whole config, which may list every variable of a model.  ``what``: what the configs hold, in
-    words; ``fix``: how to make them agree."""
-    mismatched = [r for r, c in enumerate(configs) if c != configs[0]]
-    if mismatched:
-        r = mismatched[0]
-        raise ValueError(
-            f"tfsync: ranks {mismatched} are configured differently from rank 0 "
-            f"(rank {r}: {first_difference(configs[r], configs[0])}). Every worker must run the same "
-            f"{what}: {fix}"
-        )
-
-
-def first_difference(mine, rank0, where: str = "") -> str:
-    """The first place where ``mine`` differs from rank 0's ``rank0`` (nested dicts and lists of
-    plain data), in words: ``policy staleness 3, rank 0 2``.  A list's items that are dicts with
-    a ``path`` (a model's variables) are named by it: ``variable dense/kernel dtype ...``."""
-    if isinstance(mine, dict) and isinstance(rank0, dict):
-        for key in [*mine, *(k for k in rank0 if k not in mine)]:
-            at = f"{where} {key}".strip()
-            if key not in rank0:
-                return f"{at} {_short(mine[key])}, rank 0 has none"
-            if key not in mine:
-                return f"{at} missing, rank 0 {_short(rank0[key])}"
-            if mine[key] != rank0[key]:
-                return first_difference(mine[key], rank0[key], at)
-    if isinstance(mine, list | tuple) and isinstance(rank0, list | tuple):
-        for i, (a, b) in enumerate(zip(mine, rank0)):
-            if a != b:
-                return first_difference(a, b, _item(where, i, a, b))
-        if len(mine) != len(rank0):
-            extra = mine[len(rank0)] if len(mine) > len(rank0) else rank0[len(mine)]
-            named = _item(where, min(len(mine), len(rank0)), extra, extra)
-            return f"{where} {len(mine)} entries, rank 0 {len(rank0)} (the first unmatched: {named})".strip()
-    return f"{where} {_short(mine)}, rank 0 {_short(rank0)}".strip()
-
-
-def _item(where, i, a, b):
-    """The name of item ``i`` of a list at ``where``: a variable by its path when both have it."""
-    if isinstance(a, dict) and isinstance(b, dict) and a.get("path") and a.get("path") == b.get("path"):
-        return f"variable {a['path']}"
-    if isinstance(a, dict) and "path" in a:
-        return f"variable #{i}"
-    return f"{where}[{i}]"
-
-
-def _short(value, limit=80) -> str:
-    text = value if isinstance(value, str) else repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def agree_t0(cluster, timeout_s: float) -> float:
-    """Rank 0's clock, the job's t0 (every time in rounds and traces is relative to it; collective,
-    bounded by ``timeout_s``)."""
-    now = time.time()
-    return run_bounded(
-        cluster,
-        lambda: cluster.broadcast_object(now, root_rank=0, name="tfsync.t0"),
-        name="tfsync.t0",
-        purpose="rank 0's clock, the job's t0, broadcast when the engine starts",
-        timeout_s=timeout_s,
-    )
+def start(engine, tensors, extra_config=None) -> dict:
+    """What :meth:`SyncEngine.start <tfsync.engine.SyncEngine.start>` does before its first step:
+    decide once (the step protocol the policy names, the round entry, the components), check the
+    model against the mode and the ranks against each other (:mod:`tfsync.engine.agreement`),
+    agree on t0, then open the control path (:func:`open_control`), the wire and the exchange
+    (:func:`open_exchange`), the protocol and this worker's link (:func:`attach`), each recorded
+    in ``engine.life``.  Returns the configuration the ranks agreed on."""
+    engine.cluster = cluster = engine._cluster if engine._cluster is not None else HorovodCluster()
+    if not tensors:
+        raise ValueError("tfsync: the model has no trainable weights to synchronize")
+    engine.rank, engine.size = cluster.rank(), cluster.size()
+    policy = engine.policy
+    policy.validate(engine.size)
+    engine.stragglers.validate(engine.size)
+    agreement.check_trainable(tensors)
+    protocol_cls = protocols.for_policy(policy)
+    engine.entry = (CoordinatedRounds if policy.coordinated else OpenRounds)(engine)
+    engine.shapes = [[int(d) for d in t.shape] for t in tensors]
+    engine.num_params = int(sum(np.prod(s, dtype=np.int64) for s in engine.shapes))
+    engine.nonfinite = NonFinite(engine.on_nonfinite)
+    engine.components = [*protocol_cls.components(policy), *bindings.components(policy), engine.nonfinite]
+    for c in engine.components:  # the model against the mode's settings, before any collective
+        c.plan(engine.shapes, engine.num_params)
+    config = {
+        "policy": policy.config(),
+        "num_params": engine.num_params,
+        "weights": engine.shapes,
+        "stragglers": engine.stragglers.spec(),
+        "on_nonfinite": engine.on_nonfinite,
+        **(extra_config or {}),
+    }
+    engine.hosts = agreement.agree_config(cluster, config, engine.wait_timeout_s)
+    engine.t0 = agreement.agree_t0(cluster, engine.wait_timeout_s)
+    address, fallback, token = open_control(engine, cluster)  # (rank 0's service, the relays)
+    # the exchange first: a frontend may route the protocol's variable creation
+    # (SyncStrategy broadcasts initial values) through it
+    engine.exchange = open_exchange(engine, cluster, protocol_cls)  # (and engine.wire, opened once)
+    engine.protocol = protocol_cls(tensors, engine.size, policy)
+    engine.protocol.bind(engine)
+    engine.control = attach(engine, address, fallback, token)
+    return config
 
 
 def open_control(engine, cluster):
     """Rank 0 starts the control service; every rank learns its address and the job's token;
     the first rank of each host but rank 0's with several ranks starts the host's relay
-    (:mod:`tfsync.engine.control.relay`; ``TFSYNC_CONTROL_RELAYS``), and its host's ranks learn
-    its address; past ``GROUP_HOSTS`` relaying hosts, the first of each group of them also
-    starts the group's relay, which the group's host relays attach to (:func:`relay_groups`),
+    (:mod:`tfsync.control.relay`; ``TFSYNC_CONTROL_RELAYS``), and its host's ranks learn
+    its address; past :data:`~tfsync.control.topology.GROUP_HOSTS` relaying hosts, the first of each group of
+    them also starts the group's relay, which the group's host relays attach to
+    (:func:`tfsync.control.topology.relays`),
     and rank 0's host's other ranks attach through a relay too (in rank 1's process).
 
     Returns ``(address, fallback, token)``: where this rank attaches (its host's relay, or rank
     0's service) and where it re-attaches if that is gone (collective, bounded by the engine's
-    wait bound); rank 0's server is ``engine._server`` and the relays ``engine._relays`` (set before
-    anything can fail, so :func:`abandon` stops them).  From here on the engine is abandoned at
-    interpreter exit unless closed (:func:`leave_at_exit`).
+    wait bound); rank 0's server and the relays are recorded in ``engine.life`` as each
+    starts, so :meth:`Life.abandon` stops them whatever fails after.  From here on the engine
+    is abandoned at interpreter exit unless closed (:func:`leave_at_exit`).
     """
-    server, contact = None, None
+    life, contact = engine.life, None
     if engine.rank == 0:
         token = secrets.token_hex(16)
         chosen = choose_control_address()
         try:
-            server = ControlServer(
+            life.server = ControlServer(
                 engine.size,
                 engine.t0,
                 token,
@@ -169,9 +218,8 @@ def open_control(engine, cluster):
             )
         except RuntimeError as exc:
             raise RuntimeError(f"{exc} (the address came from {chosen.source})") from exc
-        contact = (server.address, token)
-    engine._server = server
-    leave_at_exit(engine)  # from here on something runs that must not outlive the process
+        contact = (life.server.address, token)
+    leave_at_exit(life)  # from here on something runs that must not outlive the process
     address, token = run_bounded(
         cluster,
         lambda: cluster.broadcast_object(contact, root_rank=0, name="tfsync.control_address"),
@@ -179,29 +227,42 @@ def open_control(engine, cluster):
         purpose="the address and token of rank 0's control service, broadcast when the engine starts",
         timeout_s=engine.wait_timeout_s,
     )
-    relaying = _env.control_relays()
-    leaders = relay_leaders(engine.hosts) if relaying != "off" else {}
+    leaders, groups = topology.relays(engine.hosts, _env.control_relays())
     if not leaders:
         return address, None, token
     upstream, fallback = address, None
-    groups = relay_groups(leaders) if relaying == "auto" else {}
-    if groups:  # (a job this large: rank 0's host's other workers through a relay too)
-        leaders = relay_leaders(engine.hosts, home=True)
+    if groups:
         group = None
         if groups.get(engine.rank) == engine.rank:
             group = _group_relay(address, token, engine.t0)
             if group is not None:
-                engine._relays.append(group)
+                life.relays.append(group)
         heads = _gather_address(engine, cluster, group, "tfsync.group_relays", "the control group relays")
         if engine.rank in groups and heads[groups[engine.rank]] is not None:
             upstream, fallback = heads[groups[engine.rank]], address
     relay = None
     if leaders.get(engine.rank) == engine.rank:
         relay = HostRelay(upstream, token, engine.t0, fallback=fallback)
-        engine._relays.insert(0, relay)  # (stopped before its group relay)
+        life.relays.insert(0, relay)  # (stopped before its group relay)
     relays = _gather_address(engine, cluster, relay, "tfsync.relays", "the hosts' control relays")
     leader = leaders.get(engine.rank)
     return (relays[leader], address, token) if leader is not None else (address, None, token)
+
+
+def attach(engine, address, fallback, token):
+    """This worker's :class:`~tfsync.control.client.ControlClient`, attached to ``address`` (its
+    host's relay, or rank 0's service; ``fallback``: rank 0's, where it re-attaches if the relay is
+    gone), its closings handed to the engine's round entry; recorded in ``engine.life``.  The first
+    attach waits for the engine's wait bound at most (:func:`~tfsync.control.client.connect_bound`)."""
+    engine.life.control = ControlClient(
+        address,
+        engine.rank,
+        token,
+        connect_timeout_s=connect_bound(engine.wait_timeout_s),
+        on_close=engine.entry.on_close(),
+        fallback=fallback,
+    )
+    return engine.life.control
 
 
 def _gather_address(engine, cluster, relay, name, what):
@@ -217,8 +278,8 @@ def _gather_address(engine, cluster, relay, name, what):
 
 
 def _group_relay(address, token, t0):
-    """A group relay (:mod:`tfsync.engine.control.relay`) listening where the other hosts reach
-    this one (as rank 0's service would, :func:`tfsync.engine.address.choose_relay`); None, with a
+    """A group relay (:mod:`tfsync.control.relay`) listening where the other hosts reach
+    this one (as rank 0's service would, :func:`tfsync.control.address.choose_relay`); None, with a
     warning, where this host has no such address or it cannot listen there: its group's host
     relays then attach to rank 0 themselves."""
     try:
@@ -229,30 +290,25 @@ def _group_relay(address, token, t0):
 
 
 def open_exchange(engine, cluster, protocol_cls):
-    """The engine's :class:`~tfsync.engine.exchange.RoundExchange` over the round collective its
-    protocol chooses, each call's bytes counted; sets the engine's ``compression``, ``wire_bytes``
-    and ``wire_format`` (:mod:`tfsync.engine.compression`)."""
-    from tfsync.engine.compression import counted, wire_settings
+    """The engine's :class:`~tfsync.engine.exchange.RoundExchange` over the wire its protocol's
+    round asks for (:func:`tfsync.engine.wire.open_wire`, opened once: ``engine.wire``), each
+    call's bytes counted; recorded in ``engine.life``."""
     from tfsync.engine.exchange import RoundExchange
+    from tfsync.engine.wire import open_wire
 
-    policy = engine.policy
-    options = {**protocol_cls.exchange_options(), **engine.entry.exchange_options()}
+    options = engine.entry.exchange_options()
     for c in engine.components:
         options.update(c.exchange_options())
-    # the rounds' wire type, the range a contribution must keep to, every round's bytes
-    engine.compression, engine.wire_bytes, engine.wire_format = wire_settings(policy, engine.size)
-    collective = protocol_cls.collective(cluster, policy, options["averages"], engine.compression)
+    round_ = protocol_cls.round(engine.policy)
+    engine.wire = wire = open_wire(engine.policy, cluster, engine.size, round_)
     abort = getattr(cluster, "abort", None)
     exchange = RoundExchange(
-        counted(collective, engine.wire_bytes), engine.rank, engine.size, engine.t0, abort=abort, **options
+        wire.collective, engine.rank, engine.size, engine.t0, abort=abort, averages=round_.averages, **options
     )
-
-    def round_bytes(payload):  # (a paced round's pieces are cut from its bytes on the wire)
-        return engine.wire_bytes.per_call([t.shape for t in payload], [t.dtype for t in payload])["bytes_sent"]
-
-    exchange.wire_bytes = round_bytes
-    if engine.wire_format is not None:  # (BSP's checked sum: a redone round checks the range too)
-        exchange.in_range = engine.wire_format.in_range
+    exchange.wire_bytes = wire.round_bytes  # (a paced round's pieces are cut from its bytes on the wire)
+    if wire.format is not None:  # (BSP's checked sum: a redone round checks the range too)
+        exchange.in_range = wire.format.in_range
+    engine.life.exchange = exchange
     return exchange
 
 
@@ -260,8 +316,6 @@ def rest_steps(policy):
     """How often every worker of ``policy``'s engine is sure to be at rest
     (:meth:`SyncEngine.at_rest <tfsync.engine.SyncEngine.at_rest>`): every that many steps (1:
     after every step), or None (no step is sure to be)."""
-    from tfsync.engine import protocols
-
     protocol = protocols.for_policy(policy)
     period = protocol.rest_steps(policy)
     if period is None or not all(c.rests for c in [*protocol.components(policy), *bindings.components(policy)]):
@@ -269,139 +323,19 @@ def rest_steps(policy):
     return period
 
 
-def relay_leaders(hosts, home=False) -> dict:
-    """``{rank: the first rank of its host}`` for the ranks whose host is not rank 0's and holds
-    several ranks (``hosts``: every rank's host name, in rank order): those attach through their
-    host's relay.  ``home``: rank 0's host's other ranks too, if there are several (their relay
-    runs in rank 1's process; rank 0 attaches to its own service directly)."""
-    ranks_of = {}
-    for rank, host in enumerate(hosts):
-        if rank > 0 and (home or host != hosts[0]):
-            ranks_of.setdefault(host, []).append(rank)
-    return {rank: ranks[0] for ranks in ranks_of.values() if len(ranks) > 1 for rank in ranks}
+def leave_at_exit(life):
+    """Abandon what ``life`` holds at interpreter exit if it is still running then.
 
-
-def relay_groups(leaders) -> dict:
-    """``{host relay's rank: the rank of its group relay}`` (``leaders`` as :func:`relay_leaders`
-    gives them): past :data:`~tfsync.engine.control.relay.GROUP_HOSTS` relaying hosts, the relays
-    of each ``GROUP_HOSTS`` consecutive hosts attach to the group relay of the first of them
-    (a host left alone attaches to rank 0); ``{}`` for fewer."""
-    heads = sorted(set(leaders.values()))
-    if len(heads) <= GROUP_HOSTS:
-        return {}
-    groups = {}
-    for start in range(0, len(heads), GROUP_HOSTS):
-        chunk = heads[start : start + GROUP_HOSTS]
-        if len(chunk) > 1:
-            groups.update(dict.fromkeys(chunk, chunk[0]))
-    return groups
-
-
-def leave_at_exit(engine):
-    """Abandon ``engine`` at interpreter exit if it is still running then.
-
-    The hook goes in ``threading``'s exit list, which runs before Python joins
-    the non-daemon threads, the gRPC server's handler pool among them (an
-    ``atexit`` function runs after that join, too late).  It is registered
-    after the server exists, so it runs before ``concurrent.futures`` joins
-    that pool.
+    The hook goes in ``threading``'s exit list (a private hook of the standard library, the only
+    one early enough), which runs before Python joins the non-daemon threads, the gRPC server's
+    handler pool among them (an ``atexit`` function runs after that join, too late).  It is
+    registered after the server exists, so it runs before ``concurrent.futures`` joins that pool.
     """
     global _exit_hook_registered
-    _running.add(engine)
+    _running.add(life)
     if not _exit_hook_registered:
         threading._register_atexit(_abandon_running)
         _exit_hook_registered = True
-
-
-def close(engine):
-    """Leave the control path and stop the threads (collective: every rank calls it)."""
-    if not engine.started:
-        return
-    engine.started = False
-    _running.discard(engine)
-    # Two barriers on the exchange thread, after every round, each bounded: every
-    # rank is done with the control path before any leaves it, and every rank has
-    # left it (its stream ended, its channel closed) before rank 0 stops the server,
-    # so no server goes away under a worker's open stream.  A barrier that failed (a rank
-    # did not come within the bound) ends the job: everything is released all the same,
-    # or rank 0's server's threads would keep the process alive.
-    try:
-        _barrier(
-            engine,
-            "tfsync.close",
-            "the barrier every rank reaches, its rounds done, before any leaves the control path",
-        )
-        engine.control.close()
-        _barrier(
-            engine,
-            "tfsync.left",
-            "the barrier every rank reaches once it left the control path, before rank 0 stops it",
-        )
-    finally:
-        try:
-            engine.exchange.close()
-            engine.control.close()
-        finally:
-            _release(engine)
-
-
-def _barrier(engine, name, purpose):
-    """The cluster's barrier ``name`` on the exchange thread, after every round, bounded.
-
-    A rank can finish its steps before a peer's stop notice reaches it (a coordinated round
-    closed without the peer, which then stopped); the barrier then fails for want of that
-    peer, and the peer's reason, if it announced one, is the error, not the barrier's."""
-    try:
-        run_bounded(
-            engine.cluster,
-            engine.cluster.barrier(name),
-            name=name,
-            purpose=purpose,
-            timeout_s=engine.wait_timeout_s,
-            on=engine.exchange.call,
-        )
-    except Exception as exc:
-        diagnosis = getattr(engine, "_diagnosis", None)
-        stop = diagnosis.peer_stop() if diagnosis is not None else None
-        if stop is not None:
-            raise stop from exc
-        raise
-
-
-def abandon(engine, leave=True):
-    """Leave without :func:`close`'s handshake with the other ranks (local, bounded).
-
-    For an engine still running when the interpreter exits: ``fit`` raised
-    (Keras calls no ``on_train_end`` then), or a ``SyncStrategy`` was never
-    finished.  Its control path's gRPC handler threads would otherwise keep
-    the process alive forever.  The replicas' weights may differ; nothing is
-    drained.  Also for a start that failed after rank 0's control server came up.
-
-    ``leave``: tell rank 0 this worker left (bounded); ``False`` in an elastic reset, where
-    every member abandons its engine and rank 0 its service (:meth:`ControlClient.close`).
-    """
-    if engine not in _running:
-        return
-    engine.started = False
-    _running.discard(engine)
-    parts = engine.__dict__  # what a failed start got to build
-    try:
-        if "exchange" in parts:
-            engine.exchange.close(timeout_s=ABANDON_JOIN_S)
-    finally:
-        if "control" in parts:
-            engine.control.close(leave=leave)
-        _release(engine)
-
-
-def _release(engine):
-    try:
-        for relay in engine._relays:  # (a host relay before its group relay)
-            relay.stop()
-    finally:
-        if engine._server is not None:
-            engine._server.stop()
-        engine._trace.close()
 
 
 def abandon_all():
@@ -411,8 +345,8 @@ def abandon_all():
 
 
 def _abandon_running(leave=True):
-    for engine in list(_running):
+    for life in list(_running):
         try:
-            engine.abandon(leave=leave)
+            life.engine.abandon(leave=leave)
         except Exception:  # exiting anyway: one engine's failure must not keep the others
             pass

@@ -39,11 +39,11 @@ engine's ``on_nonfinite``:
   the row (a coordinated round that closed without this rank), from the stop
   notice the control path brings.
 
-A late contribution (``compensate=``, :mod:`tfsync.engine.late`) is checked
+A late contribution (``compensate=``, :mod:`tfsync.engine.components.late`) is checked
 once corrected, before it is offered: one that is not finite is rejected the
 same way and never offered.
 
-Under ``compression=`` (:mod:`tfsync.engine.compression`) a contribution that
+Under ``compression=`` (:mod:`tfsync.engine.wire.compression`) a contribution that
 is finite but has an element beyond what the wire type's sum can carry
 (float16: 65504 over the number of workers, less rounding room) could make
 the round's sum an infinity: it is rejected the same way, before it is sent,
@@ -105,8 +105,8 @@ class NonFinite(StepComponent):
             return payload, False
         engine = self.engine
         bad, what, why = _not_finite(finite), engine.protocol.describes, {}
-        if not bad and engine.wire_format is not None:
-            bad = _not_finite(engine.wire_format.in_range(payload))
+        if not bad and engine.wire.format is not None:
+            bad = _not_finite(engine.wire.format.in_range(payload))
             what, why = self._beyond_wire(what)
         if not bad:
             return payload, False
@@ -118,7 +118,7 @@ class NonFinite(StepComponent):
 
     def _beyond_wire(self, what):
         """``(what, {outcome, fix})`` for a contribution finite but beyond the wire type's range."""
-        wire = self.engine.wire_format
+        wire = self.engine.wire.format
         return (
             f"{what} (finite, but beyond what {wire.describe()} carries: |x| > {wire.limit:.6g})",
             {"outcome": "would overflow on the wire; the round goes on without it", "fix": WIRE_FIX},
@@ -136,8 +136,8 @@ class NonFinite(StepComponent):
         corrected contribution (checked against the wire type's range under ``compression=``)."""
         bad = _not_finite(finite)
         what, why = "late gradient (corrected for its delay)", {}
-        if not bad and payload is not None and self.engine.wire_format is not None:
-            bad = _not_finite(self.engine.wire_format.in_range(payload))
+        if not bad and payload is not None and self.engine.wire.format is not None:
+            bad = _not_finite(self.engine.wire.format.in_range(payload))
             what, why = self._beyond_wire(what)
         if not bad:
             return False
@@ -152,7 +152,7 @@ class NonFinite(StepComponent):
             kind, bad = found
             step = int(res.steps[self.engine.rank])
             what = "gradients" if kind == "own" else "gradients (finite, but the round's sum of them overflowed)"
-            wire = self.engine.wire_format
+            wire = self.engine.wire.format
             beyond = "" if wire is None else f" or exceed what {wire.describe()} carries (|x| > {wire.limit:.6g})"
             outcome = (
                 f"have a NaN or an infinity{beyond}; the round went on without it"

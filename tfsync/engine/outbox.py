@@ -1,7 +1,7 @@
 """Coordinated rounds (PSP, backup workers): the outbox and the rounds rank 0 closes.
 
 Coordinated rounds (PSP, backup workers) are not entered on a worker's own
-push but on rank 0's decision (:mod:`tfsync.engine.control`).  The training
+push but on rank 0's decision (:mod:`tfsync.control`).  The training
 thread :meth:`RoundExchange.push`-es its contribution, stamped with the round
 whose weights it was computed on, into a one-slot outbox and tells the
 coordinator; the control stream hands every "round ``r`` closed, accepting
@@ -53,7 +53,7 @@ ends, with the same weight.
 
 import numpy as np
 
-from tfsync.engine.rounds import META_COLUMNS, REJECTED
+from tfsync.engine.wire.layout import META_COLUMNS, REJECTED
 
 
 class CoordinatedOutbox:

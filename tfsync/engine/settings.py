@@ -1,4 +1,8 @@
-"""An engine's settings, checked once, when a frontend is built (:class:`EngineSettings`)."""
+"""An engine's settings, declared once and checked once, when a frontend is built (:class:`EngineSettings`).
+
+The frontends (``SyncCallback``, ``SyncStrategy``) take them as keyword arguments and pass
+them here as they came (:meth:`EngineSettings.of`): their names, defaults and checks are
+written only in this class."""
 
 import dataclasses
 import os
@@ -51,9 +55,25 @@ class EngineSettings:
         object.__setattr__(self, "on_nonfinite", check_option(self.on_nonfinite))
         object.__setattr__(self, "elastic", bool(self.elastic))
 
+    @classmethod
+    def of(cls, who: str, settings: dict, **own) -> "EngineSettings":
+        """The settings a frontend's caller passed as keyword arguments (``settings``), checked:
+        a keyword that is not one of :data:`FRONTEND_SETTINGS` is refused, naming them (``who``:
+        the frontend, for the message); ``own``: what the frontend sets itself (``elastic``)."""
+        unknown = sorted(set(settings) - set(FRONTEND_SETTINGS))
+        if unknown:
+            raise TypeError(
+                f"{who}: unexpected keyword argument{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}; "
+                f"the engine's settings it takes are {', '.join(FRONTEND_SETTINGS)} (tfsync.engine.EngineSettings)"
+            )
+        return cls(**settings, **own)
+
     def with_trace_dir(self, trace_dir):
         """These settings, tracing to ``trace_dir``."""
         return dataclasses.replace(self, trace_dir=trace_dir)
 
 
-__all__ = ["EngineSettings"]
+# the settings a frontend's caller passes by keyword (``elastic`` is the frontend's own)
+FRONTEND_SETTINGS = ("stragglers", "trace_dir", "wait_timeout_s", "on_nonfinite")
+
+__all__ = ["FRONTEND_SETTINGS", "EngineSettings"]

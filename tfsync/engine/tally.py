@@ -39,7 +39,7 @@ class Tally:
         }
 
     def add_bytes(self, sent: dict) -> dict:
-        """Add the rounds' bytes on the wire (:class:`tfsync.engine.compression.WireBytes`) to the
+        """Add the rounds' bytes on the wire (:class:`tfsync.engine.wire.counting.WireBytes`) to the
         epoch's totals; returns ``sent``."""
         for key in BYTES:
             self.totals[key] += sent[key]

@@ -16,6 +16,7 @@ fit's input iterators are dropped off the training thread
 
 import keras
 
+from tfsync.engine.settings import EngineSettings
 from tfsync.frontend import Frontend, check_start
 from tfsync.keras.auto import AutoSwitching
 from tfsync.keras.commits import ElasticCommits
@@ -24,7 +25,7 @@ from tfsync.keras.counts import RunCounts
 from tfsync.keras.fit_data import FitData
 from tfsync.keras.logs import add_epoch_logs
 from tfsync.keras.statistics import average_statistics
-from tfsync.policies import Auto, resolve_mode
+from tfsync.policies import resolve_mode, switching
 
 
 class SyncCallback(keras.callbacks.Callback):
@@ -43,16 +44,15 @@ class SyncCallback(keras.callbacks.Callback):
     replicas end with identical weights (and, with ``average_statistics``,
     identical non-trainable statistics).  State is reset at every ``fit``.
 
-    Synchronized: every update through the model optimizer's ``apply`` or
-    ``apply_gradients`` (a custom ``train_step`` too), mixed precision's
-    ``LossScaleOptimizer`` and, under ``"bsp"``, ``"psp"``, ``"backup"``, ``"localsgd"`` and
-    ``"diloco"``, gradient accumulation; anything else is refused before the first step, saying why
-    (``docs/guide/callback.md``, "What it synchronizes").
+    Synchronized: every update through the model optimizer's ``apply`` or ``apply_gradients`` (a
+    custom ``train_step`` too), mixed precision's ``LossScaleOptimizer`` and, where the rounds carry
+    gradients or pseudo-gradients, gradient accumulation; anything else is refused before the first
+    step, saying why (``docs/guide/callback.md``, "What it synchronizes").
 
     Args:
-        mode: ``"bsp"`` (default), ``"ssp"``, ``"dssp"``, ``"elasticbsp"``, ``"psp"``, ``"backup"``,
-            ``"dcs3gd"``, ``"localsgd"``, ``"diloco"``, ``"auto"`` or a policy object such as
-            ``tfsync.SSP(staleness=3)``, ``tfsync.PSP(min_contributions=3)`` or
+        mode: a registered mode's name (``"bsp"``, the default, ``"ssp"``, ...:
+            :func:`tfsync.policies.registry.names` lists them, ``"auto"`` included) or a policy
+            object such as ``tfsync.SSP(staleness=3)``, ``tfsync.PSP(min_contributions=3)`` or
             ``tfsync.DiLoCo(inner_steps=8)``.  Under ``"localsgd"`` and ``"diloco"`` only every
             ``H``-th step is a contribution (an outer step: the counts count outer steps, and the
             per-batch ``tfsync_wait_s`` is the last outer step's), and the model's non-trainable
@@ -60,36 +60,32 @@ class SyncCallback(keras.callbacks.Callback):
             ``"auto"`` (:class:`tfsync.Auto`) switches between modes from the measured iteration
             times (:class:`tfsync.keras.auto.AutoSwitching`): its decisions are in
             ``auto_decisions`` and ``auto_deferred``, ``trace_dir/auto.jsonl`` and the epoch logs.
-        stragglers: ``tfsync.Stragglers`` to inject simulated delays; default:
-            from the ``TFSYNC_STRAGGLERS`` environment variable (off if unset).
-        trace_dir: write a JSON-lines trace per worker there (default: none).
-        wait_timeout_s: bound on one wait for peers (default 120 s).
         average_epoch_logs: average the epoch logs over workers, as Horovod's
             ``MetricAverageCallback`` does (default True).  This waits for every
             worker to finish the epoch.
-        average_statistics: at the end of ``fit``, set the model's non-trainable
-            floating-point variables (``BatchNormalization``'s moving mean and
-            variance) to their mean over the workers, so every replica ends
-            identical, statistics included (default True;
-            :func:`tfsync.keras.average_statistics`).  Each worker's statistics
-            follow its own batches during training, as under plain Horovod.
-        cluster: the job's ranks (:mod:`tfsync.engine.cluster`); default: Horovod's.  Every
-            collective of the callback and its engine goes through it; the single-process
-            tests pass ranks on threads of one process.
-        on_nonfinite: ``"reject"`` (default): a worker's contribution with a NaN or an
-            infinity goes into no round (every replica applies the others' mean; counted as
-            ``tfsync_rejected``); ``"raise"``: the job stops with
-            ``tfsync.engine.NonFiniteError`` naming the rank and the step.
+        average_statistics: at the end of ``fit``, set the model's non-trainable floating-point
+            variables (``BatchNormalization``'s moving mean and variance) to their mean over the
+            workers, so every replica ends identical (default True;
+            :func:`tfsync.keras.average_statistics`); during training each worker's follow its
+            own batches, as under plain Horovod.
+        cluster: the job's ranks (:mod:`tfsync.engine.cluster`; default: Horovod's), through
+            which every collective of the callback and its engine goes.
         elastic: a :class:`tfsync.elastic.KerasState` (default None): elastic training under
             ``tfsync.elastic.run``, committed at epoch ends and as ``commit_every_steps`` says;
             a reset counts ``tfsync_lost``, ``tfsync_steps_redone``, ``tfsync_samples_redone``
             (:class:`tfsync.keras.commits.ElasticCommits`, ``docs/guide/elastic.md``).
+        **settings: the engine's settings by keyword, declared and checked by
+            :class:`tfsync.engine.EngineSettings`: ``stragglers`` (simulated delays; default from
+            ``TFSYNC_STRAGGLERS``, off if unset), ``trace_dir`` (a JSON-lines trace per worker;
+            default none), ``wait_timeout_s`` (bound on one wait for peers; default 120 s),
+            ``on_nonfinite`` (``"reject"``, the default: a contribution with a NaN or an infinity
+            goes into no round, counted as ``tfsync_rejected``; ``"raise"``: the job stops with
+            ``tfsync.engine.NonFiniteError`` naming the rank and the step).
 
-    Logs added: per batch ``tfsync_wait_s``, ``tfsync_staleness``; per epoch
-    ``tfsync_wait_fraction`` and what happened to this worker's contributions
-    (``tfsync_produced`` = ``tfsync_applied`` + ``tfsync_compensated`` + ``tfsync_dropped``
-    + ``tfsync_rejected`` + ``tfsync_lost``; ``tfsync_skipped`` steps), averaged over the
-    workers with ``average_epoch_logs``: see ``docs/guide/metrics.md``.
+    Logs added: per batch ``tfsync_wait_s``, ``tfsync_staleness``; per epoch ``tfsync_wait_fraction``
+    and what happened to this worker's contributions (``tfsync_produced`` = ``tfsync_applied`` +
+    ``tfsync_compensated`` + ``tfsync_dropped`` + ``tfsync_rejected`` + ``tfsync_lost``;
+    ``tfsync_skipped`` steps), averaged with ``average_epoch_logs`` (``docs/guide/metrics.md``).
 
     Example:
 
@@ -100,17 +96,7 @@ class SyncCallback(keras.callbacks.Callback):
     """
 
     def __init__(
-        self,
-        mode="bsp",
-        *,
-        stragglers=None,
-        trace_dir=None,
-        wait_timeout_s=None,
-        average_epoch_logs=True,
-        average_statistics=True,
-        cluster=None,
-        on_nonfinite="reject",
-        elastic=None,
+        self, mode="bsp", *, average_epoch_logs=True, average_statistics=True, cluster=None, elastic=None, **settings
     ):
         super().__init__()
         mode = resolve_mode(mode)
@@ -121,17 +107,10 @@ class SyncCallback(keras.callbacks.Callback):
                     f"pass {flag}=True (the default) or {flag}=False"
                 )
         self.mode = mode
-        self.auto = AutoSwitching(mode, self) if isinstance(mode, Auto) else None
+        self.auto = AutoSwitching(mode, self) if switching(mode) is not None else None
         self.policy = mode.initial if self.auto else mode
-        self.frontend = Frontend(
-            self.policy,
-            stragglers=stragglers,
-            trace_dir=trace_dir,
-            wait_timeout_s=wait_timeout_s,
-            cluster=cluster,
-            on_nonfinite=on_nonfinite,
-            elastic=elastic is not None,
-        )
+        settings = EngineSettings.of("tfsync.keras.SyncCallback", settings, elastic=elastic is not None)
+        self.frontend = Frontend(self.policy, settings, cluster)
         self.elastic = ElasticCommits(elastic, self) if elastic is not None else None
         self.average_epoch_logs = average_epoch_logs
         self.average_statistics = average_statistics

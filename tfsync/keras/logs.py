@@ -6,8 +6,9 @@ contributions (``tfsync_produced`` = ``tfsync_applied`` + ``tfsync_compensated``
 steps), the bytes its rounds put on the wire (``tfsync_bytes_sent``,
 ``tfsync_bytes_received``, and ``tfsync_uncompressed_bytes_sent`` and
 ``_received``: the same rounds without ``compression=``;
-:mod:`tfsync.engine.compression` says how they are counted), with partial
-pulling also its block counts since ``fit`` began; then
+:mod:`tfsync.engine.wire.counting` says how they are counted), what the mode's components
+add (:meth:`SyncEngine.epoch_logs <tfsync.engine.SyncEngine.epoch_logs>`: partial pulling's
+block counts since ``fit`` began); then
 every scalar log averaged over the workers, as Horovod's
 ``MetricAverageCallback`` does (``docs/guide/metrics.md``).
 """
@@ -16,7 +17,6 @@ import numpy as np
 
 from tfsync._data import REDONE
 from tfsync.engine import COUNTS
-from tfsync.engine.pull import PartialPull
 from tfsync.engine.tally import BYTES
 
 
@@ -29,8 +29,7 @@ def add_epoch_logs(logs, totals, engine, frontend, average):
     logs["tfsync_wait_fraction"] = totals["wait_s"] / busy if busy else 0.0
     for key in (*COUNTS, *BYTES, *(k for k in REDONE if k in totals)):  # (redone: an elastic job's)
         logs[f"tfsync_{key}"] = float(totals[key])
-    pull = engine.find(PartialPull)
-    for key, n in (pull.counts if pull is not None else {}).items():
+    for key, n in engine.epoch_logs().items():  # (partial pulling's block counts, ...)
         logs[f"tfsync_{key}"] = float(n)
     if average:
         keys = sorted(k for k, v in logs.items() if np.ndim(v) == 0)

@@ -35,7 +35,7 @@ partial modes (:mod:`tfsync.policies.partial`: PSP, backup workers) close a
 round without the slow workers; that needs one observer of every worker's
 readiness, so rank 0's coordinator evaluates their third question,
 ``close_round``, and tells every worker which contributions round ``r``
-aggregates (see :mod:`tfsync.engine.control`).
+aggregates (see :mod:`tfsync.control`).
 """
 
 from tfsync.policies.auto import Auto
@@ -44,9 +44,10 @@ from tfsync.policies.compensation import DCS3GD, DelayCompensation
 from tfsync.policies.dynamic import DSSP, ElasticBSP, Grant, Schedule
 from tfsync.policies.local import DiLoCo, LocalSGD, sgd_config
 from tfsync.policies.partial import PSP, BackupWorkers
-from tfsync.policies.registry import Option, Variant, register
+from tfsync.policies.registry import Option, Variant, register, register_switching
 from tfsync.policies.registry import get as _registered
 from tfsync.policies.registry import modes as _modes
+from tfsync.policies.registry import of as _of
 from tfsync.policies.sync import BSP, SSP
 
 PAYLOADS = ("gradients", "updates", "compensated_updates", "pseudo_gradients")
@@ -97,7 +98,7 @@ register(
         "bsp+fp16": Variant(("--compression", "fp16"), "BSP+fp16", study=False),
         "bsp+bf16": Variant(("--compression", "bf16"), "BSP+bf16", study=False),
     },
-    simulated=True,
+    simulated="rounds",
 )
 register(
     "ssp",
@@ -105,7 +106,7 @@ register(
     "SSP(s={staleness})",
     (Option("--staleness", "staleness", int, 3, "SSP bound s (--mode ssp)", "s"),),
     variants={"ssp(s=15)": Variant(("--staleness", "15"), "SSP(s=15)")},
-    simulated=True,
+    simulated="rounds",
 )
 register(
     "dssp",
@@ -115,7 +116,7 @@ register(
         Option("--low", "low", int, 3, "DSSP's lower bound s_L (--mode dssp)", "s_L"),
         Option("--high", "high", int, 15, "DSSP's upper bound s_U (--mode dssp)", "s_U"),
     ),
-    simulated=True,
+    simulated="grants",
 )
 register(
     "elasticbsp",
@@ -131,7 +132,7 @@ register(
             "ElasticBSP's ZipLine variant: optbs, zipline_opt, zipline, fullgridscan, gridscan (--mode elasticbsp)",
         ),
     ),
-    simulated=True,
+    simulated="supersteps",
 )
 register(
     "psp",
@@ -183,7 +184,7 @@ register(
         "psp+dc": Variant(("--compensate",), "PSP+DC"),
         "psp+pull": Variant(("--pull-fraction", "0.75"), "PSP+pull(b=0.75)", study=False),  # (its own scenario)
     },
-    simulated=True,
+    simulated="rounds",
     # a persistent straggler: 0.95 in 10.0 s against plain Horovod's 18.2 s (docs/results/convergence)
     best_for={"straggler": "psp"},
 )
@@ -197,7 +198,7 @@ register(
         "backup+dc": Variant(("--compensate",), "backup(b={backups})+DC"),
         **{f"backup(b={b})": Variant(("--backups", str(b)), f"backup(b={b})", study=False) for b in (0, 2, 3)},
     },
-    simulated=True,
+    simulated="rounds",
     # a persistent straggler: 0.95 in 9.5 s against plain Horovod's 16.8 s, late gradients applied
     # (docs/results/convergence-auto; uncompensated backup: 8.8 s against 18.2 s, docs/results/convergence)
     best_for={"straggler": "backup+dc"},
@@ -235,6 +236,7 @@ register(
         Option("--period", "period", int, 8, "Local SGD's H: local steps between averagings (--mode localsgd)", "H"),
         _QUANTIZE,
     ),
+    every_step=False,
 )
 register(
     "diloco",
@@ -308,7 +310,10 @@ register(
     },
     # a slow link: 0.95 in 17.0 s against plain Horovod's 150.1 s at 1gbit (docs/results/network)
     best_for={"slow-link": "diloco"},
+    every_step=False,
 )
+# the modes above, picked from the measured iteration times and switched between epochs
+register_switching("auto", Auto, "auto")
 
 
 def resolve(mode) -> Policy:
@@ -318,11 +323,12 @@ def resolve(mode) -> Policy:
     """
     if isinstance(mode, Policy):
         return mode
-    if isinstance(mode, Auto) or (isinstance(mode, str) and mode.strip().lower() == "auto"):
+    switched = switching(mode)
+    if switched is not None:
         raise ValueError(
-            "mode 'auto' picks and switches modes between epochs, which only tfsync.keras.SyncCallback "
-            "does; use SyncCallback(mode='auto') with model.fit, or pass a mode such as 'bsp' or "
-            "tfsync.SSP(staleness=3) here"
+            f"mode {switched.name!r} picks and switches modes between epochs, which only "
+            f"tfsync.keras.SyncCallback does; use SyncCallback(mode={switched.name!r}) with model.fit, or "
+            f"pass a mode such as 'bsp' or tfsync.SSP(staleness=3) here"
         )
     if isinstance(mode, type) and issubclass(mode, Policy):
         raise TypeError(f"mode={mode.__name__}: pass an instance, e.g. mode=tfsync.{mode.__name__}()")
@@ -331,19 +337,33 @@ def resolve(mode) -> Policy:
             return _registered(mode.strip().lower()).cls()
         except KeyError:
             pass
+    switches = ", ".join(f"{m.name!r} (SyncCallback)" for m in _modes(switching=True) if m.switches)
     raise ValueError(
         f"unknown synchronization mode {mode!r}; expected one of "
-        f"{', '.join(repr(m.name) for m in _modes())}, 'auto' (SyncCallback) or a policy object such as "
+        f"{', '.join(repr(m.name) for m in _modes())}, {switches} or a policy object such as "
         f"tfsync.SSP(staleness=3)"
     )
 
 
+def switching(mode):
+    """The registered switching mode (:func:`~tfsync.policies.registry.register_switching`)
+    ``mode`` names or is an instance of (``"auto"``, :class:`Auto`), or None."""
+    if isinstance(mode, str):
+        try:
+            found = _registered(mode.strip().lower())
+        except KeyError:
+            return None
+    else:
+        found = _of(mode)
+    return found if found is not None and found.switches else None
+
+
 def resolve_mode(mode):
-    """:func:`resolve`, plus ``"auto"`` or a :class:`Auto` (what ``SyncCallback`` accepts)."""
-    if isinstance(mode, Auto):
-        return mode
-    if isinstance(mode, str) and mode.strip().lower() == "auto":
-        return Auto()
+    """:func:`resolve`, plus a switching mode, ``"auto"`` or a :class:`Auto` (what ``SyncCallback``
+    accepts)."""
+    switched = switching(mode)
+    if switched is not None:
+        return mode if isinstance(mode, switched.cls) else switched.cls()
     return resolve(mode)
 
 
@@ -365,6 +385,7 @@ __all__ = [
     "Auto",
     "resolve",
     "resolve_mode",
+    "switching",
     "PAYLOADS",
     "register",
 ]

@@ -48,7 +48,7 @@ class Policy(abc.ABC):
     ``"bf16"`` sends the floating tensors of each round's exchange in that
     16-bit type (half float32's bytes) and casts the result back, as Horovod's
     ``Compression.fp16`` does; what that does to overflow and rounding is in
-    :mod:`tfsync.engine.compression`.  The round's metadata stays float32 and exact.
+    :mod:`tfsync.engine.wire.compression`.  The round's metadata stays float32 and exact.
 
     Class attributes:
         name: the mode's string (``mode="ssp"``).
@@ -82,7 +82,7 @@ class Policy(abc.ABC):
 
     What a mode does beyond choosing rounds is in engine components and a
     service on rank 0's coordinator: the engine binds the built-in modes to
-    theirs (:mod:`tfsync.engine.bindings`); a mode defined outside tfsync
+    theirs (:mod:`tfsync.engine.components.bindings`); a mode defined outside tfsync
     supplies its own through :meth:`components` and :meth:`service`.
     """
 
@@ -134,14 +134,14 @@ class Policy(abc.ABC):
     def components(self) -> list:
         """The engine components a mode defined outside tfsync adds to every step, built once per
         engine (:class:`tfsync.engine.components.StepComponent`; called when the engine starts,
-        after the built-in modes' own, :mod:`tfsync.engine.bindings`)."""
+        after the built-in modes' own, :mod:`tfsync.engine.components.bindings`)."""
         return []
 
     def service(self, size: int):
         """What rank 0's coordinator runs for this mode, or None: an object with
         ``tell(rank, topic, message, now_s)`` and ``ask(rank, topic, message, now_s) -> dict``,
         which workers reach through :meth:`ControlClient.tell` and :meth:`ControlClient.ask`
-        (:mod:`tfsync.engine.control`)."""
+        (:mod:`tfsync.control`)."""
         return None
 
     def config(self) -> dict:

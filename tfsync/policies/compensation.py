@@ -133,7 +133,7 @@ class DCS3GD(Policy):
         compensation: a :class:`DelayCompensation`. Default: constant
             ``λ = 0.04``.
         compression: None (default), ``"fp16"`` or ``"bf16"``, keyword only: the rounds' floating
-            tensors in 16 bits on the wire (:mod:`tfsync.engine.compression`).
+            tensors in 16 bits on the wire (:mod:`tfsync.engine.wire.compression`).
 
     Example:
 

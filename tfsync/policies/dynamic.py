@@ -92,7 +92,7 @@ class DSSP(Policy):
         high: ``s_U`` (int, ``>= low``). Default 15: the paper's range of
             extra iterations ``[0, 12]``.
         compression: None (default), ``"fp16"`` or ``"bf16"``, keyword only: the rounds' floating
-            tensors in 16 bits on the wire (:mod:`tfsync.engine.compression`).
+            tensors in 16 bits on the wire (:mod:`tfsync.engine.wire.compression`).
 
     Example:
 
@@ -304,7 +304,7 @@ class ElasticBSP(Policy):
             :data:`tfsync.scheduler.ALGORITHMS`. Default ``"optbs"``
             (ZipLineOptBS).
         compression: None (default), ``"fp16"`` or ``"bf16"``, keyword only: the rounds' floating
-            tensors in 16 bits on the wire (:mod:`tfsync.engine.compression`).
+            tensors in 16 bits on the wire (:mod:`tfsync.engine.wire.compression`).
 
     Example:
 

@@ -30,7 +30,7 @@ import json
 
 from tfsync.policies.base import Policy
 
-# the codes an outer round can travel in (tfsync.engine.quantized): None is float32
+# the codes an outer round can travel in (tfsync.engine.wire.quantized): None is float32
 QUANTIZE = (None, "int8", "int4")
 QUANTIZE_BLOCK = 256  # values sharing one float32 scale
 
@@ -166,9 +166,9 @@ class LocalSGD(Policy):
             round is then an alltoall of each worker's quantized chunks, a float32 sum of its
             own chunk and an all-gather of the quantized result, so the bytes fall at any
             worker count and every replica decodes the same bytes
-            (:mod:`tfsync.engine.quantized`).
+            (:mod:`tfsync.engine.wire.quantized`).
         compression: None (default), ``"fp16"`` or ``"bf16"``, keyword only: the rounds' floating
-            tensors in 16 bits on the wire (:mod:`tfsync.engine.compression`).
+            tensors in 16 bits on the wire (:mod:`tfsync.engine.wire.compression`).
 
     Example:
 
@@ -272,15 +272,15 @@ class DiLoCo(Policy):
             step ``(p + 1)·H/P`` of each period (with ``overlap_steps``, its exchange sent that many
             steps before, ``overlap_steps < H/P``), so each round carries about ``1/P`` of the model
             and the bytes in flight at a time fall by about ``P``; overlapped, each fragment's
-            round is paced over its window (:mod:`tfsync.engine.pacing`), so the link's peak
+            round is paced over its window (:mod:`tfsync.engine.wire.pacing`), so the link's peak
             rate falls too where the window has room.  Each fragment still takes one
             outer step per period (one round each: a period counts ``P`` contributions); the outer
             optimizer's iterations count periods.  Training that ends mid-period ends with one
             round of the whole model.
         quantize: ``None`` (default), ``"int8"`` or ``"int4"``: the outer round's codes, as
-            :class:`LocalSGD`'s (:mod:`tfsync.engine.quantized`).
+            :class:`LocalSGD`'s (:mod:`tfsync.engine.wire.quantized`).
         compression: None (default), ``"fp16"`` or ``"bf16"``, keyword only: the rounds' floating
-            tensors in 16 bits on the wire (:mod:`tfsync.engine.compression`).
+            tensors in 16 bits on the wire (:mod:`tfsync.engine.wire.compression`).
 
     Example:
 

@@ -16,7 +16,7 @@
   round ``t`` aggregates the first ``N`` contributions stamped ``t``.
 
 The parameter server of the papers becomes rank 0's coordinator
-(:mod:`tfsync.engine.control`): it sees every worker's "ready" notice, applies
+(:mod:`tfsync.control`): it sees every worker's "ready" notice, applies
 :meth:`close_round` (a pure function of the notices and the clock) and tells
 every worker which ranks round ``t`` aggregates; every worker's communication
 thread then enters the round's allreduce, the accepted ranks with their
@@ -64,7 +64,7 @@ has passed since the ``⌈b·B⌉``-th arrived, or once all are (Algorithm 1, li
 responded", the same form as ``τ1``); it keeps its previous values of the
 others and applies each late block at its first step after it lands, in round
 order per block, so no block is ever replaced by an older round's
-(:mod:`tfsync.engine.pull`).  Each block goes
+(:mod:`tfsync.engine.components.pull`).  Each block goes
 through the worker's own optimizer with ``optimizer.iterations`` set to the
 block's round, so once every block has landed, weights and optimizer state are
 the same as if every block had come on time (identical on every replica).
@@ -166,7 +166,7 @@ class PSP(Policy):
             balanced by size); at most the number of weight tensors.  Default
             ``None``: one block per weight tensor.
         compression: None (default), ``"fp16"`` or ``"bf16"``, keyword only: the rounds' floating
-            tensors in 16 bits on the wire (:mod:`tfsync.engine.compression`).
+            tensors in 16 bits on the wire (:mod:`tfsync.engine.wire.compression`).
 
     Example:
 
@@ -289,7 +289,7 @@ class BackupWorkers(Policy):
             in the next round its worker computes for (counted as
             ``compensated``), so no worker's computation is wasted.
         compression: None (default), ``"fp16"`` or ``"bf16"``, keyword only: the rounds' floating
-            tensors in 16 bits on the wire (:mod:`tfsync.engine.compression`).
+            tensors in 16 bits on the wire (:mod:`tfsync.engine.wire.compression`).
 
     Example:
 

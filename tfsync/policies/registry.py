@@ -9,7 +9,9 @@ studies in ``docs/results/``).  The launcher's flags
 (:func:`tfsync.launch.add_mode_arguments`), :func:`tfsync.policies.resolve`,
 the simulator, the bench, the demo and the convergence study all read it, so
 a new mode is its policy module, its tests and one :func:`register` call
-(``tfsync.register_mode`` for a mode defined outside tfsync).
+(``tfsync.register_mode`` for a mode defined outside tfsync).  The mode that switches
+between the others (``"auto"``, :class:`tfsync.Auto`, ``SyncCallback`` only) is registered
+here too (:func:`register_switching`): every tool that lists modes takes them from here.
 
 Example:
 
@@ -63,8 +65,11 @@ class Mode:
     label: str
     options: tuple = ()
     variants: dict = dataclasses.field(default_factory=dict)  # name -> Variant
-    simulated: bool = False  # python -m tfsync.simulate plays it
+    # how python -m tfsync.simulate plays it (SIMULATIONS), or None: not simulated
+    simulated: str = None
     best_for: dict = dataclasses.field(default_factory=dict)  # situation -> this mode's name or a variant's
+    every_step: bool = True  # each step contributes (False: Local SGD, DiLoCo: every H-th)
+    switches: bool = False  # it picks and switches between the other modes (auto; SyncCallback only)
 
     def from_args(self, args):
         """The policy the parsed flags describe (``--compression``, every mode's, included)."""
@@ -83,23 +88,45 @@ class Mode:
         return self.cls(**{k: v for k, v in settings.items() if k in fields})
 
 
+# how the simulator plays a mode: rounds every worker enters after its step, each waiting for the
+# round its policy's sync_round names (coordinated ones closed by close_round); DSSP's grants
+# from its controller; ElasticBSP's supersteps between barriers
+SIMULATIONS = ("rounds", "grants", "supersteps")
+
 _MODES = {}
+_SWITCHING = {}
 
 
-def register(name: str, cls: type, label: str, options=(), variants=None, simulated=False, best_for=None) -> Mode:
+def _check_name(name):
+    if not isinstance(name, str) or not name.isidentifier() or name != name.lower():
+        raise ValueError(f"register_mode({name!r}): a mode's name is a lowercase identifier, e.g. 'every2'")
+    if name in _MODES or name in _SWITCHING:
+        raise ValueError(f"register_mode({name!r}): a mode of that name is registered already; choose another name")
+
+
+def register(
+    name: str,
+    cls: type,
+    label: str,
+    options=(),
+    variants=None,
+    simulated=None,
+    best_for=None,
+    every_step=True,
+) -> Mode:
     """Register a mode (its name must be new; ``cls`` a :class:`tfsync.policies.Policy`
     subclass whose instances are built with no arguments, or from ``options``; ``label``: its
     name in tables, ``{field}`` placeholders taking its settings; ``variants``: name ->
     :class:`Variant`).
 
-    ``best_for``: situation (``"straggler"``, ``"slow-link"``) -> the configuration, ``name``
-    or one of ``variants``, that answers it (:func:`best_for`)."""
+    ``simulated``: how ``python -m tfsync.simulate`` plays it, one of :data:`SIMULATIONS`
+    (``"rounds"``: each step waits for the round its ``sync_round`` names), or None (not
+    simulated).  ``best_for``: situation (``"straggler"``, ``"slow-link"``) -> the
+    configuration, ``name`` or one of ``variants``, that answers it (:func:`best_for`).
+    ``every_step``: each step contributes to a round (False where only every ``H``-th does)."""
     from tfsync.policies.base import Policy
 
-    if not isinstance(name, str) or not name.isidentifier() or name != name.lower():
-        raise ValueError(f"register_mode({name!r}): a mode's name is a lowercase identifier, e.g. 'every2'")
-    if name in _MODES or name == "auto":
-        raise ValueError(f"register_mode({name!r}): a mode of that name is registered already; choose another name")
+    _check_name(name)
     if not (isinstance(cls, type) and issubclass(cls, Policy)):
         raise TypeError(f"register_mode({name!r}, {cls!r}): the class must subclass tfsync.policies.Policy")
     if cls.name != name:
@@ -118,19 +145,49 @@ def register(name: str, cls: type, label: str, options=(), variants=None, simula
             f"register_mode({name!r}, best_for=...): {', '.join(map(repr, unknown))} is neither the mode nor one "
             f"of its variants ({', '.join(map(repr, [name, *(variants or {})]))}); name one of those"
         )
-    mode = Mode(name, cls, label, tuple(options), dict(variants or {}), simulated, dict(best_for or {}))
+    if simulated is not None and simulated not in SIMULATIONS:
+        raise ValueError(f"register_mode({name!r}, simulated={simulated!r}): expected None or one of {SIMULATIONS}")
+    mode = Mode(
+        name, cls, label, tuple(options), dict(variants or {}), simulated, dict(best_for or {}), bool(every_step)
+    )
     _MODES[name] = mode
     return mode
 
 
-def modes() -> tuple:
-    """Every registered mode, in registration order."""
-    return tuple(_MODES.values())
+def register_switching(name: str, cls: type, label: str) -> Mode:
+    """Register a mode that picks and switches between the registered modes as it trains
+    (``"auto"``: :class:`tfsync.Auto`, built with no arguments or ``compression=``); only
+    ``SyncCallback`` runs one.  It has no options of its own."""
+    _check_name(name)
+    mode = Mode(name, cls, label, switches=True)
+    _SWITCHING[name] = mode
+    return mode
+
+
+def modes(switching: bool = False) -> tuple:
+    """Every registered mode, in registration order; with ``switching``, the switching modes
+    (``auto``) after them."""
+    return tuple(_MODES.values()) + (tuple(_SWITCHING.values()) if switching else ())
+
+
+def names() -> tuple:
+    """Every mode name ``--mode`` and ``mode=`` take: the modes, then the switching ones."""
+    return tuple(m.name for m in modes(switching=True))
 
 
 def get(name: str) -> Mode:
-    """The mode registered as ``name`` (``KeyError`` if none is)."""
-    return _MODES[name]
+    """The mode registered as ``name``, a switching one included (``KeyError`` if none is)."""
+    return _MODES[name] if name in _MODES else _SWITCHING[name]
+
+
+def of(policy):
+    """The registered mode ``policy`` is an instance of (its class's, or the nearest registered
+    base class's), or None."""
+    for cls in type(policy).__mro__:
+        for mode in (*_MODES.values(), *_SWITCHING.values()):
+            if mode.cls is cls:
+                return mode
+    return None
 
 
 def best_for(situation: str) -> list:
@@ -144,15 +201,19 @@ def situations() -> list:
     return list(dict.fromkeys(s for m in _MODES.values() for s in m.best_for))
 
 
-def configurations(**settings) -> dict:
+def configurations(switching: bool = False, every_step: bool = None, **settings) -> dict:
     """Every mode and named variant -> the launcher's flags that run it
     (``{"bsp": ["--mode", "bsp"], "psp+dc": ["--mode", "psp", "--compensate"], ...}``).
 
     ``settings``: option values by field (``staleness=5``), given to each mode that
-    takes them, before a variant's own flags, which win (``ssp(s=15)``).
+    takes them, before a variant's own flags, which win (``ssp(s=15)``).  ``switching``: the
+    switching modes (``auto``) too, last; ``every_step``: only the modes whose every step
+    contributes (True) or whose steps do not all (False); None: every mode.
     """
     out = {}
-    for m in _MODES.values():
+    for m in modes(switching):
+        if every_step is not None and m.every_step != every_step:
+            continue
         given = [str(v) for o in m.options if o.field in settings for v in (o.flag, settings[o.field])]
         out[m.name] = ["--mode", m.name, *given]
         for variant, spec in m.variants.items():
@@ -160,17 +221,21 @@ def configurations(**settings) -> dict:
     return out
 
 
-def study_configurations() -> tuple:
-    """The modes and named variants the convergence study runs by default, in registration order."""
+def study_configurations(switching: bool = False, every_step: bool = None) -> tuple:
+    """The modes and named variants the convergence study runs by default, in registration order
+    (``switching``, ``every_step``: as :func:`configurations` takes them)."""
     return tuple(
-        name for m in _MODES.values() for name in (m.name, *(v for v, spec in m.variants.items() if spec.study))
+        name
+        for m in modes(switching)
+        if every_step is None or m.every_step == every_step
+        for name in (m.name, *(v for v, spec in m.variants.items() if spec.study))
     )
 
 
 def label(name: str, **settings) -> str:
     """The table label of the mode or named variant ``name`` (``"SSP(s=3)"``), its placeholders
     filled with ``settings`` (values by field) where given, else with the options' defaults."""
-    for m in _MODES.values():
+    for m in modes(switching=True):
         text = m.label if name == m.name else m.variants[name].label if name in m.variants else None
         if text is not None:
             values = {o.field: o.default for o in m.options if o.field is not None}
@@ -194,8 +259,8 @@ def describe(policy) -> str:
     def compensation(comp):
         return f"lambda={comp.strength}" + (", adaptive" if comp.adaptive else "")
 
-    if policy.name == "auto":  # tfsync.Auto (no mode may register that name): its modes are in its decisions
-        return "auto"
+    if policy.name in _SWITCHING:  # (tfsync.Auto: its modes are in its decisions)
+        return policy.name
     parts, suffix = [], ""
     short = {o.field: o.short for o in options() if o.field and o.short}
     for k, v in policy.config().items():

@@ -13,7 +13,7 @@ class BSP(Policy):
 
     Args:
         compression: None (default), ``"fp16"`` or ``"bf16"``, keyword only: the rounds' floating
-            tensors in 16 bits on the wire (:mod:`tfsync.engine.compression`).
+            tensors in 16 bits on the wire (:mod:`tfsync.engine.wire.compression`).
 
     Example:
 
@@ -47,7 +47,7 @@ class SSP(Policy):
     Args:
         staleness: the bound ``s`` (int, ``>= 0``). Default 3.
         compression: None (default), ``"fp16"`` or ``"bf16"``, keyword only: the rounds' floating
-            tensors in 16 bits on the wire (:mod:`tfsync.engine.compression`).
+            tensors in 16 bits on the wire (:mod:`tfsync.engine.wire.compression`).
 
     Example:
 

@@ -56,6 +56,12 @@ fi
 
 build_env=(HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 HOROVOD_WITHOUT_PYTORCH=1
   HOROVOD_WITHOUT_MXNET=1 MAKEFLAGS=-j2)
+# ccache, where installed (make install installs it), keeps the compiled objects between builds,
+# keyed by each file's preprocessed source, the compiler and its flags: a build after a change of
+# the patch compiles only the files it changed (CMake reads these for Horovod's targets)
+if command -v ccache >/dev/null; then
+  build_env+=(CMAKE_C_COMPILER_LAUNCHER=ccache CMAKE_CXX_COMPILER_LAUNCHER=ccache CMAKE_CUDA_COMPILER_LAUNCHER=ccache)
+fi
 # a GPU setting left in the environment must not change the build decided here
 unset_gpu=(-u HOROVOD_GPU_OPERATIONS -u HOROVOD_GPU_ALLREDUCE -u HOROVOD_GPU_ALLGATHER -u HOROVOD_GPU_BROADCAST
   -u HOROVOD_GPU_ALLTOALL -u HOROVOD_GPU_REDUCESCATTER -u HOROVOD_GPU)
@@ -97,8 +103,13 @@ if [ "$gpu" = nccl ]; then
 fi
 
 # what this build depends on: the Horovod version, the TensorFlow it compiles against, the
-# patch, the kind of build
-want="horovod $version, tensorflow $tf_version, patch $(sha256sum "$patch_file" | cut -c1-16), $build"
+# patch and this script, the compiler, the kind of build (for NCCL: NCCL's and nvcc's versions
+# and the compute capabilities); the interpreter is the environment's own. A build whose stamp
+# says the same is reused, any other is rebuilt
+cxx=${CXX:-g++}
+cxx_version=$("$cxx" --version 2>/dev/null | head -1 || echo "$cxx: not found")
+inputs=$(cat "$patch_file" "$here/install.sh" | sha256sum | cut -c1-16)
+want="horovod $version, tensorflow $tf_version, inputs $inputs, $cxx_version, $build"
 
 have=$("$python" - <<'PY' 2>/dev/null || true
 import os
@@ -108,11 +119,11 @@ stamp = os.path.join(os.path.dirname(horovod.__file__), "tfsync_build.txt")
 print(open(stamp).read().strip() if os.path.exists(stamp) else "built elsewhere, horovod " + horovod.__version__)
 PY
 )
+echo "Horovod: chose $kind"
 if [ "$have" = "$want" ]; then
   echo "Horovod: installed ($have)"
   exit 0
 fi
-echo "Horovod: building with $kind"
 echo "Horovod: building ($want; installed: ${have:-none})"
 
 src_root="$build_dir/horovod-src"

@@ -1,17 +1,22 @@
 """Every registered mode and variant, through the callback and through the strategy, in one launch.
 
-``python every_mode.py OUT_DIR [--stragglers SPEC]`` under ``horovodrun``: for
-each configuration the registry lists (:func:`tfsync.policies.registry.configurations`,
-so a new mode is covered without editing this file) plus ``auto``, a fresh model
-from the same seed trains a few epochs of a small regression problem through
-``SyncCallback``, and, for every mode ``SyncStrategy`` takes, through the strategy.
-Each rank writes ``result_rank<R>.json``: per run, its final weights, its counts
-and the error, if the run raised (the test checks that no run did).
+``python every_mode.py OUT_DIR [--stragglers SPEC] [--callback-epochs N] [--mark-step K]``
+under ``horovodrun``: for each configuration the registry lists
+(:func:`tfsync.policies.registry.configurations`, so a new mode is covered without editing
+this file) plus ``auto``, a fresh model from the same seed trains a few epochs of a small
+regression problem through ``SyncCallback``, and, for every mode ``SyncStrategy`` takes,
+through the strategy.  With ``--mark-step K``, after the ``K``-th step of the ``i``-th
+callback run each rank writes ``at<i>_rank<R>.json`` (its pid, the time): the test waits
+for every rank's, then disturbs the run from outside (a link flap).  Each rank writes
+``result_rank<R>.json``: per run, its final weights, its counts and the error, if the run
+raised (the test checks that no run did).
 """
 
 import argparse
+import json
 import os
 import sys
+import time
 import traceback
 
 import numpy as np
@@ -35,6 +40,8 @@ args = argparse.ArgumentParser()
 args.add_argument("out_dir")
 args.add_argument("--stragglers", default="")
 args.add_argument("--wait-timeout-s", type=float, default=60.0)
+args.add_argument("--callback-epochs", type=int, default=EPOCHS, help="(long enough for a disturbance)")
+args.add_argument("--mark-step", type=int, default=0, help="0: no marks")
 args = args.parse_args()
 stragglers = tfsync.Stragglers.parse(args.stragglers)
 xl, yl = regression_shard(SAMPLES)
@@ -46,7 +53,21 @@ def policy_of(flags):
     return mode_from_args(parser.parse_args(flags))
 
 
-def train(mode, frontend):
+class Mark(keras.callbacks.Callback):
+    """Writes ``at<run>_rank<R>.json`` after the ``--mark-step``-th step of callback run ``run``."""
+
+    def __init__(self, run):
+        super().__init__()
+        self.run, self.steps = run, 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.steps += 1
+        if self.steps == args.mark_step:
+            with open(os.path.join(args.out_dir, f"at{self.run}_rank{hvd.rank()}.json"), "w") as f:
+                json.dump({"pid": os.getpid(), "t": time.time()}, f)
+
+
+def train(mode, frontend, index):
     settings = {"stragglers": stragglers, "wait_timeout_s": args.wait_timeout_s}
     if frontend == "strategy":
         strategy = tfsync.distribute.SyncStrategy(mode=mode, **settings)
@@ -60,7 +81,8 @@ def train(mode, frontend):
     model = build_regression_model()
     model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
     sync = tfsync.keras.SyncCallback(mode=mode, **settings)
-    model.fit(xl, yl, batch_size=8, epochs=EPOCHS, shuffle=False, verbose=0, callbacks=[sync])
+    callbacks = [sync, Mark(index)] if args.mark_step else [sync]
+    model.fit(xl, yl, batch_size=8, epochs=args.callback_epochs, shuffle=False, verbose=0, callbacks=callbacks)
     return model.get_weights(), dict(sync.counts), {"auto_decisions": len(sync.auto_decisions)}
 
 
@@ -68,12 +90,12 @@ runs = {name: policy_of(flags) for name, flags in registry.configurations().item
 runs["auto"] = tfsync.Auto(window_steps=6)  # (a decision within the first epoch)
 result = {"size": hvd.size(), "runs": {}}
 for frontend in ("callback", "strategy"):
-    for name, mode in runs.items():
+    for index, (name, mode) in enumerate(runs.items()):
         if frontend == "strategy" and name in STRATEGY_REFUSES:
             continue
         key = f"{frontend}:{name}"
         try:
-            weights, counts, extra = train(mode, frontend)
+            weights, counts, extra = train(mode, frontend, index)
             moved = float(max(np.max(np.abs(a - b)) for a, b in zip(weights, build_regression_model().get_weights())))
             result["runs"][key] = {
                 "weights": [w.ravel().tolist() for w in weights],

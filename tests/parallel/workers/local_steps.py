@@ -111,9 +111,10 @@ def train(case):
 
 def train_paced():
     """DiLoCo(H=4, P=2, overlap 1, int8) on a model wide enough (8.4M parameters) that each
-    fragment's round goes in pieces (tfsync.engine.pacing): the final weights' digest, the
+    fragment's round goes in pieces (tfsync.engine.wire.pacing): the final weights' digest, the
     counts and the most pieces a round went in (a spy on the exchange's paced_round)."""
-    from tfsync.engine import exchange, pacing
+    from tfsync.engine import exchange
+    from tfsync.engine.wire import pacing
 
     pieces, paced_round = [], exchange.paced_round
 

@@ -1,11 +1,11 @@
-"""Which address rank 0's control service binds and advertises (tfsync.engine.address)."""
+"""Which address rank 0's control service binds and advertises (tfsync.control.address)."""
 
 import time
 
 import pytest
 
-from tfsync.engine.address import choose
-from tfsync.engine.control import ControlClient, ControlServer
+from tfsync.control import ControlClient, ControlServer
+from tfsync.control.address import choose
 
 TOKEN = "t" * 32
 # the two hosts of the issue's report: an interface eth1 per host, host names only each host resolves

@@ -14,7 +14,7 @@ import types
 import pytest
 from control_helpers import Closes, TcpProxy, wait_until
 
-from tfsync.engine.control import (
+from tfsync.control import (
     CONNECT_ATTEMPT_MS,
     KEEPALIVE_TIME_MS,
     KEEPALIVE_TIMEOUT_MS,
@@ -23,8 +23,8 @@ from tfsync.engine.control import (
     ControlClient,
     ControlServer,
 )
-from tfsync.engine.control import client as client_module
-from tfsync.engine.control.client import ControlUnreachableError
+from tfsync.control import link as link_module
+from tfsync.control.client import ControlUnreachableError
 from tfsync.engine.diagnosis import LOSS_SETTLE_S, Diagnosis
 from tfsync.engine.rounds import WorkerLostError
 from tfsync.policies import PSP
@@ -224,7 +224,7 @@ def test_a_first_attach_where_nothing_listens_any_more_gives_up_at_once():
 def test_a_link_whose_service_closed_reports_rank_0_unreachable_without_waiting_out_the_grace(monkeypatch):
     # the service closed (rank 0 reset or exited): nothing listens at the worker's address any
     # more and no re-attach can get through; with a grace of a minute, it still says so at once
-    monkeypatch.setattr(client_module, "RECONNECT_GRACE_S", 60.0)
+    monkeypatch.setattr(link_module, "RECONNECT_GRACE_S", 60.0)
     server = ControlServer(size=2, t0=time.time(), token=TOKEN, host="127.0.0.1")
     link = TcpProxy(server.port)  # (from another address: not on rank 0's host, so it re-attaches)
     client = ControlClient(link.address, 1, TOKEN, connect_timeout_s=5)

@@ -6,7 +6,7 @@ import time
 import pytest
 from control_helpers import Closes
 
-from tfsync.engine.control import ControlClient, ControlServer
+from tfsync.control import ControlClient, ControlServer
 from tfsync.policies import BSP, PSP, SSP, BackupWorkers, Closing, DelayCompensation, Policy
 
 TOKEN = "p" * 32

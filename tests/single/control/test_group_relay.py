@@ -13,11 +13,13 @@ import types
 import pytest
 from control_helpers import Closes, TcpProxy, rounds, vanish, wait_until
 
-from tfsync.engine import bindings
-from tfsync.engine.control import RECONNECT_GRACE_S, ControlClient, ControlServer
-from tfsync.engine.control.relay import GROUP_HOSTS, REPORT_FLUSH_S, HostRelay
-from tfsync.engine.control.transport import ATTEMPT_S
-from tfsync.engine.lifecycle import relay_groups, relay_leaders
+from tfsync.control import RECONNECT_GRACE_S, ControlClient, ControlServer
+from tfsync.control.outgoing import REPORT_FLUSH_S
+from tfsync.control.relay import HostRelay
+from tfsync.control.topology import GROUP_HOSTS, relay_groups, relay_leaders
+from tfsync.control.transport import ATTEMPT_S
+from tfsync.engine import lifecycle
+from tfsync.engine.components import bindings
 from tfsync.policies import BackupWorkers
 
 TOKEN = "g" * 32
@@ -149,8 +151,7 @@ class _Engine:
         self.rank, self.size, self.hosts = rank, len(hosts), hosts
         self.t0, self.wait_timeout_s = time.time(), 20.0
         self.policy = BackupWorkers(backups=0)
-        self._server, self._relays = None, []
-        self._trace = types.SimpleNamespace(close=lambda: None)
+        self.life = lifecycle.Life(self)
 
 
 def test_a_large_jobs_ranks_start_group_relays_and_attach_through_them(monkeypatch):
@@ -159,8 +160,7 @@ def test_a_large_jobs_ranks_start_group_relays_and_attach_through_them(monkeypat
     # directly (a relay needs several)
     from fake_cluster import FakeCluster, on_threads
 
-    from tfsync.engine import lifecycle
-    from tfsync.engine.address import ControlAddress
+    from tfsync.control.address import ControlAddress
 
     monkeypatch.setenv("TFSYNC_CONTROL_HOST", "127.0.0.1")
     monkeypatch.setattr(lifecycle, "choose_relay_address", lambda: ControlAddress("127.0.0.1", "127.0.0.1", "test"))
@@ -174,16 +174,16 @@ def test_a_large_jobs_ranks_start_group_relays_and_attach_through_them(monkeypat
     clients = []
     try:
         assert errors == [None] * len(hosts), errors
-        server = engines[0]._server
-        group = engines[2]._relays[1]
+        server = engines[0].life.server
+        group = engines[2].life.relays[1]
         # rank 2 runs its host's relay and the group's; each other host's first rank its host's
-        assert [len(e._relays) for e in engines] == [0, 0, 2] + [int(r % 2 == 0) for r in range(3, 20)]
-        assert engines[2]._relays[0].upstream == group.address  # (host 1's own relay, behind the group's)
-        assert all(engines[r]._relays[0].upstream == group.address for r in range(4, 18, 2))
-        assert engines[18]._relays[0].upstream == server.address  # (host 9: no group of its own)
+        assert [len(e.life.relays) for e in engines] == [0, 0, 2] + [int(r % 2 == 0) for r in range(3, 20)]
+        assert engines[2].life.relays[0].upstream == group.address  # (host 1's own relay, behind the group's)
+        assert all(engines[r].life.relays[0].upstream == group.address for r in range(4, 18, 2))
+        assert engines[18].life.relays[0].upstream == server.address  # (host 9: no group of its own)
         for rank, (address, fallback, token) in enumerate(results):
             leader = rank - rank % 2
-            assert address == (server.address if rank < 2 else engines[leader]._relays[0].address)
+            assert address == (server.address if rank < 2 else engines[leader].life.relays[0].address)
             assert fallback == (None if rank < 2 else server.address)
             clients.append(ControlClient(address, rank, token, connect_timeout_s=10, fallback=fallback))
         rounds(clients, range(2))
@@ -193,4 +193,4 @@ def test_a_large_jobs_ranks_start_group_relays_and_attach_through_them(monkeypat
         for client in clients:
             client.close()
         for engine in engines:
-            lifecycle._release(engine)
+            engine.life.release()

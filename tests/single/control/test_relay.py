@@ -13,17 +13,18 @@ import types
 import pytest
 from control_helpers import Closes, TcpProxy, rounds, vanish, wait_until
 
-from tfsync.engine import bindings
-from tfsync.engine.control import (
+from tfsync.control import (
     KEEPALIVE_TIME_MS,
     KEEPALIVE_TIMEOUT_MS,
     RECONNECT_GRACE_S,
     ControlClient,
     ControlServer,
 )
-from tfsync.engine.control import relay as relay_module
-from tfsync.engine.control.relay import REPORT_FLUSH_S, HostRelay
-from tfsync.engine.lifecycle import relay_leaders
+from tfsync.control import outgoing as outgoing_module
+from tfsync.control.outgoing import REPORT_FLUSH_S
+from tfsync.control.relay import HostRelay
+from tfsync.control.topology import relay_leaders
+from tfsync.engine.components import bindings
 from tfsync.policies import DSSP, BackupWorkers
 
 TOKEN = "r" * 32
@@ -89,7 +90,7 @@ def test_the_workers_of_a_host_reach_rank_0_on_one_link(job):
 
 
 def test_a_hosts_ready_notices_reach_rank_0_in_one_message(monkeypatch):
-    monkeypatch.setattr(relay_module, "READY_HOLD_S", 30.0)  # (held until the host's last notice)
+    monkeypatch.setattr(outgoing_module, "READY_HOLD_S", 30.0)  # (held until the host's last notice)
     made = _job()
     try:
         rounds(made.clients, [0])  # (every link attached and used)
@@ -109,7 +110,7 @@ def test_a_hosts_ready_notices_reach_rank_0_in_one_message(monkeypatch):
 
 
 def test_a_held_ready_notice_goes_after_the_hold_without_the_hosts_last_worker(monkeypatch):
-    monkeypatch.setattr(relay_module, "READY_HOLD_S", 1.0)
+    monkeypatch.setattr(outgoing_module, "READY_HOLD_S", 1.0)
     made = _job(BackupWorkers(backups=1))
     try:
         start = time.monotonic()

@@ -30,7 +30,7 @@ from fake_cluster import FakeCluster, assert_no_errors, on_threads
 
 import tfsync
 from tfsync import _horovod
-from tfsync.engine import SyncEngine, SyncTimeoutError, lifecycle
+from tfsync.engine import SyncEngine, SyncTimeoutError, agreement, lifecycle
 from tfsync.engine import cluster as cluster_module
 from tfsync.engine.bounded import run_bounded
 from tfsync.engine.cluster import ARRIVALS_SCOPE, HorovodCluster, RendezvousArrivals
@@ -98,12 +98,16 @@ def check_stopped(fake, results, name, stalled):
 
 
 @pytest.mark.parametrize(
-    "step,name",
-    [("agree_config", "tfsync.config"), ("agree_t0", "tfsync.t0"), ("open_control", "tfsync.control_address")],
+    "module,step,name",
+    [
+        (agreement, "agree_config", "tfsync.config"),
+        (agreement, "agree_t0", "tfsync.t0"),
+        (lifecycle, "open_control", "tfsync.control_address"),
+    ],
 )
-def test_an_engine_start_stops_every_rank_naming_the_rank_that_did_not_come(monkeypatch, step, name):
+def test_an_engine_start_stops_every_rank_naming_the_rank_that_did_not_come(monkeypatch, module, step, name):
     fake = FakeCluster(3, timeout_s=FAKE_TIMEOUT_S)
-    original = getattr(lifecycle, step)
+    original = getattr(module, step)
 
     def stalling(*args):
         cluster = args[1] if step == "open_control" else args[0]
@@ -111,7 +115,7 @@ def test_an_engine_start_stops_every_rank_naming_the_rank_that_did_not_come(monk
             stall_until_aborted(fake)
         return original(*args)
 
-    monkeypatch.setattr(lifecycle, step, stalling)
+    monkeypatch.setattr(module, step, stalling)
     engines = [
         SyncEngine(
             resolve("bsp"), EngineSettings(stragglers=Stragglers(), wait_timeout_s=BOUND_S), cluster=fake.rank(r)
@@ -124,7 +128,7 @@ def test_an_engine_start_stops_every_rank_naming_the_rank_that_did_not_come(monk
         assert not any(e.started for e in engines)
     finally:
         for e in engines:
-            lifecycle.abandon(e)  # (rank 0's control server, when it got that far)
+            e.abandon()  # (rank 0's control server, when it got that far)
 
 
 def test_an_engine_close_stops_every_rank_naming_the_rank_that_did_not_come():
@@ -148,7 +152,7 @@ def test_an_engine_close_stops_every_rank_naming_the_rank_that_did_not_come():
         check_stopped(fake, results, "tfsync.close", stalled=2)
     finally:
         for e in engines:
-            lifecycle.abandon(e)
+            e.abandon()
 
 
 # ---------------------------------------------------------------------------- SyncCallback

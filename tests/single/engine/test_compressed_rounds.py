@@ -1,6 +1,6 @@
 """Rounds sent in 16 bits (``compression=``), and the bytes every round puts on the wire.
 
-The round collective is production's :func:`tfsync.engine.rounds.horovod_collective`
+The round collective is production's :func:`tfsync.engine.wire.horovod.horovod_collective`
 over the in-process ranks of :mod:`fake_cluster` (a float16 allreduce that rounds each
 addition as Gloo's ring does, an alltoall and an all-gather that move bytes as Horovod's
 do), so the rounding and the overflow seen here are production's.  Real engines on
@@ -16,16 +16,19 @@ import tensorflow as tf
 from fake_cluster import FakeCluster, assert_no_errors, on_threads
 
 from tfsync import timeline
-from tfsync.engine import NonFiniteError, SyncEngine, rounds
-from tfsync.engine.compression import WireBytes, WireFormat
+from tfsync.engine import NonFiniteError, SyncEngine
 from tfsync.engine.settings import EngineSettings
+from tfsync.engine.wire import layout
+from tfsync.engine.wire.compression import WireFormat
+from tfsync.engine.wire.counting import WireBytes
+from tfsync.engine.wire.horovod import horovod_collective
 from tfsync.policies import BSP, PSP, SSP
 from tfsync.stragglers import Stragglers
 
 pytestmark = pytest.mark.usefixtures("engines_on_localhost")
 
 JOIN_S = 60.0
-META_BYTES = 2 * rounds.META_WIDTH * 4  # two workers' rows of float32 digits
+META_BYTES = 2 * layout.META_WIDTH * 4  # two workers' rows of float32 digits
 
 
 def collect(size, compression, payloads, meta, **kwargs):
@@ -35,7 +38,7 @@ def collect(size, compression, payloads, meta, **kwargs):
     def run(r):
         cluster = fake.rank(r)
         wire = {"compression": compression} if compression else {}
-        return cluster.collective(True, **wire)(payloads[r], meta[r], **kwargs)
+        return horovod_collective(True, hvd=cluster.wire_ops(), **wire)(payloads[r], meta[r], **kwargs)
 
     results, errors = on_threads([lambda r=r: run(r) for r in range(size)], JOIN_S)
     assert_no_errors(errors)
@@ -43,7 +46,7 @@ def collect(size, compression, payloads, meta, **kwargs):
 
 
 def rows(size, rank, push_time):
-    meta = np.zeros((size, rounds.META_COLUMNS))
+    meta = np.zeros((size, layout.META_COLUMNS))
     meta[rank, :4] = (1.0, 12345678, push_time, 0.25)
     return meta
 
@@ -126,10 +129,10 @@ def test_the_bytes_model_is_a_ring_and_fp16_halves_the_float_payload():
     payload = (10010 * 4, 3 * 4)  # floating, other
     for size in (2, 4):
         ring = 2 * (size - 1) / size
-        meta = size * rounds.META_WIDTH * 4
-        plain = WireBytes(size, None, rounds.META_WIDTH).per_call(shapes, dtypes)
-        fp16 = WireBytes(size, "fp16", rounds.META_WIDTH).per_call(shapes, dtypes)
-        bf16 = WireBytes(size, "bf16", rounds.META_WIDTH).per_call(shapes, dtypes)
+        meta = size * layout.META_WIDTH * 4
+        plain = WireBytes(size, None, layout.META_WIDTH).per_call(shapes, dtypes)
+        fp16 = WireBytes(size, "fp16", layout.META_WIDTH).per_call(shapes, dtypes)
+        bf16 = WireBytes(size, "bf16", layout.META_WIDTH).per_call(shapes, dtypes)
         assert plain["bytes_sent"] == plain["bytes_received"] == ring * (sum(payload) + meta)
         assert fp16["uncompressed_bytes_sent"] == plain["bytes_sent"]
         # fp16: a float16 allreduce, the ring of the floating values in 2 bytes
@@ -138,7 +141,7 @@ def test_the_bytes_model_is_a_ring_and_fp16_halves_the_float_payload():
         # ring's 2·(n-1)/n of them, and the padding: 10010 values over 4 ranks, 2503 each)
         chunk = {2: 5005, 4: 2503}[size]
         assert bf16["bytes_sent"] == bf16["bytes_received"] == 2 * (size - 1) * chunk * 2 + ring * (payload[1] + meta)
-    assert WireBytes(1, "fp16", rounds.META_WIDTH).per_call(shapes, dtypes)["bytes_sent"] == 0
+    assert WireBytes(1, "fp16", layout.META_WIDTH).per_call(shapes, dtypes)["bytes_sent"] == 0
 
 
 def train(policy, size=2, steps=6, bad=None, width=5, trace_dir=None, on_nonfinite="reject"):

@@ -277,7 +277,7 @@ class LateJob:
 
     def run(self):
         DCJob.run(self)
-        self.closed = self.engines[0]._server.closed
+        self.closed = self.engines[0].life.server.closed
         return self
 
 

@@ -151,6 +151,7 @@ def test_dssp_with_equal_bounds_waits_exactly_where_ssp_waits(tmp_path, stalenes
     assert not any(r.get("granted") for k in range(job.size) for r in job.trace(k))
 
 
+@pytest.mark.timeout(180)  # (10,000 steps of simulated delays: about 20 s alone)
 def test_dssp_runs_ten_thousand_steps_within_its_bounds(tmp_path):
     # 4 ranks x 2500 steps: one rank slower, with jitter and spikes
     rng = [random.Random(40 + r) for r in range(4)]
@@ -281,6 +282,7 @@ def test_elasticbsp_with_lookahead_one_waits_where_bsp_waits(tmp_path):
     assert [b["barrier"] for b in job.trace(0) if b.get("event") == "barrier"] == list(range(1, 41))
 
 
+@pytest.mark.timeout(180)  # (10,000 steps of simulated delays: about 20 s alone)
 def test_elasticbsp_runs_ten_thousand_steps(tmp_path):
     delays = [[0.0005] * 2500, [0.0005] * 2500, [0.001] * 2500, [0.0015] * 2500]
     policy = ElasticBSP(lookahead=6)

@@ -32,6 +32,7 @@ from hypothesis import strategies as st
 from tfsync import _horovod, simulate
 from tfsync.engine import SyncEngine, WorkerLostError
 from tfsync.engine.settings import EngineSettings
+from tfsync.engine.wire.horovod import horovod_collective
 from tfsync.policies import BSP, DSSP, PSP, SSP, BackupWorkers, resolve
 from tfsync.stragglers import Stragglers
 
@@ -185,7 +186,7 @@ class Job:
         # what rank 0's coordinator decided (all ranks, every round, for BSP and SSP), and what
         # each round aggregated (its metadata: the closing's ranks, or more under enters_when_ready)
         if self.policy.coordinated:
-            self.closed = self.engines[0]._server.closed
+            self.closed = self.engines[0].life.server.closed
             self.aggregated = [self.workers[0].aggregated[r] for r in range(self.steps)]
             for w in self.workers[1:]:
                 assert [w.aggregated[r] for r in range(self.steps)] == self.aggregated
@@ -201,8 +202,8 @@ class Job:
                 e.started = False
                 e.exchange.close(timeout_s=0.5)
                 e.control.close()
-                if e._server is not None:
-                    e._server.stop()
+                if e.life.server is not None:
+                    e.life.server.stop()
 
     def trace(self, rank):
         with open(os.path.join(self.trace_dir, f"rank{rank}.jsonl")) as f:
@@ -377,7 +378,7 @@ def test_bsp_every_rank_applies_the_mean_of_all(tmp_path_factory, delays):
 
 def test_rank_0_stops_the_control_server_only_after_every_rank_has_left_it(tmp_path, monkeypatch):
     # a server that goes away under a worker's open stream races that worker's channel close
-    from tfsync.engine.control import ControlClient, ControlServer
+    from tfsync.control import ControlClient, ControlServer
 
     job = Job(PSP(), [[0.0] * 3, [0.01] * 3, [0.0] * 3], str(tmp_path))
     left_at_stop = []
@@ -592,7 +593,7 @@ def test_the_fake_reduces_as_horovods_grouped_allreduce(average, divisor):
         metas.append(meta)
 
     def call(r):
-        return cluster.rank(r).collective(average)(payloads[r], metas[r], divisor=divisor)
+        return horovod_collective(average, hvd=cluster.rank(r).wire_ops())(payloads[r], metas[r], divisor=divisor)
 
     results, errors = _on_threads([lambda r=r: call(r) for r in range(size)])
     assert errors == [None] * size
@@ -648,17 +649,16 @@ def test_a_rank_0_gone_after_its_address_went_out_ends_its_peers_attach(monkeypa
     # (the chaos soak: a rank 0 killed as the engines started; its peers waited 30 s to attach
     # before their reset could begin).  Its service refuses connections: they give up at once;
     # a link that answers nothing waits the engine's wait bound (10 s there), not 30 s
-    from tfsync.engine import engine as engine_module
+    from tfsync.control.client import CONNECT_TIMEOUT_S, ControlUnreachableError, connect_bound
     from tfsync.engine import lifecycle
-    from tfsync.engine.control.client import CONNECT_TIMEOUT_S, ControlUnreachableError, connect_bound
 
-    open_control, client = lifecycle.open_control, engine_module.ControlClient
+    open_control, client = lifecycle.open_control, lifecycle.ControlClient
     bounds = []
 
     def rank_0_gone(engine, cluster):
         contact = open_control(engine, cluster)
         if engine.rank == 0:
-            engine._server.stop()  # (its process "dies" once every rank has its address)
+            engine.life.server.stop()  # (its process "dies" once every rank has its address)
         return contact
 
     def recording(*args, **kwargs):
@@ -666,7 +666,7 @@ def test_a_rank_0_gone_after_its_address_went_out_ends_its_peers_attach(monkeypa
         return client(*args, **kwargs)
 
     monkeypatch.setattr(lifecycle, "open_control", rank_0_gone)
-    monkeypatch.setattr(engine_module, "ControlClient", recording)
+    monkeypatch.setattr(lifecycle, "ControlClient", recording)
     wait_s = 6.0
     assert connect_bound(wait_s) == wait_s < CONNECT_TIMEOUT_S
     assert connect_bound(0.5) >= 5.0 and connect_bound(120.0) == CONNECT_TIMEOUT_S

@@ -8,10 +8,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tfsync.engine.control import STOP_CALL_TIMEOUT_S, STOP_NOTICE_GRACE_S, ControlClient, ControlServer
+from tfsync.control import STOP_CALL_TIMEOUT_S, STOP_NOTICE_GRACE_S, ControlClient, ControlServer
 from tfsync.engine.diagnosis import Diagnosis, SyncTimeoutError
 from tfsync.engine.exchange import INLINE_WATCH_S, RoundExchange
-from tfsync.engine.rounds import WorkerLostError, decode_meta, encode_meta
+from tfsync.engine.rounds import WorkerLostError
+from tfsync.engine.wire.layout import decode_meta, encode_meta
 
 TOKEN = "t" * 32
 

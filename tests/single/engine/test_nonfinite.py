@@ -129,8 +129,8 @@ class Job:
                     e.started = False
                     e.exchange.close(timeout_s=0.5)
                     e.control.close()
-                    if e._server is not None:
-                        e._server.stop()
+                    if e.life.server is not None:
+                        e.life.server.stop()
         if expect_errors:
             return errors
         for exc in errors:

@@ -16,7 +16,7 @@ import pytest
 from fake_cluster import FakeCluster
 
 from tfsync.engine.exchange import RoundExchange
-from tfsync.engine.rounds import decode_meta, encode_meta
+from tfsync.engine.wire.layout import decode_meta, encode_meta
 
 TOKEN = "p" * 32
 WAIT_S = 10.0  # bound of every wait in this file: far above what a passing test needs

@@ -1,4 +1,4 @@
-"""Paced rounds (:mod:`tfsync.engine.pacing`): DiLoCo's overlapped fragments spread their bytes
+"""Paced rounds (:mod:`tfsync.engine.wire.pacing`): DiLoCo's overlapped fragments spread their bytes
 over their overlap window in pieces that are the same on every rank, decode to what an unpaced
 round decodes, and go at once when the round is needed."""
 
@@ -14,11 +14,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tfsync
-from tfsync.engine import pacing
 from tfsync.engine.exchange import RoundExchange
 from tfsync.engine.protocols import outer
 from tfsync.engine.protocols.outer import OuterStepProtocol
-from tfsync.engine.rounds import META_COLUMNS
+from tfsync.engine.wire import pacing
+from tfsync.engine.wire.horovod import horovod_collective
+from tfsync.engine.wire.layout import META_COLUMNS
+from tfsync.engine.wire.quantized import quantized_collective
 
 
 @settings(max_examples=200, deadline=None)
@@ -53,17 +55,17 @@ def test_a_paced_round_goes_in_pieces_at_their_times_and_returns_the_whole_resul
         pauses.append(seconds)
         return True
 
-    total, meta = pacing.paced_round(doubling(calls), payload, "meta", 8.0, pause, size=2, wire_bytes=4 * 6050)
+    total, meta = pacing.paced_round(
+        doubling(calls), payload, "meta", 8.0, pause, size=2, wire_bytes=4 * 6050, clock=lambda: 100.0
+    )
     assert meta == "meta"
     for t, p in zip(total, payload):
         np.testing.assert_array_equal(t.numpy(), 2 * p.numpy())
     k = len(calls)
     assert k == len(pacing.piece_bounds(6050, 4 * 6050, 2)) > 1 and [part for part, _ in calls] == list(range(k))
     assert sum(shape[0][0] for _, shape in calls) == 6050
-    # piece i waits until i/k of the spread after the round began (less the time gone by)
-    assert len(pauses) == k - 1
-    for i, seconds in enumerate(pauses, 1):
-        assert 8.0 * i / k - 1.0 < seconds <= 8.0 * i / k
+    # piece i waits until i/k of the spread after the round began (no time went by on this clock)
+    assert pauses == pytest.approx([8.0 * i / k for i in range(1, k)])
 
 
 def test_once_the_round_is_needed_the_pieces_left_go_without_pausing(monkeypatch):
@@ -102,7 +104,10 @@ def test_a_paced_round_decodes_to_the_bytes_of_an_unpaced_one(monkeypatch, quant
 
         def rank(r):
             c = fake.rank(r)
-            collective = c.collective(True) if quantize is None else c.quantized_collective(quantize, True)
+            ops = c.wire_ops()
+            collective = (
+                horovod_collective(True, hvd=ops) if quantize is None else quantized_collective(quantize, True, hvd=ops)
+            )
             meta = np.zeros((size, META_COLUMNS))
             meta[r, 0] = 1.0
             out = []
@@ -198,17 +203,21 @@ def test_the_pieces_after_the_first_are_due_over_what_is_left_once_every_rank_ha
     monkeypatch.setattr(pacing, "PIECE_BYTES", 4 * 1000)
     pauses = []
 
+    now = [0.0]  # the test's clock: only the first piece's wait for the peers moves it
+
     def late_peers(payload, meta, divisor=None, part=None):
         if part == 0:
-            time.sleep(0.5)
+            now[0] += 0.5
         return payload, meta
 
     def pause(seconds):
         pauses.append(seconds)
         return True
 
-    pacing.paced_round(late_peers, [tf.zeros([8000])], None, 2.5, pause, size=1, wire_bytes=32_000)
+    pacing.paced_round(
+        late_peers, [tf.zeros([8000])], None, 2.5, pause, size=1, wire_bytes=32_000, clock=lambda: now[0]
+    )
     k = len(pauses) + 1
     assert k > 2
-    for i, seconds in enumerate(pauses, 1):
-        assert 2.0 * i / k - 0.3 < seconds <= 2.0 * i / k + 0.01, (i, seconds)
+    # (the 2.0 s left once the first piece came through, 0.5 s into the 2.5)
+    assert pauses == pytest.approx([2.0 * i / k for i in range(1, k)])

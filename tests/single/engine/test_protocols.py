@@ -4,8 +4,8 @@ import numpy as np
 import tensorflow as tf
 
 from tfsync import DelayCompensation
+from tfsync.engine._tf import compile_flat
 from tfsync.engine.protocols import GradientProtocol, UpdateProtocol
-from tfsync.engine.protocols._tf import compile_flat
 from tfsync.engine.rounds import RoundResult
 
 

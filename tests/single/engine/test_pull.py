@@ -12,8 +12,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import tfsync
+from tfsync.engine.components.pull import BlockPull, PartialPull, partition
 from tfsync.engine.protocols.gradient import check_blockwise_optimizer
-from tfsync.engine.pull import BlockPull, PartialPull, partition
 from tfsync.engine.settings import EngineSettings
 from tfsync.launch import add_mode_arguments, describe_mode, mode_from_args
 

@@ -1,4 +1,4 @@
-"""Quantized outer rounds (:mod:`tfsync.engine.quantized`) on the in-process fake cluster: the
+"""Quantized outer rounds (:mod:`tfsync.engine.wire.quantized`) on the in-process fake cluster: the
 collective production runs (an alltoall of packed codes, a float32 sum, an all-gather), its
 meaning (a mean, or a sum over a divisor), what a rejected contribution sends, 4-bit error
 feedback, the bytes on the wire, and the mode's argument and launcher flag."""
@@ -11,8 +11,8 @@ import tensorflow as tf
 from fake_cluster import FakeCluster, assert_no_errors, on_threads
 
 import tfsync
-from tfsync.engine import quantized
-from tfsync.engine.rounds import META_COLUMNS
+from tfsync.engine.wire import quantized
+from tfsync.engine.wire.layout import META_COLUMNS
 from tfsync.launch import add_mode_arguments, mode_from_args
 
 SHAPES = [(40, 30), (7,)]
@@ -29,7 +29,7 @@ def run_rounds(size, quantize, per_rank, rounds=1, present=None, average=True, d
     present = present if present is not None else [True] * size
 
     def rank(r):
-        collective = fake.rank(r).quantized_collective(quantize, average)
+        collective = quantized.quantized_collective(quantize, average, hvd=fake.rank(r).wire_ops())
         meta = np.zeros((size, META_COLUMNS))
         meta[r, 0] = 1.0 if present[r] else 0.0
         out = []
@@ -82,7 +82,7 @@ def test_4bit_error_feedback_delivers_what_one_round_would_round_away():
     fake = FakeCluster(2, timeout_s=30)
 
     def rank(r):
-        collective = fake.rank(r).quantized_collective("int4", True)
+        collective = quantized.quantized_collective("int4", True, hvd=fake.rank(r).wire_ops())
         meta = np.zeros((2, META_COLUMNS))
         meta[r, 0] = 1.0
         return [collective([tf.constant(per_rank[r][0])], meta)[0][0].numpy() for _ in range(10)]

@@ -67,3 +67,22 @@ def test_a_trainable_variable_that_is_not_floating_point_is_refused_at_start():
     for err in errors:
         assert isinstance(err, TypeError) and "counter" in str(err) and "int32" in str(err), err
         assert "floating point" in str(err) and "trainable=False" in str(err)
+
+
+@pytest.mark.parametrize("frontend", ["callback", "strategy"])
+def test_a_frontend_given_a_setting_it_does_not_take_names_the_settings_it_takes(frontend):
+    # the settings are declared once (EngineSettings); a frontend's misspelt keyword is refused
+    # there, naming every setting it takes, before anything starts
+    import tfsync
+
+    build = tfsync.keras.SyncCallback if frontend == "callback" else tfsync.distribute.SyncStrategy
+    with pytest.raises(TypeError, match=r"unexpected keyword argument wait_timeout; .*wait_timeout_s, on_nonfinite"):
+        build("bsp", cluster=FakeCluster(1).rank(0), wait_timeout=5)
+
+
+def test_the_frontends_settings_reach_the_engine_as_given():
+    import tfsync
+
+    sync = tfsync.keras.SyncCallback("bsp", cluster=FakeCluster(1).rank(0), wait_timeout_s=7, on_nonfinite="raise")
+    assert sync.frontend.settings.wait_timeout_s == 7.0 and sync.frontend.settings.on_nonfinite == "raise"
+    assert not sync.frontend.settings.elastic

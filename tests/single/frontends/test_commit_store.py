@@ -43,7 +43,7 @@ class Rank:
 def rank(monkeypatch):
     """Set this process's rank; the state's collectives run on a one-rank in-process cluster."""
     hvd = Rank(0)
-    monkeypatch.setattr(elastic._horovod, "horovod", lambda: hvd)
+    monkeypatch.setattr(elastic.loop._horovod, "horovod", lambda: hvd)
     cluster = FakeCluster(1).rank(0)
     monkeypatch.setattr(elastic.KerasState, "_collective", lambda self, fn, name, purpose: fn(cluster))
     monkeypatch.delenv("TFSYNC_COMMIT_DIR", raising=False)

@@ -9,7 +9,7 @@ from fake_cluster import assert_no_errors
 from training_fake import EPOCHS, SIZE, STEPS, assert_identical, job, layers, optimizer, train_on_shards
 
 import tfsync
-from tfsync.engine import rounds
+from tfsync.engine.wire import layout
 
 pytestmark = pytest.mark.usefixtures("engines_on_localhost")
 
@@ -61,7 +61,7 @@ def test_the_epoch_logs_count_the_bytes_on_the_wire_before_and_after_compression
 
     results, errors = job("callback", tfsync.BSP(compression="fp16"), after_fit=after_fit)
     assert_no_errors(errors)
-    meta = SIZE * rounds.META_WIDTH * 4
+    meta = SIZE * layout.META_WIDTH * 4
     ring = 2 * (SIZE - 1) / SIZE
     per_round = {"before": ring * (PARAMS * 4 + meta), "after": WIRE_PAYLOAD["fp16"] + ring * meta}
     for rank in range(SIZE):
@@ -93,7 +93,7 @@ def test_every_protocol_ends_with_identical_replicas_and_counts_its_rounds_bytes
     results, errors = job("callback", mode, after_fit=after_fit)
     assert_no_errors(errors)
     assert_identical(results, optimizer_too=False)  # (an inner optimizer's state is each worker's own)
-    meta = SIZE * rounds.META_WIDTH * 4
+    meta = SIZE * layout.META_WIDTH * 4
     ring = 2 * (SIZE - 1) / SIZE
     for counts, sent, rounds_run in seen.values():
         assert counts["produced"] == counts["applied"] + counts["compensated"] + counts["dropped"] + counts["rejected"]

@@ -12,9 +12,9 @@ from horovod.common.exceptions import HorovodInternalError, HostsUpdatedInterrup
 
 import tfsync
 import tfsync.elastic as elastic
+from tfsync.control.client import ControlUnreachableError
 from tfsync.engine import SyncTimeoutError, WorkerLostError
 from tfsync.engine.cluster import HorovodCluster
-from tfsync.engine.control.client import ControlUnreachableError
 from tfsync.engine.tally import Tally
 
 
@@ -167,7 +167,7 @@ class LocalState(elastic.KerasState):
 @pytest.fixture
 def fake_horovod(monkeypatch):
     hvd = FakeHorovod()
-    monkeypatch.setattr(elastic._horovod, "horovod", lambda: hvd)
+    monkeypatch.setattr(elastic.loop._horovod, "horovod", lambda: hvd)
     monkeypatch.setenv(elastic.ELASTIC_ENV, "1")
     monkeypatch.delenv("HOROVOD_GLOO_RENDEZVOUS_ADDR", raising=False)  # (no launcher to notify)
     return hvd
@@ -248,8 +248,8 @@ def test_run_raises_any_other_error_as_it_is(fake_horovod):
 
 
 def test_a_job_horovod_cannot_re_form_fails_saying_why(fake_horovod, monkeypatch):
-    monkeypatch.setattr(elastic, "REFORM_PAUSE_S", 0.0)
-    monkeypatch.setattr(elastic._horovod, "init_error", lambda: None)  # (Horovod as released)
+    monkeypatch.setattr(elastic.loop, "REFORM_PAUSE_S", 0.0)
+    monkeypatch.setattr(elastic.loop._horovod, "init_error", lambda: None)  # (Horovod as released)
     fake_horovod.init_error = RuntimeError("rendezvous stopped")
 
     @elastic.run
@@ -264,9 +264,9 @@ def test_a_job_horovod_cannot_re_form_fails_saying_why(fake_horovod, monkeypatch
 @pytest.fixture
 def init_fails(monkeypatch, fake_horovod):
     """Horovod's reason for a failed init (patched Horovod's horovod_tfsync_init_error), no pause."""
-    monkeypatch.setattr(elastic, "REFORM_PAUSE_S", 0.0)
+    monkeypatch.setattr(elastic.loop, "REFORM_PAUSE_S", 0.0)
     reasons = {"why": "Wait timeout after 30 seconds for key(s): 3"}
-    monkeypatch.setattr(elastic._horovod, "init_error", lambda: reasons["why"])
+    monkeypatch.setattr(elastic.loop._horovod, "init_error", lambda: reasons["why"])
     return reasons
 
 
@@ -283,7 +283,7 @@ def test_a_rendezvous_that_fails_is_tried_again_after_a_shutdown(fake_horovod, i
         return "done"
 
     state = LocalState(_model())
-    with caplog.at_level("WARNING", logger=elastic.log.name):
+    with caplog.at_level("WARNING", logger=elastic.loop.log.name):
         assert train(state) == "done"
     assert fake_horovod.calls == ["shutdown", "init", "shutdown", "init"]
     assert calls == [0, 1] and state.resets == 1  # one reset, two tries
@@ -291,7 +291,7 @@ def test_a_rendezvous_that_fails_is_tried_again_after_a_shutdown(fake_horovod, i
 
 
 def test_a_job_that_cannot_re_form_gives_up_after_the_tries(fake_horovod, init_fails):
-    fake_horovod.init_error = [ValueError("Horovod initialization failed")] * elastic.REFORM_ATTEMPTS
+    fake_horovod.init_error = [ValueError("Horovod initialization failed")] * elastic.loop.REFORM_ATTEMPTS
 
     @elastic.run
     def train(state):
@@ -306,7 +306,7 @@ def test_a_job_that_cannot_re_form_gives_up_after_the_tries(fake_horovod, init_f
 def test_a_worker_whose_host_was_removed_does_not_try_again(fake_horovod, init_fails):
     # (a try would record it as ready in the launcher's next round, which it is not part of)
     init_fails["why"] = "198.18.0.2[0] has been removed from elastic job"
-    fake_horovod.init_error = [ValueError("Horovod initialization failed")] * elastic.REFORM_ATTEMPTS
+    fake_horovod.init_error = [ValueError("Horovod initialization failed")] * elastic.loop.REFORM_ATTEMPTS
 
     @elastic.run
     def train(state):
@@ -345,7 +345,7 @@ def test_the_callback_commits_at_epoch_ends_and_counts_what_a_reset_lost(monkeyp
     restore, and a second fit from the committed epoch."""
     from fake_cluster import FakeCluster
 
-    from tfsync.engine.control import ControlClient
+    from tfsync.control import ControlClient
 
     leaves, close = [], ControlClient.close
     monkeypatch.setattr(ControlClient, "close", lambda self, leave=True: (leaves.append(leave), close(self, leave))[1])

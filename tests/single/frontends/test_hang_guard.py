@@ -263,7 +263,7 @@ def test_the_auto_timeout_outlasts_a_steps_wait_on_peers():
     assert elastic.hang_timeout(_state(hang_timeout_s=None)) is None
     # a worker stopped by a signal: under "auto" ended once its peers' links drop it (or at a
     # shorter wait bound), at the given seconds else
-    from tfsync.engine.control.transport import SILENT_LINK_S
+    from tfsync.control.transport import SILENT_LINK_S
 
     assert SILENT_LINK_S < 40 and elastic.stopped_timeout(state) == SILENT_LINK_S
     assert elastic.stopped_timeout(_state(wait_timeout_s=2)) == 2

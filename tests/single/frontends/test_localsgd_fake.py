@@ -24,8 +24,9 @@ from training_fake import BATCH, EPOCHS, JOIN_S, SIZE, STEPS, data, layers
 
 import tfsync
 from tfsync import timeline
-from tfsync.engine import NonFiniteError, WorkerLostError, exchange, pacing
+from tfsync.engine import NonFiniteError, WorkerLostError, exchange
 from tfsync.engine.protocols.outer import split_fragments
+from tfsync.engine.wire import pacing
 
 pytestmark = pytest.mark.usefixtures("engines_on_localhost")
 

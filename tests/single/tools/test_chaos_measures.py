@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from tfsync.bench import chaos
+from tfsync.bench import _chaos_figures, _stacks, chaos
 
 
 def _steps(times, pid=1):
@@ -15,31 +15,31 @@ def _steps(times, pid=1):
 
 def test_the_next_step_is_past_the_stall_the_fault_caused():
     steps = _steps([0.0, 0.1, 0.2, 0.3, 5.3, 5.4])  # (a 5 s stall from 0.3)
-    assert chaos.to_next_step(steps, {"t": 0.25}, window_s=10) == pytest.approx(5.05)
+    assert _chaos_figures.to_next_step(steps, {"t": 0.25}, window_s=10) == pytest.approx(5.05)
     # a fault that caused no stall: the next step
-    assert chaos.to_next_step(steps, {"t": 5.35}, window_s=10) == pytest.approx(0.05)
+    assert _chaos_figures.to_next_step(steps, {"t": 5.35}, window_s=10) == pytest.approx(0.05)
     # a stall that began past the window is not the fault's
     steady = [i / 10 for i in range(121)]  # (steps every 0.1 s to 12 s, then a stall)
-    assert chaos.to_next_step(_steps([*steady, 20.0]), {"t": 0.05}, window_s=10) == pytest.approx(0.05)
+    assert _chaos_figures.to_next_step(_steps([*steady, 20.0]), {"t": 0.05}, window_s=10) == pytest.approx(0.05)
     # nor one that began after the next fault's injection: that fault's
     stalled = _steps([*steady[:41], 9.0])  # (steps to 4 s, then a stall to 9 s)
-    assert chaos.to_next_step(stalled, {"t": 0.05}, window_s=10) == pytest.approx(8.95)
-    assert chaos.to_next_step(stalled, {"t": 0.05}, window_s=10, next_t=3.0) == pytest.approx(0.05)
+    assert _chaos_figures.to_next_step(stalled, {"t": 0.05}, window_s=10) == pytest.approx(8.95)
+    assert _chaos_figures.to_next_step(stalled, {"t": 0.05}, window_s=10, next_t=3.0) == pytest.approx(0.05)
 
 
 def test_the_victims_own_steps_do_not_count():
     steps = sorted(_steps([0.0, 0.1, 4.0], pid=1) + _steps([0.05, 0.15, 0.2], pid=2), key=lambda s: s["t"])
-    assert chaos.to_next_step(steps, {"t": 0.12, "pid": 2}, window_s=10) == pytest.approx(3.88)
-    assert chaos.to_next_step(steps, {"t": 5.0}, window_s=10) is None
+    assert _chaos_figures.to_next_step(steps, {"t": 0.12, "pid": 2}, window_s=10) == pytest.approx(3.88)
+    assert _chaos_figures.to_next_step(steps, {"t": 5.0}, window_s=10) is None
 
 
 def test_the_stalls_go_to_the_last_fault_injected_before_they_ended():
     # stalls: 1.0-3.0 (before any fault), 4.0-6.0 (a kill at 4.5 inside it), 6.5-8.0 (the kill's
     # replacement joining), 8.2-9.5 (a cut injected at 8.0, before the stall began)
     steps = _steps([0.5, 1.0, 3.0, 3.5, 4.0, 6.0, 6.5, 8.0, 8.1, 8.2, 9.5, 9.9])
-    by_kind = chaos.stalled_by_kind(steps, [(8.0, "link_cut"), (4.5, "kill")])
+    by_kind = _chaos_figures.stalled_by_kind(steps, [(8.0, "link_cut"), (4.5, "kill")])
     assert by_kind == pytest.approx({"kill": 2.0 + 1.5, "link_cut": 1.3, "none": 2.0})
-    assert chaos.stalled_by_kind(_steps([0.0, 0.5, 1.0]), [(0.2, "nan")]) == {}
+    assert _chaos_figures.stalled_by_kind(_steps([0.0, 0.5, 1.0]), [(0.2, "nan")]) == {}
 
 
 def test_the_reformed_step_is_the_survivors_first_step_in_the_job_formed_after_the_fault():
@@ -50,13 +50,13 @@ def test_the_reformed_step_is_the_survivors_first_step_in_the_job_formed_after_t
     # (one reset), and a replacement joins at 9.0 (another reset)
     steps = [step(0.5, 1, 0), step(0.6, 2, 0), step(1.3, 1, 0), step(1.8, 1, 1, 3), step(9.0, 3, 2), step(9.1, 1, 2)]
     kill = {"t": 1.0, "pid": 2}
-    assert chaos.to_reformed_step(steps, kill) == pytest.approx(0.8)
-    assert chaos.to_next_step(steps, kill, window_s=20) == pytest.approx(8.0)  # (the join's stall)
+    assert _chaos_figures.to_reformed_step(steps, kill) == pytest.approx(0.8)
+    assert _chaos_figures.to_next_step(steps, kill, window_s=20) == pytest.approx(8.0)  # (the join's stall)
     # a re-form after the next fault's injection is that fault's
-    assert chaos.to_reformed_step(steps, kill, next_t=1.5) is None
+    assert _chaos_figures.to_reformed_step(steps, kill, next_t=1.5) is None
     # no re-form after it (a NaN rejected, a flap healed): None
-    assert chaos.to_reformed_step(steps, {"t": 9.05}) is None
-    assert chaos.to_reformed_step(steps, {"t": 0.1}) is None  # (no step before it to compare with)
+    assert _chaos_figures.to_reformed_step(steps, {"t": 9.05}) is None
+    assert _chaos_figures.to_reformed_step(steps, {"t": 0.1}) is None  # (no step before it to compare with)
 
 
 def test_the_goodput_lost_adds_up_and_goes_where_the_job_was():
@@ -67,7 +67,9 @@ def test_the_goodput_lost_adds_up_and_goes_where_the_job_was():
     # the second of them 0.2 s after the first
     steps += [{"t": t, "pid": 1, "r": 1, "n": 3} for t in (3.0, 3.2, 3.4)]
     steps += [{"t": t, "pid": 1, "r": 2, "n": 4} for t in (3.5, 3.7)]
-    lost = chaos.goodput_lost(steps, [(1.5, "kill"), (0.5, "nan")], lost_s=2.6, calm_rate=calm, samples_redone=16)
+    lost = _chaos_figures.goodput_lost(
+        steps, [(1.5, "kill"), (0.5, "nan")], lost_s=2.6, calm_rate=calm, samples_redone=16
+    )
     assert lost == {
         "stalled_by_kind": {"kill": pytest.approx(1.9)},
         "fewer_workers_by_kind": {"kill": pytest.approx(0.2)},
@@ -94,11 +96,11 @@ def test_the_goodput_ceiling_counts_what_each_fault_takes_by_its_definition():
         (190.0, Fault("stop", rank=1, at_s=190)),
         (210.0, Fault("kill", rank=2, at_s=210)),
     ]
-    ceiling, taken = chaos.goodput_ceiling(injected, 400.0, rows, calm, wait_timeout_s=10.0)
+    ceiling, taken = _chaos_figures.goodput_ceiling(injected, 400.0, rows, calm, wait_timeout_s=10.0)
     assert taken == {"host_removed": 8.0, "kill": 0.0, "link_cut": 4.0, "link_flap": 3.0, "nan": 0.0, "stop": 5.0}
     assert ceiling == pytest.approx(1 - 20.0 / 400.0)
     # a removal without a stretch of two workers to measure them on: no ceiling
-    assert chaos.goodput_ceiling(injected[:1], 400.0, rows[:20], calm, 10.0)[0] is None
+    assert _chaos_figures.goodput_ceiling(injected[:1], 400.0, rows[:20], calm, 10.0)[0] is None
 
 
 def test_the_command_line_wants_its_json_and_known_modes(capsys):
@@ -113,7 +115,7 @@ def test_the_command_line_wants_its_json_and_known_modes(capsys):
 
 def test_the_timeline_bins_the_samples_and_carries_the_size_through_a_stall():
     steps = [{"t": t, "pid": 1, "r": 0, "n": n} for t, n in [(-1.0, 4), (0.5, 4), (1.0, 4), (12.0, 2)]]
-    assert chaos.timeline(steps, start=0.0, bin_s=5.0) == [[0.0, 32 / 5, 4], [5.0, 0.0, 4], [10.0, 16 / 5, 2]]
+    assert _chaos_figures.timeline(steps, start=0.0, bin_s=5.0) == [[0.0, 32 / 5, 4], [5.0, 0.0, 4], [10.0, 16 / 5, 2]]
 
 
 def test_a_stalled_launch_leaves_the_stacks_of_its_python_processes(tmp_path):
@@ -156,7 +158,7 @@ def test_the_workers_hang_guards_are_stopped_while_their_stacks_are_read(tmp_pat
         )
     worker = subprocess.Popen([sys.executable, marker], stdout=subprocess.PIPE, text=True)
     seen = {}
-    dump = chaos._dump_stacks
+    dump = _stacks._dump_stacks
 
     def watched(*args):
         deadline = time.monotonic() + 5.0  # (a signal lands when the process is next scheduled)
@@ -165,7 +167,7 @@ def test_the_workers_hang_guards_are_stopped_while_their_stacks_are_read(tmp_pat
         seen["during"] = psutil.Process(guard_pid).status()
         return dump(*args)
 
-    monkeypatch.setattr(chaos, "_dump_stacks", watched)
+    monkeypatch.setattr(_stacks, "_dump_stacks", watched)
     try:
         guard_pid = int(worker.stdout.readline())
         chaos.dump_stacks(worker.pid, str(tmp_path / "stacks.txt"), match="guarded_worker.py")

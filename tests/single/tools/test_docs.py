@@ -51,7 +51,7 @@ def site(tmp_path_factory):
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=50,  # (within the test's own limit, so its error is this one; it takes seconds)
     )
     return site_dir, result
 

@@ -28,7 +28,7 @@ A new protocol is one module (a :class:`StepProtocol` subclass and its
 :class:`OptimizerPath`) and one :func:`register` call.
 """
 
-from tfsync.engine.protocols._tf import floating_statistics, tf_variable
+from tfsync.engine._tf import floating_statistics, tf_variable
 from tfsync.engine.protocols.base import StepProtocol
 from tfsync.engine.protocols.compensated import CompensatedUpdateProtocol
 from tfsync.engine.protocols.gradient import GradientProtocol

@@ -16,6 +16,8 @@ A new protocol is one module with a subclass of :class:`StepProtocol` (and its
 path) and one :func:`tfsync.engine.protocols.register` call.
 """
 
+from tfsync.engine.wire import Round
+
 REST_PROBE_STEPS = 64  # the steps rest_steps asks a policy's sync_round about (its rule is periodic or fixed)
 
 
@@ -51,17 +53,11 @@ class StepProtocol:
         return []
 
     @classmethod
-    def exchange_options(cls) -> dict:
-        """Keyword arguments of :class:`~tfsync.engine.exchange.RoundExchange` this protocol needs."""
-        return {"averages": cls.averages}
-
-    @classmethod
-    def collective(cls, cluster, policy, averages: bool, compression=None):
-        """The round's collective (:class:`~tfsync.engine.exchange.RoundExchange`'s): the
-        cluster's grouped allreduce by default, its floating tensors in ``compression``'s wire
-        type when set (:mod:`tfsync.engine.compression`)."""
-        # (a cluster is asked for compression only when the mode sets one: a stand-in may not take it)
-        return cluster.collective(averages, **({"compression": compression} if compression else {}))
+    def round(cls, policy) -> Round:
+        """What this protocol's rounds are (:class:`~tfsync.engine.wire.Round`): they average
+        with ``averages`` by default; the engine opens the wire for them once
+        (:func:`tfsync.engine.wire.open_wire`), in ``policy.compression``'s wire type where set."""
+        return Round(averages=cls.averages)
 
     @classmethod
     def optimizer_path(cls, policy, engine, optimizer=None, station="apply", shared=False):

@@ -16,8 +16,8 @@ gradient protocol's late contributions too.
 import tensorflow as tf
 
 from tfsync import ops
+from tfsync.engine._tf import gradients_finite, py_step, run_compiled, state_variable, tf_variable
 from tfsync.engine.components import StepComponent
-from tfsync.engine.protocols._tf import gradients_finite, py_step, run_compiled, state_variable, tf_variable
 from tfsync.engine.protocols.base import StepProtocol
 from tfsync.engine.protocols.path import (
     OptimizerPath,

@@ -3,7 +3,7 @@
 The raw gradients are pushed before the optimizer runs; the round's result is
 the workers' mean gradient, which every worker's optimizer applies (what
 ``hvd.allreduce`` + optimizer does).  A late gradient of PSP or backup workers
-(``compensate=``, :mod:`tfsync.engine.late`) is corrected against the weights
+(``compensate=``, :mod:`tfsync.engine.components.late`) is corrected against the weights
 it is applied at (:class:`~tfsync.engine.protocols.compensated.Compensator`),
 so with compensation the protocol keeps the weights it was computed on.
 
@@ -17,14 +17,15 @@ step's gradients to the engine through one ``tf.py_function`` and the
 optimizer applies the mean that comes back.  Under a ``LossScaleOptimizer``
 every rank must skip the same steps (:class:`LossScaledExchange`); under PSP's
 partial pulling the engine applies the rounds block by block itself
-(:class:`BlockwiseExchange`, :mod:`tfsync.engine.pull`).
+(:class:`BlockwiseExchange`, :mod:`tfsync.engine.components.pull`).
 """
 
 import numpy as np
 import tensorflow as tf
 
 from tfsync import ops
-from tfsync.engine.protocols._tf import compile_flat, copy_values, dense, py_step, state_variable, tf_variable
+from tfsync.engine._tf import compile_flat, copy_values, dense, py_step, state_variable, tf_variable
+from tfsync.engine.components.pull import PartialPull
 from tfsync.engine.protocols.base import StepProtocol
 from tfsync.engine.protocols.compensated import Compensator
 from tfsync.engine.protocols.path import (
@@ -39,7 +40,6 @@ from tfsync.engine.protocols.path import (
     static_loss_scale,
     unscaled_or_zeros,
 )
-from tfsync.engine.pull import PartialPull
 
 
 class GradientProtocol(StepProtocol):
@@ -274,7 +274,7 @@ class BlockwiseExchange(ExchangeBefore):
 
 
 class OptimizerBlocks:
-    """Partial pulling's applier (:attr:`tfsync.engine.pull.BlockPull.applier`): one block of a
+    """Partial pulling's applier (:attr:`tfsync.engine.components.pull.BlockPull.applier`): one block of a
     round's mean through the optimizer, with ``optimizer.iterations`` at that round's count.
 
     Keras 3 optimizers update each weight from its gradient, its own slots and

@@ -29,7 +29,7 @@ step calls the engine through one ``tf.py_function`` per step.
 
 import tensorflow as tf
 
-from tfsync.engine.protocols._tf import py_step
+from tfsync.engine._tf import py_step
 
 
 class OptimizerPath:

@@ -17,7 +17,7 @@ update of this worker), then one ``tf.py_function`` pushes the share.
 import tensorflow as tf
 
 from tfsync import ops
-from tfsync.engine.protocols._tf import compile_flat, gradients_finite, state_variable, tf_variable
+from tfsync.engine._tf import compile_flat, gradients_finite, state_variable, tf_variable
 from tfsync.engine.protocols.base import StepProtocol
 from tfsync.engine.protocols.path import (
     OptimizerPath,
