@@ -190,6 +190,7 @@ class SyncCallback(keras.callbacks.Callback):
             trace_name=trace_name,
             extra_config={"steps": self._steps, "optimizer": type(optimizer).__name__},
         )
+        path.bind(self.frontend.engine)
         if keeps:
             return
         self._path, self._optimizer = path, optimizer
