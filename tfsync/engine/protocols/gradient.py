@@ -164,11 +164,19 @@ class ExchangeBefore(OptimizerPath):
 
     def __init__(self, policy, engine, optimizer=None, station="apply", shared=False):
         super().__init__(policy, engine, optimizer, station, shared)
-        self._graph = None  # the in-graph round, once traced into the step
+        self._graph = None  # the in-graph round's variables (made before the step is traced)
+        self._traced = False
 
     def bind(self, engine):
+        if self._graph is None and not self._traced and self._serves_in_graph(engine):
+            self._graph = GraphRound()  # (a trace that makes variables is traced twice)
         if self._graph is not None:
             self._graph.attach(engine, engine.in_graph)
+
+    def _serves_in_graph(self, engine):
+        # auto mode's step serves engines of every gradient mode, and the strategy starts its
+        # engine while tracing and raises Horovod's own errors: the Python path
+        return engine.in_graph and self.station == "apply" and not self.shared
 
     def before(self, grads):
         return self._exchange(grads)
@@ -176,13 +184,9 @@ class ExchangeBefore(OptimizerPath):
     def _exchange(self, tensors):
         """The round's mean of ``tensors`` (the engine's tensors, in its order), traced."""
         engine = self._engine
-        # (auto mode's step serves engines of every gradient mode; the strategy's starts its engine
-        # while tracing and raises Horovod's own errors: the Python path)
-        if self._graph is None and not (engine().in_graph and self.station == "apply" and not self.shared):
-            return exchange_gradients(engine, tensors)
+        self._traced = True
         if self._graph is None:
-            self._graph = GraphRound()
-            self._graph.attach(engine(), True)
+            return exchange_gradients(engine, tensors)
         protocol = engine().protocol
         tensors = dense(tensors, protocol.shapes, protocol.dtypes)
 

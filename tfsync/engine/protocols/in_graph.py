@@ -79,18 +79,18 @@ class GraphRound:
     def __init__(self):
         import tensorflow as tf
 
+        from tfsync.engine._tf import state_variable
+
         with tf.init_scope():
 
             def var(value, dtype, name):
-                return tf.Variable(value, dtype=dtype, trainable=False, name=f"tfsync_graph_{name}")
+                return state_variable(tf.constant(value, dtype, name=f"tfsync_graph_{name}"))
 
             self.enabled = var(False, tf.bool, "enabled")
-            self.step = var(0, tf.int64, "step")  # the step the next round is for
-            self.rounds = var(0, tf.int64, "rounds")  # the rounds run in-graph (each: produced and applied)
-            self.compute_s = var(0.0, tf.float64, "compute_s")  # over the in-graph steps
-            self.wait_s = var(0.0, tf.float64, "wait_s")
-            self.last_wait_s = var(0.0, tf.float64, "last_wait_s")
-            self.t_end = var(0.0, tf.float64, "t_end")  # when the last step ended (time.time())
+            # since the engine attached: [steps, rounds run in-graph (each one contribution produced
+            # and applied), their compute seconds, their wait seconds] (float64: exact counts to 2**53)
+            self.totals = var([0.0] * 4, tf.float64, "totals")
+            self.ends = var([0.0, 0.0], tf.float64, "ends")  # [when the last step ended (time.time()), its wait]
             self.started = var(0.0, tf.float64, "started")  # when the running round started; 0: none
         self.engine = None
         self.expired = None  # the step whose round the watch thread aborted at the wait bound
@@ -114,22 +114,18 @@ class GraphRound:
 
         t_push = tf.timestamp()
         with tf.control_dependencies([self.started.assign(t_push)]):
-            outs = hvd.grouped_allreduce([tf.identity(g) for g in grads], op=hvd.Average, name="tfsync.round.graph")
+            outs = hvd.grouped_allreduce(grads, op=hvd.Average, name="tfsync.round.graph")
         finite = tf.reduce_all(ops.all_finite(outs))
         # not finite: every rank sees the same mean, so every rank redoes the step in Python
-        mean = tf.cond(finite, lambda: [tf.identity(o) for o in outs], lambda: python_round(grads))
+        mean = tf.cond(finite, lambda: outs, lambda: python_round(grads))
         with tf.control_dependencies(mean):
             t_end = tf.timestamp()
             wait_s = t_end - t_push
             fast = tf.cast(finite, tf.float64)  # (a step redone in Python counts itself)
             updates = [
                 self.started.assign(0.0),
-                self.step.assign_add(1),
-                self.rounds.assign_add(tf.cast(finite, tf.int64)),
-                self.compute_s.assign_add(fast * (t_push - self.t_end)),
-                self.wait_s.assign_add(fast * wait_s),
-                self.last_wait_s.assign(wait_s),
-                self.t_end.assign(t_end),
+                self.totals.assign_add(tf.stack([1.0, fast, fast * (t_push - self.ends[0]), fast * wait_s])),
+                self.ends.assign(tf.stack([t_end, wait_s])),
             ]
         with tf.control_dependencies(updates):
             return [tf.identity(m) for m in mean]
@@ -143,10 +139,9 @@ class GraphRound:
         self.detach()
         self.engine, self.expired = engine, None
         with tf.init_scope():  # (now, also when the step that traces this round calls it)
-            self.step.assign(engine.step)
-            for v in (self.rounds, self.compute_s, self.wait_s, self.last_wait_s, self.started):
-                v.assign(tf.zeros([], v.dtype))
-            self.t_end.assign(time.time())
+            self.totals.assign([float(engine.step), 0.0, 0.0, 0.0])
+            self.ends.assign([time.time(), 0.0])
+            self.started.assign(0.0)
             self.enabled.assign(enabled)
         self._folded = (0, 0.0, 0.0)
         engine.graph = self
@@ -183,12 +178,12 @@ class GraphRound:
         times and bytes into its tally (call between steps, on the training thread)."""
         if self._thread is None or engine is not self.engine:
             return
-        rounds, compute_s, wait_s = int(self.rounds.numpy()), float(self.compute_s.numpy()), float(self.wait_s.numpy())
-        n, c, w = rounds - self._folded[0], compute_s - self._folded[1], wait_s - self._folded[2]
-        self._folded = (rounds, compute_s, wait_s)
-        engine.step = int(self.step.numpy())
+        step, rounds, compute_s, wait_s = self.totals.numpy().tolist()
+        n, c, w = int(rounds) - self._folded[0], compute_s - self._folded[1], wait_s - self._folded[2]
+        self._folded = (int(rounds), compute_s, wait_s)
+        engine.step = int(step)
         engine.applied_through = engine.last_pushed = engine.step - 1
-        engine._t_step_start = float(self.t_end.numpy()) - engine.t0
+        engine._t_step_start = float(self.ends[0].numpy()) - engine.t0
         if n:
             tally = engine.tally
             for key in ("produced", "applied"):
@@ -204,12 +199,12 @@ class GraphRound:
         """``engine.last``: the last step's figures, the Python path's where it ran."""
         if self._thread is None or engine is not self.engine:
             return engine._last
-        return {"wait_s": float(self.last_wait_s.numpy()), "staleness": 0}
+        return {"wait_s": float(self.ends[1].numpy()), "staleness": 0}
 
     def error(self, engine, exc):
         """The engine's error for a failed in-graph round (``exc``: Horovod's op error): the
         wait bound's when the watch thread aborted it, else a lost or stopped peer's."""
-        step = int(self.step.numpy())
+        step = int(self.totals[0].numpy())
         if self.expired is not None:
             return engine.stop(engine._diagnosis.timeout_error(self.expired))
         return engine.stop(engine._diagnosis.lost_error(step, exc))
@@ -219,7 +214,7 @@ class GraphRound:
         behind from it) and abort a round past the wait bound."""
         while not stop.wait(WATCH_S):
             started = float(self.started.numpy())
-            step = int(self.step.numpy())
+            step = int(self.totals[0].numpy())
             if not started:
                 engine.control.report(step - 1)
                 continue
