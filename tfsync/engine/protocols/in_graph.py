@@ -26,7 +26,7 @@ Every guarantee of the Python path holds:
 * Counts: every in-graph step is one contribution produced and applied, and its round's
   bytes, folded into the engine's tally whenever the engine's counts or totals are read.
 
-Where the in-graph round is not used (:func:`eligible` says why), the same compiled step
+Where the in-graph round is not used (:func:`step_path` says why), the same compiled step
 runs the Python path (``tf.cond`` on :attr:`GraphRound.enabled`), so a step compiled once
 serves any later engine: a trace (its per-step records), simulated stragglers (per-step
 sleeps), gradient compression, an elastic job (its resets count rounds in flight), more than
@@ -42,10 +42,15 @@ import time
 WATCH_S = 0.25  # how often the watch thread reads the step's variables (so an abort comes at most this late)
 
 
-def eligible(engine, protocol_cls, tensors) -> str:
-    """Why this engine's steps cannot run in-graph, or "" when they can: decided once, from what
-    this rank knows before the ranks agree on their configuration (``protocol_cls``: the step
-    protocol the policy names; ``tensors``: what the engine starts on).  The engine adds that
+IN_GRAPH = "in-graph"
+
+
+def step_path(engine, protocol_cls, tensors) -> str:
+    """:data:`IN_GRAPH` where this engine's rounds can run in the compiled step, else the
+    engine's path and why (``"the engine's: a trace is written"``): decided once, from what this
+    rank knows before the ranks agree on their configuration, so a rank that differs (one that
+    traces alone) is named with the reason before any round runs.  ``protocol_cls``: the step
+    protocol the policy names; ``tensors``: what the engine starts on.  The engine adds that
     every rank is on one host once it knows the hosts."""
     import tensorflow as tf  # (here: the engine's start imports this module without TensorFlow)
 
@@ -64,7 +69,8 @@ def eligible(engine, protocol_cls, tensors) -> str:
         "not every weight is float32": any(tf.as_dtype(t.dtype) != tf.float32 for t in tensors),
         "the cluster is not Horovod's": not isinstance(engine.cluster, HorovodCluster),
     }
-    return "; ".join(k for k, v in reasons.items() if v)
+    why = "; ".join(k for k, v in reasons.items() if v)
+    return f"the engine's: {why}" if why else IN_GRAPH
 
 
 class GraphRound:
@@ -224,4 +230,4 @@ class GraphRound:
                 engine.cluster.abort()
 
 
-__all__ = ["GraphRound", "WATCH_S", "eligible"]
+__all__ = ["IN_GRAPH", "GraphRound", "WATCH_S", "step_path"]
