@@ -56,11 +56,10 @@ def step_path(engine, protocol_cls, tensors) -> str:
 
     from tfsync.engine.cluster import HorovodCluster
     from tfsync.engine.protocols.gradient import GradientProtocol
-    from tfsync.policies import BSP
 
     s = engine.stragglers
     reasons = {
-        "the mode is not plain BSP": type(engine.policy) is not BSP,
+        "the mode decides per step": not engine.policy.every_round_whole or bool(engine.policy.components()),
         "the step protocol is not the gradient exchange": protocol_cls is not GradientProtocol,
         "a trace is written": bool(engine.trace_dir),
         "stragglers are simulated": bool(s.base_s or s.slow_ranks or s.rare_prob or s.jitter_s or s.pull_prob),
