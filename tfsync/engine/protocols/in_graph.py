@@ -55,12 +55,11 @@ def step_path(engine, protocol_cls, tensors) -> str:
     import tensorflow as tf  # (here: the engine's start imports this module without TensorFlow)
 
     from tfsync.engine.cluster import HorovodCluster
-    from tfsync.engine.protocols.gradient import GradientProtocol
 
     s = engine.stragglers
     reasons = {
         "the mode decides per step": not engine.policy.every_round_whole or bool(engine.policy.components()),
-        "the step protocol is not the gradient exchange": protocol_cls is not GradientProtocol,
+        "the step protocol is not the gradient exchange": protocol_cls.payload != "gradients",
         "a trace is written": bool(engine.trace_dir),
         "stragglers are simulated": bool(s.base_s or s.slow_ranks or s.rare_prob or s.jitter_s or s.pull_prob),
         "the job is elastic": bool(engine.elastic),
