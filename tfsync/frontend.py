@@ -270,6 +270,9 @@ def reraising(train_function, engine):
             running = engine()
             if running is not None and running.error is not None:
                 raise running.error from exc
+            graph = None if running is None else running.graph
+            if graph is not None and graph.active and graph.engine is running:  # an in-graph round failed
+                raise graph.error(running, exc) from exc
             raise
 
     return train_function_reraising

@@ -184,6 +184,11 @@ class RankDelays:
         self._rng = np.random.default_rng([config.seed, rank])
         self._pull_rng = np.random.default_rng([config.seed, rank, 1])  # its own stream
 
+    @property
+    def idle(self) -> bool:
+        """Whether this rank's steps never sleep (no delay of any kind is configured for it)."""
+        return not (self._fixed_s or self.config.jitter_s or self.config.rare_prob)
+
     def next_delay_s(self) -> float:
         delay = self._fixed_s
         cfg = self.config

@@ -18,6 +18,7 @@ def test_bsp_matches_horovod_allreduce(results, optimizer, variant):
     for rank, res in results.items():
         assert res[optimizer]["moved"] > 1e-3, "training did not change the weights: the comparison is void"
         assert res[optimizer][variant] < 1e-5, (rank, optimizer, variant, res[optimizer])
+        assert res[optimizer]["in_graph"], "the callback's BSP ran its rounds through the engine's Python path"
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "momentum"])

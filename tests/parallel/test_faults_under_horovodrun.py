@@ -23,9 +23,13 @@ def _run(tmp_path, scenario):
     [
         ("die", "WorkerLostError", 20.0),
         ("hang", "SyncTimeoutError", 20.0),
-        # BSP's round runs on the training thread, inside Horovod: its watchdog must end that
-        # wait at the bound too (before it, the others waited until the hung rank exited)
+        # BSP's round runs in the compiled step, inside Horovod's op: the watch thread must end
+        # that wait at the bound too; a peer that dies fails the op, and the error names it
         ("hang_bsp", "SyncTimeoutError", 20.0),
+        ("die_bsp", "WorkerLostError", 20.0),
+        # with simulated stragglers BSP's round runs on the training thread (inline): its
+        # watchdog must end that wait at the bound too
+        ("hang_bsp_stragglers", "SyncTimeoutError", 20.0),
         ("die_psp", "WorkerLostError", 20.0),
     ],
 )
@@ -37,6 +41,7 @@ def test_survivors_name_the_lost_rank(tmp_path, scenario, kind, bound_s):
         assert res["error"] is not None and res["error"].startswith(kind), (rank, res)
         assert "rank 2" in res["error"] or "[2]" in res["error"], res["error"]
         assert res["error_at"] - fault_at < bound_s, (rank, res["error_at"] - fault_at)
+        assert res["in_graph"] == (scenario in ("hang_bsp", "die_bsp")), (rank, res)
 
 
 def test_a_slow_worker_stops_nobody_under_psp(tmp_path):

@@ -20,6 +20,9 @@ from tfsync.launch import add_mode_arguments
 # name -> (input width, hidden widths, batch size); 10 classes
 MODELS = {
     "small": (32, (64, 64), 32),  # 7.0k parameters
+    # the step-overhead study's sizes (docs/results/step-overhead): 256 -> w -> w -> 10, batch 16
+    "21k": (256, (64, 64), 16),  # 21k
+    "1.3m": (256, (1024, 1024), 16),  # 1.3M
     "medium": (256, (2048, 2048), 16),  # 4.7M
     "large": (256, (4096, 4096), 16),  # 17.9M
 }
@@ -76,6 +79,8 @@ def main():
         callbacks = [sync, clock]
     model.fit(x, y, batch_size=batch_size, epochs=1, shuffle=False, verbose=0, callbacks=callbacks)
     wall = hvd.allgather_object(clock.elapsed_s())
+    # each rank's process CPU (user + system, every thread) per timed step, in ms
+    cpu_ms = hvd.allgather_object(clock.elapsed_cpu_s() / args.steps * 1e3)
     peak_rss_mb = hvd.allgather_object(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
     wait = waits = barriers = None
     counts = {"produced": total * size, "applied": total * size, "compensated": 0, "dropped": 0, "skipped": 0}
@@ -110,6 +115,7 @@ def main():
                 **counts,
                 "wall_s": max(wall),
                 "ms_per_step": max(wall) / args.steps * 1e3,
+                "cpu_ms_per_step": cpu_ms,
                 "peak_rss_mb": max(peak_rss_mb),
                 "window_unix_s": [clock.start_unix, clock.end_unix],  # rank 0's timed steps
                 "num_params": model.count_params(),
@@ -148,14 +154,20 @@ class Clock(keras.callbacks.Callback):
     def on_train_batch_begin(self, batch, logs=None):
         if batch == self.warmup_steps:
             self.start = time.perf_counter()
+            self.start_cpu = time.process_time()
             self.start_unix = time.time()  # (the bench's link sampler keeps the time of day)
 
     def on_train_end(self, logs=None):
         self.end = time.perf_counter()
+        self.end_cpu = time.process_time()
         self.end_unix = time.time()
 
     def elapsed_s(self):
         return self.end - self.start
+
+    def elapsed_cpu_s(self):
+        """The process's CPU time (every thread's: TensorFlow's, Horovod's, tfsync's) over the timed steps."""
+        return self.end_cpu - self.start_cpu
 
 
 if __name__ == "__main__":

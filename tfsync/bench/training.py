@@ -2,7 +2,8 @@
 
 Each (model, mode, scenario) is one ``horovodrun`` launch of
 :mod:`tfsync.bench._training_worker` on local workers.  Models (``--models``):
-``small`` (7k parameters), ``medium`` (4.7M), ``large`` (17.9M).  Mode
+``small`` (7k parameters), ``21k`` and ``1.3m`` (256 -> w -> w -> 10 with w = 64 and
+1024, batch 16: the step-overhead study's sizes), ``medium`` (4.7M), ``large`` (17.9M).  Mode
 ``local`` trains every worker alone with no synchronization at all: the
 compute floor each mode's synchronization overhead per step is measured
 against.  Scenarios:
@@ -56,7 +57,7 @@ MODES = tuple(MODE_FLAGS)
 # plain Horovod and the registry's per-step configurations (Local SGD's and DiLoCo's steps are not
 # each a contribution: python -m tfsync.bench network compares those)
 DEFAULT_MODES = ("horovod", *registry.study_configurations(every_step=True))
-MODELS = ("small", "medium", "large")
+MODELS = ("small", "21k", "1.3m", "medium", "large")
 SCENARIOS = ("none", "straggler", "heterogeneous", "jitter", "rare", "rare-pull")
 DEFAULT_SCENARIOS = tuple(s for s in SCENARIOS if s != "rare-pull")  # rare-pull: opt-in (psp+pull's case)
 # each mode's label in tables (its registry label; SSP's bound from --staleness, a "{s}")
@@ -207,8 +208,11 @@ def run_configuration(worker, model, scenario, args):
         if floor is not None:
             r["sync_overhead_ms"] = r["ms_per_step"] - floor["ms_per_step"]
     for r in records:
+        r["mean_cpu_ms_per_step"] = sum(r["cpu_ms_per_step"]) / len(r["cpu_ms_per_step"])
+    for r in records:
         if horovod is not None:
             r["vs_horovod"] = r["samples_per_s"] / horovod["samples_per_s"]
+            r["extra_cpu_ms_per_step"] = r["mean_cpu_ms_per_step"] - horovod["mean_cpu_ms_per_step"]
             if floor is not None and horovod["ms_per_step"] > floor["ms_per_step"]:
                 r["overhead_vs_horovod"] = r["sync_overhead_ms"] / horovod["sync_overhead_ms"]
     return records
@@ -217,8 +221,9 @@ def run_configuration(worker, model, scenario, args):
 def format_table(records):
     lines = [
         "| model | scenario | mode | samples/s | effective samples/s | compensated | dropped | skipped | ms/step "
-        "| sync overhead ms/step | wait fraction | vs plain Horovod | vs tfsync BSP | peak RSS MiB | MB sent/step |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| sync overhead ms/step | CPU ms/step | wait fraction | vs plain Horovod | vs tfsync BSP | peak RSS MiB "
+        "| MB sent/step |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in records:
         same = {
@@ -238,7 +243,7 @@ def format_table(records):
             f"| {r.get('model', 'small')} | {r['scenario']} | {r['mode']} | {r['samples_per_s']:.0f} | "
             f"{effective:.0f} | {r.get('compensated', 0)} | {r.get('dropped', 0)} | {r.get('skipped', 0)} | "
             f"{r['ms_per_step']:.1f} | "
-            f"{overhead} | {wait} | {vs_hvd} | {vs_bsp} | "
+            f"{overhead} | {r['mean_cpu_ms_per_step']:.2f} | {wait} | {vs_hvd} | {vs_bsp} | "
             f"{r['peak_rss_mb']:.0f} | {sent} |"
         )
     lines += barrier_table(records)

@@ -340,6 +340,7 @@ class _SyncExtended(one_device_strategy.OneDeviceExtended):
             if self._model is None:
                 self._agree(fingerprint(tensors))
             self._frontend.start(self._path.engine_tensors(tensors, self._model))
+            self._path.bind(self._frontend.engine)
 
     def _agree(self, described):
         """Compare every rank's mode and ``described`` (:func:`tfsync.frontend.fingerprint`) with

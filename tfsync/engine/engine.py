@@ -95,6 +95,8 @@ class SyncEngine:
         self.life = lifecycle.Life(self)  # what it starts, stopped together (tfsync.engine.lifecycle)
         self._trace = self.life.trace
         self.tally = Tally()  # (an engine whose start failed counts nothing: an elastic reset folds it)
+        # BSP's round in-graph (decided at start), run by the path's GraphRound (tfsync.engine.protocols.in_graph)
+        self.in_graph, self.graph, self._last = False, None, {}
 
     # ----------------------------------------------------------------- lifecycle
     def start(self, tensors, extra_config=None):
@@ -115,7 +117,6 @@ class SyncEngine:
         self._diagnosis = Diagnosis.of(self, WAIT_TIMEOUT_ENV)
         self.delays = self.stragglers.for_rank(self.rank)
         self.step, self.last_pushed, self.applied_through = 0, -1, -1
-        self.last = {}
         self._full_round_times = None
         self._trace = self.life.trace = Trace(self.trace_dir, self.rank)
         self.trace({"event": "start", "rank": self.rank, "size": self.size, "t0": self.t0, **config})
@@ -139,6 +140,7 @@ class SyncEngine:
     @property
     def counts(self) -> dict:
         """The whole run's contribution counts (:data:`COUNTS`)."""
+        self.catch_up()
         return self.tally.counts
 
     @property
@@ -149,10 +151,22 @@ class SyncEngine:
     @property
     def totals(self) -> dict:
         """This epoch's counts, steps, compute and wait seconds."""
+        self.catch_up()
         return self.tally.totals
+
+    @property
+    def last(self) -> dict:
+        """The last step's wait, compute and what it settled (the callback logs some per batch)."""
+        return self.graph.last(self) if self.graph is not None else self._last
+
+    def catch_up(self):
+        """Bring the step number, counts and totals up to the steps that ran in-graph (between steps)."""
+        if self.graph is not None:
+            self.graph.fold(self)
 
     def reset_totals(self):
         """Zero the totals (per epoch); ``counts`` keeps the whole run's."""
+        self.catch_up()
         self.tally.reset_totals()
 
     def finish(self, apply_mean=None):
@@ -165,6 +179,7 @@ class SyncEngine:
         on none); components that hold late contributions use it for a final
         round, and drop them without it.
         """
+        self.catch_up()
         if self.applied_through < self.step - 1:  # the rounds still in flight: waited for, recorded
             self._apply_between_steps(self.step - 1, "finish")
         drained = False
@@ -185,6 +200,8 @@ class SyncEngine:
         :meth:`Life.close <tfsync.engine.lifecycle.Life.close>`)."""
         if not self.started:
             return
+        if self.graph is not None:
+            self.graph.leave(self)
         self.started = False
         self.life.close()
 
@@ -193,6 +210,8 @@ class SyncEngine:
         engine still running when the interpreter exits (see :meth:`Life.abandon
         <tfsync.engine.lifecycle.Life.abandon>`)."""
         if self.life.running:
+            if self.graph is not None:
+                self.graph.leave(self)
             self.started = False
             self.life.abandon(leave=leave)
 
@@ -206,6 +225,7 @@ class SyncEngine:
     def at_rest(self) -> bool:
         """Whether this worker's weights hold every round it pushed and nothing else: where every
         worker is at rest after the same step the replicas are identical (:mod:`tfsync.keras.commits`)."""
+        self.catch_up()
         done = self.applied_through >= self.step - 1 and self.protocol.at_rest()
         return done and all(c.at_rest() for c in self.components)
 
@@ -216,6 +236,7 @@ class SyncEngine:
         worker's contributions that were produced and never settled (in flight in a round that
         will not complete) as ``lost``, trace it, and abandon the engine.  Returns how many."""
         try:
+            self.catch_up()
             self.tally.settle(self.exchange)
         except Exception:  # noqa: BLE001 - the exchange may be half torn down: its drops are gone too
             pass
@@ -245,6 +266,7 @@ class SyncEngine:
         """
         with self.guard():
             self._check_started()
+            self.catch_up()  # (a step the in-graph round redoes here: its sum was not finite)
             before = [w for w in (c.before_push(self.step) for c in self.components) if w is not None]
             if not before:
                 self.delays.sleep()  # (a component that waited before the push slept already)
@@ -413,7 +435,7 @@ class SyncEngine:
         self.tally.add("skipped", int(skipped))
         drops, compensated = self.tally.settle_step(self.exchange)
         round_times, self._full_round_times = self._full_round_times, None
-        self.last = {
+        self._last = {
             "wait_s": wait_s,
             "compute_s": compute_s,
             # every rank's compute time for the last round applied in this step that took every
@@ -427,7 +449,7 @@ class SyncEngine:
             "skipped": int(skipped),
         }
         sent = self.tally.add_bytes(self.wire.bytes.take())
-        self.last.update(sent)
+        self._last.update(sent)
         tot = self.tally.totals
         tot["steps"] += 1
         tot["compute_s"] += compute_s

@@ -32,6 +32,7 @@ from tfsync.engine.cluster import HorovodCluster
 from tfsync.engine.components import bindings
 from tfsync.engine.entry import CoordinatedRounds, OpenRounds
 from tfsync.engine.nonfinite import NonFinite
+from tfsync.engine.protocols import in_graph
 from tfsync.engine.tally import Trace
 
 log = logging.getLogger("tfsync.control")
@@ -178,9 +179,12 @@ def start(engine, tensors, extra_config=None) -> dict:
         "weights": engine.shapes,
         "stragglers": engine.stragglers.spec(),
         "on_nonfinite": engine.on_nonfinite,
+        # BSP's round in-graph, or the engine's (and why): the ranks must run the same collectives
+        "step_path": in_graph.step_path(engine, protocol_cls, tensors),
         **(extra_config or {}),
     }
     engine.hosts = agreement.agree_config(cluster, config, engine.wait_timeout_s)
+    engine.in_graph = config["step_path"] == in_graph.IN_GRAPH and len(set(engine.hosts)) == 1
     engine.t0 = agreement.agree_t0(cluster, engine.wait_timeout_s)
     address, fallback, token = open_control(engine, cluster)  # (rank 0's service, the relays)
     # the exchange first: a frontend may route the protocol's variable creation

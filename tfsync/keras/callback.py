@@ -182,14 +182,14 @@ class SyncCallback(keras.callbacks.Callback):
             path = self.frontend.optimizer_path(optimizer, policy=self.policy, shared=self.auto is not None)
         path.check_optimizer(optimizer, "tfsync.keras.SyncCallback")
         trace_name = self.auto.trace_name(self.policy) if self.auto is not None else None
-        if self.elastic is not None:
-            trace_name = self.elastic.trace_name(trace_name)
+        trace_name = self.elastic.trace_name(trace_name) if self.elastic is not None else trace_name
         self.frontend.start(
             path.engine_tensors(model.trainable_variables, model),
             policy=self.policy,
             trace_name=trace_name,
             extra_config={"steps": self._steps, "optimizer": type(optimizer).__name__},
         )
+        path.bind(self.frontend.engine)
         if keeps:
             return
         self._path, self._optimizer = path, optimizer

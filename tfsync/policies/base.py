@@ -79,6 +79,10 @@ class Policy(abc.ABC):
         compensate: a :class:`tfsync.DelayCompensation` when late
             contributions are corrected and applied instead of dropped
             (the gradient protocol then keeps the weights they were computed on).
+        every_round_whole: every rank enters every round and applies its mean at the step
+            that pushed it, and nothing is decided per step (BSP): the round can run as in-graph
+            ops inside the compiled step (:mod:`tfsync.engine.protocols.in_graph`).  A subclass
+            that decides anything per step sets it False.
 
     What a mode does beyond choosing rounds is in engine components and a
     service on rank 0's coordinator: the engine binds the built-in modes to
@@ -94,6 +98,7 @@ class Policy(abc.ABC):
     enters_when_ready = False
     pulls_partially = False
     compensate = None
+    every_round_whole = False
     compression: str = dataclasses.field(default=None, kw_only=True)
 
     def __post_init__(self):

@@ -22,6 +22,7 @@ class BSP(Policy):
 
     name = "bsp"
     payload = "gradients"
+    every_round_whole = True
 
     def required_round(self, step: int) -> int:
         return step

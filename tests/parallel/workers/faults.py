@@ -26,11 +26,13 @@ model.compile(optimizer="sgd", loss="mse")
 staleness = 3 if (scenario == "mismatch" and rank == 1) else 2
 if scenario.endswith("_psp"):
     mode = tfsync.PSP()
-elif scenario.endswith("_bsp"):  # BSP runs its rounds on the training thread (inline)
+elif "_bsp" in scenario:  # BSP runs its rounds in-graph, or on the training thread (inline) with stragglers
     mode = tfsync.BSP()
 else:
     mode = tfsync.SSP(staleness=staleness)
-sync = tfsync.keras.SyncCallback(mode=mode, wait_timeout_s=5, stragglers=tfsync.Stragglers(base_s=0.01))
+IN_GRAPH = scenario in ("hang_bsp", "die_bsp")  # (no simulated stragglers: BSP's round in the compiled step)
+stragglers = None if IN_GRAPH else tfsync.Stragglers(base_s=0.01)
+sync = tfsync.keras.SyncCallback(mode=mode, wait_timeout_s=5, stragglers=stragglers)
 
 
 class Fault(keras.callbacks.Callback):
@@ -53,6 +55,7 @@ try:
 except Exception as exc:  # the behaviour under test
     outcome = {"error": f"{type(exc).__name__}: {exc}", "error_at": time.time()}
 outcome["elapsed_s"] = time.time() - started
+outcome["in_graph"] = bool(sync.engine is not None and sync.engine.in_graph)
 lost = scenario not in ("mismatch", "slow_psp") and rank == VICTIM
 write_result(out_dir, 99 if lost else rank, outcome)
 os._exit(0)  # skip Horovod's shutdown handshake with a peer that is gone

@@ -277,6 +277,37 @@ def test_every_outer_step_is_one_counted_contribution(frontend, name):
         assert counts["skipped"] == counts["rejected"] == 0, counts
 
 
+@pytest.mark.parametrize("frontend", FRONTENDS)
+@pytest.mark.parametrize(
+    "mode,calls",
+    [
+        # the first step (nothing is known quiet yet) and each period's outer step (3 in 12 steps)
+        (tfsync.DiLoCo(inner_steps=4), 1 + 3),
+        # overlapped: each push (one step before its period's end) and each landing
+        (tfsync.DiLoCo(inner_steps=4, overlap_steps=1), 1 + 3 + 3),
+    ],
+    ids=["diloco", "diloco-overlapped"],
+)
+def test_inner_steps_that_neither_push_nor_land_call_nothing_outside_the_graph(monkeypatch, frontend, mode, calls):
+    """Only the steps that push or land call the engine (from the compiled step); the others are
+    counted in it, and the protocol still sees every one of them (the outer steps come when due)."""
+    made = []
+    real = tfsync.engine.protocols.outer_path.exchange_periodically
+
+    def counting(engine, inputs):
+        def step(*args):
+            made.append(engine().rank)
+            return None
+
+        tf.py_function(step, [], Tout=[])
+        return real(engine, inputs)
+
+    monkeypatch.setattr(tfsync.engine.protocols.outer_path, "exchange_periodically", counting)
+    for result in job(frontend, mode):
+        assert result["counts"]["produced"] == result["counts"]["applied"] == 3, result["counts"]
+    assert sorted(made) == [0] * calls + [1] * calls, made
+
+
 QUANTIZED = {
     "localsgd-int8": tfsync.LocalSGD(period=4, quantize="int8"),
     "diloco-int4": tfsync.DiLoCo(inner_steps=4, quantize="int4"),

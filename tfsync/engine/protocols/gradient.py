@@ -28,6 +28,7 @@ from tfsync.engine._tf import compile_flat, copy_values, dense, py_step, state_v
 from tfsync.engine.components.pull import PartialPull
 from tfsync.engine.protocols.base import StepProtocol
 from tfsync.engine.protocols.compensated import Compensator
+from tfsync.engine.protocols.in_graph import GraphRound
 from tfsync.engine.protocols.path import (
     ACCUMULATION_AT_ALL_REDUCE,
     OptimizerPath,
@@ -153,10 +154,46 @@ def exchange_gradients(engine, grads):
 
 
 class ExchangeBefore(OptimizerPath):
-    """The gradients are exchanged before the optimizer, which applies the round's mean."""
+    """The gradients are exchanged before the optimizer, which applies the round's mean.
+
+    Under plain BSP on one host, with the callback, the round runs as in-graph ops
+    (:mod:`tfsync.engine.protocols.in_graph`): the path holds that round's variables, as it
+    holds the compiled step they are traced into, and :meth:`bind` hands them to each later
+    engine it serves.  A step traced without them keeps the Python path for every engine.
+    """
+
+    def __init__(self, policy, engine, optimizer=None, station="apply", shared=False):
+        super().__init__(policy, engine, optimizer, station, shared)
+        self._graph = None  # the in-graph round's variables (made before the step is traced)
+        self._traced = False
+
+    def bind(self, engine):
+        if self._graph is None and not self._traced and self._serves_in_graph(engine):
+            self._graph = GraphRound()  # (a trace that makes variables is traced twice)
+        if self._graph is not None:
+            self._graph.attach(engine, engine.in_graph)
+
+    def _serves_in_graph(self, engine):
+        # auto mode's step serves engines of every gradient mode, and the strategy starts its
+        # engine while tracing and raises Horovod's own errors: the Python path
+        return engine.in_graph and self.station == "apply" and not self.shared
 
     def before(self, grads):
-        return exchange_gradients(self._engine, grads)
+        return self._exchange(grads)
+
+    def _exchange(self, tensors):
+        """The round's mean of ``tensors`` (the engine's tensors, in its order), traced."""
+        engine = self._engine
+        self._traced = True
+        if self._graph is None:
+            return exchange_gradients(engine, tensors)
+        protocol = engine().protocol
+        tensors = dense(tensors, protocol.shapes, protocol.dtypes)
+
+        def python_round(g):
+            return py_step(lambda *x: engine().sync_step(x), g, protocol.dtypes, protocol.shapes, "tfsync_step")
+
+        return self._graph.round(tensors, engine().cluster.wire_ops(), python_round)
 
     def check_optimizer(self, optimizer, who):
         # each step's gradients are averaged before the optimizer accumulates them, the same
@@ -218,7 +255,7 @@ class LossScaledExchange(ExchangeBefore):
     def before(self, grads):
         protocol = self.engine.protocol  # (the flag's spec is left out: zip stops at the gradients)
         safe, overflowed = unscaled_or_zeros(dense(grads, protocol.shapes, protocol.dtypes), self._scale)
-        out = exchange_gradients(self._engine, [*safe, tf.cast(overflowed, tf.float32)])
+        out = self._exchange([*safe, tf.cast(overflowed, tf.float32)])
         return self.mean_for_optimizer(out)
 
     def mean_for_optimizer(self, mean):

@@ -254,6 +254,25 @@ class OuterStepProtocol(StepProtocol):
             return self.PUSH
         return None
 
+    def quiet_steps(self, n: int, finite: bool):
+        """``n`` inner steps that updated the weights, and any that only accumulated, passed in
+        the compiled step without a call (:class:`~tfsync.engine.protocols.outer_path.QuietSteps`;
+        none of them had anything else to do); ``finite``: every one's gradients were."""
+        self.all_finite = self.all_finite and bool(finite)
+        self.inner_done += n
+        self.trained = self.trained or n > 0
+
+    def quiet_steps_ahead(self) -> int:
+        """How many of the next inner steps that update the weights do nothing else (no push, no
+        landing): they may pass in the compiled step without a call.  0 when paced (the inner
+        steps are timed)."""
+        if self._spreads is not None:
+            return 0
+        due = [self._boundary(self.in_flight[0])] if self.in_flight else []
+        if self.next_fragment < self.fragments:
+            due.append(self._boundary(self.next_fragment) - self.overlap)
+        return max(0, min(due) - self.inner_done - 1) if due else 0
+
     def end_period(self):
         """The period's last round is applied: the next period begins."""
         self.inner_done, self.next_fragment = 0, 0

@@ -5,39 +5,107 @@ runs every step, and every ``H``-th step (an outer step) pushes its pseudo-gradi
 
 import tensorflow as tf
 
-from tfsync.engine._tf import floating_statistics, gradients_finite
+from tfsync.engine._tf import floating_statistics, gradients_finite, state_variable
 from tfsync.engine.protocols.path import OptimizerPath, accumulation_steps, finish_in_graph, is_loss_scaled
 
 
-def exchange_periodically(engine, variables, applied=None, updated=None):
-    """After the local optimizer step, count it; the ``H``-th step of a period is an outer step
-    (the engine's ``sync_step``: the pseudo-gradient's round, bounded, counted, applied), the
-    others are the worker's own (:meth:`SyncEngine.local_step`).  DiLoCo overlapped: the push
-    comes ``overlap_steps`` before the period's end, whose step waits for the round and applies
-    it.  One ``tf.py_function`` per step, ordered after the optimizer's writes (it takes each
-    variable's shape through its handle); ``applied``: the path's guard (a contribution with a
-    step whose gradients were not finite is rejected at its push); ``updated``: whether the
-    optimizer updated the weights (None: every step does; an accumulating optimizer's other
-    batches count as no step of the period).  ``engine``: a callable returning the engine."""
-    # (the protocol's variables: the weights and the statistics that ride in the outer round, which
-    # a BatchNormalization layer writes in the step's forward pass)
-    variables = engine().protocol.variables
-    after_update = [tf.raw_ops.VariableShape(input=v.handle) for v in variables]
-    flags = tf.reshape(applied, [-1]) if applied is not None else tf.constant([True])
-    updated = tf.constant(True) if updated is None else updated
+class QuietSteps:
+    """The inner steps that pass in the compiled step without a call, and what the engine must
+    learn of them (one per path, as the compiled step it is traced into).
+
+    Most inner steps of a period only count: the worker's optimizer ran, nothing is pushed or
+    landed.  The protocol says after each call how many of the next steps are such steps
+    (:meth:`OuterStepProtocol.quiet_steps_ahead
+    <tfsync.engine.protocols.outer.OuterStepProtocol.quiet_steps_ahead>`), the compiled step counts
+    them down in :attr:`left` and keeps how many passed and whether their gradients were all
+    finite; the next call (the step that pushes or lands) hands both to the protocol first, as
+    does :meth:`fold` when the engine's state is read between steps (its counts, the finish).
+    A rank whose steps sleep a simulated delay (stragglers) calls the engine every step.
+    """
+
+    def __init__(self):
+        with tf.init_scope():
+            self.left = state_variable(tf.constant(0, tf.int64))
+            self.passed = state_variable(tf.constant(0, tf.int64))
+            self.finite = state_variable(tf.constant(True))
+        self.engine = None
+
+    def attach(self, engine):
+        """Serve ``engine`` (started): nothing passes quietly before its first call."""
+        self.engine = engine
+        engine.graph = self
+        with tf.init_scope():
+            self.left.assign(0)
+            self.passed.assign(0)
+            self.finite.assign(True)
+
+    def fold(self, engine):
+        """Hand the quiet steps since the last call to ``engine``'s protocol (between steps, or
+        from the call itself: :meth:`SyncEngine.catch_up <tfsync.engine.SyncEngine.catch_up>`)."""
+        if engine is not self.engine:
+            return
+        passed, finite = int(self.passed.numpy()), bool(self.finite.numpy())
+        if passed or not finite:
+            self.passed.assign(0)
+            self.finite.assign(True)
+            engine.protocol.quiet_steps(passed, finite)
+
+    def leave(self, engine):
+        if engine is self.engine:
+            self.fold(engine)
+            self.engine = None
+
+    def last(self, engine):
+        return engine._last
+
+    def step(self, engine, variables, applied=None, updated=None):
+        """After the local optimizer step (traced): count it quietly, or call the engine
+        (:func:`exchange_periodically`)."""
+        after_update = [tf.raw_ops.VariableShape(input=v.handle) for v in variables]
+        finite = tf.reduce_all(tf.reshape(applied, [-1])) if applied is not None else tf.constant(True)
+        updated = tf.constant(True) if updated is None else updated
+
+        def call():
+            return tf.group(self.left.assign(exchange_periodically(engine, [finite, updated, *after_update])))
+
+        def quiet():
+            n = tf.cast(updated, tf.int64)
+            all_finite = tf.logical_and(self.finite, finite)
+            return tf.group(self.left.assign_sub(n), self.passed.assign_add(n), self.finite.assign(all_finite))
+
+        # (a step that only accumulated gradients is quiet: the protocol would only note its flag)
+        return tf.cond(tf.logical_or(self.left > 0, tf.logical_not(updated)), quiet, call)
+
+
+def exchange_periodically(engine, inputs):
+    """The call of a step that is not quiet (:class:`QuietSteps`): the quiet steps before it
+    handed to the protocol, then this step counted; the ``H``-th step of a period is an outer
+    step (the engine's ``sync_step``: the pseudo-gradient's round, bounded, counted, applied),
+    the others are the worker's own (:meth:`SyncEngine.local_step`).  DiLoCo overlapped: the
+    push comes ``overlap_steps`` before the period's end, whose step waits for the round and
+    applies it.  ``inputs``: this step's finite flag and whether the optimizer updated the
+    weights (an accumulating optimizer's other batches count as no step of the period; a
+    contribution with a step whose gradients were not finite is rejected at its push), and each
+    variable's shape through its handle (so the call is
+    ordered after the optimizer's writes).  Returns how many of the next steps are quiet.
+    ``engine``: a callable returning the engine."""
 
     def step(finite, update, *_):
         running = engine()
         protocol = running.protocol
-        action = protocol.end_inner_step(bool(finite.numpy().all()), bool(update.numpy()))
+        running.catch_up()  # (the quiet steps first)
+        action = protocol.end_inner_step(bool(finite.numpy()), bool(update.numpy()))
         if action == protocol.PUSH:
             running.sync_step([])
         elif action == protocol.LAND:  # (DiLoCo overlapped: the round pushed overlap_steps ago)
             running.local_step(required_round=running.step - 1)
         else:
             running.local_step()
+        return protocol.quiet_steps_ahead() if running.delays.idle else 0
 
-    return tf.py_function(step, [flags, updated, *after_update], Tout=[], name="tfsync_step")
+    left = tf.py_function(step, inputs, Tout=tf.int64, name="tfsync_step")
+    left.set_shape([])
+    return left
 
 
 def zeros_unless(keep, grad):
@@ -78,6 +146,12 @@ class PeriodicAfter(OptimizerPath):
         super().__init__(*args, **kwargs)
         # an accumulating optimizer's trace: (its update count before the step, the batch's flags)
         self._accumulating = None
+        self._quiet = None  # the inner steps counted in the compiled step, once traced
+
+    def bind(self, engine):
+        if self._quiet is None:  # (its variables made before the step is traced: a trace that makes
+            self._quiet = QuietSteps()  # variables is traced twice)
+        self._quiet.attach(engine)
 
     def check_optimizer(self, optimizer, who):
         if self.station != "apply":
@@ -114,7 +188,12 @@ class PeriodicAfter(OptimizerPath):
             count, applied = self._accumulating
             updated = tf.not_equal(updates_counter(self.optimizer).iterations, count)
             self._accumulating = None
-        exchange_periodically(self._engine, variables, applied, updated)
+        if self._quiet is None:
+            self._quiet = QuietSteps()
+            self._quiet.attach(self.engine)
+        # (the protocol's variables: the weights and the statistics that ride in the outer round,
+        # which a BatchNormalization layer writes in the step's forward pass)
+        self._quiet.step(self._engine, self.engine.protocol.variables, applied, updated)
 
     def extra_tensors(self, model=None):
         return [] if model is None else floating_statistics(model)
@@ -128,4 +207,4 @@ class PeriodicAfter(OptimizerPath):
         return [] if engine is None else [finish_in_graph(engine)]
 
 
-__all__ = ["PeriodicAfter", "exchange_periodically", "updates_counter", "zeros_unless"]
+__all__ = ["PeriodicAfter", "QuietSteps", "exchange_periodically", "updates_counter", "zeros_unless"]

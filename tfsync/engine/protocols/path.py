@@ -96,6 +96,9 @@ class OptimizerPath:
     def install(self, optimizer, original, variables) -> None:
         """Once, when the frontend hooks ``optimizer`` (``original``: its own ``apply``)."""
 
+    def bind(self, engine) -> None:
+        """Each time an engine starts on this path (the callback's; before the step is traced)."""
+
     # ------------------------------------------------------- the frontends' hooks
     def engine_tensors(self, tensors, model=None) -> list:
         """What the engine starts on: ``tensors`` (trainable variables or gradients) and what the
@@ -201,6 +204,9 @@ class Unscaled(OptimizerPath):
 
     def serves(self, policy):
         return self.inner.serves(policy)
+
+    def bind(self, engine):
+        self.inner.bind(engine)
 
     def install(self, optimizer, original, variables):
         self.inner.install(optimizer, original, variables)

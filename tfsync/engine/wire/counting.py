@@ -87,6 +87,14 @@ class WireBytes:
             for k, v in call.items():
                 self._total[k] += v
 
+    def count_calls(self, shapes, dtypes, n: int):
+        """``n`` uncompressed calls of tensors of ``shapes`` and ``dtypes`` and no metadata ran
+        (BSP's in-graph rounds, :mod:`tfsync.engine.protocols.in_graph`, counted when folded in)."""
+        call = self.per_call(shapes, dtypes)
+        with self._lock:
+            for k, v in call.items():
+                self._total[k] += n * (v - self._ring * self._meta)
+
     @property
     def total(self) -> dict:
         """Every call so far (this engine's run)."""
