@@ -1,4 +1,4 @@
-"""Dispatch ``python -m tfsync.bench [training|ops|scheduler|convergence|network|elastic|control|chaos|lm]
+"""Dispatch ``python -m tfsync.bench [training|ops|scheduler|convergence|network|elastic|faults|control|chaos|lm]
 [options]``."""
 
 import importlib

@@ -95,6 +95,18 @@ class Diagnosis:
         if deadline is not None and time.monotonic() >= deadline:
             raise self.stop(self.timeout_error(round_, what))
 
+    def watch_call(self, engine, ahead, since, what):
+        """A collective (``what``) queued on ``engine``'s exchange behind round ``ahead``, which has run
+        since ``since`` (None: none), waits: it ends at once, with the error naming the ranks at
+        fault, when the control path reports a lost rank or a peer's stop, when a round ahead of it
+        failed, or when the round it is queued behind has run for the wait bound (so an epoch's end
+        or a commit does not out-wait the round whose bound names the ranks)."""
+        error = engine.exchange.error
+        if error is not None:  # a round ahead of it failed (the exchange thread ended)
+            raise self.stop(self.lost_error(ahead, error, what=what)) from error
+        deadline = None if ahead is None or since is None else since + self.wait_timeout_s
+        self.check_while_waiting(ahead, engine.last_pushed, deadline, what)
+
     def timeout_error(self, round_, what=None):
         """The error for a wait for ``round_`` that reached its bound (a peer's stop, if one came);
         ``what``: what waited, when not the round itself."""

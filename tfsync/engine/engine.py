@@ -21,25 +21,21 @@ worker enters every round, or rank 0's coordinator closes rounds) and the step
 components (:mod:`tfsync.engine.components`: what only its protocol or its mode
 does to a step).  What it starts is owned by one object (:mod:`tfsync.engine.lifecycle`).
 
-A step runs as one :meth:`SyncEngine.sync_step`, called from inside the
-compiled train step by the protocol's optimizer path
-(:mod:`tfsync.engine.protocols.path`) with the tensors themselves: the
-payload never crosses NumPy.  When a step's round already closed without
-this worker, :meth:`SyncEngine.begin_step` says so and the frontends skip its
-computation (:meth:`SyncEngine.skip_step`).  A step protocol may make only
-every ``H``-th step a contribution (Local SGD, DiLoCo:
-:mod:`tfsync.engine.protocols.outer`); the steps between are the worker's own
-(:meth:`SyncEngine.local_step`), and the engine's steps and rounds are the
-contributing ones.  A contribution with a NaN or an infinity never reaches a
-round (:mod:`tfsync.engine.nonfinite`).
-
-Per worker, ``produced`` = ``applied`` + ``compensated`` + ``dropped`` +
-``rejected`` + ``lost`` (in flight when an elastic job reset: :meth:`SyncEngine.lose_in_flight`;
-and ``skipped`` steps), counted once (:mod:`tfsync.engine.tally`)
-and checked when training finishes.
+A step runs as one :meth:`SyncEngine.sync_step`, called from inside the compiled train step
+by the protocol's optimizer path (:mod:`tfsync.engine.protocols.path`) with the tensors
+themselves, or in the compiled step alone where nothing needs the engine's Python (BSP's round,
+:mod:`tfsync.engine.protocols.in_graph`; Local SGD's and DiLoCo's quiet inner steps), folded in
+whenever the engine's state is read (:meth:`SyncEngine.catch_up`).  A step whose round closed
+without this worker is skipped (:meth:`SyncEngine.begin_step`, :meth:`SyncEngine.skip_step`);
+Local SGD's and DiLoCo's steps between two contributions are the worker's own
+(:meth:`SyncEngine.local_step`).  A contribution with a NaN or an infinity never reaches a round
+(:mod:`tfsync.engine.nonfinite`).  Per worker, ``produced`` = ``applied`` + ``compensated`` +
+``dropped`` + ``rejected`` + ``lost`` (and ``skipped`` steps), counted once
+(:mod:`tfsync.engine.tally`) and checked when training finishes.
 """
 
 import contextlib
+import functools
 import time
 
 from tfsync import _env
@@ -132,10 +128,7 @@ class SyncEngine:
     def epoch_logs(self) -> dict:
         """What the components add to the epoch logs (:meth:`StepComponent.epoch_logs
         <tfsync.engine.components.base.StepComponent.epoch_logs>`), by name."""
-        logs = {}
-        for c in self.components:
-            logs.update(c.epoch_logs())
-        return logs
+        return {name: value for c in self.components for name, value in c.epoch_logs().items()}
 
     @property
     def counts(self) -> dict:
@@ -146,6 +139,7 @@ class SyncEngine:
     @property
     def bytes(self) -> dict:
         """This engine's bytes on the wire so far (:mod:`tfsync.engine.wire.counting`'s model)."""
+        self.catch_up()
         return self.wire.bytes.total
 
     @property
@@ -172,12 +166,10 @@ class SyncEngine:
     def finish(self, apply_mean=None):
         """Wait for every pushed round and apply it (eager; identical weights on every rank).
 
-        Then every contribution this worker produced has been applied,
-        compensated, dropped or rejected: checked, so nothing is lost silently.
-        ``apply_mean``: how to apply one more mean gradient through the
-        optimizer (the frontends pass it; collective: pass it on every rank or
-        on none); components that hold late contributions use it for a final
-        round, and drop them without it.
+        Then every contribution this worker produced has been applied, compensated, dropped or
+        rejected: checked, so nothing is lost silently.  ``apply_mean``: how to apply one more mean
+        gradient through the optimizer (the frontends pass it; collective: on every rank or on
+        none); components that hold late contributions use it for a final round, else drop them.
         """
         self.catch_up()
         if self.applied_through < self.step - 1:  # the rounds still in flight: waited for, recorded
@@ -345,21 +337,10 @@ class SyncEngine:
 
     def call(self, fn, timeout_s: float, what: str):
         """Run ``fn``, a collective (``what``, in words), on the exchange thread after every queued
-        round (:meth:`RoundExchange.call <tfsync.engine.exchange.RoundExchange.call>`), within
-        ``timeout_s``, its wait watched as a round's is: it ends at once, with the error naming
-        the ranks at fault, when the control path reports a lost rank or a peer's stop, when a
-        round ahead of it failed, or when the round it is queued behind has run for the wait
-        bound (so an epoch's end or a commit does not out-wait the round whose bound names the
-        ranks).  Once ``fn`` runs, its own bound is the caller's
-        (:func:`tfsync.engine.bounded.run_bounded`)."""
-        return self.exchange.call(fn, timeout_s, watch=lambda ahead, since: self._watch_call(ahead, since, what))
-
-    def _watch_call(self, ahead, since, what):
-        error = self.exchange.error
-        if error is not None:  # a round ahead of it failed (the exchange thread ended)
-            raise self.stop(self._diagnosis.lost_error(ahead, error, what=what)) from error
-        deadline = None if ahead is None or since is None else since + self.wait_timeout_s
-        self._diagnosis.check_while_waiting(ahead, self.last_pushed, deadline, what)
+        round, within ``timeout_s``, its wait watched as a round's is
+        (:meth:`Diagnosis.watch_call <tfsync.engine.diagnosis.Diagnosis.watch_call>`); once ``fn``
+        runs, its own bound is the caller's (:func:`tfsync.engine.bounded.run_bounded`)."""
+        return self.exchange.call(fn, timeout_s, watch=functools.partial(self._diagnosis.watch_call, self, what=what))
 
     # ------------------------------------------------------------------ internals
     @contextlib.contextmanager

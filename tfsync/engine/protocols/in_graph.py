@@ -222,8 +222,11 @@ class GraphRound:
             if not started:
                 engine.control.report(step - 1)
                 continue
-            engine.control.report(step)  # (pushed: the round for ``step`` runs)
-            if time.time() - started >= engine.wait_timeout_s and self.expired is None:
+            # pushed, the round for ``step`` runs: past a second this worker waits for its peers,
+            # which a timeout must not count against it (as the inline round's watchdog reports)
+            waited = time.time() - started
+            engine.control.report(step, **({"min_interval_s": 0.0, "waiting": True} if waited >= 1.0 else {}))
+            if waited >= engine.wait_timeout_s and self.expired is None:
                 self.expired = step
                 engine.cluster.abort()
 
