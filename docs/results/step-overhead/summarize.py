@@ -2,8 +2,8 @@
 
     python docs/results/step-overhead/summarize.py docs/results/step-overhead/*.json
 
-Per model: each mode's step time, its ratio to plain Horovod (for Local SGD and DiLoCo: to
-their ideal, the no-synchronization step plus one plain-Horovod all-reduce every ``H`` steps,
+Per model: each mode's step time, plain Horovod's step over it (for Local SGD and DiLoCo also
+their step over their ideal, the no-synchronization step plus one plain-Horovod all-reduce every ``H`` steps,
 both from the same run), and its CPU per step beyond plain Horovod's; then where a step's time
 goes: the compiled compute (no synchronization), the collective (plain Horovod's step beyond
 it) and tfsync's own (the mode's step beyond plain Horovod's).
@@ -26,7 +26,7 @@ def rows(paths):
 
 def table(records):
     lines = [
-        "| model | mode | ms/step | vs plain Horovod | vs ideal (H=8) | CPU ms/step | extra CPU ms/step |",
+        "| model | mode | ms/step | vs plain Horovod | step over the ideal (H=8) | CPU ms/step | extra CPU ms/step |",
         "|---|---|---:|---:|---:|---:|---:|",
     ]
     for model, modes in records.items():
@@ -39,7 +39,7 @@ def table(records):
             if local and horovod and name.startswith(PERIODIC):
                 allreduce = horovod["ms_per_step"] - local["ms_per_step"]
                 ideal_ms = local["ms_per_step"] + allreduce / PERIOD
-                ideal = f"{ideal_ms / ms:.2f}× ({ideal_ms:.2f} ms)"
+                ideal = f"{ms / ideal_ms:.2f}× ({ideal_ms:.2f} ms)"
             extra = r.get("extra_cpu_ms_per_step")
             extra = f"{extra:+.2f}" if extra is not None and name.startswith("tfsync") else "—"
             lines.append(
