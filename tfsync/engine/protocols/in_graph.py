@@ -32,12 +32,20 @@ serves any later engine: a trace (its per-step records), simulated stragglers (p
 sleeps), gradient compression, an elastic job (its resets count rounds in flight), more than
 one host (a Gloo transfer to a cut-off host is not ended by an abort, which the exchange
 thread's polling wait covers), weights that are not all float32 (one grouped call per dtype),
-and the in-process test cluster.  The choice is part of the configuration every rank agrees
+and the in-process test cluster; and, by the optimizer path's own choice, auto mode's step
+(shared by every gradient mode) and ``SyncStrategy``'s (its engine starts while the step is
+traced).  The choice is part of the configuration every rank agrees
 on before the first step (:mod:`tfsync.engine.agreement`): the ranks run the same collectives.
 """
 
 import threading
 import time
+
+import tensorflow as tf
+
+from tfsync import ops
+from tfsync.engine._tf import state_variable
+from tfsync.engine.cluster import HorovodCluster
 
 WATCH_S = 0.25  # how often the watch thread reads the step's variables (so an abort comes at most this late)
 
@@ -52,10 +60,6 @@ def step_path(engine, protocol_cls, tensors) -> str:
     traces alone) is named with the reason before any round runs.  ``protocol_cls``: the step
     protocol the policy names; ``tensors``: what the engine starts on.  The engine adds that
     every rank is on one host once it knows the hosts."""
-    import tensorflow as tf  # (here: the engine's start imports this module without TensorFlow)
-
-    from tfsync.engine.cluster import HorovodCluster
-
     s = engine.stragglers
     reasons = {
         "the mode decides per step": not engine.policy.every_round_whole or bool(engine.policy.components()),
@@ -81,10 +85,6 @@ class GraphRound:
     """
 
     def __init__(self):
-        import tensorflow as tf
-
-        from tfsync.engine._tf import state_variable
-
         with tf.init_scope():
 
             def var(value, dtype, name):
@@ -106,16 +106,10 @@ class GraphRound:
     def round(self, grads, hvd, python_round):
         """The step's mean gradients (traced into the compiled step): in-graph where
         :attr:`enabled`, else ``python_round(grads)`` (the engine's Python path)."""
-        import tensorflow as tf
-
         grads = list(grads)
         return tf.cond(self.enabled, lambda: self._in_graph(grads, hvd, python_round), lambda: python_round(grads))
 
     def _in_graph(self, grads, hvd, python_round):
-        import tensorflow as tf
-
-        from tfsync import ops
-
         t_push = tf.timestamp()
         with tf.control_dependencies([self.started.assign(t_push)]):
             outs = hvd.grouped_allreduce(grads, op=hvd.Average, name="tfsync.round.graph")
@@ -138,8 +132,6 @@ class GraphRound:
     def attach(self, engine, enabled: bool):
         """Serve ``engine`` (started): the variables at its step, the in-graph round enabled
         when ``enabled`` (every rank decided alike), and the watch thread started."""
-        import tensorflow as tf
-
         self.detach()
         self.engine, self.expired = engine, None
         with tf.init_scope():  # (now, also when the step that traces this round calls it)
@@ -166,8 +158,6 @@ class GraphRound:
             self._stop.set()
             self._thread.join(2 * WATCH_S + 1.0)
             self._thread = None
-        import tensorflow as tf
-
         with tf.init_scope():
             self.enabled.assign(False)
 
