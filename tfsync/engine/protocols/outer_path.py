@@ -86,9 +86,8 @@ def exchange_periodically(engine, inputs):
     applies it.  ``inputs``: this step's finite flag and whether the optimizer updated the
     weights (an accumulating optimizer's other batches count as no step of the period; a
     contribution with a step whose gradients were not finite is rejected at its push), and each
-    variable's shape through its handle (so the call is
-    ordered after the optimizer's writes).  Returns how many of the next steps are quiet.
-    ``engine``: a callable returning the engine."""
+    variable's shape through its handle (so the call is ordered after the optimizer's writes).
+    Returns how many of the next steps are quiet.  ``engine``: a callable returning the engine."""
 
     def step(finite, update, *_):
         running = engine()
@@ -146,7 +145,7 @@ class PeriodicAfter(OptimizerPath):
         super().__init__(*args, **kwargs)
         # an accumulating optimizer's trace: (its update count before the step, the batch's flags)
         self._accumulating = None
-        self._quiet = None  # the inner steps counted in the compiled step, once traced
+        self._quiet = None  # the inner steps counted in the compiled step (QuietSteps), once bound
 
     def bind(self, engine):
         if self._quiet is None:  # (its variables made before the step is traced: a trace that makes
