@@ -48,11 +48,12 @@ def test_the_language_model_learns_and_ends_with_identical_replicas(results, mod
 
 def test_bytes_are_counted_alike_for_plain_horovod_and_tfsync(results):
     # plain Horovod: one ring allreduce of every float32 gradient a step, 2(n-1)/n = 1 of its bytes
-    # on 2 workers; BSP sends the same gradients and its metadata, and DiLoCo one round per H steps
+    # on 2 workers; BSP sends the same gradients (in the compiled step, as Horovod does; through the
+    # engine, with its metadata beside them), and DiLoCo one round per H steps
     steps = EPOCHS * STEPS_PER_EPOCH
     horovod, bsp, diloco = results["horovod"], results["bsp"], results["diloco"]
     assert horovod["bytes_sent"] == horovod["parameters"] * 4 * steps, horovod
-    assert horovod["bytes_sent"] < bsp["bytes_sent"] < 1.01 * horovod["bytes_sent"], (horovod, bsp)
+    assert horovod["bytes_sent"] <= bsp["bytes_sent"] < 1.01 * horovod["bytes_sent"], (horovod, bsp)
     h = registry.get("diloco").build().inner_steps
     assert diloco["bytes_sent"] == pytest.approx(horovod["bytes_sent"] / h, rel=0.01), diloco
     for res in results.values():  # this worker's bytes so far, after each evaluation: up to the total
