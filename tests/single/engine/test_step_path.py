@@ -15,7 +15,10 @@ from tfsync.engine.protocols.update import UpdateProtocol
 
 
 def engine(**changes):
+    nonfinite = object()
     fields = {
+        "nonfinite": nonfinite,
+        "components": [nonfinite],
         "policy": tfsync.BSP(),
         "stragglers": tfsync.Stragglers(),
         "trace_dir": None,
@@ -36,6 +39,7 @@ def test_plain_bsp_on_horovod_runs_in_the_graph():
     "changes,reason",
     [
         ({"policy": tfsync.SSP(staleness=2)}, "the mode decides per step"),
+        ({"components": [object()]}, "the mode decides per step"),  # (a component of its binding or its own)
         ({"policy": tfsync.BSP(compression="fp16")}, "gradients are compressed"),
         ({"trace_dir": "traces"}, "a trace is written"),
         ({"stragglers": tfsync.Stragglers(base_s=0.01)}, "stragglers are simulated"),

@@ -62,7 +62,8 @@ def step_path(engine, protocol_cls, tensors) -> str:
     every rank is on one host once it knows the hosts."""
     s = engine.stragglers
     reasons = {
-        "the mode decides per step": not engine.policy.every_round_whole or bool(engine.policy.components()),
+        "the mode decides per step": not engine.policy.every_round_whole
+        or any(c is not engine.nonfinite for c in engine.components),
         "the step protocol is not the gradient exchange": protocol_cls.payload != "gradients",
         "a trace is written": bool(engine.trace_dir),
         "stragglers are simulated": bool(s.base_s or s.slow_ranks or s.rare_prob or s.jitter_s or s.pull_prob),
