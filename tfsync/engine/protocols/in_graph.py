@@ -178,7 +178,7 @@ class GraphRound:
         self._folded = (int(rounds), compute_s, wait_s)
         engine.step = int(step)
         engine.applied_through = engine.last_pushed = engine.step - 1
-        engine._t_step_start = float(self.ends[0].numpy()) - engine.t0
+        engine._t_step_start = float(self.ends.numpy()[0]) - engine.t0
         if n:
             tally = engine.tally
             for key in ("produced", "applied"):
@@ -194,12 +194,12 @@ class GraphRound:
         """``engine.last``: the last step's figures, the Python path's where it ran."""
         if self._thread is None or engine is not self.engine:
             return engine._last
-        return {"wait_s": float(self.ends[1].numpy()), "staleness": 0}
+        return {"wait_s": float(self.ends.numpy()[1]), "staleness": 0}
 
     def error(self, engine, exc):
         """The engine's error for a failed in-graph round (``exc``: Horovod's op error): the
         wait bound's when the watch thread aborted it, else a lost or stopped peer's."""
-        step = int(self.totals[0].numpy())
+        step = int(self.totals.numpy()[0])
         if self.expired is not None:
             return engine.stop(engine._diagnosis.timeout_error(self.expired))
         return engine.stop(engine._diagnosis.lost_error(step, exc))
@@ -209,7 +209,7 @@ class GraphRound:
         behind from it) and abort a round past the wait bound."""
         while not stop.wait(WATCH_S):
             started = float(self.started.numpy())
-            step = int(self.totals[0].numpy())
+            step = int(self.totals.numpy()[0])
             if not started:
                 engine.control.report(step - 1)
                 continue
