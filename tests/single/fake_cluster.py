@@ -316,11 +316,15 @@ def _print_stacks(rank, exc, others):
     releases the GIL) and crashed the interpreter on Python 3.11.
     """
     lines = [f"rank {rank} raised {type(exc).__name__}: {exc}"]
-    lines += [f"rank {r} runs on thread 0x{t.ident:016x}" for r, t in others if t.ident is not None]
     with tempfile.TemporaryFile() as dump:
         faulthandler.dump_traceback(file=dump, all_threads=True)
         dump.seek(0)
-        lines.append(dump.read().decode(errors="replace"))
+        blocks = dump.read().decode(errors="replace").split("\n\n")
+    # the ranks' own stacks first: a long dump is shortened in its middle by CI's log
+    ranks = {f"0x{t.ident:016x}": r for r, t in others if t.ident is not None}
+    for ident, r in ranks.items():
+        lines += [f"rank {r}: {b}" for b in blocks if ident in b.split("\n", 1)[0]]
+    lines += [b for b in blocks if not any(ident in b.split("\n", 1)[0] for ident in ranks)]
     print("\n".join(lines), file=sys.stderr)
 
 
