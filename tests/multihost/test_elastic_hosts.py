@@ -55,15 +55,20 @@ def test_a_host_removed_by_discovery_and_added_back(two_hosts, tmp_path):
 
 
 def test_a_worker_killed_on_the_other_host_costs_a_reset_not_the_job(two_hosts, tmp_path):
-    """Elastic backup workers, two workers a host: one is SIGKILLed mid-training (the fault
-    study's harness, ``python -m tfsync.bench faults``, once).  Before, a survivor could abort
-    inside Gloo (its failed allreduce's peer still sent it data as it negotiated the next cycle)
-    and the job was lost; now the job goes on on the other host's two workers, replicas
-    identical."""
+    """Elastic backup workers, two workers a host: rank 2, whose process runs its host's control
+    relay, is SIGKILLed mid-training (the fault study's harness, ``python -m tfsync.bench
+    faults``, once; seed 8 draws rank 2).  No survivor aborts inside Gloo (its failed
+    allreduce's peer still sent it data as it negotiated the next cycle); the first error names
+    exactly rank 2 and its host (its host's other worker finds the relay's port closed and tells
+    rank 0 at once: after the re-attach grace, the survivors would have reset naming no rank); the job goes
+    on on the other host's two workers, replicas identical."""
     args = faults.parse_args(
-        ["--scenario", "kill", "--mode", "backup", "--seed", "2", "--epochs", "6", "--json", str(tmp_path / "f.json")]
+        ["--scenario", "kill", "--mode", "backup", "--seed", "8", "--epochs", "6", "--json", str(tmp_path / "f.json")]
     )
     record = faults.run_once(args, two_hosts, 0, str(tmp_path), log=print)
     assert record["outcome"] == "recovered", record.get("output_tail", record)
     assert record["replicas_identical"] and record["final_accuracy"] >= 0.9 and record["size"] == 2, record
     assert "EnforceNotMet" not in open(os.path.join(tmp_path, "run000", "launch.log")).read()
+    error = record["first_error"]
+    assert record["victim"] == 2 and error["named_ranks"] == [2], record
+    assert error["named_hosts"] == [record["fault_host"]], error

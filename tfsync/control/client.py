@@ -83,6 +83,10 @@ class ControlClient:
         on_close: called with ``(round, accepted ranks, late ranks)`` for every round closing,
             in order, on the link's reader thread.
         fallback: rank 0's service, where it re-attaches when ``address`` (a relay) is gone.
+        relay_owner: the rank whose process runs the relay at ``address``, when that is another
+            rank: re-attaching to ``fallback`` because nothing listens where the relay listened
+            (on this host: its process ended), this worker tells rank 0, which names that rank
+            lost at once instead of after the grace a link across hosts gets.
     """
 
     def __init__(
@@ -93,8 +97,11 @@ class ControlClient:
         connect_timeout_s: float = CONNECT_TIMEOUT_S,
         on_close=None,
         fallback=None,
+        relay_owner=None,
     ):
         self.address, self.rank = address, rank
+        # (the relay and whose process runs it, until this worker has told rank 0 it is gone)
+        self._relay = (address, int(relay_owner)) if relay_owner is not None and fallback else None
         self._reattach_plan = reliable.Reattach([address] + ([fallback] if fallback and fallback != address else []))
         self._on_close = on_close
         self._closings = reliable.ClosingLog()
@@ -228,7 +235,11 @@ class ControlClient:
                 self._channel.close()
                 self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
                 self.address = address
-            link = self._open(self._channel, broken.pending())
+            resend = broken.pending()
+            if self._relay is not None and address != self._relay[0] and reliable.refused(self._relay[0]):
+                resend.insert(0, ["relay_gone", self._relay[1], self.rank])
+                self._relay = None
+            link = self._open(self._channel, resend)
             self._link = link
         bound = threading.Thread(
             target=self._bound_attempt, args=(link, address, deadline), daemon=True, name="tfsync-control-attempt"

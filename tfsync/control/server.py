@@ -72,6 +72,7 @@ class ControlServer(TokenGate, Streams, StopHandshake, RoundCoordinator, Service
         self._links = {}  # link id -> Link
         self._rank_link = {}  # attached rank -> the id of the link that carries it
         self._detached = {}  # rank whose link ended without Leave -> (link id, at_s, grace timer)
+        self._owner_gone = {}  # rank whose host relay a worker found gone -> the reason it is lost
         self.reattached = collections.Counter()  # rank -> how many times it re-attached
         self._served = collections.Counter()  # what the service served, by kind (served())
         self.rejected = []  # the first REJECTIONS_KEPT refused calls: {"method", "peer", "at_s"}
@@ -104,6 +105,7 @@ class ControlServer(TokenGate, Streams, StopHandshake, RoundCoordinator, Service
             "relay": self._relay_item,
             "ended": self._ended_item,
             "detached": self._detached_item,
+            "relay_gone": self._relay_gone_item,
             "leave": self._leave_item,
             "report": self._report_item,
             "reports": self._reports_item,

@@ -166,6 +166,23 @@ class Streams:
             link.ranks.discard(rank)
             self._detach(rank, link, now)
 
+    def _relay_gone_item(self, link, item, now):
+        """``["relay_gone", owner, rank]``: ``rank`` re-attached to rank 0 because nothing listens
+        any more where its host's relay listened, on its own host; the relay runs in ``owner``'s
+        process, which ended then (a relay stops only with its engine, which says ``leave``
+        first).  ``owner`` is lost now, not after the grace a cut link gets (lock held)."""
+        owner, rank = int(item[1]), int(item[2])
+        if owner in self._left or owner in self._lost or self._stopping.is_set():
+            return
+        self._owner_gone[owner] = (
+            f"its process ended: the host relay it ran stopped listening (rank {rank} found its port closed on their host)"
+        )
+        detached = self._detached.pop(owner, None)
+        if detached is not None:
+            detached[2].cancel()
+            self._record_lost(owner, now, self._owner_gone[owner])
+        # (still on the relay's link: that link's end, which rank 0 has not seen yet, records it)
+
     def _leave_item(self, link, item, now):
         self._left.add(int(item[1]))
 
@@ -193,6 +210,9 @@ class Streams:
         del self._rank_link[rank]
         self._stops_seen.pop(rank, None)
         if rank in self._left or self._stopping.is_set():
+            return
+        if rank in self._owner_gone:  # (its relay's process, its own, ended: no re-attach can come)
+            self._record_lost(rank, now, self._owner_gone[rank])
             return
         timer = self._loop.call_later(RECONNECT_GRACE_S, self._grace_over, rank, link.id)
         self._detached[rank] = (link.id, now, timer)

@@ -54,6 +54,7 @@ class Life:
     def __init__(self, engine):
         self.engine = engine
         self.server, self.relays = None, []
+        self.relay_owner = None  # the rank whose process runs this worker's host relay, when another's
         self.exchange = self.control = None
         self.trace = Trace(None, None)
 
@@ -256,6 +257,7 @@ def open_control(engine, cluster):
         life.relays.insert(0, relay)  # (stopped before its group relay)
     relays = _gather_address(engine, cluster, relay, "tfsync.relays", "the hosts' control relays")
     leader = leaders.get(engine.rank)
+    life.relay_owner = leader if leader != engine.rank else None
     return (relays[leader], address, token) if leader is not None else (address, None, token)
 
 
@@ -271,6 +273,7 @@ def attach(engine, address, fallback, token):
         connect_timeout_s=connect_bound(engine.wait_timeout_s),
         on_close=engine.entry.on_close(),
         fallback=fallback,
+        relay_owner=engine.life.relay_owner,
     )
     return engine.life.control
 
