@@ -51,7 +51,8 @@ def launched(script):
         # reason this test is not about. Partial pulling under slow pulls: about 1.6 of each worker's
         # blocks are late
         stragglers = "base=0.01,pull=0.0015:0.3" if script == "psp_pull.sh" else "base=0.01"
-        cmd = ["bash", os.path.join(ROOT, "horovodrun_scripts", script), "--epochs", str(EPOCHS), *SCRIPT_ARGS.get(script, ())]
+        script_path = os.path.join(ROOT, "horovodrun_scripts", script)
+        cmd = ["bash", script_path, "--epochs", str(EPOCHS), *SCRIPT_ARGS.get(script, ())]
         env = {"NP": str(WORKERS), **SCRIPT_ENV.get(script, {})}
         _launched[script] = result_of(run([*cmd, "--stragglers", stragglers], env=env))
     return _launched[script]

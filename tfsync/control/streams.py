@@ -175,7 +175,8 @@ class Streams:
         if owner in self._left or owner in self._lost or self._stopping.is_set():
             return
         self._owner_gone[owner] = (
-            f"its process ended: the host relay it ran stopped listening (rank {rank} found its port closed on their host)"
+            f"its process ended: the host relay it ran stopped listening "
+            f"(rank {rank} found its port closed on their host)"
         )
         detached = self._detached.pop(owner, None)
         if detached is not None:
