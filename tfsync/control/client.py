@@ -392,6 +392,11 @@ class ControlClient:
             except concurrent.futures.TimeoutError:
                 pass
 
+    @property
+    def broken(self) -> bool:
+        """Whether its link to rank 0 (or its host's relay) broke and no re-attach got through yet."""
+        return self._broken
+
     def table(self, timeout_s: float = CALL_TIMEOUT_S) -> dict:
         """Live clocks and lost ranks (and how many calls the server refused).
 

@@ -18,10 +18,9 @@ import threading
 import time
 
 from tfsync import _env
-from tfsync.engine.diagnosis import SyncTimeoutError
+from tfsync.engine.diagnosis import ABORTED_MESSAGE, SyncTimeoutError
 from tfsync.engine.rounds import WorkerLostError
 
-ABORTED_MESSAGE = "has been shut down"  # in the error of a collective that abort() made fail (Horovod's words)
 ARRIVE_AFTER_S = 0.5  # a collective waiting this long records this rank's arrival (at most a quarter of its bound)
 QUEUED_GRACE_S = 1.0  # a collective queued behind the engine's rounds: how much past its bound the caller waits
 SETTLE_S = 10.0  # after a collective failed at its bound: how long the caller waits for the watchdog's abort

@@ -32,6 +32,9 @@ HOST_SETTLE_S = 3.0
 FRESH_S = 3.0
 
 
+ABORTED_MESSAGE = "has been shut down"  # in the error of a collective that abort() made fail (Horovod's words)
+
+
 class SyncTimeoutError(RuntimeError):
     """A wait exceeded its bound; the message names the ranks that are behind.
 
@@ -106,6 +109,31 @@ class Diagnosis:
             raise self.stop(self.lost_error(ahead, error, what=what)) from error
         deadline = None if ahead is None or since is None else since + self.wait_timeout_s
         self.check_while_waiting(ahead, engine.last_pushed, deadline, what)
+
+    def explained(self, call, what):
+        """``call()``, a collective (``what``, in words) on the exchange thread; where Horovod's
+        shutdown ended it (:data:`ABORTED_MESSAGE`) and rank 0's control service reports a lost
+        rank, the error naming that rank, instead of the collective's own from its arrival
+        record (which names every rank not yet recorded as arrived, the healthy ones included,
+        when a peer's process ended as they were about to arrive)."""
+        try:
+            return call()
+        except (SyncTimeoutError, WorkerLostError):
+            raise
+        except Exception as exc:
+            lost = self._reported_lost() if ABORTED_MESSAGE in str(exc) else None
+            if not lost:  # (a peer's abort at its own bound: the collective's own error says who)
+                raise
+            raise self.stop(self.lost_error(None, exc, lost=lost, what=what)) from exc
+
+    def _reported_lost(self):
+        """The losses rank 0's control service reports now (one table query).  None while this
+        worker's link to it is down: the link's own inference, rank 0 unreachable, is all there
+        is then, and a rank 0 that closed its service after its own error looks the same."""
+        if getattr(self.control, "broken", False) or getattr(self.control, "host_lost", None) is not None:
+            return []
+        lost = self.control.known_lost or self.control.table(timeout_s=TABLE_TIMEOUT_S).get("lost", [])
+        return self.unexplained(lost)
 
     def timeout_error(self, round_, what=None):
         """The error for a wait for ``round_`` that reached its bound (a peer's stop, if one came);

@@ -337,10 +337,10 @@ class SyncEngine:
 
     def call(self, fn, timeout_s: float, what: str):
         """Run ``fn``, a collective (``what``, in words), on the exchange thread after every queued
-        round, within ``timeout_s``, its wait watched as a round's is
-        (:meth:`Diagnosis.watch_call <tfsync.engine.diagnosis.Diagnosis.watch_call>`); once ``fn``
-        runs, its own bound is the caller's (:func:`tfsync.engine.bounded.run_bounded`)."""
-        return self.exchange.call(fn, timeout_s, watch=functools.partial(self._diagnosis.watch_call, self, what=what))
+        round, within ``timeout_s``, its wait watched and its failure explained as a round's are
+        (:class:`~tfsync.engine.diagnosis.Diagnosis`); its own bound is the caller's (run_bounded)."""
+        watch = functools.partial(self._diagnosis.watch_call, self, what=what)
+        return self._diagnosis.explained(lambda: self.exchange.call(fn, timeout_s, watch=watch), what)
 
     # ------------------------------------------------------------------ internals
     @contextlib.contextmanager

@@ -34,6 +34,7 @@ from tfsync.engine import SyncEngine, SyncTimeoutError, agreement, lifecycle
 from tfsync.engine import cluster as cluster_module
 from tfsync.engine.bounded import run_bounded
 from tfsync.engine.cluster import ARRIVALS_SCOPE, HorovodCluster, RendezvousArrivals
+from tfsync.engine.rounds import WorkerLostError
 from tfsync.engine.settings import EngineSettings
 from tfsync.frontend import Frontend
 from tfsync.policies import SSP, resolve
@@ -312,6 +313,38 @@ def test_a_collective_queued_behind_a_stalled_round_ends_at_the_rounds_bound_nam
         assert "ranks [2] have not pushed it" in message and error.ranks == [2], message
         # the round's bound, not the collective's own (called BOUND_S after the push)
         assert at - pushed[rank] <= BOUND_S + MARGIN_S, (rank, at - pushed[rank])
+
+
+def test_a_collective_that_horovods_shutdown_ends_after_a_loss_names_the_lost_rank():
+    """Rank 1's process ends as the others average an epoch's logs: Horovod shuts down and the
+    collective fails on each survivor before most of them had been recorded as arrived.  The
+    error names the rank rank 0's control service reports lost, not every rank the arrival
+    record lacks (the healthy ones included)."""
+    fake = FakeCluster(2, timeout_s=FAKE_TIMEOUT_S)
+    frontends = [
+        Frontend(tfsync.BSP(), EngineSettings(stragglers=Stragglers(), wait_timeout_s=BOUND_S), cluster=fake.rank(r))
+        for r in range(2)
+    ]
+    weights = [tf.Variable(tf.zeros([WIDTH])) for _ in range(2)]
+    _, errors = on_threads([lambda r=r: frontends[r].start([weights[r]]) for r in range(2)], JOIN_S)
+    assert_no_errors(errors)
+    frontend = frontends[0]
+    lost = {"rank": 1, "clock": 4, "at_s": 1.0, "reason": "its process or connection ended"}
+
+    def shut_down(values, name):
+        frontend.engine.control.known_lost = [lost]  # (what rank 0's control service pushed)
+        raise RuntimeError("Horovod has been shut down. This was caused by an exception on one of the ranks")
+
+    frontend.cluster.average = shut_down
+    try:
+        with pytest.raises(WorkerLostError) as caught:
+            frontend.average([1.0], "tfsync.epoch_logs", "the epoch's logs, averaged over the ranks")
+    finally:
+        for f in frontends:
+            f.engine.abandon()
+    message = str(caught.value)
+    assert caught.value.ranks == [1] and "lost rank 1" in message, message
+    assert "its process or connection ended" in message and "'tfsync.epoch_logs'" in message, message
 
 
 def test_a_collective_that_completes_in_time_leaves_no_record_and_returns_its_value():
