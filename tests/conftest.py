@@ -25,6 +25,32 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.timeout(TIMEOUT_S[folder]))
 
 
+_FILE_S = {}  # test file -> its tests' seconds (setup, call and teardown)
+FILES_LISTED = 15  # the slowest files the run lists at its end (make test: where CI's time goes)
+
+
+def pytest_runtest_logreport(report):
+    path = report.nodeid.split("::", 1)[0]
+    _FILE_S[path] = _FILE_S.get(path, 0.0) + report.duration
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_terminal_summary(terminalreporter):
+    """The slowest test files and each top folder's total, after pytest's own slowest tests: the
+    last lines of the run's log, which CI keeps when it shortens a long one."""
+    if not _FILE_S:
+        return
+    folders = {}
+    for path, seconds in _FILE_S.items():
+        folder = "/".join(path.split("/")[:2])
+        folders[folder] = folders.get(folder, 0.0) + seconds
+    write = terminalreporter.write_line
+    terminalreporter.section("time by test file (s)")
+    for path, seconds in sorted(_FILE_S.items(), key=lambda kv: -kv[1])[:FILES_LISTED]:
+        write(f"{seconds:8.1f}  {path}")
+    write("  ".join(f"{folder}: {seconds:.0f}" for folder, seconds in sorted(folders.items())))
+
+
 def pytest_sessionfinish(session, exitstatus):
     session.config._tfsync_exitstatus = int(exitstatus)
 
