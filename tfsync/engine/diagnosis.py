@@ -127,7 +127,7 @@ class Diagnosis:
             raise self.stop(self.lost_error(None, exc, lost=lost, what=what)) from exc
 
     def _reported_lost(self):
-        """The losses rank 0's control service reports now (one table query).  None while this
+        """The losses rank 0's control service reports now (one table query); none while this
         worker's link to it is down: the link's own inference, rank 0 unreachable, is all there
         is then, and a rank 0 that closed its service after its own error looks the same."""
         if getattr(self.control, "broken", False) or getattr(self.control, "host_lost", None) is not None:
