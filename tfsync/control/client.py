@@ -83,10 +83,8 @@ class ControlClient:
         on_close: called with ``(round, accepted ranks, late ranks)`` for every round closing,
             in order, on the link's reader thread.
         fallback: rank 0's service, where it re-attaches when ``address`` (a relay) is gone.
-        relay_owner: the rank whose process runs the relay at ``address``, when that is another
-            rank: re-attaching to ``fallback`` because nothing listens where the relay listened
-            (on this host: its process ended), this worker tells rank 0, which names that rank
-            lost at once instead of after the grace a link across hosts gets.
+        relay_owner: the rank whose process runs the relay at ``address`` (another's): when that
+            relay's port is closed (its process ended), rank 0 is told so on the re-attach.
     """
 
     def __init__(
@@ -100,7 +98,6 @@ class ControlClient:
         relay_owner=None,
     ):
         self.address, self.rank = address, rank
-        # (the relay and whose process runs it, until this worker has told rank 0 it is gone)
         self._relay = (address, int(relay_owner)) if relay_owner is not None and fallback else None
         self._reattach_plan = reliable.Reattach([address] + ([fallback] if fallback and fallback != address else []))
         self._on_close = on_close
@@ -392,10 +389,7 @@ class ControlClient:
             except concurrent.futures.TimeoutError:
                 pass
 
-    @property
-    def broken(self) -> bool:
-        """Whether its link to rank 0 (or its host's relay) broke and no re-attach got through yet."""
-        return self._broken
+    broken = property(lambda self: self._broken, doc="Its link broke and no re-attach got through yet.")
 
     def table(self, timeout_s: float = CALL_TIMEOUT_S) -> dict:
         """Live clocks and lost ranks (and how many calls the server refused).
