@@ -60,8 +60,8 @@ def test_a_worker_killed_on_the_other_host_costs_a_reset_not_the_job(two_hosts, 
     faults``, once; seed 8 draws rank 2).  No survivor aborts inside Gloo (its failed
     allreduce's peer still sent it data as it negotiated the next cycle); the first error names
     exactly rank 2 and its host (its host's other worker finds the relay's port closed and tells
-    rank 0 at once: after the re-attach grace, the survivors would have reset naming no rank); the job goes
-    on on the other host's two workers, replicas identical."""
+    rank 0 at once: after the re-attach grace, the survivors would have reset naming no rank);
+    the job goes on on the other host's two workers, replicas identical."""
     args = faults.parse_args(
         ["--scenario", "kill", "--mode", "backup", "--seed", "8", "--epochs", "6", "--json", str(tmp_path / "f.json")]
     )
