@@ -225,6 +225,9 @@ class ControlClient:
     def _reattach(self, broken, address, deadline):
         """A new link to ``address`` resuming after what this worker has, given up at ``deadline``
         unless attached by then; None once closing."""
+        notice = []  # (probed before the lock: a send from the training thread never waits on it)
+        if self._relay is not None and address != self._relay[0] and reliable.refused(self._relay[0]):
+            notice, self._relay = [["relay_gone", self._relay[1], self.rank]], None
         with self._lock:
             if self._closing:
                 return None
@@ -232,11 +235,7 @@ class ControlClient:
                 self._channel.close()
                 self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
                 self.address = address
-            resend = broken.pending()
-            if self._relay is not None and address != self._relay[0] and reliable.refused(self._relay[0]):
-                resend.insert(0, ["relay_gone", self._relay[1], self.rank])
-                self._relay = None
-            link = self._open(self._channel, resend)
+            link = self._open(self._channel, notice + broken.pending())
             self._link = link
         bound = threading.Thread(
             target=self._bound_attempt, args=(link, address, deadline), daemon=True, name="tfsync-control-attempt"

@@ -130,7 +130,7 @@ class Diagnosis:
         """The losses rank 0's control service reports now (one table query); none while this
         worker's link to it is down: the link's own inference, rank 0 unreachable, is all there
         is then, and a rank 0 that closed its service after its own error looks the same."""
-        if getattr(self.control, "broken", False) or getattr(self.control, "host_lost", None) is not None:
+        if self.control.broken or self.control.host_lost is not None:
             return []
         lost = self.control.known_lost or self.control.table(timeout_s=TABLE_TIMEOUT_S).get("lost", [])
         return self.unexplained(lost)
